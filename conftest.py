@@ -1,4 +1,4 @@
-"""Strict test setup shared by every test module."""
+"""Strict test setup shared by every test module and doctest."""
 
 import jax
 

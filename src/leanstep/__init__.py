@@ -1,0 +1,1 @@
+"""leanstep: lean, robust JAX training steps."""
