@@ -1,0 +1,470 @@
+"""Loss scaling for mixed-precision training: dynamic, static and no-op.
+
+A loss scale :math:`S` multiplies the loss before differentiation so that small
+low-precision gradients do not flush to zero, and divides the gradients after:
+
+.. math::
+
+    g = \\frac{\\nabla_\\theta (S \\cdot L)}{S}
+
+Every loss scale here is an immutable pytree with the same interface
+(:class:`LossScale`): ``loss_scale``, ``scale(loss)``, ``unscale(grads)`` and
+``adjust(grads_finite)``. Settings that never change during training are static
+pytree metadata, so they survive ``jax.jit``, ``lax.scan`` and ``jax.tree.map``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+__all__ = [
+    "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "all_finite", "get_loss_scale"
+]
+
+T = TypeVar("T")
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+_INT_SETTINGS = ("growth_interval", "hysteresis")
+_FLOAT_SETTINGS = ("growth_factor", "backoff_factor", "min_loss_scale", "max_loss_scale")
+
+
+def _check_int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if not 1 <= as_int <= _INT32_MAX:
+        raise ValueError(f"{name} must be an int in [1, 2**31 - 1], got {value!r}")
+    return as_int
+
+
+def _check_f32(name: str, value: Any) -> float:
+    """Returns ``value`` rounded to float32 (the precision it is applied in)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    as_float = float(value)
+    # Checked before the float32 cast so that the cast cannot overflow.
+    if not math.isfinite(as_float) or abs(as_float) > _F32_MAX:
+        raise ValueError(f"{name} must be finite in float32 (|x| <= {_F32_MAX:.7g}), got {value!r}")
+    return float(np.float32(as_float))
+
+
+def _scalar_f32(name: str, value: ArrayLike) -> jax.Array:
+    """A float32 scalar; a concrete value must also be finite and > 0."""
+    if np.shape(value) != ():
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
+    try:
+        dtype = None if value is None else jnp.result_type(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if not isinstance(value, jax.core.Tracer):
+        as_float = float(np.asarray(value, np.float64))
+        if not (0.0 < as_float <= _F32_MAX):
+            raise ValueError(f"{name} must be finite and > 0 in float32, got {as_float!r}")
+    return jnp.asarray(value, jnp.float32)
+
+
+def _check_grads_finite(grads_finite: ArrayLike) -> jax.Array:
+    finite = jnp.asarray(grads_finite)
+    if finite.dtype != jnp.bool_:
+        raise TypeError(f"grads_finite must be a bool array, got dtype {finite.dtype}")
+    if finite.shape != ():
+        raise ValueError(f"grads_finite must be a scalar, got shape {finite.shape}")
+    return finite
+
+
+def _is_inexact(x: Any) -> bool:
+    dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
+
+
+def _saturating_increment(count: jax.Array) -> jax.Array:
+    return jnp.where(count < _INT32_MAX, count + 1, count)
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every entry of every floating leaf of ``tree`` is finite.
+
+    .. math::
+
+        \\mathrm{all\\_finite}(t) = \\bigwedge_{x \\in \\mathrm{leaves}(t),\\ x \\text{ inexact}}
+            \\ \\bigwedge_i \\mathrm{isfinite}(x_i)
+
+    Args:
+      tree: a pytree. Integer, bool and ``float0`` leaves cannot hold NaN or Inf and are ignored.
+
+    Returns:
+      A bool scalar; ``True`` for a tree without floating leaves (an empty conjunction).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> all_finite({"w": jnp.ones(3), "step": jnp.int32(7)})
+      Array(True, dtype=bool)
+      >>> all_finite({"w": jnp.array([1.0, jnp.inf]), "b": jnp.zeros(2, jnp.bfloat16)})
+      Array(False, dtype=bool)
+    """
+    per_leaf = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_inexact(x)]
+    if not per_leaf:
+        return jnp.array(True)
+    return jnp.all(jnp.stack(per_leaf))
+
+
+class _ScaleByArray:
+    """``scale`` and ``unscale`` for loss scales holding a float32 ``loss_scale`` leaf."""
+
+    loss_scale: jax.Array
+
+    def scale(self, loss: ArrayLike) -> jax.Array:
+        """Returns ``loss * loss_scale``, computed in at least float32, in the loss's dtype.
+
+        Args:
+          loss: a floating array (usually a float32 scalar).
+
+        Raises:
+          TypeError: if ``loss`` is not floating.
+        """
+        loss = jnp.asarray(loss)
+        if not jnp.issubdtype(loss.dtype, jnp.floating):
+            raise TypeError(f"loss must be a floating array, got dtype {loss.dtype}")
+        compute = jnp.promote_types(loss.dtype, jnp.float32)
+        scale = jnp.asarray(self.loss_scale, jnp.float32).astype(compute)
+        return (loss.astype(compute) * scale).astype(loss.dtype)
+
+    def unscale(self, tree: T) -> T:
+        """Multiplies every floating leaf of ``tree`` by ``1 / loss_scale``, keeping its dtype.
+
+        With :math:`S` the float32 scale and :math:`\\mathrm{fl}` float32 rounding, each
+        leaf is computed in at least float32 and then cast back to its own dtype:
+
+        .. math::
+
+            x \\mapsto x \\cdot p \\cdot \\mathrm{fl}\\!\\left(\\frac{1}{S p}\\right),
+            \\qquad p = \\begin{cases} 2^{-64} & S > 2^{64} \\\\ 1 & \\text{otherwise} \\end{cases}
+
+        so it is exact when :math:`S` is a power of two. The split :math:`p` exists because
+        :math:`1/S` is a float32 denormal for :math:`S > 2^{126}`, which XLA flushes to zero,
+        and XLA rewrites ``x / S`` into ``x * (1 / S)`` anyway, so plain division would turn
+        every such gradient into 0.
+
+        Args:
+          tree: a pytree of gradients. Non-floating leaves are returned unchanged.
+
+        Example:
+          >>> StaticLossScale.create(1024.0).unscale({"w": jnp.array([2048.0], jnp.bfloat16)})
+          {'w': Array([2], dtype=bfloat16)}
+        """
+        scale = jnp.asarray(self.loss_scale, jnp.float32)
+        split = jnp.where(scale > 2.0**64, jnp.float32(2.0**-64), jnp.float32(1.0))
+        inverse = 1.0 / (scale * split)
+
+        def unscale_leaf(x: Any) -> Any:
+            if not _is_inexact(x):
+                return x
+            x = jnp.asarray(x)
+            compute = jnp.promote_types(x.dtype, jnp.float32)
+            return (x.astype(compute) * split.astype(compute) * inverse.astype(compute)).astype(x.dtype)
+
+        return jax.tree.map(unscale_leaf, tree)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DynamicLossScale(_ScaleByArray):
+    """A loss scale that grows after a run of finite steps and backs off on overflow.
+
+    State: ``loss_scale`` (float32), ``good_steps`` and ``bad_steps`` (int32 scalars,
+    saturating). ``adjust(finite)`` computes, with every branch a ``jnp.where``::
+
+        if finite:
+            good_steps = good_steps + 1;  bad_steps = 0
+            if good_steps >= growth_interval:
+                loss_scale = min(loss_scale * growth_factor, max_loss_scale)
+                good_steps = 0
+        else:
+            good_steps = 0;  bad_steps = bad_steps + 1
+            if bad_steps >= hysteresis:
+                loss_scale = max(loss_scale * backoff_factor, min_loss_scale)
+                bad_steps = 0
+
+    The products are float32; ``min`` turns an overflow to ``inf`` into
+    ``max_loss_scale``, so the scale never becomes infinite. ``hysteresis=1`` backs
+    off at once. An out-of-range scale given to the constructor is not clamped on
+    steps that neither grow nor back off.
+
+    Float settings are stored rounded to float32, the precision they are applied in.
+    Validation of the settings runs in ``__post_init__`` and never touches the array
+    fields, so JAX can rebuild the state from tracers (or any placeholder leaves).
+    Use :meth:`create` to also validate the initial scale.
+
+    Example:
+      >>> state = DynamicLossScale.create(1024.0, growth_interval=2)
+      >>> state = state.adjust(jnp.array(True))
+      >>> float(state.loss_scale), int(state.good_steps)
+      (1024.0, 1)
+      >>> state = state.adjust(jnp.array(True))
+      >>> float(state.loss_scale), int(state.good_steps)
+      (2048.0, 0)
+      >>> state = state.adjust(jnp.array(False))
+      >>> float(state.loss_scale), int(state.good_steps)
+      (1024.0, 0)
+    """
+
+    loss_scale: jax.Array
+    good_steps: jax.Array
+    bad_steps: jax.Array
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_loss_scale: float = 1.0
+    max_loss_scale: float = 2.0**24
+    hysteresis: int = 1
+
+    def __post_init__(self) -> None:
+        given = {name: getattr(self, name) for name in _INT_SETTINGS + _FLOAT_SETTINGS}
+        for name in _INT_SETTINGS:
+            object.__setattr__(self, name, _check_int(name, given[name]))
+        for name in _FLOAT_SETTINGS:
+            object.__setattr__(self, name, _check_f32(name, given[name]))
+        if not self.growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1 in float32, got {given['growth_factor']!r}")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1) in float32, got {given['backoff_factor']!r}")
+        # A denormal floor would be flushed to zero by XLA; real scales are far above it.
+        if not self.min_loss_scale >= _F32_TINY:
+            raise ValueError(
+                f"min_loss_scale must be >= {_F32_TINY:.7g} (smallest normal float32), "
+                f"got {given['min_loss_scale']!r}"
+            )
+        if not self.max_loss_scale >= self.min_loss_scale:
+            raise ValueError(
+                f"max_loss_scale must be >= min_loss_scale={given['min_loss_scale']!r}, "
+                f"got {given['max_loss_scale']!r}"
+            )
+
+    @classmethod
+    def create(
+        cls,
+        initial_scale: ArrayLike = 2.0**15,
+        *,
+        growth_interval: int = 2000,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        min_loss_scale: float = 1.0,
+        max_loss_scale: float = 2.0**24,
+        hysteresis: int = 1,
+    ) -> DynamicLossScale:
+        """A fresh state with zero counters, after validating every argument.
+
+        Args:
+          initial_scale: the starting scale, a positive scalar within
+            ``[min_loss_scale, max_loss_scale]`` (checked after rounding to float32; it is
+            not clamped, so a typo cannot pass silently). A traced value is not checked.
+          growth_interval: finite steps in a row before the scale grows; int >= 1.
+          growth_factor: multiplier on growth; finite, > 1.
+          backoff_factor: multiplier on back-off; in (0, 1).
+          min_loss_scale: floor of the scale; a normal positive float32.
+          max_loss_scale: ceiling of the scale; finite in float32, >= ``min_loss_scale``.
+          hysteresis: non-finite steps in a row before the scale backs off; int >= 1.
+
+        Returns:
+          A :class:`DynamicLossScale` with ``good_steps = bad_steps = 0``.
+
+        Raises:
+          TypeError: if an argument has the wrong type.
+          ValueError: if an argument is out of range; the message names it.
+
+        Example:
+          >>> DynamicLossScale.create(0.5)
+          Traceback (most recent call last):
+          ...
+          ValueError: initial_scale must be in [min_loss_scale=1.0, max_loss_scale=16777216.0], got 0.5
+        """
+        scale = _scalar_f32("initial_scale", initial_scale)
+        zero = jnp.zeros((), jnp.int32)
+        state = cls(scale, zero, zero, growth_interval, growth_factor, backoff_factor,
+                    min_loss_scale, max_loss_scale, hysteresis)
+        if not isinstance(initial_scale, jax.core.Tracer):
+            value = float(scale)
+            if not state.min_loss_scale <= value <= state.max_loss_scale:
+                raise ValueError(
+                    f"initial_scale must be in [min_loss_scale={state.min_loss_scale!r}, "
+                    f"max_loss_scale={state.max_loss_scale!r}], got {value!r}"
+                )
+        return state
+
+    def adjust(self, grads_finite: ArrayLike) -> DynamicLossScale:
+        """The next state after a step whose gradients were (not) all finite.
+
+        Args:
+          grads_finite: bool scalar, e.g. ``all_finite(grads)``.
+
+        Returns:
+          The updated state, same settings (see the class docstring for the rule).
+
+        Raises:
+          TypeError: if ``grads_finite`` is not bool.
+          ValueError: if ``grads_finite`` is not a scalar.
+        """
+        finite = _check_grads_finite(grads_finite)
+        scale = jnp.asarray(self.loss_scale, jnp.float32)
+        good = _saturating_increment(jnp.asarray(self.good_steps, jnp.int32))
+        bad = _saturating_increment(jnp.asarray(self.bad_steps, jnp.int32))
+        grow = finite & (good >= self.growth_interval)
+        back_off = ~finite & (bad >= self.hysteresis)
+        grown = jnp.minimum(scale * self.growth_factor, self.max_loss_scale)
+        shrunk = jnp.maximum(scale * self.backoff_factor, self.min_loss_scale)
+        return dataclasses.replace(
+            self,
+            loss_scale=jnp.where(grow, grown, jnp.where(back_off, shrunk, scale)),
+            good_steps=jnp.where(finite & ~grow, good, 0).astype(jnp.int32),
+            bad_steps=jnp.where(finite | back_off, 0, bad).astype(jnp.int32),
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticLossScale(_ScaleByArray):
+    """A fixed loss scale; ``adjust`` returns it unchanged.
+
+    Example:
+      >>> state = StaticLossScale.create(128.0)
+      >>> state.scale(jnp.float32(0.5))
+      Array(64., dtype=float32)
+      >>> state.adjust(jnp.array(False)) is state
+      True
+    """
+
+    loss_scale: jax.Array
+
+    @classmethod
+    def create(cls, loss_scale: ArrayLike) -> StaticLossScale:
+        """Validates ``loss_scale`` (finite and > 0 when concrete) and stores it as float32.
+
+        Raises:
+          TypeError: if ``loss_scale`` is not a real number.
+          ValueError: if it is not a scalar, or not finite and positive.
+        """
+        return cls(loss_scale=_scalar_f32("loss_scale", loss_scale))
+
+    def adjust(self, grads_finite: ArrayLike) -> StaticLossScale:
+        """Returns ``self``; ``grads_finite`` (bool scalar) is only checked."""
+        _check_grads_finite(grads_finite)
+        return self
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoOpLossScale:
+    """No loss scaling: a scale of 1 whose ``scale``/``unscale`` return their input as is.
+
+    Example:
+      >>> NoOpLossScale().loss_scale
+      Array(1., dtype=float32)
+    """
+
+    @property
+    def loss_scale(self) -> jax.Array:
+        return jnp.ones((), jnp.float32)
+
+    def scale(self, loss: T) -> T:
+        return loss
+
+    def unscale(self, tree: T) -> T:
+        return tree
+
+    def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
+        """Returns ``self``; ``grads_finite`` (bool scalar) is only checked."""
+        _check_grads_finite(grads_finite)
+        return self
+
+
+jax.tree_util.register_dataclass(
+    DynamicLossScale,
+    data_fields=["loss_scale", "good_steps", "bad_steps"],
+    meta_fields=[*_INT_SETTINGS, *_FLOAT_SETTINGS],
+)
+jax.tree_util.register_dataclass(StaticLossScale, data_fields=["loss_scale"], meta_fields=[])
+jax.tree_util.register_dataclass(NoOpLossScale, data_fields=[], meta_fields=[])
+
+
+@runtime_checkable
+class LossScale(Protocol):
+    """The interface shared by :class:`DynamicLossScale`, :class:`StaticLossScale` and
+    :class:`NoOpLossScale`: a float32 ``loss_scale`` and pure ``scale``/``unscale``/``adjust``."""
+
+    @property
+    def loss_scale(self) -> jax.Array: ...
+
+    def scale(self, loss: ArrayLike) -> jax.Array: ...
+
+    def unscale(self, tree: T) -> T: ...
+
+    def adjust(self, grads_finite: ArrayLike) -> LossScale: ...
+
+
+_SPECS = ("dynamic", "static", "none")
+
+
+def get_loss_scale(
+    spec: str | LossScale, initial_scale: ArrayLike | None = None, **settings: Any
+) -> LossScale:
+    """Builds a loss scale from a name, or passes an existing one through.
+
+    Args:
+      spec: ``"dynamic"``, ``"static"`` or ``"none"`` (case-insensitive), or a
+        :class:`LossScale` instance, returned as is.
+      initial_scale: the scale; optional for ``"dynamic"`` (default ``2**15``), required
+        for ``"static"``, and for ``"none"`` only ``None`` or 1.
+      **settings: keyword settings of :meth:`DynamicLossScale.create`; ``"dynamic"`` only.
+
+    Returns:
+      A :class:`DynamicLossScale`, :class:`StaticLossScale` or :class:`NoOpLossScale`.
+
+    Raises:
+      ValueError: for an unknown name (the message lists the valid ones), a missing or
+        stray ``initial_scale``, or settings given for a non-dynamic spec.
+      TypeError: if ``spec`` is neither a string nor a :class:`LossScale`.
+
+    Example:
+      >>> get_loss_scale("dynamic", 256.0, growth_interval=100).growth_interval
+      100
+      >>> get_loss_scale("bf16")
+      Traceback (most recent call last):
+      ...
+      ValueError: unknown loss scale spec 'bf16'; expected one of 'dynamic', 'static', 'none'
+    """
+    if isinstance(spec, LossScale):
+        if initial_scale is not None or settings:
+            raise ValueError(
+                "initial_scale and settings apply only to a spec name, "
+                f"not to the instance {type(spec).__name__}"
+            )
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str or a LossScale, got {type(spec).__name__} {spec!r}")
+    name = spec.strip().lower()
+    if name not in _SPECS:
+        valid = ", ".join(repr(s) for s in _SPECS)
+        raise ValueError(f"unknown loss scale spec {spec!r}; expected one of {valid}")
+    if name == "dynamic":
+        return DynamicLossScale.create(2.0**15 if initial_scale is None else initial_scale, **settings)
+    if settings:
+        raise ValueError(f"settings {sorted(settings)} apply only to spec 'dynamic', got {spec!r}")
+    if name == "static":
+        if initial_scale is None:
+            raise ValueError("initial_scale is required for spec 'static', got None")
+        return StaticLossScale.create(initial_scale)
+    if initial_scale is not None and float(np.asarray(initial_scale)) != 1.0:
+        raise ValueError(f"initial_scale must be None or 1 for spec 'none', got {initial_scale!r}")
+    return NoOpLossScale()
