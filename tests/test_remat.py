@@ -1,0 +1,480 @@
+"""Tests for leanstep.remat: what each policy saves, that it recomputes, and that it is exact."""
+
+import functools
+
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from leanstep.remat import (
+    REMAT_POLICIES,
+    RESIDUAL_KINDS,
+    ResidualReport,
+    checkpoint_name,
+    get_remat_policy,
+    remat,
+    saved_residuals_report,
+)
+
+B, D, H, L = 5, 2, 3, 3  # distinct sizes so a residual's shape tells which value it is
+ALL_POLICIES = (*REMAT_POLICIES, "save:h", "save:pre", "save:pre,h")
+REMAT_PRIMITIVES = {"remat2", "remat", "checkpoint"}
+
+
+def block(p, x):
+    """The seed-004 residual MLP block, out = x + tanh(x W1 + b1) W2 + b2, with tagged values."""
+    pre = checkpoint_name(x @ p["w1"], "pre")
+    h = checkpoint_name(jnp.tanh(pre + p["b1"][None, :]), "h")
+    return x + h @ p["w2"] + p["b2"][None, :]
+
+
+def make_params(seed, d=D, h=H, dtype=jnp.float32, layers=None):
+    lead = () if layers is None else (layers,)
+    k = jax.random.split(jax.random.key(seed), 4)
+    return {
+        "w1": jax.random.normal(k[0], (*lead, d, h), dtype),
+        "b1": jax.random.normal(k[1], (*lead, h), dtype),
+        "w2": jax.random.normal(k[2], (*lead, h, d), dtype),
+        "b2": jax.random.normal(k[3], (*lead, d), dtype),
+    }
+
+
+PARAMS = make_params(0)
+STACKED = make_params(1, layers=L)
+X = jax.random.normal(jax.random.key(2), (B, D))
+Y = jax.random.normal(jax.random.key(3), (B, D))
+LAYERS = [jax.tree.map(lambda a, i=i: a[i], STACKED) for i in range(L)]
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+def loop_stack(layer):
+    def stack(layers, x):
+        for p in layers:
+            x = layer(p, x)
+        return x
+
+    return stack
+
+
+def scan_stack(layer):
+    def stack(stacked, x):
+        out, _ = lax.scan(lambda c, p: (layer(p, c), None), x, stacked)
+        return out
+
+    return stack
+
+
+@functools.cache
+def block_value_and_grad(policy):
+    layer = block if policy is None else remat(block, policy)
+    return jax.jit(jax.value_and_grad(lambda p, x, y: mse(layer(p, x), y)))
+
+
+@functools.cache
+def scan_value_and_grad(policy, prevent_cse=False):
+    layer = block if policy is None else remat(block, policy, prevent_cse=prevent_cse)
+    return jax.jit(jax.value_and_grad(lambda p, x, y: mse(scan_stack(layer)(p, x), y)))
+
+
+def assert_ulp_close(actual, expected, ulps=8):
+    """Equal up to a few float32 ulps of each array's scale (entries near 0 get that scale)."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        scale = max(float(np.max(np.abs(e))), np.finfo(np.float32).tiny)
+        np.testing.assert_allclose(a, e, rtol=0, atol=ulps * np.finfo(np.float32).eps * scale)
+
+
+def report(policy, fn=block, *args):
+    return saved_residuals_report(remat(fn, policy), *(args or (PARAMS, X)))
+
+
+def shapes(entries):
+    return sorted(e.shape for e in entries)
+
+
+def primitives(rep):
+    return [e.primitive for e in rep.entries]
+
+
+# --------------------------------------------------------------------------- policies
+
+
+def test_policy_names_resolve_to_the_jax_policies():
+    cp = jax.checkpoint_policies
+    assert REMAT_POLICIES == ("none", "full", "dots", "dots_no_batch")
+    assert get_remat_policy("none") is None
+    assert get_remat_policy("full") is cp.nothing_saveable
+    assert get_remat_policy("dots") is cp.dots_saveable
+    assert get_remat_policy("dots_no_batch") is cp.dots_with_no_batch_dims_saveable
+    assert get_remat_policy("save:a, b") == cp.save_only_these_names("a", "b")
+    assert get_remat_policy("save:a") != cp.save_only_these_names("a", "b")
+    custom = lambda prim, *_, **__: False  # noqa: E731
+    assert get_remat_policy(custom) is custom
+
+
+def test_checkpoint_name_is_jax_checkpoint_name():
+    assert checkpoint_name is jax.ad_checkpoint.checkpoint_name
+
+
+@pytest.mark.parametrize("bad", ["dot", "", "FULL", "nothing_saveable", "save", " full"])
+def test_unknown_policy_name_raises_value_error(bad):
+    with pytest.raises(ValueError, match=r"policy=") as err:
+        get_remat_policy(bad)
+    message = str(err.value)
+    assert repr(bad) in message
+    for name in (*REMAT_POLICIES, "save:NAME1,NAME2"):
+        assert repr(name) in message
+    with pytest.raises(ValueError, match=r"policy="):
+        remat(block, bad)
+
+
+@pytest.mark.parametrize("bad", ["save:", "save: ", "save:a,,b", "save:a,"])
+def test_save_without_names_raises_value_error(bad):
+    with pytest.raises(ValueError, match=r"policy=.*empty checkpoint_name") as err:
+        get_remat_policy(bad)
+    assert repr(bad) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [(None, "policy must be"), (3, "policy must be"),
+     (jax.checkpoint_policies.save_only_these_names, "policy=.* is a policy factory")],
+    ids=["None", "int", "factory"],
+)
+def test_non_policy_raises_type_error(bad, message):
+    with pytest.raises(TypeError, match=message):
+        get_remat_policy(bad)
+    with pytest.raises(TypeError, match=message):
+        remat(block, bad)
+
+
+def test_remat_validates_its_other_arguments():
+    with pytest.raises(TypeError, match=r"prevent_cse"):
+        remat(block, "full", prevent_cse="yes")
+    with pytest.raises(TypeError, match=r"static_argnums"):
+        remat(block, "full", static_argnums="0")
+    with pytest.raises(TypeError, match=r"fn must be callable"):
+        remat("block", "full")
+
+
+def test_none_returns_fn_unchanged_and_others_wrap():
+    assert remat(block, "none") is block
+    assert remat(block, "dots") is not block
+    assert remat(block, "dots").__wrapped__ is block
+
+
+def test_remat_as_decorator_and_static_argnums():
+    @functools.partial(remat, policy="full", static_argnums=(2,))
+    def powered(w, x, n):
+        for _ in range(n):  # Python loop on n needs n static
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x)
+
+    w = PARAMS["w1"][:, :2]
+    expected = jax.grad(lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)))(w, X)
+    assert_ulp_close(jax.jit(jax.grad(powered), static_argnums=2)(w, X, 2), expected)
+
+
+# ------------------------------------------------------------------ what is saved
+
+
+def test_full_saves_only_arguments():
+    rep = report("full")
+    assert rep.count("dot_general") == 0
+    assert "tanh" not in primitives(rep)
+    assert {e.kind for e in rep.entries} == {"argument"}
+    assert rep.activation_bytes == 0
+    # b1, w1, w2 and x; b2 enters linearly and is not needed.
+    assert rep.total_bytes == (H + D * H + H * D + B * D) * 4
+
+
+def test_dots_saves_the_matmul_not_the_tanh():
+    rep = report("dots")
+    assert "tanh" not in primitives(rep)
+    # x @ W1 feeds tanh, whose derivative needs it; h @ W2 only feeds additions.
+    assert shapes(rep.of_kind("dot_general")) == [(B, H)]
+    assert {e.kind for e in rep.entries} == {"argument", "dot_general"}
+    assert rep.activation_bytes == B * H * 4
+    assert rep.total_bytes == report("full").total_bytes + B * H * 4
+
+
+def test_none_saves_the_tanh_activations():
+    rep = saved_residuals_report(block, PARAMS, X)
+    tanh = [e for e in rep.entries if e.primitive == "tanh"]
+    assert shapes(tanh) == [(B, H)]
+    assert rep.count("dot_general") == 0
+    assert rep.activation_bytes > report("full").activation_bytes
+    assert rep.activation_bytes >= B * H * 4
+
+
+@pytest.mark.parametrize(
+    ("policy", "names"), [("save:h", {"h"}), ("save:pre", {"pre"}), ("save:pre,h", {"pre", "h"})]
+)
+def test_save_names_saves_exactly_the_tagged_values(policy, names):
+    rep = report(policy)
+    assert {e.name for e in rep.of_kind("named")} == names
+    assert rep.count("named") == len(names)
+    assert {e.kind for e in rep.entries} == {"argument", "named"}
+    assert rep.activation_bytes == len(names) * B * H * 4
+
+
+def test_save_name_that_nothing_carries_saves_nothing():
+    assert report("save:nonexistent") == report("full")
+
+
+def test_raw_policy_callable_is_applied():
+    assert report(jax.checkpoint_policies.dots_saveable) == report("dots")
+    rep = report(lambda prim, *_, **__: prim.name == "tanh")
+    assert [e.primitive for e in rep.entries if e.kind != "argument"] == ["tanh"]
+
+
+def test_dots_no_batch_skips_batched_matmuls():
+    def attention_like(x, w, v):
+        scores = jnp.einsum("bij,bjk->bik", x, w)  # dot_general with batch dim b
+        return jnp.tanh(jnp.tanh(scores) @ v)  # dot_general without batch dims
+
+    args = (jnp.ones((2, 3, 4)), jnp.ones((2, 4, 5)), jnp.ones((5, 6)))
+    # Independent prediction from the jaxpr: which dot_generals have batch dimensions.
+    eqns = jax.make_jaxpr(attention_like)(*args).jaxpr.eqns
+    dots = [e for e in eqns if e.primitive.name == "dot_general"]
+    unbatched = [e for e in dots if not e.params["dimension_numbers"][1][0]]
+    assert len(dots) == 2 and len(unbatched) == 1
+    dots_saved = report("dots", attention_like, *args).of_kind("dot_general")
+    no_batch_saved = report("dots_no_batch", attention_like, *args).of_kind("dot_general")
+    assert shapes(dots_saved) == sorted(e.outvars[0].aval.shape for e in dots)
+    assert shapes(no_batch_saved) == sorted(e.outvars[0].aval.shape for e in unbatched)
+    # On the MLP block, which has no batched matmul, the two policies agree.
+    assert report("dots_no_batch") == report("dots")
+
+
+def test_byte_totals_are_shapes_times_itemsize_and_ordered():
+    totals = {}
+    for policy in ALL_POLICIES:
+        rep = report(policy)
+        for e in rep.entries:
+            assert e.nbytes == int(np.prod(e.shape, dtype=np.int64)) * np.dtype(e.dtype).itemsize
+            assert e.kind in RESIDUAL_KINDS
+        assert rep.total_bytes == sum(e.nbytes for e in rep.entries)
+        assert rep.input_bytes + rep.activation_bytes == rep.total_bytes
+        totals[policy] = rep
+    for attr in ("total_bytes", "activation_bytes"):
+        full, dots, none = (getattr(totals[p], attr) for p in ("full", "dots", "none"))
+        assert full <= dots <= none, attr
+    assert totals["full"].activation_bytes < totals["dots"].activation_bytes
+    assert totals["dots"].activation_bytes < totals["none"].activation_bytes
+
+
+def test_bfloat16_residuals_count_two_bytes():
+    p = jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS)
+    rep = report("dots", block, p, X.astype(jnp.bfloat16))
+    assert [(e.shape, e.nbytes) for e in rep.of_kind("dot_general")] == [((B, H), B * H * 2)]
+
+
+def test_layer_stack_saves_per_layer():
+    reps = {p: saved_residuals_report(loop_stack(remat(block, p)), LAYERS, X) for p in REMAT_POLICIES}
+    assert reps["full"].count("dot_general") == 0
+    assert reps["dots"].count("dot_general") == L
+    assert primitives(reps["none"]).count("tanh") == L
+    assert not any("tanh" in primitives(reps[p]) for p in ("full", "dots"))
+    # Between layers "full" keeps only each later layer's input x.
+    assert shapes(e for e in reps["full"].entries if e.kind != "argument") == [(B, D)] * (L - 1)
+    assert reps["full"].total_bytes <= reps["dots"].total_bytes <= reps["none"].total_bytes
+
+
+def test_scan_stack_saves_stacked_carries_for_full():
+    rep = saved_residuals_report(scan_stack(remat(block, "full", prevent_cse=False)), STACKED, X)
+    assert shapes(e for e in rep.entries if e.kind != "argument") == [(L, B, D)]
+    dots = saved_residuals_report(scan_stack(remat(block, "dots", prevent_cse=False)), STACKED, X)
+    none = saved_residuals_report(scan_stack(block), STACKED, X)
+    assert rep.activation_bytes < dots.activation_bytes < none.activation_bytes
+
+
+def test_sources_are_classified():
+    const = jnp.arange(3.0)
+    rep = saved_residuals_report(lambda x: jnp.sin(x * const), jnp.ones(3))
+    assert [(e.kind, e.primitive) for e in rep.entries] == [("constant", None), ("other", "cos")]
+    jitted = saved_residuals_report(jax.jit(block), PARAMS, X)
+    assert {e.primitive for e in jitted.entries if e.kind == "other"} == {"jit"}
+    rep = report("dots")
+    assert rep.entries[-1].source.startswith("output of dot_general from ")
+    assert rep.entries[-1].description == "output of dot_general"
+    assert rep.entries[0].source == "from the argument p['b1']"
+    assert rep.entries[0].description == "argument p['b1']"
+    assert report("save:h").of_kind("named")[0].description == "named 'h'"
+    with pytest.raises(ValueError, match=r"kind='tanh'"):
+        rep.count("tanh")
+
+
+def test_report_table():
+    rep = report("dots")
+    lines = str(rep).splitlines()
+    assert lines[0].split() == ["kind", "value", "bytes", "source"]
+    assert len(lines) == 1 + len(rep.entries) + 3
+    assert lines[-1] == f"total: {len(rep.entries)} values, {rep.total_bytes:,} bytes"
+    assert f"{rep.activation_bytes:,} bytes" in lines[-2]
+    assert f"{rep.input_bytes:,} bytes" in lines[-3]
+    rows = lines[1 : 1 + len(rep.entries)]
+    bytes_end = {len(r) - len(r.split("  ")[-1]) for r in rows}  # right-aligned column
+    assert len(bytes_end) == 1
+    assert isinstance(rep, ResidualReport)
+
+
+# ---------------------------------------------------------------- recomputation
+
+
+def count_primitive(jaxpr, name):
+    """Number of `name` equations in a jaxpr, sub-jaxprs included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == name
+        for sub in sub_jaxprs(eqn):
+            total += count_primitive(sub, name)
+    return total
+
+
+def sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, jex.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jex.Jaxpr):
+                yield v
+
+
+def remat_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in REMAT_PRIMITIVES:
+            yield eqn
+        for sub in sub_jaxprs(eqn):
+            yield from remat_eqns(sub)
+
+
+def grad_jaxpr(fn, *args):
+    return jax.make_jaxpr(jax.grad(lambda *a: mse(fn(*a), Y)))(*args).jaxpr
+
+
+@pytest.mark.parametrize("policy", ["full", "dots", "dots_no_batch", "save:pre"])
+def test_tanh_is_recomputed_in_the_backward_pass(policy):
+    plain = grad_jaxpr(block, PARAMS, X)
+    assert list(remat_eqns(plain)) == []
+    jaxpr = grad_jaxpr(remat(block, policy), PARAMS, X)
+    backward_tanh = [count_primitive(sub, "tanh") for e in remat_eqns(jaxpr) for sub in sub_jaxprs(e)]
+    assert sum(backward_tanh) >= 1
+    assert count_primitive(jaxpr, "tanh") > count_primitive(plain, "tanh") == 1
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_tanh_is_recomputed_inside_scan(policy):
+    plain = grad_jaxpr(scan_stack(block), STACKED, X)
+    jaxpr = grad_jaxpr(scan_stack(remat(block, policy, prevent_cse=False)), STACKED, X)
+    assert list(remat_eqns(jaxpr)) and not list(remat_eqns(plain))
+    assert count_primitive(jaxpr, "tanh") > count_primitive(plain, "tanh")
+
+
+# --------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("policy", ALL_POLICIES)
+def test_value_and_grad_equal_unrematted(policy):
+    assert_ulp_close(block_value_and_grad(policy)(PARAMS, X, Y), block_value_and_grad(None)(PARAMS, X, Y))
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "dots", "dots_no_batch", "save:pre,h"])
+def test_value_and_grad_equal_unrematted_inside_scan(policy):
+    expected = scan_value_and_grad(None)(STACKED, X, Y)
+    assert_ulp_close(scan_value_and_grad(policy)(STACKED, X, Y), expected)
+    assert_ulp_close(loop_reference(), expected)
+
+
+@functools.cache
+def loop_reference():
+    """The scanned stack's value and grads from an unrolled Python loop (independent of scan)."""
+    loss, grads = jax.jit(jax.value_and_grad(lambda ps, x, y: mse(loop_stack(block)(ps, x), y)))(LAYERS, X, Y)
+    return loss, jax.tree.map(lambda *g: jnp.stack(g), *grads)
+
+
+def test_prevent_cse_true_inside_scan_is_also_exact():
+    expected = scan_value_and_grad(None)(STACKED, X, Y)
+    assert_ulp_close(scan_value_and_grad("dots", prevent_cse=True)(STACKED, X, Y), expected)
+
+
+finite = st.floats(-3.0, 3.0, width=32)
+
+
+@hypothesis.settings(max_examples=30, deadline=None)
+@hypothesis.given(
+    policy=st.sampled_from(ALL_POLICIES),
+    w1=hnp.arrays(np.float32, (D, H), elements=finite),
+    b1=hnp.arrays(np.float32, (H,), elements=finite),
+    w2=hnp.arrays(np.float32, (H, D), elements=finite),
+    b2=hnp.arrays(np.float32, (D,), elements=finite),
+    x=hnp.arrays(np.float32, (B, D), elements=finite),
+)
+def test_property_remat_matches_unrematted(policy, w1, b1, w2, b2, x):
+    p = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    assert_ulp_close(block_value_and_grad(policy)(p, x, Y), block_value_and_grad(None)(p, x, Y))
+
+
+# ------------------------------------------------------------------ seed 004
+
+
+SEED_004 = [
+    (
+        {"w1": [[0.5, -0.3, 0.8], [0.1, 0.4, -0.6]], "b1": [0.0, 0.1, -0.1],
+         "w2": [[0.2, -0.5], [0.7, 0.3], [-0.4, 0.6]], "b2": [0.05, -0.05]},
+        [[1.0, -2.0]], [[0.5, -1.0]],
+        0.408815,
+        {"w1": [[0.332859, -0.197498, -0.033156], [-0.665719, 0.394996, 0.066313]],
+         "b1": [0.332859, -0.197498, -0.033156],
+         "w2": [[-0.089534, -0.24773], [0.234075, 0.647654], [-0.293898, -0.813177]],
+         "b2": [-0.307348, -0.850392]},
+    ),
+    (
+        {"w1": [[1.0, 0.0], [0.0, 1.0]], "b1": [0.0, 0.0], "w2": [[1.0, 0.0], [0.0, 1.0]], "b2": [0.0, 0.0]},
+        [[0.5, -0.5], [1.0, 2.0]], [[0.0, 0.0], [0.0, 0.0]],
+        3.435003,
+        {"w1": [[0.559076, -0.084458], [0.550661, 0.398575]], "b1": [0.74824, -0.273622],
+         "w2": [[0.893115, 0.906388], [0.626807, 1.651008]], "b2": [1.361856, 1.000955]},
+    ),
+    (
+        {"w1": [[4.0, -3.0], [2.5, 3.5]], "b1": [1.0, -1.0], "w2": [[0.3, -0.2], [0.1, 0.4]], "b2": [0.0, 0.2]},
+        [[2.0, 1.5], [-1.0, -2.0], [0.5, 0.5]], [[1.0, 1.0], [-1.0, 0.0], [0.0, 0.5]],
+        1.039321,
+        {"w1": [[3.7e-05, 0.010167], [3.7e-05, 0.006994]], "b1": [7.4e-05, 0.000838],
+         "w2": [[0.780639, 0.623179], [-0.400972, 0.681628]], "b2": [0.514078, -0.710164]},
+    ),
+]
+
+
+def seed_block(params, x):
+    hidden = jnp.tanh(x @ params["w1"] + params["b1"][None, :])
+    return x + hidden @ params["w2"] + params["b2"][None, :]
+
+
+_seed_step = jax.jit(jax.value_and_grad(lambda p, x, y: mse(remat(seed_block, "dots")(p, x), y)))
+
+
+@pytest.mark.parametrize("example", range(len(SEED_004)))
+def test_seed_004_examples(example):
+    params, x, y, loss, grads = SEED_004[example]
+    args = ({k: jnp.asarray(v, jnp.float32) for k, v in params.items()},
+            jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+    got_loss, got_grads = _seed_step(*args)
+    assert got_loss.dtype == jnp.float32 and got_loss.shape == ()
+    np.testing.assert_allclose(got_loss, loss, rtol=0, atol=1e-6)
+    assert set(got_grads) == set(grads)
+    for name, g in grads.items():
+        assert got_grads[name].dtype == jnp.float32
+        assert got_grads[name].shape == np.shape(g)
+        np.testing.assert_allclose(got_grads[name], g, rtol=0, atol=1e-6)
+    jaxpr = jax.make_jaxpr(_seed_step)(*args).jaxpr
+    assert any(True for _ in remat_eqns(jaxpr))
