@@ -1,0 +1,282 @@
+"""One jitted train step that composes every building block in the right order."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from leanstep.accumulation import microbatched_value_and_grad, split_microbatches
+from leanstep.clipping import clip_by_global_norm, global_norm
+from leanstep.loss_scale import LossScale, all_finite, get_loss_scale
+from leanstep.precision import Precision, get_precision
+
+__all__ = ["TrainState", "StepMetrics", "make_train_step"]
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "params", "opt_state", "loss_scale", "rng", "consecutive_skips"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a training run carries from one step to the next, as one pytree.
+
+    Attributes:
+      step: int32 count of steps taken, skipped ones included (it indexes the data).
+      params: the float32 master parameters.
+      opt_state: the optax optimizer's state; it does not advance on a skipped step.
+      loss_scale: a :class:`DynamicLossScale`, :class:`StaticLossScale` or
+        :class:`NoOpLossScale`.
+      rng: a ``uint32[2]`` PRNG key; step ``t`` hands ``fold_in(rng, t)`` to the loss.
+      consecutive_skips: int32 count of non-finite steps in a row (saturating).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale
+    rng: jax.Array
+    consecutive_skips: jax.Array
+
+    @classmethod
+    def create(
+        cls,
+        params: Any,
+        optimizer: optax.GradientTransformation,
+        *,
+        loss_scale: str | LossScale = "none",
+        seed: int = 0,
+    ) -> "TrainState":
+        """Builds the state at step 0.
+
+        Args:
+          params: a pytree of floating-point arrays; they are stored as float32 masters.
+          optimizer: any ``optax.GradientTransformation``; its ``init`` builds ``opt_state``.
+          loss_scale: ``"dynamic"``, ``"static"``, ``"none"`` or a loss-scale instance.
+          seed: the seed of ``rng``.
+
+        Raises:
+          TypeError: a parameter leaf is not a floating-point array, or ``optimizer``
+            is not a ``GradientTransformation``.
+
+        Example:
+          >>> import jax.numpy as jnp, optax
+          >>> state = TrainState.create({"w": jnp.ones(3)}, optax.sgd(0.1), loss_scale="dynamic")
+          >>> int(state.step), state.params["w"].dtype, float(state.loss_scale.loss_scale)
+          (0, dtype('float32'), 32768.0)
+        """
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        if not leaves:
+            raise ValueError("params must have at least one array leaf, got an empty tree")
+        for path, leaf in leaves:
+            dtype = jnp.result_type(leaf)
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(
+                    f"params{jax.tree_util.keystr(path)} has dtype {dtype}; parameters must be floating-point"
+                )
+        params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        state = cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            loss_scale=get_loss_scale(loss_scale),
+            rng=jax.random.key_data(jax.random.key(seed)),
+            consecutive_skips=jnp.zeros((), jnp.int32),
+        )
+        # One buffer per leaf: the step donates the state, and XLA refuses to donate a buffer
+        # that two leaves share (the caller's params, or counters built from one zeros array).
+        return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), state)
+
+
+class StepMetrics(NamedTuple):
+    """What one step reports, as device arrays (reading them is the caller's host sync).
+
+    Attributes:
+      loss: float32, the unscaled loss of the whole batch.
+      grad_norm: float32, the global norm of the accumulated, unscaled gradient, before clipping.
+      loss_scale: float32, the scale this step used.
+      skipped: bool, the gradient was not finite and nothing was applied.
+      clipped: bool, the gradient norm exceeded ``max_grad_norm``.
+      consecutive_skips: int32, non-finite steps in a row, this one included.
+      aux: the loss function's auxiliary output stacked over microbatches, or None.
+    """
+
+    loss: jax.Array
+    grad_norm: jax.Array
+    loss_scale: jax.Array
+    skipped: jax.Array
+    clipped: jax.Array
+    consecutive_skips: jax.Array
+    aux: Any = None
+
+
+def _where_tree(condition: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(condition, n, o), new, old)
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    precision: str | Precision = "float32",
+    num_microbatches: int = 1,
+    max_grad_norm: float | None = None,
+    has_aux: bool = False,
+    token_weighted: bool = False,
+    uses_rng: bool = False,
+    jit: bool = True,
+    donate: bool = True,
+) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
+    r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
+
+    The order, which is the point of this function::
+
+        p_c   = cast(params, compute_dtype)                  # masters stay float32
+        for each microbatch m (one lax.scan):                # value_and_grad in the body
+            l_m, g_m = value_and_grad(S * loss_fn)(p_c, m)
+            G += float32(g_m)                                # float32 accumulator
+        G = unscale(G / M)                                   # once, after accumulation
+        finite = all entries of G finite                     # once, over the whole gradient
+        n = global_norm(G); G *= min(1, c / n)               # clip the unscaled total
+        params', opt' = optimizer(G)                         # applied only if finite:
+        params, opt = finite ? (params', opt') : (params, opt)   # bit-identical on a skip
+        S = adjust(S, finite)
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, rng)`` with
+        ``uses_rng``) returning a scalar loss, ``(loss, aux)`` with ``has_aux``, or
+        ``(loss_sum, count)`` with ``token_weighted`` (then the loss is the
+        whole batch's ``sum / count``, not a mean of microbatch means). It receives
+        params in the compute dtype; the batch is passed as given.
+      optimizer: any ``optax.GradientTransformation``.
+      precision: a :class:`Precision` or its string form, e.g.
+        ``"params=float32,compute=bfloat16,output=float32"``; with ``strict`` the
+        loss runs under :func:`strict_precision`.
+      num_microbatches: static number of equal microbatches the batch is split into.
+      max_grad_norm: clip the accumulated gradient to this global norm; None: no clipping.
+      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux comes back in the metrics,
+        stacked over microbatches.
+      token_weighted: ``loss_fn`` returns ``(loss_sum, count)``.
+      uses_rng: pass a per-step, per-microbatch PRNG key as the third argument.
+      jit: compile the step with ``jax.jit``.
+      donate: donate the state's buffers to the step (only with ``jit``); the
+        state passed in must not be used again.
+
+    Returns:
+      The step function.
+
+    Raises:
+      ValueError: ``num_microbatches`` < 1, ``max_grad_norm`` not positive and
+        finite, or (at trace time) the batch not divisible by ``num_microbatches``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> opt = optax.sgd(0.1)
+      >>> state = TrainState.create({"w": jnp.zeros((2, 1))}, opt, loss_scale="dynamic")
+      >>> step = make_train_step(loss_fn, opt, precision="compute=bfloat16",
+      ...                        num_microbatches=2, max_grad_norm=1.0)
+      >>> batch = {"x": jnp.ones((4, 2)), "y": jnp.ones((4, 1))}
+      >>> state, metrics = step(state, batch)
+      >>> float(metrics.loss), float(metrics.grad_norm), bool(metrics.skipped), bool(metrics.clipped)
+      (1.0, 2.828..., False, True)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    if max_grad_norm is not None:
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not (
+            0 < float(max_grad_norm) < float("inf")
+        ):
+            raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+    if has_aux and token_weighted:
+        raise ValueError("has_aux and token_weighted cannot both be set: aux is not supported with (loss_sum, count)")
+    policy = get_precision(precision)
+    model_loss = policy.wrap(loss_fn)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+        split_microbatches(batch, num_microbatches)  # validates shapes at trace time
+        loss_scale = state.loss_scale
+        step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+        def scaled_loss(params_c: Any, microbatch: Any) -> tuple[Any, Any]:
+            if uses_rng:
+                index = microbatch["_index"]
+                out = model_loss(params_c, microbatch["_batch"], jax.random.fold_in(step_rng, index))
+            else:
+                out = model_loss(params_c, microbatch)
+            if token_weighted:
+                loss_sum, count = out
+                loss_sum = jnp.asarray(loss_sum, jnp.float32)
+                return (loss_scale.scale(loss_sum), count), (loss_sum, jnp.asarray(count, jnp.float32))
+            loss, aux = out if has_aux else (out, None)
+            loss = jnp.asarray(loss, jnp.float32)
+            return loss_scale.scale(loss), (loss, aux)
+
+        data = batch
+        if uses_rng:
+            batch_size = jax.tree.leaves(batch)[0].shape[0]
+            indices = jnp.repeat(jnp.arange(num_microbatches), batch_size // num_microbatches)
+            data = {"_batch": batch, "_index": indices}
+
+        grad_fn = microbatched_value_and_grad(
+            scaled_loss, num_microbatches, has_aux=True, token_weighted=token_weighted
+        )
+        params_c = policy.cast_to_compute(state.params)
+        (_, (per_mb, aux)), scaled_grads = grad_fn(params_c, data)
+        if token_weighted:
+            loss_sums, counts = per_mb, aux
+            loss = jnp.sum(loss_sums) / jnp.sum(counts)
+            aux = None
+        else:
+            loss = jnp.mean(per_mb)
+        # Gradients w.r.t. the compute-dtype copy are float32 already (the accumulator's dtype);
+        # unscale once, after accumulation.
+        grads = loss_scale.unscale(scaled_grads)
+        finite = all_finite(grads)
+        if max_grad_norm is None:
+            grad_norm = global_norm(grads)
+            clipped = jnp.zeros((), bool)
+        else:
+            grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
+            clipped = grad_norm > max_grad_norm
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+        updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        skips = jnp.where(finite, 0, jnp.minimum(state.consecutive_skips, _INT32_MAX - 1) + 1)
+        new_state = TrainState(
+            step=jnp.minimum(state.step, _INT32_MAX - 1) + 1,
+            params=_where_tree(finite, new_params, state.params),
+            opt_state=_where_tree(finite, new_opt_state, state.opt_state),
+            loss_scale=loss_scale.adjust(finite),
+            rng=state.rng,
+            consecutive_skips=skips.astype(jnp.int32),
+        )
+        metrics = StepMetrics(
+            loss=loss,
+            grad_norm=grad_norm,
+            loss_scale=jnp.asarray(loss_scale.loss_scale, jnp.float32),
+            skipped=~finite,
+            clipped=clipped & finite,
+            consecutive_skips=new_state.consecutive_skips,
+            aux=aux,
+        )
+        return new_state, metrics
+
+    if not jit:
+        return step
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
