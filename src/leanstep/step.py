@@ -8,9 +8,10 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from leanstep.accumulation import microbatched_value_and_grad, split_microbatches
+from leanstep.accumulation import _check_num_microbatches, microbatched_value_and_grad, split_microbatches
 from leanstep.clipping import clip_by_global_norm, global_norm
 from leanstep.loss_scale import LossScale, all_finite, get_loss_scale
 from leanstep.precision import Precision, get_precision
@@ -35,7 +36,8 @@ class TrainState:
       opt_state: the optax optimizer's state; it does not advance on a skipped step.
       loss_scale: a :class:`DynamicLossScale`, :class:`StaticLossScale` or
         :class:`NoOpLossScale`.
-      rng: a ``uint32[2]`` PRNG key; step ``t`` hands ``fold_in(rng, t)`` to the loss.
+      rng: a ``uint32[2]`` PRNG key; microbatch ``j`` of step ``t`` gets
+        ``fold_in(fold_in(rng, t), j)`` (with ``uses_rng``).
       consecutive_skips: int32 count of non-finite steps in a row (saturating).
     """
 
@@ -134,6 +136,7 @@ def make_train_step(
     has_aux: bool = False,
     token_weighted: bool = False,
     uses_rng: bool = False,
+    cast_batch: bool = True,
     jit: bool = True,
     donate: bool = True,
 ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
@@ -157,7 +160,7 @@ def make_train_step(
         ``uses_rng``) returning a scalar loss, ``(loss, aux)`` with ``has_aux``, or
         ``(loss_sum, count)`` with ``token_weighted`` (then the loss is the
         whole batch's ``sum / count``, not a mean of microbatch means). It receives
-        params in the compute dtype; the batch is passed as given.
+        params (and, with ``cast_batch``, the batch's floating leaves) in the compute dtype.
       optimizer: any ``optax.GradientTransformation``.
       precision: a :class:`Precision` or its string form, e.g.
         ``"params=float32,compute=bfloat16,output=float32"``; with ``strict`` the
@@ -168,6 +171,9 @@ def make_train_step(
         stacked over microbatches.
       token_weighted: ``loss_fn`` returns ``(loss_sum, count)``.
       uses_rng: pass a per-step, per-microbatch PRNG key as the third argument.
+      cast_batch: cast the batch's floating leaves to the compute dtype (integer
+        leaves such as token ids are left alone). Without it a float32 input would
+        silently promote a bf16 matmul back to float32.
       jit: compile the step with ``jax.jit``.
       donate: donate the state's buffers to the step (only with ``jit``); the
         state passed in must not be used again.
@@ -196,13 +202,13 @@ def make_train_step(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
-    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    num_microbatches = _check_num_microbatches(num_microbatches)
     if max_grad_norm is not None:
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not (
-            0 < float(max_grad_norm) < float("inf")
-        ):
+        if isinstance(max_grad_norm, (bool, np.bool_)) or not isinstance(max_grad_norm, (int, float, np.number)):
+            raise TypeError(f"max_grad_norm must be a number or None, got {type(max_grad_norm).__name__} {max_grad_norm!r}")
+        if not 0 < float(max_grad_norm) < float("inf"):
             raise ValueError(f"max_grad_norm must be a positive finite number or None, got {max_grad_norm!r}")
+        max_grad_norm = float(max_grad_norm)
     if has_aux and token_weighted:
         raise ValueError("has_aux and token_weighted cannot both be set: aux is not supported with (loss_sum, count)")
     policy = get_precision(precision)
@@ -215,7 +221,8 @@ def make_train_step(
 
         def scaled_loss(params_c: Any, microbatch: Any) -> tuple[Any, Any]:
             if uses_rng:
-                index = microbatch["_index"]
+                # Every row of a microbatch holds its index; fold_in wants one scalar.
+                index = microbatch["_index"][0]
                 out = model_loss(params_c, microbatch["_batch"], jax.random.fold_in(step_rng, index))
             else:
                 out = model_loss(params_c, microbatch)
@@ -227,11 +234,11 @@ def make_train_step(
             loss = jnp.asarray(loss, jnp.float32)
             return loss_scale.scale(loss), (loss, aux)
 
-        data = batch
+        data = policy.cast_to_compute(batch) if cast_batch else batch
         if uses_rng:
             batch_size = jax.tree.leaves(batch)[0].shape[0]
             indices = jnp.repeat(jnp.arange(num_microbatches), batch_size // num_microbatches)
-            data = {"_batch": batch, "_index": indices}
+            data = {"_batch": data, "_index": indices}
 
         grad_fn = microbatched_value_and_grad(
             scaled_loss, num_microbatches, has_aux=True, token_weighted=token_weighted
