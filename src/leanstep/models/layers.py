@@ -1,0 +1,167 @@
+"""Pieces shared by the byte-level language models: norms, dense layers and the loss.
+
+Dense layers take activations already flattened to ``(tokens, features)``: on XLA:CPU the
+gradient of ``(batch, time, d) @ (d, f)`` (a weight gradient contracting two axes) took about 2x
+as long as the same product written as one 2-D matmul (30 ms vs 15 ms at 32x128x128 @ 128x512),
+so the models keep the residual stream as ``(batch * time, d_model)`` and reshape only around
+attention.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
+
+
+def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:
+    """Casts every floating leaf of ``params`` to ``dtype``; ``None`` leaves them as they are.
+
+    Args:
+      params: a pytree of arrays.
+      dtype: the compute dtype, or ``None`` to compute in the dtype the caller gave.
+
+    Returns:
+      The same tree with floating leaves cast; integer leaves are untouched.
+
+    Example:
+      >>> tree = cast_floating({"w": jnp.ones(2), "i": jnp.arange(2)}, jnp.bfloat16)
+      >>> tree["w"].dtype, tree["i"].dtype
+      (dtype(bfloat16), dtype('int32'))
+    """
+    if dtype is None:
+        return params
+
+    def cast(leaf: jax.Array) -> jax.Array:
+        return leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
+
+    return jax.tree_util.tree_map(cast, params)
+
+
+def normal_arrays(
+    key: jax.Array, specs: Mapping[str, tuple[tuple[int, ...], float]]
+) -> dict[str, jax.Array]:
+    """Float32 normal draws ``{name: std * N(0, 1) of shape}`` for ``specs = {name: (shape, std)}``.
+
+    All values come from ONE ``jax.random.normal`` call, sliced and reshaped: XLA:CPU compiles
+    the threefry sampler once per distinct shape (about a second each), so six separate draws
+    made model init ~6x slower to compile than one.
+
+    Example:
+      >>> arrays = normal_arrays(jax.random.key(0), {"w": ((2, 3), 0.02), "b": ((4,), 1.0)})
+      >>> {name: a.shape for name, a in arrays.items()}
+      {'w': (2, 3), 'b': (4,)}
+    """
+    sizes = [math.prod(shape) for shape, _ in specs.values()]
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    arrays, start = {}, 0
+    for (name, (shape, std)), size in zip(specs.items(), sizes):
+        arrays[name] = std * flat[start : start + size].reshape(shape)
+        start += size
+    return arrays
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5) -> jax.Array:
+    r"""Layer normalization over the last axis of a 2-D ``x``, statistics in float32.
+
+    .. math:: y = \frac{x - \mathrm{mean}(x)}{\sqrt{\mathrm{var}(x) + \epsilon}} \cdot s + b
+
+    Mean and variance of bf16 activations lose most of their digits in bf16, so they are taken
+    in float32 and the result is cast back to ``x.dtype``.
+
+    Example:
+      >>> layer_norm(jnp.array([[1.0, 3.0]]), jnp.ones(2), jnp.zeros(2))
+      Array([[-0.999995,  0.999995]], dtype=float32)
+    """
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    y = y * scale.astype(jnp.float32)[None, :] + bias.astype(jnp.float32)[None, :]
+    return y.astype(x.dtype)
+
+
+def dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+    """``x @ w + b`` for a 2-D ``x`` of shape ``(tokens, d_in)`` (one 2-D matmul on purpose).
+
+    Example:
+      >>> dense(jnp.ones((1, 2)), jnp.ones((2, 3)), jnp.arange(3.0))
+      Array([[2., 3., 4.]], dtype=float32)
+    """
+    return x @ w + b[None, :]
+
+
+def split_tokens(
+    batch: Mapping[str, ArrayLike], max_len: int | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Validates ``batch["tokens"]`` of shape ``(B, T + 1)`` and returns ``(inputs, targets)``.
+
+    Raises:
+      TypeError: ``batch`` is not a mapping with integer ``"tokens"``.
+      ValueError: ``tokens`` is not 2-D with at least two columns, ``T`` exceeds ``max_len``, or
+        ``batch["mask"]`` is present without the targets' shape ``(B, T)``.
+    """
+    if not isinstance(batch, Mapping) or "tokens" not in batch:
+        raise TypeError(
+            "batch must be a mapping with a 'tokens' entry of shape (B, T + 1); "
+            f"got {type(batch).__name__}"
+        )
+    tokens = jnp.asarray(batch["tokens"])
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"batch['tokens'] must hold integer token ids; got dtype {tokens.dtype}")
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise ValueError(
+            f"batch['tokens'] must have shape (B, T + 1) with T >= 1; got shape {tokens.shape}"
+        )
+    if max_len is not None and tokens.shape[1] - 1 > max_len:
+        raise ValueError(
+            f"batch['tokens'] has T={tokens.shape[1] - 1} positions to predict, more than the model's "
+            f"seq_len={max_len}; pass at most seq_len + 1 tokens per row"
+        )
+    targets_shape = (tokens.shape[0], tokens.shape[1] - 1)
+    if "mask" in batch and jnp.shape(batch["mask"]) != targets_shape:
+        raise ValueError(
+            f"batch['mask'] must have the targets' shape {targets_shape}; "
+            f"got shape {jnp.shape(batch['mask'])}"
+        )
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    r"""Per-token negative log-likelihood in float32: :math:`\mathrm{logsumexp}(z) - z_y`.
+
+    ``logits`` of shape ``(N, V)`` in any float dtype are upcast first, so the logsumexp runs in
+    float32 even when the model computes in bf16.
+
+    Example:
+      >>> token_nll(jnp.zeros((1, 4)), jnp.array([2]))  # ln 4
+      Array([1.3862944], dtype=float32)
+    """
+    logits = logits.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0]
+    return jax.nn.logsumexp(logits, axis=-1) - target_logit
+
+
+def weighted_sum(nll: jax.Array, batch: Mapping[str, ArrayLike]) -> tuple[jax.Array, jax.Array]:
+    """Sums per-token losses ``nll`` of shape ``(B, T)``, weighted by an optional ``batch["mask"]``.
+
+    Returns ``(loss_sum, count)`` in float32, where ``count`` is ``B * T`` without a mask and the
+    sum of the mask weights with one, so microbatches combine as ``sum(loss_sum) / sum(count)``.
+    The mask's shape is checked by :func:`split_tokens`, before any computation.
+    """
+    mask = batch.get("mask")
+    if mask is None:
+        return jnp.sum(nll), jnp.asarray(nll.size, jnp.float32)
+    mask = jnp.asarray(mask).astype(jnp.float32)
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def check_positive_ints(owner: str, **fields: Any) -> None:
+    """Raises ``ValueError`` naming the first field that is not a positive ``int``."""
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}.{name} must be a positive int; got {value!r}")

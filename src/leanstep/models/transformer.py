@@ -1,0 +1,269 @@
+"""A decoder-only, byte-level transformer language model in plain JAX.
+
+Pre-norm GPT-2 blocks: LayerNorm (with bias), causal multi-head self-attention, LayerNorm, a
+gelu MLP; learned positional embeddings; a final LayerNorm; and an output head tied to the
+token embedding (``logits = h @ embed.T``). Per-layer parameters are stacked along a leading
+``n_layers`` axis and the blocks run under ``jax.lax.scan``, so compile time does not grow with
+depth, and every block is wrapped in ``leanstep.remat.remat`` with the caller's policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike, DTypeLike
+
+from leanstep.models.layers import (
+    cast_floating,
+    check_positive_ints,
+    dense,
+    layer_norm,
+    normal_arrays,
+    split_tokens,
+    token_nll,
+    weighted_sum,
+)
+from leanstep.remat import checkpoint_name, remat
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Sizes of the byte-level transformer.
+
+    Attributes:
+      vocab_size: number of token ids (256 for bytes).
+      d_model: width of the residual stream; divisible by ``n_heads``.
+      n_layers: number of blocks.
+      n_heads: attention heads per block.
+      d_ff: hidden width of the MLP.
+      seq_len: longest input the positional embedding covers (``T``; batches carry ``T + 1``).
+
+    Raises:
+      ValueError: a field is not a positive int, or ``d_model % n_heads != 0``.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        check_positive_ints("TransformerConfig", **dataclasses.asdict(self))
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"TransformerConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
+            )
+
+
+def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
+    r"""Float32 parameters with GPT-2 initialization.
+
+    Weights are :math:`\mathcal{N}(0, 0.02^2)`; the two projections that write into the residual
+    stream (``proj_w``, ``out_w``) use standard deviation :math:`0.02 / \sqrt{2 L}`; biases are
+    zero and LayerNorm scales one. Block parameters under ``"blocks"`` have a leading ``n_layers``
+    axis.
+
+    Args:
+      key: a PRNG key.
+      config: the model sizes.
+
+    Returns:
+      ``{"embed": (V, d), "pos": (seq_len, d), "blocks": {...}, "ln_f_scale": (d,), "ln_f_bias": (d,)}``.
+
+    Example:
+      >>> config = TransformerConfig(d_model=8, n_layers=2, n_heads=2, d_ff=16, seq_len=4)
+      >>> params = init_transformer(jax.random.key(0), config)
+      >>> params["blocks"]["qkv_w"].shape, count_params(params)
+      ((2, 8, 24), 3296)
+    """
+    c = config
+    n, d, f = c.n_layers, c.d_model, c.d_ff
+    residual_std = 0.02 / math.sqrt(2 * n)
+    w = normal_arrays(key, {
+        "embed": ((c.vocab_size, d), 0.02), "pos": ((c.seq_len, d), 0.02),
+        "qkv_w": ((n, d, 3 * d), 0.02), "proj_w": ((n, d, d), residual_std),
+        "fc_w": ((n, d, f), 0.02), "out_w": ((n, f, d), residual_std),
+    })  # fmt: skip
+    zeros, ones = jnp.zeros, jnp.ones
+    blocks = {
+        "ln1_scale": ones((n, d)), "ln1_bias": zeros((n, d)),
+        "qkv_w": w["qkv_w"], "qkv_b": zeros((n, 3 * d)),
+        "proj_w": w["proj_w"], "proj_b": zeros((n, d)),
+        "ln2_scale": ones((n, d)), "ln2_bias": zeros((n, d)),
+        "fc_w": w["fc_w"], "fc_b": zeros((n, f)),
+        "out_w": w["out_w"], "out_b": zeros((n, d)),
+    }  # fmt: skip
+    return {
+        "embed": w["embed"],
+        "pos": w["pos"],
+        "blocks": blocks,
+        "ln_f_scale": ones((d,)),
+        "ln_f_bias": zeros((d,)),
+    }
+
+
+def _attention(h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) -> jax.Array:
+    """Causal multi-head self-attention on flattened ``h`` of shape ``(batch * time, d)``."""
+    d = h.shape[-1]
+    head_dim = d // n_heads
+    qkv = dense(h, p["qkv_w"], p["qkv_b"]).reshape(batch, time, 3, n_heads, head_dim)
+    q = qkv[:, :, 0] * jnp.asarray(1.0 / math.sqrt(head_dim), h.dtype)
+    k, v = qkv[:, :, 1], qkv[:, :, 2]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
+    causal = jnp.tril(jnp.ones((time, time), jnp.bool_))
+    scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
+    # Softmax in float32: bf16 exponentials of large scores lose the small probabilities.
+    probs = jax.nn.softmax(scores, axis=-1).astype(h.dtype)
+    context = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch * time, d)
+    context = checkpoint_name(context, "attn_out")
+    return dense(context, p["proj_w"], p["proj_b"])
+
+
+def _block(x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) -> jax.Array:
+    """One pre-norm block on the flattened residual stream ``x`` of shape ``(batch * time, d)``."""
+    h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
+    x = x + _attention(h, p, batch=batch, time=time, n_heads=n_heads)
+    h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
+    hidden = checkpoint_name(jax.nn.gelu(dense(h, p["fc_w"], p["fc_b"])), "mlp_hidden")
+    return x + dense(hidden, p["out_w"], p["out_b"])
+
+
+def transformer_logits(
+    params: Params,
+    tokens: ArrayLike,
+    *,
+    config: TransformerConfig,
+    remat_policy: str | Callable[..., Any] = "none",
+    compute_dtype: DTypeLike | None = None,
+) -> jax.Array:
+    """Next-token logits for every position of ``tokens`` of shape ``(B, T)``.
+
+    Computation runs in ``compute_dtype`` (or in the dtype of ``params`` when ``None``); norm
+    statistics and the attention softmax run in float32. Token ids outside ``[0, vocab_size)``
+    are clamped by the embedding gather, since traced values cannot raise.
+
+    Args:
+      params: from :func:`init_transformer`, in any float dtype.
+      tokens: integer ids of shape ``(B, T)`` with ``T <= config.seq_len``.
+      config: the model sizes.
+      remat_policy: a policy accepted by ``leanstep.remat.remat`` for each block.
+      compute_dtype: dtype to cast floating params to, or ``None``.
+
+    Returns:
+      Logits of shape ``(B, T, vocab_size)`` in the compute dtype; position ``t`` depends only on
+      ``tokens[:, :t + 1]``.
+
+    Raises:
+      ValueError: ``tokens`` is not 2-D or ``T > config.seq_len``.
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] > config.seq_len:
+        raise ValueError(
+            f"tokens must have shape (B, T) with 1 <= T <= seq_len={config.seq_len}; got shape {tokens.shape}"
+        )
+    params = cast_floating(params, compute_dtype)
+    batch, time = tokens.shape
+    x = jnp.take(params["embed"], tokens, axis=0) + params["pos"][None, :time]
+    x = x.reshape(batch * time, config.d_model)
+    block = functools.partial(_block, batch=batch, time=time, n_heads=config.n_heads)
+    block = remat(block, remat_policy, prevent_cse=False)
+    x, _ = jax.lax.scan(lambda carry, layer: (block(carry, layer), None), x, params["blocks"])
+    x = layer_norm(x, params["ln_f_scale"], params["ln_f_bias"])
+    logits = x @ params["embed"].T
+    return logits.reshape(batch, time, config.vocab_size)
+
+
+def transformer_loss_sum(
+    params: Params,
+    batch: Mapping[str, ArrayLike],
+    *,
+    config: TransformerConfig,
+    remat_policy: str | Callable[..., Any] = "none",
+    compute_dtype: DTypeLike | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    r"""Summed next-token cross-entropy and the token count, for token-weighted averaging.
+
+    .. math:: \mathrm{loss\_sum} = \sum_{b,t} m_{bt}\,\big(\mathrm{logsumexp}(z_{bt}) - z_{bt,y_{bt}}\big),
+              \qquad \mathrm{count} = \sum_{b,t} m_{bt}
+
+    with inputs ``tokens[:, :-1]``, targets ``y = tokens[:, 1:]`` and weights ``m = batch["mask"]``
+    (shape ``(B, T)``; all ones when absent). Both results are float32 scalars.
+
+    Args:
+      params: from :func:`init_transformer`.
+      batch: ``{"tokens": int (B, T + 1)}``, optionally with ``"mask"``.
+      config, remat_policy, compute_dtype: as in :func:`transformer_logits`.
+
+    Returns:
+      ``(loss_sum, count)``.
+
+    Raises:
+      TypeError, ValueError: malformed ``batch`` (see ``layers.split_tokens``).
+    """
+    inputs, targets = split_tokens(batch, config.seq_len)
+    logits = transformer_logits(
+        params, inputs, config=config, remat_policy=remat_policy, compute_dtype=compute_dtype
+    )
+    nll = token_nll(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
+    return weighted_sum(nll.reshape(targets.shape), batch)
+
+
+def transformer_loss(
+    params: Params,
+    batch: Mapping[str, ArrayLike],
+    *,
+    config: TransformerConfig,
+    remat_policy: str | Callable[..., Any] = "none",
+    compute_dtype: DTypeLike | None = None,
+) -> jax.Array:
+    """Mean next-token cross-entropy in nats (float32): ``loss_sum / max(count, 1e-9)``.
+
+    Example:
+      >>> config = TransformerConfig(d_model=8, n_layers=2, n_heads=2, d_ff=16, seq_len=4)
+      >>> params = init_transformer(jax.random.key(0), config)
+      >>> batch = {"tokens": jnp.arange(10, dtype=jnp.int32).reshape(2, 5)}
+      >>> loss = transformer_loss(params, batch, config=config)
+      >>> print(f"{float(loss):.2f}  ln(256)={math.log(256):.2f}")
+      5.55  ln(256)=5.55
+    """
+    total, count = transformer_loss_sum(
+        params, batch, config=config, remat_policy=remat_policy, compute_dtype=compute_dtype
+    )
+    return total / jnp.maximum(count, 1e-9)
+
+
+def count_params(params: Any) -> int:
+    """Total number of scalars in a parameter tree."""
+    return sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(params))
+
+
+def transformer_flops_per_token(config: TransformerConfig) -> int:
+    r"""Analytic training FLOPs (forward + backward) per predicted token.
+
+    .. math:: C = 6 N + 12\, L\, T\, d, \qquad N = L\,(4 d^2 + 2 d\, d_{ff}) + V d
+
+    (the PaLM estimate). ``N`` counts the weights that take part in matmuls: per block the QKV
+    (``3d^2``), output projection (``d^2``) and the MLP (``2 d d_ff``), plus the tied head
+    (``V d``); the embedding and positional lookups, biases and norms are left out. A matmul
+    weight costs 2 FLOPs per token forward and 4 backward, hence ``6N``. Attention scores
+    ``QK^T`` and ``PV`` cost ``2 T d`` each per token and layer forward, tripled for backward:
+    ``12 L T d``, with ``T = seq_len`` because the causal mask is applied to the full ``T x T``
+    product that is actually computed.
+
+    Example:
+      >>> transformer_flops_per_token(TransformerConfig())
+      5701632
+    """
+    c = config
+    n = c.n_layers * (4 * c.d_model**2 + 2 * c.d_model * c.d_ff) + c.vocab_size * c.d_model
+    return 6 * n + 12 * c.n_layers * c.seq_len * c.d_model
