@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from leanstep.cli import solve
+from leanstep.cli import solve, train
 from leanstep.cli.jsontree import InputError
 
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="leanstep", description="Lean, robust JAX training steps.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
+    train.add_parser(subparsers)
     solve.add_parser(subparsers)
     return parser
 

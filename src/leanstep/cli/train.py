@@ -1,0 +1,116 @@
+"""``leanstep train`` and ``leanstep report``: flags in, :func:`leanstep.trainer.train` called."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from leanstep.cli.jsontree import InputError
+
+
+def _defaults() -> Any:
+    from leanstep.trainer import RunConfig
+
+    return RunConfig()
+
+
+def _grad_norm(text: str) -> float | None:
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {text!r}") from None
+
+
+def add_parser(subparsers: Any) -> None:
+    d = _defaults()
+    p = subparsers.add_parser(
+        "train",
+        help="train a byte-level language model with every technique on",
+        description="Trains a small decoder-only transformer (or the seeds' residual MLP) on bytes: by default "
+        "the Python standard library's source, bf16 compute on float32 masters, a dynamic loss scale, "
+        "microbatches, global-norm clipping and remat. Writes metrics.jsonl, config.json, curves.png and "
+        "orbax checkpoints to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument("--model", choices=("transformer", "mlp"), default=d.model)
+    model.add_argument("--size", choices=("tiny", "small"), default=d.size, help="size preset")
+    model.add_argument("--d-model", type=int, help="override the preset's width")
+    model.add_argument("--layers", dest="n_layers", type=int, help="override the preset's depth")
+    model.add_argument("--heads", dest="n_heads", type=int, help="override the preset's attention heads")
+    model.add_argument("--d-ff", type=int, help="override the preset's MLP width")
+    run = p.add_argument_group("training")
+    run.add_argument("--steps", type=int, default=d.steps)
+    run.add_argument("--batch-size", type=int, default=d.batch_size)
+    run.add_argument("--seq-len", type=int, default=d.seq_len)
+    run.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
+    run.add_argument("--precision", default=d.precision, help="jmp-style: params=...,compute=...,output=...[,strict]")
+    run.add_argument("--loss-scale", choices=("dynamic", "static", "none"), default=d.loss_scale)
+    run.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
+    run.add_argument("--remat", default=d.remat, help="none, full, dots, dots_no_batch or save:NAME,...")
+    run.add_argument("--max-grad-norm", type=_grad_norm, default=d.max_grad_norm, help="a number, or 'none'")
+    run.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    run.add_argument("--schedule", choices=("constant", "cosine", "warmup-cosine"), default=d.schedule)
+    run.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    run.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    run.add_argument("--seed", type=int, default=d.seed)
+    run.add_argument("--data", default=None, help="a text file or folder (default: the Python standard library)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", default=d.out, help="run directory")
+    out.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    out.add_argument("--eval-every", type=int, default=d.eval_every)
+    out.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    out.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    out.add_argument("--max-consecutive-skips", type=int, default=d.max_consecutive_skips,
+                     help="stop when this many steps in a row are skipped with the loss scale at its minimum")
+    out.add_argument("--stop-at", type=int, default=None,
+                     help="stop after this step with a checkpoint, as a preemption would (resume with --resume)")
+    out.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
+    p.set_defaults(run=run_train)
+
+    r = subparsers.add_parser("report", help="re-render the chart and summary of a run directory")
+    r.add_argument("dir", help="a run directory written by leanstep train")
+    r.set_defaults(run=run_report)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.text import Text
+
+    from leanstep.trainer import RunConfig, RunStopped, train
+
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    console = Console(stderr=True)
+    try:
+        config.validate()
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    try:
+        summary = train(config, resume=args.resume, console=console)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    except RunStopped as stopped:
+        # One line whatever the terminal width, and no rich markup read into paths or messages.
+        console.print(Text.assemble(("leanstep train: ", "bold red"), str(stopped)), soft_wrap=True)
+        return stopped.exit_code
+    console.print(Text(f"run directory: {config.out}  (chart: {summary['curves']})"), soft_wrap=True)
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from leanstep.report import render_summary, report
+
+    try:
+        summary = report(args.dir)
+    except (FileNotFoundError, ValueError) as error:
+        raise InputError(str(error)) from None
+    Console().print(render_summary(summary))
+    print(f"chart: {summary['curves']}")
+    return 0
