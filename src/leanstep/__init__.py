@@ -26,6 +26,15 @@ from leanstep.remat import (
     remat,
     saved_residuals_report,
 )
+from leanstep.sharding import (
+    batch_sharding,
+    data_mesh,
+    fsdp_partition_spec,
+    shard_batch,
+    shard_train_state,
+    split_strided_microbatches,
+    state_shardings,
+)
 from leanstep.step import StepMetrics, TrainState, make_train_step
 
 __version__ = "0.1.0"
@@ -44,9 +53,12 @@ __all__ = [
     "StepMetrics",
     "TrainState",
     "all_finite",
+    "batch_sharding",
     "checkpoint_name",
     "clip_by_global_norm",
     "clip_by_global_norm_transform",
+    "data_mesh",
+    "fsdp_partition_spec",
     "get_loss_scale",
     "get_precision",
     "get_remat_policy",
@@ -55,6 +67,10 @@ __all__ = [
     "microbatched_value_and_grad",
     "remat",
     "saved_residuals_report",
+    "shard_batch",
+    "shard_train_state",
     "split_microbatches",
+    "split_strided_microbatches",
+    "state_shardings",
     "strict_precision",
 ]

@@ -10,11 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.accumulation import _check_num_microbatches, microbatched_value_and_grad, split_microbatches
 from leanstep.clipping import clip_by_global_norm, global_norm
 from leanstep.loss_scale import LossScale, all_finite, get_loss_scale
 from leanstep.precision import Precision, get_precision
+from leanstep.sharding import _check_mesh, split_strided_microbatches, state_shardings
 
 __all__ = ["TrainState", "StepMetrics", "make_train_step"]
 
@@ -139,6 +141,9 @@ def make_train_step(
     cast_batch: bool = True,
     jit: bool = True,
     donate: bool = True,
+    mesh: Mesh | None = None,
+    data_axis: str = "data",
+    fsdp: bool = False,
 ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
 
@@ -177,13 +182,30 @@ def make_train_step(
       jit: compile the step with ``jax.jit``.
       donate: donate the state's buffers to the step (only with ``jit``); the
         state passed in must not be used again.
+      mesh: run sharded on this device mesh: the batch's rows are split along
+        ``data_axis`` and the state is laid out by :func:`leanstep.state_shardings`
+        (inputs laid out differently are resharded; lay them out once with
+        :func:`leanstep.shard_train_state` and :func:`leanstep.shard_batch`). XLA inserts
+        the collectives; the finiteness decision is taken on the reduced gradient, so
+        every device skips the same steps. Microbatches are then *strided*
+        (:func:`leanstep.split_strided_microbatches`: microbatch ``j`` is rows
+        ``j, j+M, ...``) so no row moves between devices; the full-batch loss and
+        gradient are those of the contiguous split, but per-microbatch ``aux`` and
+        ``uses_rng`` keys follow the strided rows (the same rows on any device count).
+        Each microbatch's gradient is reduced across devices inside the scan. None: one
+        device, contiguous microbatches.
+      data_axis: the mesh axis the batch (and, with ``fsdp``, the state) is split along.
+      fsdp: shard parameters and optimizer state along ``data_axis`` (ZeRO-3 style)
+        instead of replicating them.
 
     Returns:
       The step function.
 
     Raises:
       ValueError: ``num_microbatches`` < 1, ``max_grad_norm`` not positive and
-        finite, or (at trace time) the batch not divisible by ``num_microbatches``.
+        finite, ``data_axis`` not an axis of ``mesh``, or (at trace time) the batch
+        not divisible by ``num_microbatches`` (times the data-axis size, with a mesh).
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -211,15 +233,33 @@ def make_train_step(
         max_grad_norm = float(max_grad_norm)
     if has_aux and token_weighted:
         raise ValueError("has_aux and token_weighted cannot both be set: aux is not supported with (loss_sum, count)")
+    if not isinstance(fsdp, (bool, np.bool_)):
+        raise TypeError(f"fsdp must be a bool, got {type(fsdp).__name__} {fsdp!r}")
+    if fsdp and mesh is None:
+        raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
+    num_shards = 1 if mesh is None else _check_mesh(mesh, data_axis)
     policy = get_precision(precision)
     model_loss = policy.wrap(loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         split_microbatches(batch, num_microbatches)  # validates shapes at trace time
+        if mesh is not None:
+            batch_size = jax.tree.leaves(batch)[0].shape[0]
+            if batch_size % (num_microbatches * num_shards):
+                raise ValueError(
+                    f"batch size {batch_size} is not divisible by num_microbatches={num_microbatches} times "
+                    f"the {num_shards} devices of mesh axis {data_axis!r}"
+                )
+            shardings = state_shardings(state, mesh, fsdp=fsdp, data_axis=data_axis)
+            state = jax.lax.with_sharding_constraint(state, shardings)
+            batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, PartitionSpec(data_axis)))
         loss_scale = state.loss_scale
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
         def scaled_loss(params_c: Any, microbatch: Any) -> tuple[Any, Any]:
+            if mesh is not None:
+                # Pre-split (see below): each microbatch arrives as (1, B/M, ...).
+                microbatch = jax.tree.map(lambda leaf: leaf[0], microbatch)
             if uses_rng:
                 # Every row of a microbatch holds its index; fold_in wants one scalar.
                 index = microbatch["_index"][0]
@@ -235,15 +275,30 @@ def make_train_step(
             return loss_scale.scale(loss), (loss, aux)
 
         data = policy.cast_to_compute(batch) if cast_batch else batch
-        if uses_rng:
-            batch_size = jax.tree.leaves(batch)[0].shape[0]
-            indices = jnp.repeat(jnp.arange(num_microbatches), batch_size // num_microbatches)
-            data = {"_batch": data, "_index": indices}
+        batch_size = jax.tree.leaves(batch)[0].shape[0]
+        if mesh is None:
+            if uses_rng:
+                indices = jnp.repeat(jnp.arange(num_microbatches), batch_size // num_microbatches)
+                data = {"_batch": data, "_index": indices}
+        else:
+            # Strided (M, B/M, ...) microbatches split along B/M keep every row on its device;
+            # handed to the accumulator as a batch of M rows, its own split adds a unit axis only.
+            data = split_strided_microbatches(data, num_microbatches)
+            if uses_rng:
+                rows = batch_size // num_microbatches
+                indices = jnp.broadcast_to(jnp.arange(num_microbatches)[:, None], (num_microbatches, rows))
+                data = {"_batch": data, "_index": indices}
+            data = jax.lax.with_sharding_constraint(data, NamedSharding(mesh, PartitionSpec(None, data_axis)))
 
         grad_fn = microbatched_value_and_grad(
             scaled_loss, num_microbatches, has_aux=True, token_weighted=token_weighted
         )
         params_c = policy.cast_to_compute(state.params)
+        if mesh is not None:
+            # Whole parameters for the forward and backward pass (FSDP gathers them here, once
+            # per step); left to itself XLA may split the matmuls by weight columns instead and
+            # move activations, i.e. batch rows, between devices.
+            params_c = jax.lax.with_sharding_constraint(params_c, NamedSharding(mesh, PartitionSpec()))
         (_, (per_mb, aux)), scaled_grads = grad_fn(params_c, data)
         if token_weighted:
             loss_sums, counts = per_mb, aux
@@ -282,6 +337,13 @@ def make_train_step(
             consecutive_skips=new_state.consecutive_skips,
             aux=aux,
         )
+        if mesh is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, shardings)
+            replicated = NamedSharding(mesh, PartitionSpec())
+            metrics = metrics._replace(**{
+                name: jax.lax.with_sharding_constraint(getattr(metrics, name), replicated)
+                for name in StepMetrics._fields if name != "aux"
+            })
         return new_state, metrics
 
     if not jit:

@@ -1,0 +1,407 @@
+"""Tests for leanstep.sharding and the sharded path of make_train_step.
+
+The device count is fixed when JAX starts its backend, so the multi-device checks run in
+subprocesses with simulated CPU devices: this file is also their worker script
+(``python tests/test_sharding.py worker8 DIR`` / ``worker4 DIR``), each doing several checks
+and writing raw results (JSON + NumPy arrays) for the test to judge. References: the
+single-device step (``mesh=None``), NumPy indexing for the strided split, a brute-force search
+for the FSDP dimension, and, for the HLO check, the naive contiguous split (which must be
+caught moving rows, or the check proves nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec
+
+from leanstep.sharding import (
+    batch_sharding,
+    data_mesh,
+    fsdp_partition_spec,
+    shard_batch,
+    shard_train_state,
+    split_strided_microbatches,
+    state_shardings,
+)
+from leanstep.step import TrainState, make_train_step
+
+SIZES = (3, 24, 5)  # d_in, hidden, d_out: no parameter shape (or shard of one) looks like a batch slice
+BATCH = 64  # 8 devices x 4 microbatches x 2 rows
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "collective-broadcast", "ragged-all-to-all")
+STEP_KW = dict(precision="float32", max_grad_norm=0.5)
+
+
+def mlp_loss(params: dict, batch: dict) -> jax.Array:
+    hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"][None, :])
+    return jnp.mean((hidden @ params["w2"] + params["b2"][None, :] - batch["y"]) ** 2)
+
+
+def init_params(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    d_in, hidden, d_out = SIZES
+    return {"w1": rng.normal(size=(d_in, hidden)).astype(np.float32) / np.sqrt(d_in),
+            "b1": rng.normal(size=(hidden,)).astype(np.float32) * 0.1,
+            "w2": rng.normal(size=(hidden, d_out)).astype(np.float32) / np.sqrt(hidden),
+            "b2": np.zeros((d_out,), np.float32)}
+
+
+def batch_at(step: int, nan_row: int | None = None) -> dict:
+    rng = np.random.default_rng(1000 + step)
+    x = rng.normal(size=(BATCH, SIZES[0])).astype(np.float32)
+    y = np.sin(x @ rng.normal(size=(SIZES[0], SIZES[2]))).astype(np.float32)
+    if nan_row is not None:
+        x[nan_row, 1] = np.nan
+    return {"x": x, "y": y}
+
+
+def new_state() -> TrainState:
+    return TrainState.create(init_params(), optax.adam(1e-2), loss_scale="dynamic")
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    """Host copies keyed by path (fully replicated or fully addressable arrays only)."""
+    return {jax.tree_util.keystr(p): np.array(v, copy=True) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """Every collective of an HLO module with the shapes of its result(s)."""
+    found = []
+    pattern = r"= (\([^=]*?\)|\S+) (" + "|".join(COLLECTIVES) + r")(?:-start)?\("
+    for type_text, op in re.findall(pattern, hlo):
+        shapes = [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", type_text)]
+        found.append((op, shapes))
+    return found
+
+
+def row_moving(found, params: dict, num_shards: int) -> list:
+    """Collectives that could move batch rows: any all-to-all/permute/broadcast, or a reduction or
+    gather whose result is not shaped like a parameter (any layout), one of its shards, or a scalar."""
+    allowed = {()}
+    for value in params.values():
+        shape = tuple(np.shape(value))
+        allowed.add(tuple(sorted(shape)))
+        spec = fsdp_partition_spec(shape, num_shards)
+        allowed.add(tuple(sorted(s // num_shards if a == "data" else s for s, a in zip(shape, tuple(spec) + (None,) * len(shape)))))
+    bad = []
+    for op, shapes in found:
+        if op not in ("all-reduce", "all-gather", "reduce-scatter") or any(tuple(sorted(s)) not in allowed for s in shapes):
+            bad.append((op, shapes))
+    return bad
+
+
+# --- subprocess workers ------------------------------------------------------------------------
+
+
+def _start(num_devices: int) -> None:
+    import warnings
+
+    warnings.simplefilter("error")  # e.g. "donated buffers were not usable"
+    jax.config.update("jax_num_cpu_devices", num_devices)
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def worker8(out: Path) -> None:
+    _start(8)
+    from leanstep.checkpoint import Checkpointer
+    from leanstep.accumulation import microbatched_value_and_grad
+    from jax.sharding import NamedSharding
+
+    mesh = data_mesh()
+    opt = optax.adam(1e-2)
+    results: dict = {"devices": jax.device_count()}
+    arrays: dict[str, np.ndarray] = {}
+    # NaN in row 21: device 2's rows are 16..23; strided microbatch 21 % 4 = 1.
+    data = [batch_at(0), batch_at(1, nan_row=21), batch_at(2)]
+    for num_mb in (1, 4):
+        reference = make_train_step(mlp_loss, opt, num_microbatches=num_mb, **STEP_KW)
+        state = new_state()
+        for t, batch in enumerate(data):
+            state, metrics = reference(state, batch)
+            arrays.update({f"ref{num_mb}/{t}{k}": v for k, v in flat((state, metrics._replace(aux=None))).items()})
+        for fsdp in (False, True):
+            tag = f"{'fsdp' if fsdp else 'dp'}{num_mb}"
+            step = make_train_step(mlp_loss, opt, num_microbatches=num_mb, mesh=mesh, fsdp=fsdp, **STEP_KW)
+            state = shard_train_state(new_state(), mesh, fsdp=fsdp)
+            results[f"{tag}/specs"] = {k: str(s.spec) for k, s in flat_shardings(state).items()}
+            run = step
+            if num_mb == 4:
+                # Run the very executable whose HLO is checked; a Compiled object also refuses
+                # (rather than recompiles for) inputs laid out unlike its first ones.
+                run = step.lower(state, shard_batch(data[0], mesh)).compile()
+                results[f"{tag}/collectives"] = collectives(run.as_text())
+            for t, batch in enumerate(data):
+                before = state.params
+                if t == 1:  # the NaN step: every device's shard of params must be unchanged
+                    before_shards = [[np.array(s.data) for s in leaf.addressable_shards] for leaf in jax.tree.leaves(before)]
+                state, metrics = run(state, shard_batch(batch, mesh))
+                if t == 1:
+                    after_shards = [[np.array(s.data) for s in leaf.addressable_shards] for leaf in jax.tree.leaves(state.params)]
+                    results[f"{tag}/nan_shards_unchanged"] = [
+                        [a.tobytes() == b.tobytes() for a, b in zip(old, new)] for old, new in zip(before_shards, after_shards)]
+                    results[f"{tag}/nan_scale_per_device"] = [float(s.data) for s in state.loss_scale.loss_scale.addressable_shards]
+                    results[f"{tag}/nan_skips_per_device"] = [int(s.data) for s in state.consecutive_skips.addressable_shards]
+                arrays.update({f"{tag}/{t}{k}": v for k, v in flat((state, metrics._replace(aux=None))).items()})
+            results[f"{tag}/out_specs"] = {k: str(s.spec) for k, s in flat_shardings(state).items()}
+            if run is step:
+                results[f"{tag}/compiles"] = step._cache_size()
+            if tag == "fsdp4":  # checkpoint it, then run two more steps for worker4 to match
+                with Checkpointer(out / "ckpt") as checkpointer:
+                    checkpointer.save(3, state, extra={})
+                arrays.update({f"saved{k}": v for k, v in flat(state).items()})
+                for t in (3, 4):
+                    state, _ = run(state, shard_batch(batch_at(t), mesh))
+                arrays.update({f"continued{k}": v for k, v in flat(state).items()})
+    # The control: the naive contiguous split of a row-sharded batch. It must move rows.
+    naive = jax.jit(microbatched_value_and_grad(mlp_loss, 4),
+                    in_shardings=(NamedSharding(mesh, PartitionSpec()), batch_sharding(mesh)))
+    results["naive/collectives"] = collectives(naive.lower(init_params(), data[0]).compile().as_text())
+    try:
+        make_train_step(mlp_loss, opt, num_microbatches=4, mesh=mesh)(
+            new_state(), jax.tree.map(lambda v: v[:16], batch_at(0)))
+        results["indivisible_error"] = None
+    except ValueError as error:
+        results["indivisible_error"] = str(error)
+    np.savez(out / "worker8.npz", **arrays)
+    (out / "worker8.json").write_text(json.dumps(results))
+
+
+def flat_shardings(state) -> dict:
+    return {jax.tree_util.keystr(p): v.sharding for p, v in jax.tree_util.tree_leaves_with_path(state)}
+
+
+def worker4(out: Path) -> None:
+    """Restores the 8-device FSDP checkpoint on 4 devices, on a 1-device mesh and with no mesh."""
+    _start(4)
+    from leanstep.checkpoint import Checkpointer
+
+    opt = optax.adam(1e-2)
+    arrays: dict[str, np.ndarray] = {}
+    layouts = {"mesh4": (data_mesh(), True), "mesh1": (data_mesh(jax.devices()[:1]), False), "plain": (None, False)}
+    results: dict = {"devices": jax.device_count()}
+    with Checkpointer(out / "ckpt") as checkpointer:
+        for name, (mesh, fsdp) in layouts.items():
+            template = new_state() if mesh is None else shard_train_state(new_state(), mesh, fsdp=fsdp)
+            restored = checkpointer.restore(template)
+            state = restored.state
+            results[f"{name}/step"] = restored.step
+            results[f"{name}/specs"] = {k: str(s.spec) if mesh is not None else None
+                                        for k, s in flat_shardings(state).items()}
+            results[f"{name}/num_devices"] = len(state.params["w1"].sharding.device_set)
+            arrays.update({f"{name}/restored{k}": v for k, v in flat(state).items()})
+            step = make_train_step(mlp_loss, opt, num_microbatches=4, mesh=mesh, fsdp=fsdp, **STEP_KW)
+            for t in (3, 4):
+                batch = batch_at(t) if mesh is None else shard_batch(batch_at(t), mesh)
+                state, _ = step(state, batch)
+            arrays.update({f"{name}/continued{k}": v for k, v in flat(state).items()})
+    np.savez(out / "worker4.npz", **arrays)
+    (out / "worker4.json").write_text(json.dumps(results))
+
+
+def _run_worker(name: str, out: Path, timeout: float = 240) -> tuple[dict, dict]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, __file__, name, str(out)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    with np.load(out / f"{name}.npz") as npz:
+        arrays = dict(npz)
+    return json.loads((out / f"{name}.json").read_text()), arrays
+
+
+@pytest.fixture(scope="module")
+def multi_device(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("sharded")
+    results8, arrays8 = _run_worker("worker8", out)
+    results4, arrays4 = _run_worker("worker4", out)
+    return {"r8": results8, "a8": arrays8, "r4": results4, "a4": arrays4}
+
+
+def _prefixed(arrays: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+
+
+def assert_close(actual: dict, expected: dict, rtol: float = 2e-5, atol: float = 2e-6) -> None:
+    assert actual.keys() == expected.keys() and actual
+    for key in expected:
+        np.testing.assert_allclose(actual[key], expected[key], rtol=rtol, atol=atol, err_msg=key)
+
+
+# --- multi-device tests (judging the workers' output) -------------------------------------------
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["dp", "fsdp"])
+@pytest.mark.parametrize("num_mb", [1, 4])
+def test_sharded_steps_equal_single_device_steps(multi_device, fsdp, num_mb):
+    assert multi_device["r8"]["devices"] == 8
+    tag = f"{'fsdp' if fsdp else 'dp'}{num_mb}"
+    a8 = multi_device["a8"]
+    for t in range(3):  # step 1 holds the NaN row: both skip, so states still agree
+        assert_close(_prefixed(a8, f"{tag}/{t}"), _prefixed(a8, f"ref{num_mb}/{t}"))
+    assert bool(a8[f"{tag}/1[1].skipped"]) and bool(a8[f"ref{num_mb}/1[1].skipped"])
+    assert not bool(a8[f"{tag}/2[1].skipped"])
+
+
+@pytest.mark.parametrize("tag", ["dp1", "dp4", "fsdp1", "fsdp4"])
+def test_nan_on_one_device_skips_on_every_device(multi_device, tag):
+    results = multi_device["r8"]
+    shards_unchanged = results[f"{tag}/nan_shards_unchanged"]
+    assert len(shards_unchanged) == 4 and all(len(leaf) == 8 and all(leaf) for leaf in shards_unchanged)
+    assert results[f"{tag}/nan_scale_per_device"] == [2.0**14] * 8  # 2**15 halved, everywhere
+    assert results[f"{tag}/nan_skips_per_device"] == [1] * 8
+
+
+def test_state_layouts(multi_device):
+    results = multi_device["r8"]
+    for tag in ("dp1", "dp4"):
+        assert set(results[f"{tag}/out_specs"].values()) == {"P()"}
+    specs = results["fsdp4/out_specs"]
+    assert specs == results["fsdp4/specs"]  # the step keeps the layout it was given...
+    # ...so it compiles once (dp4/fsdp4 ran as Compiled objects, which would have raised instead).
+    assert results["dp1/compiles"] == results["fsdp1/compiles"] == 1
+    for key in (".params['w1']", ".opt_state[0].mu['w1']", ".opt_state[0].nu['w1']"):
+        assert specs[key] == "P(None, 'data')", key
+    assert specs[".params['w2']"] == "P('data',)" and specs[".params['b1']"] == "P('data',)"
+    assert specs[".params['b2']"] == "P()" and specs[".step"] == "P()" and specs[".rng"] == "P()"
+
+
+@pytest.mark.parametrize("tag", ["dp4", "fsdp4"])
+def test_microbatched_sharded_step_moves_no_batch_rows(multi_device, tag):
+    params = init_params()
+    found = multi_device["r8"][f"{tag}/collectives"]
+    assert found and any(op == "all-reduce" for op, _ in found)  # the gradient is reduced by XLA
+    assert row_moving(found, params, 8) == []
+    # The detector is not vacuous: the naive contiguous split is caught gathering rows.
+    assert row_moving(multi_device["r8"]["naive/collectives"], params, 8)
+
+
+def test_batch_indivisible_by_devices_times_microbatches(multi_device):
+    assert multi_device["r8"]["indivisible_error"] == (
+        "batch size 16 is not divisible by num_microbatches=4 times the 8 devices of mesh axis 'data'")
+
+
+@pytest.mark.parametrize("layout", ["mesh4", "mesh1", "plain"])
+def test_checkpoint_from_8_devices_restores_and_continues(multi_device, layout):
+    r4, a4, a8 = multi_device["r4"], multi_device["a4"], multi_device["a8"]
+    assert r4["devices"] == 4 and r4[f"{layout}/step"] == 3
+    assert r4[f"{layout}/num_devices"] == {"mesh4": 4, "mesh1": 1, "plain": 1}[layout]
+    if layout == "mesh4":
+        assert r4["mesh4/specs"][".params['w1']"] == "P(None, 'data')"
+    restored, saved = _prefixed(a4, f"{layout}/restored"), _prefixed(a8, "saved")
+    assert restored.keys() == saved.keys()
+    for key in saved:
+        assert restored[key].tobytes() == saved[key].tobytes(), key
+    assert_close(_prefixed(a4, f"{layout}/continued"), _prefixed(a8, "continued"))
+
+
+# --- single-process tests ------------------------------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 6), num_mb=st.integers(1, 5), width=st.integers(1, 3))
+def test_split_strided_microbatches_matches_numpy(rows, num_mb, width):
+    size = rows * num_mb
+    x = np.arange(size * width, dtype=np.float32).reshape(size, width)
+    ids = np.arange(size, dtype=np.int32)
+    split = split_strided_microbatches({"x": x, "ids": ids}, num_mb)
+    for j in range(num_mb):
+        np.testing.assert_array_equal(split["x"][j], x[j::num_mb])
+        np.testing.assert_array_equal(split["ids"][j], ids[j::num_mb])
+    # Each of D contiguous row blocks (D * num_mb | size) meets every microbatch in one block of axis 1.
+    for num_shards in (d for d in range(1, rows + 1) if rows % d == 0):
+        block = rows // num_shards
+        for d in range(num_shards):
+            own = set(range(d * size // num_shards, (d + 1) * size // num_shards))
+            held = set(np.asarray(split["ids"][:, d * block:(d + 1) * block]).ravel().tolist())
+            assert held == own
+
+
+def test_split_strided_microbatches_errors():
+    with pytest.raises(ValueError, match="batch size 6 is not divisible by num_microbatches=4"):
+        split_strided_microbatches({"x": np.zeros(6)}, 4)
+    with pytest.raises(TypeError, match="num_microbatches"):
+        split_strided_microbatches({"x": np.zeros(6)}, 2.0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(shape=st.lists(st.integers(1, 40), max_size=4), num_shards=st.integers(1, 9))
+def test_fsdp_partition_spec_picks_largest_divisible_dimension(shape, num_shards):
+    spec = tuple(fsdp_partition_spec(shape, num_shards))
+    divisible = [a for a, s in enumerate(shape) if s % num_shards == 0]
+    if num_shards == 1 or not divisible:
+        assert spec == ()
+        return
+    best = max(divisible, key=lambda a: (shape[a], -a))
+    assert len(spec) == best + 1 and spec[best] == "data"  # no trailing Nones
+    assert all(name is None for name in spec[:best])
+
+
+def test_state_shardings_tree_and_abstract_state():
+    mesh = data_mesh(jax.devices()[:1])
+    state = new_state()
+    abstract = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype), state)
+    for tree in (state, abstract):
+        shardings = state_shardings(tree, mesh, fsdp=True)
+        assert jax.tree.structure(shardings) == jax.tree.structure(state)
+        assert all(s.mesh == mesh for s in jax.tree.leaves(shardings))
+    plain = state_shardings({"a": np.zeros((4, 2))}, mesh)
+    assert plain["a"].spec == PartitionSpec()
+
+
+def test_bad_mesh_and_axis():
+    mesh = data_mesh(jax.devices()[:1])
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh, got list"):
+        batch_sharding([mesh])
+    with pytest.raises(ValueError, match=r"data_axis='batch' is not an axis of the mesh; its axes are \('data',\)"):
+        state_shardings(new_state(), mesh, data_axis="batch")
+    with pytest.raises(ValueError, match="data_axis='batch'"):
+        make_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, data_axis="batch")
+    with pytest.raises(ValueError, match="fsdp=True shards the state over a mesh"):
+        make_train_step(mlp_loss, optax.sgd(0.1), fsdp=True)
+    with pytest.raises(TypeError, match="fsdp must be a bool, got str 'yes'"):
+        make_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, fsdp="yes")
+    with pytest.raises(ValueError, match=r"batch\['s'\] has shape \(\); its leading"):
+        shard_batch({"s": np.float32(1.0)}, mesh)
+    with pytest.raises(ValueError, match="at least one device"):
+        data_mesh([])
+
+
+def test_one_device_mesh_step_matches_plain_step_and_keeps_rng_per_microbatch():
+    """Strided microbatches on a mesh, contiguous without: same loss and update (a mean loss);
+    per-microbatch aux follows each split's rows."""
+    mesh = data_mesh(jax.devices()[:1])
+
+    def loss_fn(params, batch, rng):
+        noise = jax.random.uniform(rng, ())
+        return mlp_loss(params, batch), (batch["x"][:, 0], noise)
+
+    kw = dict(num_microbatches=4, has_aux=True, uses_rng=True, **STEP_KW)
+    opt = optax.adam(1e-2)
+    batch = batch_at(0)
+    plain_state, plain = make_train_step(loss_fn, opt, **kw)(new_state(), batch)
+    state = shard_train_state(new_state(), mesh)
+    mesh_state, sharded = make_train_step(loss_fn, opt, mesh=mesh, **kw)(state, shard_batch(batch, mesh))
+    assert_close(flat(mesh_state), flat(plain_state))
+    np.testing.assert_allclose(sharded.loss, plain.loss, rtol=1e-6)
+    x0 = batch["x"][:, 0]
+    np.testing.assert_array_equal(plain.aux[0], x0.reshape(4, 16))
+    np.testing.assert_array_equal(sharded.aux[0], x0.reshape(16, 4).T)
+    # Microbatch j gets fold_in(step key, j) on both paths.
+    np.testing.assert_array_equal(sharded.aux[1], plain.aux[1])
+
+
+if __name__ == "__main__":
+    {"worker8": worker8, "worker4": worker4}[sys.argv[1]](Path(sys.argv[2]))
