@@ -319,15 +319,23 @@ class Checkpointer:
             raise CheckpointError(
                 f"saving step(s) {steps} to {self.directory} failed: {type(e).__name__}: {e}"
             ) from e
+        # Multi-process: every process saves its own shards (orbax), but the manifest has one
+        # writer, process 0; the others wait for it so that no process prunes or restores early.
+        primary = jax.process_index() == 0
         for step, specs in pending:
             step_dir = self.directory / str(step)
             body = {"format": _MANIFEST_FORMAT, "step": step, "leaves": specs}
             try:
-                body["files"] = _hash_files(step_dir)
-                _write_json_atomically(step_dir / MANIFEST_NAME, {**body, "digest": _digest(body)})
+                if primary:
+                    body["files"] = _hash_files(step_dir)
+                    _write_json_atomically(step_dir / MANIFEST_NAME, {**body, "digest": _digest(body)})
             except OSError as e:  # the step stays unverified, so restore never picks it
                 raise CheckpointError(f"writing the manifest of {step_dir} failed: {e}") from e
         if pending:
+            if jax.process_count() > 1:
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices(f"leanstep manifest {self.directory} {pending[-1][0]}")
             self._prune()
 
     def _prune(self) -> None:

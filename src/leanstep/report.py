@@ -127,6 +127,8 @@ def _decode_line(line: str) -> tuple[object | None, bool]:
         return decoder.decode(line), False
     except json.JSONDecodeError:
         pass
+    if not line.startswith("{"):  # every record, and so every cut-off record, starts with "{"
+        raise json.JSONDecodeError("not a JSON record", line, 0)
     # A run killed mid-write leaves a fragment without newline; the resumed run then
     # appends its first record to it. Recover that record from the line's tail.
     for start in (i for i, c in enumerate(line) if c == "{" and i > 0):

@@ -79,10 +79,17 @@ class TrainState:
         """
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}")
+        if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
         leaves = jax.tree_util.tree_leaves_with_path(params)
         if not leaves:
             raise ValueError("params must have at least one array leaf, got an empty tree")
         for path, leaf in leaves:
+            if not hasattr(leaf, "dtype") and not isinstance(leaf, (int, float)):
+                raise TypeError(
+                    f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; parameters must be "
+                    "floating-point arrays"
+                )
             dtype = jnp.result_type(leaf)
             if not jnp.issubdtype(dtype, jnp.floating):
                 raise TypeError(
@@ -122,6 +129,18 @@ class StepMetrics(NamedTuple):
     clipped: jax.Array
     consecutive_skips: jax.Array
     aux: Any = None
+
+
+def _check_loss(value: Any, name: str) -> jax.Array:
+    """``loss_fn``'s ``name`` output as float32, checked at trace time (shape and dtype are static)."""
+    if not hasattr(value, "dtype") and not isinstance(value, float):
+        raise TypeError(f"loss_fn's {name} must be a real floating scalar, got {type(value).__name__}")
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"loss_fn's {name} must be a real floating scalar, got dtype {value.dtype}")
+    if value.shape != ():
+        raise ValueError(f"loss_fn's {name} must be a scalar, got shape {value.shape}; reduce it (e.g. jnp.mean)")
+    return value.astype(jnp.float32)
 
 
 def _where_tree(condition: jax.Array, new: Any, old: Any) -> Any:
@@ -242,6 +261,8 @@ def make_train_step(
     model_loss = policy.wrap(loss_fn)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state must be a TrainState (see TrainState.create), got {type(state).__name__}")
         split_microbatches(batch, num_microbatches)  # validates shapes at trace time
         if mesh is not None:
             batch_size = jax.tree.leaves(batch)[0].shape[0]
@@ -266,12 +287,16 @@ def make_train_step(
                 out = model_loss(params_c, microbatch["_batch"], jax.random.fold_in(step_rng, index))
             else:
                 out = model_loss(params_c, microbatch)
+            if (token_weighted or has_aux) and not (isinstance(out, tuple) and len(out) == 2):
+                flag, expected = (("token_weighted", "(loss_sum, count)") if token_weighted
+                                  else ("has_aux", "(loss, aux)"))
+                raise TypeError(f"{flag}=True: loss_fn must return {expected}, got {type(out).__name__}")
             if token_weighted:
                 loss_sum, count = out
-                loss_sum = jnp.asarray(loss_sum, jnp.float32)
+                loss_sum = _check_loss(loss_sum, "loss_sum")
                 return (loss_scale.scale(loss_sum), count), (loss_sum, jnp.asarray(count, jnp.float32))
             loss, aux = out if has_aux else (out, None)
-            loss = jnp.asarray(loss, jnp.float32)
+            loss = _check_loss(loss, "loss")
             return loss_scale.scale(loss), (loss, aux)
 
         data = policy.cast_to_compute(batch) if cast_batch else batch
@@ -309,13 +334,17 @@ def make_train_step(
         # Gradients w.r.t. the compute-dtype copy are float32 already (the accumulator's dtype);
         # unscale once, after accumulation.
         grads = loss_scale.unscale(scaled_grads)
-        finite = all_finite(grads)
+        # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
+        # not depend on the parameters, or in a stop_gradient).
+        finite = all_finite(grads) & jnp.isfinite(loss)
         if max_grad_norm is None:
             grad_norm = global_norm(grads)
             clipped = jnp.zeros((), bool)
         else:
             grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
             clipped = grad_norm > max_grad_norm
+            # A finite gradient whose float32 norm overflows would be clipped to zero, not applied.
+            finite = finite & jnp.isfinite(grad_norm)
         grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)

@@ -53,6 +53,20 @@ def _check_shape(value: Any, shape: tuple[int | None, ...], name: str) -> tuple[
     return actual
 
 
+def _check_dtypes(tree: Any, name: str, *, integers: bool) -> None:
+    """Leaves must be real floating (or, with ``integers``, integer) arrays: no bool, no complex."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = jnp.result_type(leaf)
+        if not (jnp.issubdtype(dtype, jnp.floating) or integers and jnp.issubdtype(dtype, jnp.integer)):
+            what = "real numbers" if integers else "a real floating-point array"
+            raise TypeError(f"{name}{jax.tree_util.keystr(path)} has dtype {dtype}; expected {what}")
+
+
+def _check_rows(batch: int) -> None:
+    if batch == 0:
+        raise ValueError("x has 0 rows; expected at least one example")
+
+
 def _check_static_int(value: Any, name: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
@@ -115,6 +129,10 @@ def mixed_precision_step(
     _check_shape(params["b"], (k,), "params['b']")
     (batch, _) = _check_shape(x, (None, d), "x")
     _check_shape(y, (batch, k), "y")
+    _check_dtypes(params, "params", integers=False)
+    _check_dtypes(x, "x", integers=True)
+    _check_dtypes(y, "y", integers=True)
+    _check_rows(batch)
     for name, value in (("loss_scale", loss_scale), ("good_steps", good_steps), ("lr", lr)):
         _check_shape(value, (), name)
 
@@ -165,6 +183,9 @@ def _check_mlp(params: Any, x: ArrayLike, y: ArrayLike, *, residual: bool) -> in
     _check_shape(params["b2"], (k,), "params['b2']")
     (batch, _) = _check_shape(x, (None, d), "x")
     _check_shape(y, (batch, k), "y")
+    _check_dtypes(params, "params", integers=False)
+    _check_dtypes(x, "x", integers=True)
+    _check_dtypes(y, "y", integers=True)
     return batch
 
 
@@ -280,7 +301,7 @@ def checkpointed_residual_block(
       >>> print(f"{out['loss']:.6f}")
       3.435003
     """
-    _check_mlp(params, x, y, residual=True)
+    _check_rows(_check_mlp(params, x, y, residual=True))  # accumulate_gradients' split reports its own
     params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
     x = jnp.asarray(x, jnp.float32)
     y = jnp.asarray(y, jnp.float32)

@@ -37,13 +37,17 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.checkpoint import CheckpointError, Checkpointer
 from leanstep.data import BatchSampler, heldout_batches, load_corpus
+from leanstep.distributed import device_mesh
 from leanstep.loss_scale import get_loss_scale
 from leanstep.models import build_model
 from leanstep.precision import get_precision
 from leanstep.remat import get_remat_policy
+from leanstep.sharding import shard_batch, shard_train_state
 from leanstep.step import TrainState, make_train_step
 
 __all__ = ["RunConfig", "RunStopped", "train", "build_optimizer"]
@@ -53,7 +57,9 @@ SCHEDULES = ("constant", "cosine", "warmup-cosine")
 # Fields that may change between a run and its resumption; every other field must match.
 # (Changing ``steps`` changes the learning-rate schedule, so such a run is an extension, not a replay.)
 _RESUMABLE_FIELDS = frozenset({"steps", "stop_at", "eval_every", "checkpoint_every", "keep_checkpoints", "out",
-                               "max_consecutive_skips", "progress"})
+                               "max_consecutive_skips", "progress", "devices", "fsdp"})
+# (``devices`` and ``fsdp`` only lay the same state out differently: a checkpoint restores into
+# whatever layout the resumed run asks for.)
 _MODEL_FLAGS = (("--d-model", "d_model"), ("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-ff", "d_ff"))
 _UNFINISHED_SAVE = ".orbax-checkpoint-tmp"  # orbax's suffix for a step directory still being written
 
@@ -96,6 +102,8 @@ class RunConfig:
     out: str = "runs/train"
     stop_at: int | None = None
     progress: bool = True
+    devices: int | None = None
+    fsdp: bool = False
 
     def validate(self) -> "RunConfig":
         """Checks every field, naming its flag; returns self. Raises ValueError."""
@@ -108,13 +116,16 @@ class RunConfig:
             positive_int(name, getattr(self, name))
         positive_int("warmup_steps", self.warmup_steps, 0)
         positive_int("seed", self.seed, 0)
-        for name in ("d_model", "n_layers", "n_heads", "d_ff", "stop_at"):
+        for name in ("d_model", "n_layers", "n_heads", "d_ff", "stop_at", "devices"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         if self.batch_size % self.microbatches:
             raise ValueError(
                 f"--batch-size {self.batch_size} is not divisible by --microbatches {self.microbatches}"
             )
+        if self.devices is not None and self.batch_size % (self.microbatches * self.devices):
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches "
+                             f"{self.microbatches} times --devices {self.devices}")
         for name in ("lr", "initial_loss_scale"):
             if not _is_number(getattr(self, name), 0, strict=True):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive finite number, got {getattr(self, name)!r}")
@@ -203,7 +214,7 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line cut short by the kill
-        if isinstance(record, dict) and record.get("step", 0) <= last_step:
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
             kept.append(line)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
@@ -253,7 +264,10 @@ def _remove_unfinished_saves(directory: Path) -> list[str]:
         return []
     unfinished = sorted(p for p in directory.iterdir() if _UNFINISHED_SAVE in p.name)
     for path in unfinished:
-        shutil.rmtree(path)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     return [f"removed an unfinished checkpoint write: {p.name}" for p in unfinished]
 
 
@@ -314,6 +328,15 @@ class _MetricsLog:
 def train(config: RunConfig, *, resume: bool = False, console: Any = None) -> dict[str, Any]:
     """Runs (or resumes) a training run described by ``config`` and returns its summary.
 
+    Args:
+      config: the run; checked with :meth:`RunConfig.validate` first.
+      resume: continue the run in ``config.out`` from its newest intact checkpoint.
+      console: a ``rich`` console for warnings, progress and the summary table; None: warnings and
+        progress go to standard error and the summary is not printed.
+
+    Returns:
+      The summary written to ``summary.json``, plus ``"curves"``: the path of ``curves.png``.
+
     Raises:
       ValueError: bad configuration or data, or a run directory that does not fit.
       RunStopped: stopped by a signal (after saving a checkpoint), by a loss scale stuck at its
@@ -323,7 +346,6 @@ def train(config: RunConfig, *, resume: bool = False, console: Any = None) -> di
     from rich.text import Text
 
     from leanstep.cli.progress import TrainProgress  # rich lives in the CLI layer
-    from leanstep.report import plot_curves, read_metrics, render_summary, summarize
 
     config.validate()
     out = Path(config.out)
@@ -334,51 +356,83 @@ def train(config: RunConfig, *, resume: bool = False, console: Any = None) -> di
         raise ValueError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out")
 
     corpus = load_corpus(config.data, seq_len=config.seq_len)
-    data_sha = corpus.describe()["data_sha256"]
+    described = corpus.describe()
     saved_corpus = (saved or {}).get("corpus")
-    saved_sha = saved_corpus.get("data_sha256", data_sha) if isinstance(saved_corpus, dict) else data_sha
-    if saved_sha != data_sha:
+    saved_sha = saved_corpus.get("data_sha256") if isinstance(saved_corpus, dict) else None
+    if saved_sha not in (None, described["data_sha256"]):
         raise ValueError(f"--resume: the data behind --data {config.data!r} changed since the run started "
-                         f"(sha256 {saved_sha[:12]}… then, {data_sha[:12]}… now); resuming would not replay the run")
+                         f"(sha256 {saved_sha[:12]}… then, {described['data_sha256'][:12]}… now); "
+                         "resuming would not replay the run")
+    # --devices (or a multi-process run) shards the step over a mesh; without it, one device, as before.
+    mesh = device_mesh(config.devices) if config.devices is not None or jax.process_count() > 1 else None
+    if mesh is not None and config.batch_size % (config.microbatches * mesh.size):
+        raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches {config.microbatches} "
+                         f"times the {mesh.size} devices of the run's {jax.process_count()} process(es)")
+    if config.fsdp and mesh is None:
+        raise ValueError("--fsdp shards the state over devices; add --devices N")
+    primary = jax.process_index() == 0  # one process writes config, metrics and summary
+    many = jax.process_count() > 1
     model = build_model(config.model, config.size, **_model_overrides(config))
     policy = get_precision(config.precision)
     optimizer, schedule = build_optimizer(config)
     scale = None if config.loss_scale == "none" else config.initial_loss_scale
     template = TrainState.create(model.init(jax.random.key(config.seed)), optimizer,
                                  loss_scale=get_loss_scale(config.loss_scale, scale), seed=config.seed)
-    run_info = {"run": config.to_json(), "corpus": corpus.describe(), "model_config": dataclasses.asdict(model.config),
+    if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
+        template = shard_train_state(template, mesh, fsdp=config.fsdp)
+    run_info = {"run": config.to_json(), "corpus": described, "model_config": dataclasses.asdict(model.config),
                 "parameters": int(sum(x.size for x in jax.tree.leaves(template.params))),
                 "flops_per_token": model.flops_per_token, "jax_version": jax.__version__,
-                "backend": jax.default_backend(), "max_grad_norm": config.max_grad_norm}
-    try:  # config.json first: a run killed from here on can always be resumed
+                "backend": jax.default_backend(), "max_grad_norm": config.max_grad_norm,
+                "devices": 1 if mesh is None else mesh.size, "processes": jax.process_count()}
+    if many:  # every process has checked --out before process 0 writes to it
+        multihost_utils.sync_global_devices("leanstep: run directory checked")
+    try:
         out.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(config_path, run_info)
-        notes = _remove_unfinished_saves(ckpt_dir) if resume else []
+        if not resume and primary:  # before the first checkpoint, so that a run killed from here on can be resumed
+            _write_json_atomic(config_path, run_info)
+        notes = _remove_unfinished_saves(ckpt_dir) if resume and primary else []
+        if many:  # ... and cleaned it up before any process opens the checkpoints
+            multihost_utils.sync_global_devices("leanstep: run directory ready")
         checkpointer = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints)
     except (OSError, CheckpointError) as error:
         raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
 
     show_summary, console = console is not None, console if console is not None else Console(stderr=True)
+    eval_data = heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
+    loop = _Loop(config, checkpointer, metrics_path if primary else None,
+                 make_train_step(lambda p, b: model.loss(p, b, remat_policy=config.remat), optimizer,
+                                 precision=policy, num_microbatches=config.microbatches,
+                                 max_grad_norm=config.max_grad_norm, mesh=mesh, fsdp=config.fsdp),
+                 # A replicated result: one scalar every process can read.
+                 jax.jit(lambda params, batch: model.loss(policy.cast_to_compute(params), batch),
+                         out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec())),
+                 BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
+                 eval_data if mesh is None else [_place_eval_batch(b, mesh) for b in eval_data], schedule, mesh)
     try:
         state, elapsed_before = template, 0.0
         if resume and checkpointer.latest_step() is not None:
             state, elapsed_before = _restore(checkpointer, template, config, notes)
-        if resume:
-            _truncate_metrics(metrics_path, int(state.step))
+        if resume and primary:
+            try:
+                _truncate_metrics(metrics_path, int(state.step))
+                _write_json_atomic(config_path, run_info)  # a resumable field may have changed
+            except OSError as error:
+                raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
         for note in notes:
             console.print(Text(note, style="yellow"), soft_wrap=True)
-        _loop(config, state, elapsed_before, checkpointer, metrics_path, console, TrainProgress,
-              make_train_step(lambda p, b: model.loss(p, b, remat_policy=config.remat), optimizer,
-                              precision=policy, num_microbatches=config.microbatches,
-                              max_grad_norm=config.max_grad_norm),
-              jax.jit(lambda params, batch: model.loss(policy.cast_to_compute(params), batch)),
-              BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
-              heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches), schedule)
+        with TrainProgress(config.steps, int(state.step), enabled=config.progress and primary,
+                           console=console) as progress:
+            _run_steps(loop, state, elapsed_before, progress)
     except BaseException:
         with contextlib.suppress(CheckpointError):  # report the first failure, not a follow-on one
             checkpointer.close()
         raise
     checkpointer.close()
+    if not primary:
+        return {"process_index": jax.process_index(), "curves": str(out / "curves.png")}  # process 0 draws it
+    from leanstep.report import plot_curves, read_metrics, render_summary, summarize  # matplotlib: only now
+
     metrics_record = read_metrics(metrics_path)
     plot_curves(metrics_record, out / "curves.png", max_grad_norm=config.max_grad_norm)
     summary = summarize(metrics_record, run_info)
@@ -410,11 +464,24 @@ def _restore(checkpointer: Checkpointer, template: TrainState, config: RunConfig
     return restored.state, float(restored.extra.get("elapsed_s", 0.0))
 
 
-def _loop(config: RunConfig, state: TrainState, elapsed_before: float, checkpointer: Checkpointer,
-          metrics_path: Path, console: Any, progress_cls: Any, step_fn: Any, eval_fn: Any,
-          sampler: BatchSampler, eval_data: list[Any], schedule: Callable[[int], float]) -> None:
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """What the step loop works with; built by :func:`train`."""
+
+    config: RunConfig
+    checkpointer: Checkpointer
+    metrics_path: Path
+    step_fn: Callable[[TrainState, Any], tuple[TrainState, Any]]
+    eval_fn: Callable[[Any, Any], jax.Array]
+    sampler: BatchSampler
+    eval_data: list[Any]
+    schedule: Callable[[int], float]
+    mesh: Mesh | None = None  # shard each batch over it (None: one device, unsharded)
+
+
+def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float, progress: Any) -> None:
     """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured."""
-    out = Path(config.out)
+    config, checkpointer, out = loop.config, loop.checkpointer, Path(loop.config.out)
     last_saved = int(state.step)
     # A static or absent loss scale cannot back off, so it is always at its minimum.
     minimum = getattr(state.loss_scale, "min_loss_scale", math.inf)
@@ -437,12 +504,13 @@ def _loop(config: RunConfig, state: TrainState, elapsed_before: float, checkpoin
     tokens_per_step = config.batch_size * config.seq_len
     applied_updates = _applied_updates(state.opt_state)
     t_start = time.perf_counter()
-    with _MetricsLog(metrics_path, where_saved) as log, _StopSignals() as stop, progress_cls(
-        config.steps, int(state.step), enabled=config.progress, console=console
-    ) as progress:
+    many = jax.process_count() > 1
+    with (_MetricsLog(loop.metrics_path, where_saved) if loop.metrics_path else _NoLog()) as log, \
+            _StopSignals() as stop:
         while int(state.step) < config.steps:
             t0 = time.perf_counter()
-            state, metrics = step_fn(state, sampler.batch_at(int(state.step)))
+            batch = loop.sampler.batch_at(int(state.step))
+            state, metrics = loop.step_fn(state, batch if loop.mesh is None else shard_batch(batch, loop.mesh))
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
             step = int(state.step)
@@ -452,11 +520,11 @@ def _loop(config: RunConfig, state: TrainState, elapsed_before: float, checkpoin
                       "consecutive_skips": int(metrics.consecutive_skips),
                       "tokens_per_sec": tokens_per_step / dt,
                       "elapsed_s": elapsed_before + time.perf_counter() - t_start,
-                      "lr": float(schedule(applied_updates))}
+                      "lr": float(loop.schedule(applied_updates))}
             applied_updates += not record["skipped"]
             eval_record = None
             if step % config.eval_every == 0 or step == config.steps:
-                heldout = float(np.mean([float(eval_fn(state.params, batch)) for batch in eval_data]))
+                heldout = float(np.mean([float(loop.eval_fn(state.params, batch)) for batch in loop.eval_data]))
                 eval_record = {"kind": "eval", "step": step, "heldout_loss": heldout,
                                "heldout_bits_per_byte": heldout / math.log(2)}
             log.write(record, *([eval_record] if eval_record else []))
@@ -469,6 +537,8 @@ def _loop(config: RunConfig, state: TrainState, elapsed_before: float, checkpoin
                     f"{skips_at_minimum} skipped steps in a row (non-finite gradients); {where_saved()}. "
                     "Lower --lr, check the data, or raise --max-consecutive-skips.", 1)
             signalled = stop.received  # read once: a signal arriving later is handled after the next step
+            if many:  # a signal to any process stops all of them after the same step (saving is collective)
+                signalled = int(np.max(multihost_utils.process_allgather(np.int32(signalled or 0)))) or None
             stop_here = config.stop_at is not None and config.stop_at <= step < config.steps
             # A state stuck at the minimum scale is not worth keeping, and saving it could prune a good one.
             if skips_at_minimum == 0 and (step % config.checkpoint_every == 0 or step == config.steps
@@ -482,6 +552,27 @@ def _loop(config: RunConfig, state: TrainState, elapsed_before: float, checkpoin
             if signalled:
                 raise RunStopped(f"{signal.Signals(signalled).name} received: stopped at step {step} {saved_now}; "
                                  f"continue with --resume --out {out}", 128 + signalled)
+
+
+class _NoLog:
+    """Where a process other than 0 of a multi-process run writes its metrics: nowhere."""
+
+    def __enter__(self) -> "_NoLog":
+        return self
+
+    def write(self, *records: dict[str, Any]) -> None:
+        pass
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def _place_eval_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> Any:
+    """Rows split over the mesh when they divide evenly, else (a short heldout set) replicated."""
+    if len(next(iter(batch.values()))) % mesh.size == 0:
+        return shard_batch(batch, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return {k: jax.make_array_from_callback(v.shape, replicated, lambda index, v=v: v[index]) for k, v in batch.items()}
 
 
 def _applied_updates(opt_state: Any) -> int:

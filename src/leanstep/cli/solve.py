@@ -12,11 +12,12 @@ from typing import Any
 from leanstep.cli.jsontree import InputError, dumps, mismatch, tree_from_json, tree_to_json
 
 # Per task: each input key and how to read it ("tree" = float32 pytree, "int" = static or int32,
-# "scalar" = float32 scalar, "positive" = float32 scalar > 0, "array" = float32 array).
+# "count" = int >= 0, "scalar" = finite float32 scalar, "positive" = float32 scalar > 0,
+# "array" = float32 array).
 _INPUTS: dict[str, dict[str, str]] = {
     "mixed-precision-step": {
-        "params": "tree", "x": "array", "y": "array", "loss_scale": "scalar",
-        "good_steps": "int", "lr": "scalar", "growth_interval": "int",
+        "params": "tree", "x": "array", "y": "array", "loss_scale": "positive",
+        "good_steps": "count", "lr": "scalar", "growth_interval": "int",
     },
     "gradient-accumulation": {"params": "tree", "x": "array", "y": "array", "num_microbatches": "int"},
     "global-norm-clipping": {"grads": "tree", "max_norm": "positive"},
@@ -79,13 +80,17 @@ def parse_input(task: str, data: Any) -> dict[str, Any]:
             args[key] = tree_from_json(data[key], key)
             if isinstance(args[key], (dict, list)):
                 raise InputError(f"{key}: expected an array (nested list of numbers), got a tree")
-        elif kind == "int":
+        elif kind in ("int", "count"):
             args[key] = _read_int(data[key], key)
+            if kind == "count" and args[key] < 0:
+                raise InputError(f"{key} must be an integer >= 0, got {args[key]}")
         else:
             value = _read_scalar(data[key], key)
             # Traced under jit, so the task itself cannot check it: check it here.
             if kind == "positive" and not 0 < value < float("inf"):
                 raise InputError(f"{key} must be a positive finite number, got {value!r}")
+            if not -float("inf") < value < float("inf"):
+                raise InputError(f"{key} must be a finite number, got {value!r}")
             args[key] = np.float32(value)
     return args
 

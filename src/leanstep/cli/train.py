@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from typing import Any
 
 from leanstep.cli.jsontree import InputError
@@ -70,6 +71,16 @@ def add_parser(subparsers: Any) -> None:
     out.add_argument("--stop-at", type=int, default=None,
                      help="stop after this step with a checkpoint, as a preemption would (resume with --resume)")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
+    scale = p.add_argument_group("scaling out (JAX's mesh sharding and jax.distributed)")
+    scale.add_argument("--devices", type=int, default=None,
+                       help="devices per process, data parallel; on CPU this simulates N devices "
+                            "(default: one device, unsharded)")
+    scale.add_argument("--fsdp", action="store_true",
+                       help="also shard parameters and optimizer state over the devices (ZeRO-3 style)")
+    scale.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="process 0's address for a multi-process run (jax.distributed; gloo on CPU)")
+    scale.add_argument("--num-processes", type=int, default=None, help="processes in a multi-process run")
+    scale.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. P-1")
     p.set_defaults(run=run_train)
 
     r = subparsers.add_parser("report", help="re-render the chart and summary of a run directory")
@@ -83,6 +94,14 @@ def run_train(args: argparse.Namespace) -> int:
 
     from leanstep.trainer import RunConfig, RunStopped, train
 
+    from leanstep.distributed import configure_devices
+
+    try:  # first: the device count and the processes are fixed once JAX makes its first array
+        configure_devices(args.devices, args.coordinator, args.num_processes, args.process_id)
+    except ValueError as error:
+        flags = {"num_devices": "--devices", "num_processes": "--num-processes", "process_id": "--process-id",
+                 "coordinator": "--coordinator"}
+        raise InputError(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(error))) from None
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
     console = Console(stderr=True)
