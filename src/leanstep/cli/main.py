@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from leanstep.cli import solve, train
+from leanstep.cli import bench, solve, train
 from leanstep.cli.jsontree import InputError
 
 
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     train.add_parser(subparsers)
     solve.add_parser(subparsers)
+    bench.add_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,284 @@
+"""``run_benchmark``: every measurement of ``leanstep bench`` in one interleaved run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from leanstep.bench.contenders import Contender, Spec, build_jax_contender, build_torch_contender
+from leanstep.bench.matmul import measure_matmul_gflops, torch_matmul, xla_matmul
+from leanstep.bench.timing import summarize_times, time_interleaved
+from leanstep.bench.torch_step import torch_available
+from leanstep.models import build_model
+from leanstep.remat import get_remat_policy
+from leanstep.trainer import RunConfig, build_optimizer
+
+__all__ = ["BenchConfig", "run_benchmark", "machine_info"]
+
+FLOPS_SOURCE = (
+    "analytic: model.flops_per_token * batch_size * seq_len (6N + 12 L T d, forward + backward; "
+    "remat recomputation not counted). XLA's cost analysis (xla_gflop) counts each lax.scan body once, "
+    "not per iteration, so it is reported but not used."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What one ``leanstep bench`` run measures. :meth:`full` and :meth:`quick` are the presets.
+
+    The comparisons (leanstep vs hand-written, leanstep vs torch) use ``num_microbatches``;
+    leanstep vs hand-written uses ``remat`` and bf16 compute (``leanstep train``'s defaults);
+    leanstep vs torch uses the ``"full"`` policy on both sides, because
+    ``torch.utils.checkpoint`` saves exactly the block inputs.
+    """
+
+    size: str = "small"
+    model_overrides: tuple[tuple[str, int], ...] = ()
+    batch_size: int = 16
+    num_microbatches: int = 2
+    remat: str = "dots"
+    microbatch_sweep: tuple[int, ...] = (1, 2, 4, 8)
+    remat_sweep: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch", "save:attn_out,mlp_hidden")
+    repeats: int = 10
+    torch_repeats: int = 3
+    warmup: int = 0
+    torch: bool = True
+    torch_compile: bool = False
+    torch_threads: int | None = None
+    matmul_size: int = 2048
+    matmul_repeats: int = 5
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    initial_loss_scale: float = 2.0**15
+    seed: int = 0
+
+    @classmethod
+    def full(cls, **changes: Any) -> "BenchConfig":
+        """The default run: ``leanstep train``'s model and batch (about 5-8 minutes on 2 cores)."""
+        return cls(**changes).validate()
+
+    @classmethod
+    def quick(cls, **changes: Any) -> "BenchConfig":
+        """A small version (tiny model, few repeats, under 2 minutes on 2 cores)."""
+        fields = dict(size="tiny", repeats=50, torch_repeats=5, matmul_size=1024, matmul_repeats=3,
+                      microbatch_sweep=(1, 2, 4), remat_sweep=("full", "dots"))
+        return cls(**{**fields, **changes}).validate()
+
+    def validate(self) -> "BenchConfig":
+        """Checks every field, naming it; returns self. Raises ValueError."""
+        for name in ("batch_size", "num_microbatches", "repeats", "torch_repeats", "matmul_size",
+                     "matmul_repeats", "torch_threads"):
+            value = getattr(self, name)
+            if name == "torch_threads" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
+        sweep = (self.num_microbatches, *self.microbatch_sweep)
+        if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in sweep):
+            raise ValueError(f"microbatch counts must be integers >= 1, got {sweep}")
+        bad = [m for m in sweep if self.batch_size % m]
+        if bad:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by num_microbatches {bad}")
+        for policy in (self.remat, *self.remat_sweep):
+            get_remat_policy(policy)
+        build_model("transformer", self.size, **dict(self.model_overrides))
+        return self
+
+    def specs(self, with_torch: bool) -> list[Spec]:
+        """Every contender, deduplicated, in the order they are timed each round."""
+        m, bf16 = self.num_microbatches, "bfloat16"
+        specs = [Spec("leanstep", bf16, m, self.remat), Spec("handwritten_jax", bf16, m, self.remat)]
+        specs += [Spec("leanstep", bf16, n, self.remat) for n in self.microbatch_sweep]
+        specs += [Spec("leanstep", bf16, m, policy) for policy in self.remat_sweep]
+        for precision in ("float32", bf16):
+            specs.append(Spec("leanstep", precision, m, "full"))
+            if with_torch:
+                variants = ("eager", "compiled") if self.torch_compile else ("eager",)
+                specs += [Spec("torch", precision, m, "full", variant) for variant in variants]
+        return list(dict.fromkeys(specs))
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, core counts, instruction-set flags that matter for bf16, library versions."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        model = platform.processor() or "unknown"
+    info = {
+        "cpu_model": model,
+        "cpu_count": os.cpu_count(),
+        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma"}),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "numpy": np.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
+    info["jax_threads"] = info["cores_available"]  # XLA:CPU's pool has one thread per available core
+    return info
+
+
+def _row(contender: Contender, times: list[float], gflop: float, peaks: dict[str, float | None],
+         tokens: int) -> dict[str, Any]:
+    spec = contender.spec
+    summary = summarize_times(times)
+    backend = "torch" if spec.impl == "torch" else "xla"
+    peak = peaks.get(f"{backend}_{spec.precision}")
+    achieved = gflop / (summary["step_ms_median"] / 1e3)
+    return {
+        "impl": spec.impl, "precision": spec.precision, "num_microbatches": spec.num_microbatches,
+        "remat": spec.remat, "variant": spec.variant, **summary, "repeats": len(times),
+        "temp_bytes": contender.stats["temp_bytes"], "argument_bytes": contender.stats["argument_bytes"],
+        "output_bytes": contender.stats["output_bytes"], "alias_bytes": contender.stats["alias_bytes"],
+        "xla_gflop": contender.stats["xla_gflop"], "model_gflop_per_step": gflop, "tokens_per_step": tokens,
+        "achieved_gflops": achieved, "mfu": None if not peak else achieved / peak,
+        "mfu_against": None if not peak else f"{backend}_{spec.precision}", "first_loss": contender.first_loss,
+        **({"torch": contender.info} if contender.info else {}),
+    }  # fmt: skip
+
+
+def _find(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    return [row for row in rows if all(row[k] == v for k, v in match.items())]
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    """Runs every measurement of ``config`` and returns the JSON-ready result.
+
+    Order: matmul peaks (XLA, then torch), the equivalence check of leanstep against the
+    hand-written step (first step from the same parameters), then every step contender
+    timed round-robin.
+
+    Returns:
+      ``{"config", "machine", "peak_gflops", "matmul", "rows", "ratios", "mfu", "checks",
+      "diagnostics", "notes"}``.
+    """
+    config.validate()
+    notes: list[str] = []
+    machine = machine_info()
+    with_torch = config.torch and torch_available()
+    if config.torch and not with_torch:
+        notes.append("torch is not installed: torch rows skipped, torch ratios and peaks are null "
+                     "(pip install -e '.[bench]').")
+    if with_torch:
+        import torch
+
+        torch.set_num_threads(config.torch_threads or machine["jax_threads"])
+        machine.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+
+    matmul: dict[str, Any] = {}
+    for backend, make in (("xla", xla_matmul), ("torch", torch_matmul)):
+        for dtype in ("float32", "bfloat16"):
+            if backend == "torch" and not with_torch:
+                matmul[f"{backend}_{dtype}"] = None
+                continue
+            log(f"matmul peak: {backend} {dtype}")
+            matmul[f"{backend}_{dtype}"] = measure_matmul_gflops(
+                make, dtype, size=config.matmul_size, repeats=config.matmul_repeats)
+    peaks = {key: None if value is None else value["gflops"] for key, value in matmul.items()}
+
+    model = build_model("transformer", config.size, **dict(config.model_overrides))
+    optimizer, _ = build_optimizer(RunConfig(lr=config.lr, weight_decay=config.weight_decay, schedule="constant"))
+    params = model.init(jax.random.key(config.seed))
+    tokens = np.random.default_rng(config.seed).integers(0, model.config.vocab_size,
+                                                          (config.batch_size, model.seq_len + 1), np.int32)
+    batch = {"tokens": jnp.asarray(tokens)}
+    tokens_per_step = config.batch_size * model.seq_len
+    gflop = model.flops_per_token * tokens_per_step / 1e9
+
+    contenders: dict[str, Contender] = {}
+    for spec in config.specs(with_torch):
+        log(f"compile + first step: {spec.key}")
+        if spec.impl == "torch":
+            contenders[spec.key] = build_torch_contender(
+                spec, model.config, tokens, max_grad_norm=config.max_grad_norm,
+                initial_loss_scale=config.initial_loss_scale, lr=config.lr,
+                weight_decay=config.weight_decay, seed=config.seed)
+        else:
+            contenders[spec.key] = build_jax_contender(
+                spec, model, params, batch, optimizer, max_grad_norm=config.max_grad_norm,
+                initial_loss_scale=config.initial_loss_scale)
+
+    main = Spec("leanstep", "bfloat16", config.num_microbatches, config.remat)
+    hand = dataclasses.replace(main, impl="handwritten_jax")
+    ours, theirs = contenders[main.key], contenders[hand.key]
+    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
+                                         ours.first_params, theirs.first_params))
+    checks = {"first_step_loss_leanstep": ours.first_loss, "first_step_loss_handwritten": theirs.first_loss,
+              "first_step_max_abs_param_diff": max(diffs)}
+    for contender in contenders.values():  # the first steps are done: free the copies
+        contender.first_params = None
+
+    repeats = {key: config.torch_repeats if c.spec.impl == "torch" else config.repeats
+               for key, c in contenders.items()}
+    log(f"timing {len(contenders)} contenders round-robin, {config.repeats} rounds")
+    times = time_interleaved({key: c.run for key, c in contenders.items()}, repeats=repeats,
+                             warmup=config.warmup,
+                             on_round=lambda i, n: log(f"round {i + 1}/{n} done"))
+    rows = [_row(c, times[key], gflop, peaks, tokens_per_step) for key, c in contenders.items()]
+    paired = [a / b for a, b in zip(times[main.key], times[hand.key])]
+
+    def median_ms(**match: Any) -> float | None:
+        found = _find(rows, num_microbatches=config.num_microbatches, **match)
+        return min((row["step_ms_median"] for row in found), default=None)
+
+    main_row = _find(rows, impl="leanstep", precision="bfloat16", num_microbatches=config.num_microbatches,
+                     remat=config.remat)[0]
+    ratios = {
+        "leanstep_over_handwritten_time": _ratio(median_ms(impl="leanstep", precision="bfloat16", remat=config.remat),
+                                                 median_ms(impl="handwritten_jax")),
+        "leanstep_over_handwritten_time_paired_median": float(np.median(paired)),
+        "leanstep_over_handwritten_temp_bytes": _ratio(ours.stats["temp_bytes"], theirs.stats["temp_bytes"]),
+    }
+    for precision in ("float32", "bfloat16"):
+        ratios[f"leanstep_over_torch_time_{precision}"] = _ratio(
+            median_ms(impl="leanstep", precision=precision, remat="full"),
+            median_ms(impl="torch", precision=precision))
+    mfu = {"flops_source": FLOPS_SOURCE, "model_gflop_per_step": gflop,
+           "leanstep_achieved_gflops": main_row["achieved_gflops"]}
+    for key, peak in peaks.items():
+        mfu[f"leanstep_bfloat16_vs_{key}_peak"] = _ratio(main_row["achieved_gflops"], peak)
+    ours_ops, theirs_ops = ours.hlo_ops or {}, theirs.hlo_ops or {}
+    diagnostics = {"hlo_op_count_leanstep": sum(ours_ops.values()),
+                   "hlo_op_count_handwritten": sum(theirs_ops.values()),
+                   "hlo_ops_that_differ": {op: [ours_ops.get(op, 0), theirs_ops.get(op, 0)]
+                                           for op in sorted(set(ours_ops) | set(theirs_ops))
+                                           if ours_ops.get(op, 0) != theirs_ops.get(op, 0)}}
+    if hasattr(os, "getloadavg"):
+        machine["load_average_1min_end"] = os.getloadavg()[0]
+        # The start value is other processes' load (this one has not started working yet).
+        if machine["load_average_1min"] > machine["cores_available"] / 2:
+            notes.append(f"the machine was busy (1-minute load average {machine['load_average_1min']:.1f} at the "
+                         f"start, {machine['load_average_1min_end']:.1f} at the end, on {machine['cores_available']} "
+                         "cores): times are noisy, and PyTorch's OpenMP threads suffer most from a busy machine.")
+    notes.append("Timings are wall-clock medians of interleaved (round-robin) steps on random tokens; "
+                 "leanstep-vs-torch rows use remat 'full' on both sides (torch.utils.checkpoint per block).")
+    return {
+        "config": {**dataclasses.asdict(config), "model": dataclasses.asdict(model.config),
+                   "seq_len": model.seq_len, "tokens_per_step": tokens_per_step},
+        "machine": machine, "peak_gflops": peaks, "matmul": matmul, "rows": rows, "ratios": ratios,
+        "mfu": mfu, "checks": checks, "diagnostics": diagnostics, "notes": notes,
+    }  # fmt: skip

@@ -1,0 +1,79 @@
+"""Rich tables of a benchmark result, for the terminal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+__all__ = ["render_benchmark"]
+
+_MIB = 2.0**20
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _rows_table(result: dict[str, Any]) -> Table:
+    table = Table(title="train step: time, XLA compiled memory, model FLOPs utilization (MFU: against the "
+                  "measured matmul peak of the row's backend, XLA or torch, in its compute dtype)", title_justify="left")
+    for name, justify in (("impl", "left"), ("compute", "left"), ("mb", "right"), ("remat", "left"),
+                          ("median ms", "right"), ("min ms", "right"), ("max ms", "right"), ("n", "right"),
+                          ("temp MiB", "right"), ("args MiB", "right"), ("out MiB", "right"),
+                          ("GFLOP/s", "right"), ("MFU", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in result["rows"]:
+        impl = row["impl"] + (f" ({row['variant']})" if row["variant"] else "")
+        mib = {key: None if row[key] is None else row[key] / _MIB
+               for key in ("temp_bytes", "argument_bytes", "output_bytes")}
+        table.add_row(
+            impl, row["precision"], str(row["num_microbatches"]), row["remat"],
+            _fmt(row["step_ms_median"], ".4g"), _fmt(row["step_ms_min"], ".4g"), _fmt(row["step_ms_max"], ".4g"),
+            str(row["repeats"]), _fmt(mib["temp_bytes"], ".2f"), _fmt(mib["argument_bytes"], ".2f"),
+            _fmt(mib["output_bytes"], ".2f"), _fmt(row["achieved_gflops"], ".3g"),
+            "-" if row["mfu"] is None else f"{row['mfu']:.1%}",
+        )  # fmt: skip
+    return table
+
+
+def _summary_table(result: dict[str, Any]) -> Table:
+    table = Table(title="ratios, the limit, checks", title_justify="left", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for key, value in result["ratios"].items():
+        table.add_row(key, _fmt(value, ".3f"))
+    for key, value in result["peak_gflops"].items():
+        size = (result["matmul"].get(key) or {}).get("size")
+        table.add_row(f"peak GFLOP/s {key}" + (f" ({size}x{size} matmul)" if size else ""), _fmt(value, ".4g"))
+    for key, value in result["mfu"].items():
+        if key.endswith("_peak"):
+            table.add_row(f"MFU {key.removesuffix('_peak')} peak", "-" if value is None else f"{value:.1%}")
+    for key, value in result["checks"].items():
+        table.add_row(key, _fmt(value, ".6g"))
+    return table
+
+
+def render_benchmark(result: dict[str, Any]) -> Group:
+    """The rows table, the summary table and the notes, as one renderable for ``rich``.
+
+    Example:
+      >>> import io
+      >>> from rich.console import Console
+      >>> row = {"impl": "leanstep", "variant": None, "precision": "float32", "num_microbatches": 1,
+      ...        "remat": "none", "step_ms_median": 2.0, "step_ms_min": 1.0, "step_ms_max": 3.0,
+      ...        "repeats": 3, "temp_bytes": 2**20, "argument_bytes": 0, "output_bytes": 0,
+      ...        "achieved_gflops": 1.0, "mfu": 0.5, "mfu_against": "xla_float32"}
+      >>> result = {"rows": [row], "ratios": {}, "peak_gflops": {}, "matmul": {}, "mfu": {},
+      ...           "checks": {}, "notes": [], "machine": {"cpu_model": "cpu", "cores_available": 2}}
+      >>> console = Console(width=160, record=True, file=io.StringIO())
+      >>> console.print(render_benchmark(result))
+      >>> "50.0%" in console.export_text()
+      True
+    """
+    machine = result["machine"]
+    header = Text(f"{machine['cpu_model']}, {machine['cores_available']} cores available", style="bold")
+    notes = [Text(f"note: {note}", style="dim") for note in result["notes"]]
+    return Group(header, _rows_table(result), _summary_table(result), *notes)
