@@ -123,3 +123,12 @@ def test_empty_data_and_resume_mismatch(tmp_path, corpus, capsys, straight_run):
     # An existing run is never overwritten without --resume.
     assert main(["train", *TINY, "--data", str(corpus), "--out", str(straight_run), "--steps", "30"]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_budget_picks_a_setting_or_says_nothing_fits(tmp_path, corpus, capsys):
+    argv = ["train", *TINY, "--data", str(corpus), "--steps", "2", "--eval-every", "2"]
+    assert main([*argv, "--out", str(tmp_path / "small"), "--budget", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--budget: no setting fits the budget of 1.0 KiB" in err
+    assert main([*argv, "--out", str(tmp_path / "ok"), "--budget", "64MiB"]) == 0
+    assert "--budget 64MiB: chose --microbatches" in capsys.readouterr().err

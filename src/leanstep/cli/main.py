@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from leanstep.cli import bench, solve, train
+from leanstep.cli import bench, plan, solve, train
 from leanstep.cli.jsontree import InputError
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(subparsers)
     solve.add_parser(subparsers)
     bench.add_parser(subparsers)
+    plan.add_parsers(subparsers)
     return parser
 
 

@@ -68,6 +68,9 @@ def add_parser(subparsers: Any) -> None:
     out.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     out.add_argument("--max-consecutive-skips", type=int, default=d.max_consecutive_skips,
                      help="stop when this many steps in a row are skipped with the loss scale at its minimum")
+    run.add_argument("--budget", default=None, metavar="SIZE",
+                     help="a memory budget (e.g. 512MiB): leanstep plan picks --microbatches and --remat "
+                          "for it before training (overrides both)")
     out.add_argument("--stop-at", type=int, default=None,
                      help="stop after this step with a checkpoint, as a preemption would (resume with --resume)")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
@@ -109,6 +112,17 @@ def run_train(args: argparse.Namespace) -> int:
         config.validate()
     except ValueError as error:
         raise InputError(str(error)) from None
+    if args.budget is not None:
+        from leanstep.plan import plan_for_run
+
+        try:
+            chosen = plan_for_run(config, args.budget).chosen
+        except ValueError as error:  # BudgetError included: nothing fits
+            raise InputError(f"--budget: {error}") from None
+        setting = chosen.setting
+        config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat)
+        console.print(Text(f"--budget {args.budget}: chose --microbatches {setting.num_microbatches} "
+                           f"--remat {setting.remat} (predicted peak {chosen.peak_bytes:,} bytes)"), soft_wrap=True)
     try:
         summary = train(config, resume=args.resume, console=console)
     except ValueError as error:

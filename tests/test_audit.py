@@ -1,0 +1,275 @@
+"""audit: FLOPs against XLA's own count, the seeds' traced-program rules, remat policies, dtypes, host syncs."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.experimental import io_callback
+
+from leanstep import tasks
+from leanstep.accumulation import microbatched_value_and_grad
+from leanstep.audit import audit, audit_for_run, audit_jaxpr, count_flops, policy_name
+from leanstep.cli import plan as cli
+from leanstep.cli.jsontree import InputError
+from leanstep.remat import REMAT_POLICIES, checkpoint_name, remat, saved_residuals_report
+from leanstep.step import TrainState, make_train_step
+from leanstep.trainer import RunConfig
+
+
+def _xla_flops(fn, *args):
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+# --- FLOPs --------------------------------------------------------------------------------------
+
+# Sizes >= 2: XLA rewrites a dot with a size-1 dimension as a multiply (1 FLOP an element).
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 5), st.integers(2, 5), st.integers(2, 5), st.integers(2, 5))
+def test_matmul_flops_equal_xla_on_a_loop_free_program(m, k, n, p):
+    def f(a, b, c):
+        return (a @ b) @ c
+
+    args = (jnp.ones((m, k)), jnp.ones((k, n)), jnp.ones((n, p)))
+    assert count_flops(jax.make_jaxpr(f)(*args)) == _xla_flops(f, *args) == 2 * m * n * (k + p)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 5), st.integers(2, 4), st.integers(2, 6))
+def test_a_scan_counts_its_body_times_its_length_as_xla_does_unrolled(length, rows, width):
+    def f(w, x, unroll):
+        return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w, unroll=unroll)[0]
+
+    w, x = jnp.ones((length, width, width)), jnp.ones((rows, width))
+    rolled = jax.make_jaxpr(functools.partial(f, unroll=1))(w, x)
+    # XLA's reference: the fully unrolled program, which has no loop for XLA to count once.
+    assert count_flops(rolled) == _xla_flops(functools.partial(f, unroll=True), w, x) == 2 * length * rows * width**2
+
+
+def test_cond_counts_its_dearest_branch_and_while_its_body_once():
+    def f(x):
+        y = jax.lax.cond(x[0, 0] > 0, lambda: x @ x, lambda: x)
+        return jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] @ c[1]), (0, y))[1]
+
+    x = jnp.ones((3, 3))
+    # gt 1 + cond branch 54 + while: cond `lt` 1 + body (add 1 + matmul 54)
+    assert count_flops(jax.make_jaxpr(f)(x)) == 1 + 54 + 1 + 1 + 54
+
+
+# --- the gradient-accumulation rules ------------------------------------------------------------
+
+def _mlp(d=3, h=5, k=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w1": rng.normal(size=(d, h)).astype(np.float32), "b1": np.zeros(h, np.float32),
+            "w2": rng.normal(size=(h, k)).astype(np.float32), "b2": np.zeros(k, np.float32)}
+
+
+def _loss(p, batch):
+    out = jnp.tanh(batch["x"] @ p["w1"] + p["b1"][None, :]) @ p["w2"] + p["b2"][None, :]
+    return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=-1))
+
+
+@pytest.mark.parametrize(("batch", "num_microbatches"), [(4, 2), (6, 3), (8, 8), (3, 1)])
+def test_the_seed_accumulation_passes_the_rules(batch, num_microbatches):
+    params = _mlp()
+    x, y = np.ones((batch, 3), np.float32), np.ones((batch, 2), np.float32)
+    report = audit(functools.partial(tasks.accumulate_gradients, num_microbatches=num_microbatches), params, x, y)
+    assert report.accumulation_violations(num_microbatches, params=params) == []
+    (scan,) = report.top_level_scans
+    assert (scan.length, scan.reverse, scan.matmuls) == (num_microbatches, False, 5)
+    assert report.matmuls_outside_scans == ()
+
+
+def _grad_through_the_scan(params, x, y, num_microbatches):
+    """Wrong: the loss is summed over microbatches in a scan and differentiated from outside."""
+    def total(p):
+        xs, ys = x.reshape(num_microbatches, -1, 3), y.reshape(num_microbatches, -1, 2)
+        body = lambda c, m: (c + _loss(p, {"x": m[0], "y": m[1]}), None)  # noqa: E731
+        return jax.lax.scan(body, 0.0, (xs, ys))[0] / num_microbatches
+
+    return jax.value_and_grad(total)(params)
+
+
+def _full_batch_loss_outside(params, x, y, num_microbatches):
+    """Wrong: the gradient is accumulated correctly, but the loss is a second, full-batch forward pass."""
+    _, grads = microbatched_value_and_grad(_loss, num_microbatches)(params, {"x": x, "y": y})
+    return _loss(params, {"x": x, "y": y}), grads
+
+
+def _no_accumulation(params, x, y, num_microbatches):
+    """Wrong: one full-batch value_and_grad, no scan at all."""
+    return jax.value_and_grad(_loss)(params, {"x": x, "y": y})
+
+
+@pytest.mark.parametrize(("wrong", "message"), [
+    (_grad_through_the_scan, "found 2"),
+    (_full_batch_loss_outside, "outside any scan"),
+    (_no_accumulation, "found 0"),
+])
+def test_wrong_accumulations_break_the_rules(wrong, message):
+    params, x, y = _mlp(), np.ones((4, 3), np.float32), np.ones((4, 2), np.float32)
+    problems = audit(functools.partial(wrong, num_microbatches=2), params, x, y).accumulation_violations(2, params=params)
+    assert any(message in p for p in problems), problems
+
+
+def test_a_scan_of_the_wrong_length_or_direction_is_reported():
+    params, x, y = _mlp(), np.ones((4, 3), np.float32), np.ones((4, 2), np.float32)
+    report = audit(functools.partial(tasks.accumulate_gradients, num_microbatches=4), params, x, y)
+    assert report.accumulation_violations(2) == ["the scan has length 4; expected num_microbatches=2"]
+    report = audit(functools.partial(_grad_through_the_scan, num_microbatches=2), params, x, y)
+    assert [s.reverse for s in report.top_level_scans] == [False, True]
+
+
+def test_a_carry_without_the_gradient_accumulator_is_reported():
+    params, x = _mlp(), np.ones((4, 3), np.float32)
+    # Accumulates only the loss: the gradient is not in the carry.
+    report = audit(lambda p, x: jax.lax.scan(lambda c, r: (c + jnp.sum(jnp.tanh(r @ p["w1"])), None), 0.0,
+                                             x.reshape(2, 2, 3))[0], params, x)
+    problems = report.accumulation_violations(2, params=params)
+    assert any("no non-scalar carry" in p for p in problems)
+    assert any("no gradient accumulator for parameter shapes" in p for p in problems)
+
+
+# --- remat --------------------------------------------------------------------------------------
+
+def _block_args(seed=0):
+    rng = np.random.default_rng(seed)
+    params = {"w1": rng.normal(size=(2, 3)).astype(np.float32), "b1": np.zeros(3, np.float32),
+              "w2": rng.normal(size=(3, 2)).astype(np.float32), "b2": np.zeros(2, np.float32)}
+    return params, rng.normal(size=(5, 2)).astype(np.float32), np.zeros((5, 2), np.float32)
+
+
+def test_the_seed_checkpointed_block_passes_the_remat_rules():
+    params, x, y = _block_args()
+    report = audit(tasks.checkpointed_residual_block, params, x, y,
+                   loss_fn=tasks._checkpointed_block, loss_args=(params, x))
+    assert report.remat_violations("dots", recomputed=("tanh",)) == []
+    assert [(r.policy, r.differentiated) for r in report.remat_regions] == [("dots", True)]
+    assert report.residuals == saved_residuals_report(tasks._checkpointed_block, params, x)
+
+
+def _tagged_block(p, x):
+    h = checkpoint_name(jnp.tanh(x @ p["w1"] + p["b1"][None, :]), "h")
+    return x + h @ p["w2"] + p["b2"][None, :]
+
+
+@pytest.mark.parametrize(("block", "messages"), [
+    (remat(tasks._residual_block, "full"), ["remat regions with policy ['full']; expected only 'dots'"]),
+    (remat(_tagged_block, "save:h"), ["remat regions with policy ['save:h']; expected only 'dots'"]),
+    (tasks._residual_block, ["no jax.checkpoint (remat2) region in the traced program",
+                             "tanh is not recomputed in the backward pass (in no differentiated remat region)",
+                             "the output of tanh is saved for the backward pass"]),
+])
+def test_wrong_checkpointing_breaks_the_remat_rules(block, messages):
+    params, x, y = _block_args()
+    report = audit(jax.grad(lambda p: jnp.mean((block(p, x) - y) ** 2)), params,
+                   loss_fn=block, loss_args=(params, x))
+    assert report.remat_violations("dots", recomputed=("tanh",)) == messages
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"] + ["save:a,h"])
+def test_remat_policies_map_back_to_their_names(policy):
+    params, x, _ = _block_args()
+    report = audit(jax.grad(lambda p: jnp.sum(remat(_tagged_block, policy)(p, x))), params)
+    assert {r.policy for r in report.remat_regions} == {policy}
+
+
+def test_policies_without_a_leanstep_name_keep_their_own():
+    assert policy_name(jax.checkpoint_policies.everything_saveable) == "everything_saveable"
+
+
+# --- matmul dtypes, host syncs, nesting ------------------------------------------------------------
+
+def test_matmul_dtypes_of_a_bf16_step_with_float32_masters():
+    def loss_fn(p, batch):
+        return jnp.mean((batch["x"] @ p["w"]).astype(jnp.float32) ** 2)
+
+    opt = optax.sgd(0.1)
+    state = TrainState.create({"w": jnp.ones((4, 3))}, opt)
+    step = make_train_step(loss_fn, opt, precision="compute=bfloat16", num_microbatches=2)
+    report = audit(step, state, {"x": jnp.ones((6, 4))})
+    # One forward matmul and its weight gradient (x is data: no input gradient), both in the scan.
+    assert report.matmul_dtypes == {("bfloat16", "bfloat16", "bfloat16"): 2}
+    assert [(m.lhs[0], m.rhs[0]) for m in report.matmuls] == [((3, 4), (4, 3)), ((3, 3), (3, 4))]
+    assert all(m.scan_depth == 1 for m in report.matmuls)
+    assert report.host_syncs == ()
+    assert report.accumulation_violations(2, params=state.params) == []
+
+
+def test_host_syncs_are_listed():
+    def f(x):
+        jax.debug.print("sum {}", x.sum())
+        y = jax.pure_callback(np.sin, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        io_callback(lambda a: None, None, y)
+        return jax.lax.scan(lambda c, r: (c + r, None), y[0], y)[0]
+
+    report = audit(jax.jit(f), jnp.ones((3, 2)))
+    assert [h.primitive for h in report.host_syncs] == ["debug_print", "pure_callback", "io_callback"]
+    assert report.host_syncs[1].callback == "sin"
+    assert "host syncs: 3" in str(report)
+
+
+def test_nested_scans_report_depth_and_lengths():
+    def f(w, x):
+        inner = lambda h, wi: (jnp.tanh(h @ wi), None)  # noqa: E731
+        return jax.lax.scan(lambda h, _: (jax.lax.scan(inner, h, w)[0], None), x, None, length=3)[0]
+
+    report = audit(f, jnp.ones((4, 2, 2)), jnp.ones((1, 2)))
+    assert [(s.length, s.depth, s.matmuls) for s in report.scans] == [(3, 0, 1), (4, 1, 1)]
+    assert report.matmuls[0].flops == 3 * 4 * 2 * 2 * 2
+    assert report.flops == count_flops(jax.make_jaxpr(f)(jnp.ones((4, 2, 2)), jnp.ones((1, 2))))
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="step_or_fn must be callable"):
+        audit(3)
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        audit(jnp.sin, 1.0, loss_fn=4)
+    with pytest.raises(TypeError, match="must be a jaxpr"):
+        audit_jaxpr("not a jaxpr")
+
+
+# --- a run's step and the CLI -------------------------------------------------------------------
+
+TINY = dict(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, remat="dots")
+
+
+def test_audit_for_run_reports_the_run_settings():
+    report = audit_for_run(RunConfig(**TINY))
+    assert [s.length for s in report.top_level_scans] == [2]
+    assert report.accumulation_violations(2) == [] and report.remat_violations("dots") == []
+    assert {m.dtypes[:2] for m in report.matmuls} == {("bfloat16", "bfloat16")}
+    # The residuals are one microbatch's: 2 sequences of 8 tokens, 16 rows of logits.
+    assert any(e.shape == (16, 256) for e in report.residuals.entries)
+
+
+def _cli(argv):
+    parser = argparse.ArgumentParser()
+    cli.add_parsers(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def test_cli_audit_prints_the_report_and_the_rules(capsys):
+    argv = ["audit", "--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8",
+            "--microbatches", "2", "--remat", "full"]
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    # Forward: 2 per layer and the head; backward: the head's 2, and per layer 4 plus x @ w1 recomputed.
+    assert "length 2, 10 matmuls in the body" in out and "policy full, backward pass" in out
+    assert out.rstrip().endswith("remat policy full): ok")
+
+
+def test_cli_audit_rejects_bad_flags():
+    with pytest.raises(InputError, match="--batch-size 5 is not divisible by --microbatches 2"):
+        _cli(["audit", "--model", "mlp", "--size", "tiny", "--batch-size", "5", "--microbatches", "2"])
+    with pytest.raises(InputError, match="--remat"):
+        _cli(["audit", "--model", "mlp", "--size", "tiny", "--remat", "sometimes"])
