@@ -15,7 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import leanstep.plan as planning
+import importlib
+
+planning = importlib.import_module("leanstep.plan")  # the module: leanstep.plan is also the function
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
 from leanstep.plan import (

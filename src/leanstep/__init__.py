@@ -7,6 +7,7 @@ gradient norm, and rematerialization, composed in the right order by
 """
 
 from leanstep.accumulation import microbatched_value_and_grad, split_microbatches
+from leanstep.audit import AuditReport, audit
 from leanstep.checkpoint import CheckpointError, Checkpointer, RestoreResult
 from leanstep.clipping import clip_by_global_norm, clip_by_global_norm_transform, global_norm
 from leanstep.loss_scale import (
@@ -17,6 +18,7 @@ from leanstep.loss_scale import (
     all_finite,
     get_loss_scale,
 )
+from leanstep.plan import BudgetError, Plan, plan
 from leanstep.precision import Precision, get_precision, strict_precision
 from leanstep.remat import (
     REMAT_POLICIES,
@@ -40,11 +42,14 @@ from leanstep.step import StepMetrics, TrainState, make_train_step
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuditReport",
+    "BudgetError",
     "CheckpointError",
     "Checkpointer",
     "DynamicLossScale",
     "LossScale",
     "NoOpLossScale",
+    "Plan",
     "Precision",
     "REMAT_POLICIES",
     "ResidualReport",
@@ -53,6 +58,7 @@ __all__ = [
     "StepMetrics",
     "TrainState",
     "all_finite",
+    "audit",
     "batch_sharding",
     "checkpoint_name",
     "clip_by_global_norm",
@@ -65,6 +71,7 @@ __all__ = [
     "global_norm",
     "make_train_step",
     "microbatched_value_and_grad",
+    "plan",
     "remat",
     "saved_residuals_report",
     "shard_batch",
