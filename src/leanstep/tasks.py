@@ -67,6 +67,16 @@ def _check_rows(batch: int) -> None:
         raise ValueError("x has 0 rows; expected at least one example")
 
 
+def _check_data(params: Any, x: ArrayLike, y: ArrayLike, d: int, k: int) -> int:
+    """Checks x (B, d) and y (B, k) against each other and every dtype; returns B."""
+    (batch, _) = _check_shape(x, (None, d), "x")
+    _check_shape(y, (batch, k), "y")
+    _check_dtypes(params, "params", integers=False)
+    _check_dtypes(x, "x", integers=True)
+    _check_dtypes(y, "y", integers=True)
+    return batch
+
+
 def _check_static_int(value: Any, name: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
@@ -127,11 +137,7 @@ def mixed_precision_step(
     _check_keys(params, ("w", "b"), "params")
     d, k = _check_shape(params["w"], (None, None), "params['w']")
     _check_shape(params["b"], (k,), "params['b']")
-    (batch, _) = _check_shape(x, (None, d), "x")
-    _check_shape(y, (batch, k), "y")
-    _check_dtypes(params, "params", integers=False)
-    _check_dtypes(x, "x", integers=True)
-    _check_dtypes(y, "y", integers=True)
+    batch = _check_data(params, x, y, d, k)
     _check_rows(batch)
     for name, value in (("loss_scale", loss_scale), ("good_steps", good_steps), ("lr", lr)):
         _check_shape(value, (), name)
@@ -181,12 +187,7 @@ def _check_mlp(params: Any, x: ArrayLike, y: ArrayLike, *, residual: bool) -> in
     _check_shape(params["b1"], (h,), "params['b1']")
     _, k = _check_shape(params["w2"], (h, d if residual else None), "params['w2']")
     _check_shape(params["b2"], (k,), "params['b2']")
-    (batch, _) = _check_shape(x, (None, d), "x")
-    _check_shape(y, (batch, k), "y")
-    _check_dtypes(params, "params", integers=False)
-    _check_dtypes(x, "x", integers=True)
-    _check_dtypes(y, "y", integers=True)
-    return batch
+    return _check_data(params, x, y, d, k)
 
 
 def _two_layer_loss(params: dict[str, jax.Array], batch: dict[str, jax.Array]) -> jax.Array:
