@@ -8,16 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from leanstep.cli.flags import add_run_flags as _add_run_flags
 from leanstep.cli.jsontree import InputError
-
-
-def _grad_norm(text: str) -> float | None:
-    if text.lower() in ("none", "off"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {text!r}") from None
 
 
 def _int_list(text: str) -> list[int]:
@@ -25,22 +17,6 @@ def _int_list(text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4, got {text!r}") from None
-
-
-def _add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
-    """The model and batch flags of ``leanstep train``, with its defaults."""
-    model = p.add_argument_group("model and batch (as in leanstep train)")
-    model.add_argument("--model", choices=("transformer", "mlp"), default=d.model)
-    model.add_argument("--size", choices=("tiny", "small"), default=d.size, help="size preset")
-    model.add_argument("--d-model", type=int, help="override the preset's width")
-    model.add_argument("--layers", dest="n_layers", type=int, help="override the preset's depth")
-    model.add_argument("--heads", dest="n_heads", type=int, help="override the preset's attention heads")
-    model.add_argument("--d-ff", type=int, help="override the preset's MLP width")
-    model.add_argument("--batch-size", type=int, default=d.batch_size)
-    model.add_argument("--seq-len", type=int, default=d.seq_len)
-    model.add_argument("--precision", default=d.precision, help="jmp-style: params=...,compute=...,output=...[,strict]")
-    model.add_argument("--loss-scale", choices=("dynamic", "static", "none"), default=d.loss_scale)
-    model.add_argument("--max-grad-norm", type=_grad_norm, default=d.max_grad_norm, help="a number, or 'none'")
 
 
 def add_parsers(subparsers: Any) -> None:

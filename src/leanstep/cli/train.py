@@ -7,6 +7,7 @@ import dataclasses
 import re
 from typing import Any
 
+from leanstep.cli.flags import add_run_flags
 from leanstep.cli.jsontree import InputError
 
 
@@ -14,15 +15,6 @@ def _defaults() -> Any:
     from leanstep.trainer import RunConfig
 
     return RunConfig()
-
-
-def _grad_norm(text: str) -> float | None:
-    if text.lower() in ("none", "off"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {text!r}") from None
 
 
 def add_parser(subparsers: Any) -> None:
@@ -36,23 +28,12 @@ def add_parser(subparsers: Any) -> None:
         "orbax checkpoints to --out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    model = p.add_argument_group("model")
-    model.add_argument("--model", choices=("transformer", "mlp"), default=d.model)
-    model.add_argument("--size", choices=("tiny", "small"), default=d.size, help="size preset")
-    model.add_argument("--d-model", type=int, help="override the preset's width")
-    model.add_argument("--layers", dest="n_layers", type=int, help="override the preset's depth")
-    model.add_argument("--heads", dest="n_heads", type=int, help="override the preset's attention heads")
-    model.add_argument("--d-ff", type=int, help="override the preset's MLP width")
+    add_run_flags(p, d)
     run = p.add_argument_group("training")
     run.add_argument("--steps", type=int, default=d.steps)
-    run.add_argument("--batch-size", type=int, default=d.batch_size)
-    run.add_argument("--seq-len", type=int, default=d.seq_len)
     run.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
-    run.add_argument("--precision", default=d.precision, help="jmp-style: params=...,compute=...,output=...[,strict]")
-    run.add_argument("--loss-scale", choices=("dynamic", "static", "none"), default=d.loss_scale)
     run.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
     run.add_argument("--remat", default=d.remat, help="none, full, dots, dots_no_batch or save:NAME,...")
-    run.add_argument("--max-grad-norm", type=_grad_norm, default=d.max_grad_norm, help="a number, or 'none'")
     run.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     run.add_argument("--schedule", choices=("constant", "cosine", "warmup-cosine"), default=d.schedule)
     run.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
