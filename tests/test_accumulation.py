@@ -13,11 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.accumulation import (
-    init_grad_accumulator,
-    microbatched_value_and_grad,
-    split_microbatches,
-)
+from leanstep.accumulation import init_grad_accumulator, microbatched_value_and_grad
+from leanstep.microbatches import split_microbatches
 
 # --- the seed's two-layer network, on a dict batch {"x", "y", "mask"} -----------------------
 
@@ -373,17 +370,7 @@ def test_has_aux_is_stacked_along_microbatches() -> None:
     np.testing.assert_array_equal(np.asarray(counts), want_counts)
 
 
-# --- splitting, carry, errors -------------------------------------------------------------------
-
-
-def test_split_microbatches_keeps_row_order() -> None:
-    batch = {"a": jnp.arange(12.0).reshape(6, 2), "nested": [jnp.arange(6), jnp.zeros((6, 1, 3))]}
-    split = split_microbatches(batch, 3)
-    assert split["nested"][1].shape == (3, 2, 1, 3)
-    for j in range(3):
-        want = np.asarray(batch["a"])[2 * j : 2 * j + 2]
-        np.testing.assert_array_equal(np.asarray(split["a"][j]), want)
-        np.testing.assert_array_equal(np.asarray(split["nested"][0][j]), [2 * j, 2 * j + 1])
+# --- carry, errors -------------------------------------------------------------------
 
 
 def test_init_grad_accumulator_is_zeros_in_accum_dtype() -> None:
@@ -422,11 +409,6 @@ def test_numpy_int_num_microbatches_is_accepted() -> None:
     )
 
 
-def test_traced_num_microbatches_raises_type_error() -> None:
-    with pytest.raises(TypeError, match="num_microbatches must be a static Python int"):
-        jax.jit(split_microbatches)({"x": jnp.zeros(4)}, 2)
-
-
 def test_non_divisible_batch_raises_at_call_and_trace_time() -> None:
     params, batch = make_problem(0, 6, 1, 1, 1)
     fn = microbatched_value_and_grad(mean_loss, 4)
@@ -437,19 +419,35 @@ def test_non_divisible_batch_raises_at_call_and_trace_time() -> None:
         jax.jit(fn)(params, batch)
 
 
-def test_mismatched_leading_sizes_name_the_leaf() -> None:
-    batch = {"x": jnp.zeros((4, 2)), "y": [jnp.zeros((4,)), jnp.zeros((3, 1))]}
-    message = r"batch\['y'\]\[1\] has leading size 3 but batch\['x'\] has 4"
-    with pytest.raises(ValueError, match=message):
-        split_microbatches(batch, 2)
-    with pytest.raises(ValueError, match=r"batch\['s'\] is a scalar"):
-        split_microbatches({"s": jnp.float32(1.0), "x": jnp.zeros(4)}, 2)
-    with pytest.raises(ValueError, match="at least one array leaf"):
-        split_microbatches({}, 1)
-    with pytest.raises(ValueError, match="batch size is 0"):
-        split_microbatches({"x": jnp.zeros((0, 3))}, 1)
-
-
 def test_bad_accum_dtype_raises() -> None:
     with pytest.raises(TypeError, match="accum_dtype"):
         microbatched_value_and_grad(mean_loss, 2, accum_dtype=jnp.int32)
+
+
+# --- splitters and the microbatch index --------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", ["strided", "presplit", "callable"])
+def test_every_splitter_gives_the_full_batch_value_and_grad(split: str) -> None:
+    """A row-mean loss does not depend on which rows go together; the reference is the full batch."""
+    params, batch = make_problem(3, 12, 3, 4, 2)
+    given = batch
+    if split == "presplit":
+        given = split_microbatches(batch, 3)
+    splitter = (lambda b, m: jax.tree.map(lambda x: x[::-1].reshape(m, -1, *x.shape[1:]), b)) if split == "callable" \
+        else split
+    fn = microbatched_value_and_grad(mean_loss, 3, split=splitter)
+    assert_trees_close(jax.jit(fn)(params, given), full_batch(params, batch))
+
+
+def test_with_index_hands_each_microbatch_its_index() -> None:
+    """loss_fn(params, microbatch, index): index j with microbatch j, as the scan's input."""
+    def loss_fn(w, microbatch, index):
+        return jnp.mean(microbatch["x"] * w) * 0.0, (index, microbatch["x"][:, 0])
+
+    batch = {"x": jnp.arange(8.0).reshape(8, 1)}
+    (_, (indices, rows)), _ = jax.jit(microbatched_value_and_grad(loss_fn, 4, has_aux=True, with_index=True))(
+        jnp.float32(1.0), batch)
+    np.testing.assert_array_equal(indices, np.arange(4, dtype=np.int32))
+    assert indices.dtype == jnp.int32
+    np.testing.assert_array_equal(rows, np.arange(8.0).reshape(4, 2))

@@ -69,7 +69,7 @@ def _assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
 
 def test_handwritten_takes_leanstep_steps_bf16_clip_skip_and_scale_growth():
     opt = optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.01)
-    ours = make_train_step(_mlp_loss, opt, precision="params=float32,compute=bfloat16,output=float32",
+    ours = make_train_step(_mlp_loss, precision="params=float32,compute=bfloat16,output=float32",
                            num_microbatches=2, max_grad_norm=0.5)
     theirs = make_handwritten_step(_mlp_loss, opt, num_microbatches=2, max_grad_norm=0.5, growth_interval=2)
     ours_state = TrainState.create(_mlp_params(), opt, loss_scale=DynamicLossScale.create(2.0**10, growth_interval=2))

@@ -183,11 +183,13 @@ def test_extra_round_trip(ckpt):
 
 
 def test_real_train_state_round_trip(tmp_path):
-    step_module = pytest.importorskip("leanstep.step", exc_type=ImportError)
+    from leanstep.state import TrainState
+
     params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
-    state = step_module.TrainState.create(params, optax.adam(1e-3), loss_scale="dynamic", seed=3)
+    optimizer = optax.adam(1e-3)  # the run's: the template carries the same (static) optimizer
+    state = TrainState.create(params, optimizer, loss_scale="dynamic", seed=3)
     state = dataclasses.replace(state, step=jnp.asarray(17, jnp.int32))
-    template = step_module.TrainState.create(params, optax.adam(1e-3), loss_scale="dynamic", seed=0)
+    template = TrainState.create(params, optimizer, loss_scale="dynamic", seed=0)
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(17, state)
         assert_bit_equal(ckpt.restore(template).state, state)

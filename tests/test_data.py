@@ -10,7 +10,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
-from leanstep.data import (
+from leanstep.training.data import (
     DEFAULT_CORPUS_BYTES,
     EXCLUDED_DIRS,
     BatchSampler,

@@ -17,7 +17,6 @@ from leanstep.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
     all_finite,
-    get_loss_scale,
 )
 
 F32_MAX = float(np.finfo(np.float32).max)
@@ -410,33 +409,3 @@ def test_settings_are_stored_rounded_to_float32():
 def test_static_create_validates():
     with pytest.raises(ValueError, match=re.escape("loss_scale must be finite and > 0 in float32, got inf")):
         StaticLossScale.create(float("inf"))
-
-
-# ---------------------------------------------------------------- get_loss_scale
-
-
-def test_get_loss_scale_builds_each_kind():
-    dynamic = get_loss_scale("dynamic", 64.0, **CUSTOM)
-    assert type(dynamic) is DynamicLossScale and settings_of(dynamic) == CUSTOM
-    assert float(dynamic.loss_scale) == 64.0
-    assert float(get_loss_scale("Dynamic").loss_scale) == 2.0**15
-    static = get_loss_scale("static", 8.0)
-    assert type(static) is StaticLossScale and float(static.loss_scale) == 8.0
-    assert type(get_loss_scale("none")) is NoOpLossScale
-    assert get_loss_scale(static) is static
-
-
-@pytest.mark.parametrize(
-    "args, kwargs, error, text",
-    [
-        (("fp16",), {}, ValueError, "unknown loss scale spec 'fp16'; expected one of 'dynamic', 'static', 'none'"),
-        ((3,), {}, TypeError, "spec must be a str or a LossScale, got int 3"),
-        (("static",), {}, ValueError, "initial_scale is required for spec 'static', got None"),
-        (("static", 2.0), dict(hysteresis=2), ValueError, "settings ['hysteresis'] apply only to spec 'dynamic'"),
-        (("none", 4.0), {}, ValueError, "initial_scale must be None or 1 for spec 'none', got 4.0"),
-        ((NoOpLossScale(), 2.0), {}, ValueError, "initial_scale and settings apply only to a spec name"),
-    ],
-)
-def test_get_loss_scale_rejects_bad_specs(args, kwargs, error, text):
-    with pytest.raises(error, match=re.escape(text)):
-        get_loss_scale(*args, **kwargs)

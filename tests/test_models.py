@@ -31,7 +31,8 @@ from leanstep.models import (
     transformer_loss_sum,
 )
 from leanstep.models.transformer import _block
-from leanstep.remat import remat, saved_residuals_report
+from leanstep.rematerialization import remat
+from leanstep.residuals import saved_residuals_report
 
 TF = build_model("transformer", "tiny").config
 MLP = build_model("mlp", "tiny").config

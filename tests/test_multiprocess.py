@@ -69,7 +69,7 @@ def worker(mode: str, args: list[str]) -> None:
               "local_device_count": jax.local_device_count()}
     arrays = {}
     for name, (run_mesh, fsdp) in runs.items():
-        step = make_train_step(loss_fn, opt, num_microbatches=2, max_grad_norm=1.0, mesh=run_mesh, fsdp=fsdp)
+        step = make_train_step(loss_fn, num_microbatches=2, max_grad_norm=1.0, mesh=run_mesh, fsdp=fsdp)
         state = TrainState.create(params, opt, loss_scale="dynamic")
         if run_mesh is not None:
             state = shard_train_state(state, run_mesh, fsdp=fsdp)

@@ -32,14 +32,14 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import leanstep.checkpoint
-import leanstep.report
-from leanstep import trainer
+import leanstep.training.curves
+from leanstep.training import build, trainer
 from leanstep.checkpoint import MANIFEST_NAME, Checkpointer
 from leanstep.cli.main import main
 from leanstep.loss_scale import DynamicLossScale, all_finite
 from leanstep.models import build_model
 from leanstep.step import TrainState, make_train_step
-from leanstep.trainer import RunConfig, build_optimizer
+from leanstep.training import RunConfig, build_optimizer
 
 # --- a linear model whose gradients the batch controls ---------------------------------------
 
@@ -115,7 +115,7 @@ INJECTIONS = [
 def jitted_steps() -> dict[str, Any]:
     """One compiled step per precision, shared by every injection (batches differ, shapes do not)."""
     optimizer = optax.adam(1e-2)
-    return {precision: (make_train_step(linear_loss, optimizer, precision=precision,
+    return {precision: (make_train_step(linear_loss, precision=precision,
                                         num_microbatches=MICROBATCHES, max_grad_norm=1.0), optimizer)
             for precision in ("float32", "params=float32,compute=bfloat16,output=float32", F16)}
 
@@ -154,7 +154,7 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_state_bit_identical(jitted_
 def test_overflow_only_under_the_loss_scale_backs_off_then_applies_the_exact_gradient():
     """x = 96 in one row: the float16 scaled gradient S * 96 / 2 overflows for S >= 2**11 only."""
     optimizer = optax.sgd(0.5)
-    step = make_train_step(linear_loss, optimizer, precision=F16, num_microbatches=MICROBATCHES,
+    step = make_train_step(linear_loss, precision=F16, num_microbatches=MICROBATCHES,
                            max_grad_norm=100.0)
     state = init_state(optimizer, DynamicLossScale.create(2.0**15))
     batch = clean_batch(np.random.default_rng(7))
@@ -177,7 +177,7 @@ def test_overflow_only_under_the_loss_scale_backs_off_then_applies_the_exact_gra
 
 def test_a_finite_gradient_whose_norm_overflows_float32_is_skipped_not_zeroed():
     optimizer = optax.adam(1e-2)
-    step = make_train_step(linear_loss, optimizer, num_microbatches=MICROBATCHES, max_grad_norm=1.0)
+    step = make_train_step(linear_loss, num_microbatches=MICROBATCHES, max_grad_norm=1.0)
     state = init_state(optimizer, "none")
     before = host((state.params, state.opt_state))
     batch = clean_batch(np.random.default_rng(3))
@@ -207,7 +207,7 @@ def _same_bits(a: Any, b: Any) -> jax.Array:
 def adversarial_run() -> Any:
     """The raw step (``jit=False``) scanned over a sequence of batches: one compile for every sequence."""
     optimizer = optax.adam(1e-3)
-    step = make_train_step(linear_loss, optimizer, precision=F16, num_microbatches=MICROBATCHES,
+    step = make_train_step(linear_loss, precision=F16, num_microbatches=MICROBATCHES,
                            max_grad_norm=1.0, jit=False)
 
     @jax.jit
@@ -359,7 +359,7 @@ def one_line_error(capsys: Any) -> str:
 @pytest.fixture()
 def no_plot(monkeypatch):
     """The end-of-run chart costs seconds and is not what these tests are about."""
-    monkeypatch.setattr(leanstep.report, "plot_curves", lambda metrics, path, **kwargs: path)
+    monkeypatch.setattr(leanstep.training.curves, "plot_curves", lambda metrics, path, **kwargs: path)
 
 
 # --- 2. a run stuck at the minimum loss scale stops ----------------------------------------
@@ -369,19 +369,19 @@ def test_a_run_stuck_at_the_minimum_loss_scale_stops_and_keeps_its_last_good_che
         tmp_path, corpus, capsys, monkeypatch, no_plot):
     """From step 5 on every batch carries a NaN. The scale backs off 16 -> 1 over steps 5-8 (skips
     that are the loss scale doing its job), then sits at 1 for steps 9, 10, 11: stop after 3."""
-    real_make_train_step = trainer.make_train_step
+    real_make_train_step = build.make_train_step
 
-    def make_poisoned_step(loss_fn, optimizer, **kwargs):
+    def make_poisoned_step(loss_fn, **kwargs):
         def loss(params, batch):
             return loss_fn(params, {"tokens": batch["tokens"]}) * (1 + jnp.mean(batch["poison"]))
-        return real_make_train_step(loss, optimizer, **kwargs)
+        return real_make_train_step(loss, **kwargs)
 
     class PoisonedSampler(trainer.BatchSampler):
         def batch_at(self, step: int) -> dict:
             poison = np.full(self.batch_size, np.nan if step >= 4 else 0.0, np.float32)
             return {**super().batch_at(step), "poison": poison}
 
-    monkeypatch.setattr(trainer, "make_train_step", make_poisoned_step)
+    monkeypatch.setattr(build, "make_train_step", make_poisoned_step)
     monkeypatch.setattr(trainer, "BatchSampler", PoisonedSampler)
     run = tmp_path / "stuck"
     code = main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "40",
@@ -481,7 +481,7 @@ def test_a_corrupt_latest_checkpoint_is_passed_over_with_a_warning(tmp_path, cor
     corrupt(run / "checkpoints" / "6")
     assert _resume(run, corpus, 4) == 0
     err = " ".join(capsys.readouterr().err.split())
-    assert f"warning: skipped damaged checkpoint step 6: " in err and CORRUPTIONS[corrupt] in err
+    assert "warning: skipped damaged checkpoint step 6: " in err and CORRUPTIONS[corrupt] in err
     assert "warning: resuming from step 4, the newest intact checkpoint" in err
     # The damaged step is gone, the log is cut back to the state, and step 4 is the original.
     assert Checkpointer(run / "checkpoints").all_steps() == [2, 4]

@@ -24,7 +24,7 @@ import leanstep
 from leanstep import tasks
 from leanstep.cli.main import build_parser, main
 from leanstep.step import TrainState, make_train_step
-from leanstep.trainer import RunConfig, train
+from leanstep.training import RunConfig, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ def _batch(rows: int = 4, y_rows: int | None = None) -> dict[str, jax.Array]:
 
 
 def _step(batch: dict, loss_fn: Callable = _loss, state: Any = None, **kwargs: Any) -> Any:
-    return make_train_step(loss_fn, SGD, **kwargs)(_state() if state is None else state, batch)
+    return make_train_step(loss_fn, **kwargs)(_state() if state is None else state, batch)
 
 
 _MP = {"params": {"w": jnp.ones((2, 1)), "b": jnp.zeros(1)}, "x": jnp.ones((3, 2)), "y": jnp.ones((3, 1)),
@@ -91,33 +91,33 @@ def _as(tree: dict, dtype: Any) -> dict:
 def _train(paths: dict[str, Path], **fields: Any) -> Any:
     config = RunConfig(**{"size": "tiny", "data": str(paths["corpus"]), "out": str(paths["tmp"] / "api-run"),
                           **fields})
-    return train(config, console=None)
+    return train(config)
 
 
 API = [
     # make_train_step and its step
-    Case("step/loss_fn_not_callable", lambda p: make_train_step("loss", SGD), TypeError, "loss_fn must be callable"),
+    Case("step/loss_fn_not_callable", lambda p: make_train_step("loss"), TypeError, "loss_fn must be callable"),
     Case("step/optimizer_a_string", lambda p: make_train_step(_loss, "adam"), TypeError,
          "optimizer must be an optax.GradientTransformation"),
-    Case("step/num_microbatches_zero", lambda p: make_train_step(_loss, SGD, num_microbatches=0), ValueError,
-         "num_microbatches must be >= 1, got num_microbatches=0"),
-    Case("step/num_microbatches_negative", lambda p: make_train_step(_loss, SGD, num_microbatches=-2), ValueError,
+    Case("step/num_microbatches_zero", lambda p: make_train_step(_loss, num_microbatches=0), ValueError,
+         "num_microbatches must be >= 1, got 0"),
+    Case("step/num_microbatches_negative", lambda p: make_train_step(_loss, num_microbatches=-2), ValueError,
          "num_microbatches must be >= 1"),
-    Case("step/num_microbatches_float", lambda p: make_train_step(_loss, SGD, num_microbatches=2.0), TypeError,
+    Case("step/num_microbatches_float", lambda p: make_train_step(_loss, num_microbatches=2.0), TypeError,
          "num_microbatches must be a static Python int"),
-    Case("step/max_grad_norm_nan", lambda p: make_train_step(_loss, SGD, max_grad_norm=float("nan")), ValueError,
+    Case("step/max_grad_norm_nan", lambda p: make_train_step(_loss, max_grad_norm=float("nan")), ValueError,
          "max_grad_norm must be a positive finite number or None, got nan"),
-    Case("step/max_grad_norm_negative", lambda p: make_train_step(_loss, SGD, max_grad_norm=-1.0), ValueError,
+    Case("step/max_grad_norm_negative", lambda p: make_train_step(_loss, max_grad_norm=-1.0), ValueError,
          "max_grad_norm must be a positive finite number or None, got -1.0"),
-    Case("step/max_grad_norm_zero", lambda p: make_train_step(_loss, SGD, max_grad_norm=0), ValueError,
+    Case("step/max_grad_norm_zero", lambda p: make_train_step(_loss, max_grad_norm=0), ValueError,
          "max_grad_norm must be a positive finite number"),
-    Case("step/max_grad_norm_bool", lambda p: make_train_step(_loss, SGD, max_grad_norm=True), TypeError,
+    Case("step/max_grad_norm_bool", lambda p: make_train_step(_loss, max_grad_norm=True), TypeError,
          "max_grad_norm must be a number or None, got bool"),
-    Case("step/precision_unknown_dtype", lambda p: make_train_step(_loss, SGD, precision="compute=bf17"), ValueError,
+    Case("step/precision_unknown_dtype", lambda p: make_train_step(_loss, precision="compute=bf17"), ValueError,
          "unknown dtype name 'bf17' in precision spec"),
-    Case("step/precision_integer_dtype", lambda p: make_train_step(_loss, SGD, precision="compute=int8"), ValueError,
+    Case("step/precision_integer_dtype", lambda p: make_train_step(_loss, precision="compute=int8"), ValueError,
          "unknown dtype name 'int8'"),
-    Case("step/precision_not_a_spec", lambda p: make_train_step(_loss, SGD, precision=16), TypeError,
+    Case("step/precision_not_a_spec", lambda p: make_train_step(_loss, precision=16), TypeError,
          "spec=16 must be a Precision or a str"),
     Case("step/batch_not_divisible", lambda p: _step(_batch(6), num_microbatches=4), ValueError,
          "batch size 6 is not divisible by num_microbatches=4"),
@@ -139,7 +139,7 @@ API = [
          "has_aux=True: loss_fn must return (loss, aux)"),
     # TrainState.create
     Case("state/int_params", lambda p: TrainState.create({"w": jnp.zeros(2, jnp.int32)}, SGD), TypeError,
-         "params['w'] has dtype int32; parameters must be floating-point"),
+         "params['w'] has dtype int32; expected floating-point parameters"),
     Case("state/bool_params", lambda p: TrainState.create({"w": np.zeros(2, bool)}, SGD), TypeError,
          "params['w'] has dtype bool"),
     Case("state/complex_params", lambda p: TrainState.create({"w": jnp.zeros(2, jnp.complex64)}, SGD), TypeError,

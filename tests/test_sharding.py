@@ -33,10 +33,10 @@ from leanstep.sharding import (
     fsdp_partition_spec,
     shard_batch,
     shard_train_state,
-    split_strided_microbatches,
     state_shardings,
 )
-from leanstep.step import TrainState, make_train_step
+from leanstep.state import TrainState
+from leanstep.step import make_train_step
 
 SIZES = (3, 24, 5)  # d_in, hidden, d_out: no parameter shape (or shard of one) looks like a batch slice
 BATCH = 64  # 8 devices x 4 microbatches x 2 rows
@@ -121,20 +121,19 @@ def worker8(out: Path) -> None:
     from jax.sharding import NamedSharding
 
     mesh = data_mesh()
-    opt = optax.adam(1e-2)
     results: dict = {"devices": jax.device_count()}
     arrays: dict[str, np.ndarray] = {}
     # NaN in row 21: device 2's rows are 16..23; strided microbatch 21 % 4 = 1.
     data = [batch_at(0), batch_at(1, nan_row=21), batch_at(2)]
     for num_mb in (1, 4):
-        reference = make_train_step(mlp_loss, opt, num_microbatches=num_mb, **STEP_KW)
+        reference = make_train_step(mlp_loss, num_microbatches=num_mb, **STEP_KW)
         state = new_state()
         for t, batch in enumerate(data):
             state, metrics = reference(state, batch)
             arrays.update({f"ref{num_mb}/{t}{k}": v for k, v in flat((state, metrics._replace(aux=None))).items()})
         for fsdp in (False, True):
             tag = f"{'fsdp' if fsdp else 'dp'}{num_mb}"
-            step = make_train_step(mlp_loss, opt, num_microbatches=num_mb, mesh=mesh, fsdp=fsdp, **STEP_KW)
+            step = make_train_step(mlp_loss, num_microbatches=num_mb, mesh=mesh, fsdp=fsdp, **STEP_KW)
             state = shard_train_state(new_state(), mesh, fsdp=fsdp)
             results[f"{tag}/specs"] = {k: str(s.spec) for k, s in flat_shardings(state).items()}
             run = step
@@ -170,7 +169,7 @@ def worker8(out: Path) -> None:
                     in_shardings=(NamedSharding(mesh, PartitionSpec()), batch_sharding(mesh)))
     results["naive/collectives"] = collectives(naive.lower(init_params(), data[0]).compile().as_text())
     try:
-        make_train_step(mlp_loss, opt, num_microbatches=4, mesh=mesh)(
+        make_train_step(mlp_loss, num_microbatches=4, mesh=mesh)(
             new_state(), jax.tree.map(lambda v: v[:16], batch_at(0)))
         results["indivisible_error"] = None
     except ValueError as error:
@@ -188,7 +187,6 @@ def worker4(out: Path) -> None:
     _start(4)
     from leanstep.checkpoint import Checkpointer
 
-    opt = optax.adam(1e-2)
     arrays: dict[str, np.ndarray] = {}
     layouts = {"mesh4": (data_mesh(), True), "mesh1": (data_mesh(jax.devices()[:1]), False), "plain": (None, False)}
     results: dict = {"devices": jax.device_count()}
@@ -202,7 +200,7 @@ def worker4(out: Path) -> None:
                                         for k, s in flat_shardings(state).items()}
             results[f"{name}/num_devices"] = len(state.params["w1"].sharding.device_set)
             arrays.update({f"{name}/restored{k}": v for k, v in flat(state).items()})
-            step = make_train_step(mlp_loss, opt, num_microbatches=4, mesh=mesh, fsdp=fsdp, **STEP_KW)
+            step = make_train_step(mlp_loss, num_microbatches=4, mesh=mesh, fsdp=fsdp, **STEP_KW)
             for t in (3, 4):
                 batch = batch_at(t) if mesh is None else shard_batch(batch_at(t), mesh)
                 state, _ = step(state, batch)
@@ -310,32 +308,6 @@ def test_checkpoint_from_8_devices_restores_and_continues(multi_device, layout):
 # --- single-process tests ------------------------------------------------------------------------
 
 
-@settings(max_examples=20, deadline=None)
-@given(rows=st.integers(1, 6), num_mb=st.integers(1, 5), width=st.integers(1, 3))
-def test_split_strided_microbatches_matches_numpy(rows, num_mb, width):
-    size = rows * num_mb
-    x = np.arange(size * width, dtype=np.float32).reshape(size, width)
-    ids = np.arange(size, dtype=np.int32)
-    split = split_strided_microbatches({"x": x, "ids": ids}, num_mb)
-    for j in range(num_mb):
-        np.testing.assert_array_equal(split["x"][j], x[j::num_mb])
-        np.testing.assert_array_equal(split["ids"][j], ids[j::num_mb])
-    # Each of D contiguous row blocks (D * num_mb | size) meets every microbatch in one block of axis 1.
-    for num_shards in (d for d in range(1, rows + 1) if rows % d == 0):
-        block = rows // num_shards
-        for d in range(num_shards):
-            own = set(range(d * size // num_shards, (d + 1) * size // num_shards))
-            held = set(np.asarray(split["ids"][:, d * block:(d + 1) * block]).ravel().tolist())
-            assert held == own
-
-
-def test_split_strided_microbatches_errors():
-    with pytest.raises(ValueError, match="batch size 6 is not divisible by num_microbatches=4"):
-        split_strided_microbatches({"x": np.zeros(6)}, 4)
-    with pytest.raises(TypeError, match="num_microbatches"):
-        split_strided_microbatches({"x": np.zeros(6)}, 2.0)
-
-
 @settings(max_examples=50, deadline=None)
 @given(shape=st.lists(st.integers(1, 40), max_size=4), num_shards=st.integers(1, 9))
 def test_fsdp_partition_spec_picks_largest_divisible_dimension(shape, num_shards):
@@ -368,11 +340,11 @@ def test_bad_mesh_and_axis():
     with pytest.raises(ValueError, match=r"data_axis='batch' is not an axis of the mesh; its axes are \('data',\)"):
         state_shardings(new_state(), mesh, data_axis="batch")
     with pytest.raises(ValueError, match="data_axis='batch'"):
-        make_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, data_axis="batch")
+        make_train_step(mlp_loss, mesh=mesh, data_axis="batch")
     with pytest.raises(ValueError, match="fsdp=True shards the state over a mesh"):
-        make_train_step(mlp_loss, optax.sgd(0.1), fsdp=True)
+        make_train_step(mlp_loss, fsdp=True)
     with pytest.raises(TypeError, match="fsdp must be a bool, got str 'yes'"):
-        make_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, fsdp="yes")
+        make_train_step(mlp_loss, mesh=mesh, fsdp="yes")
     with pytest.raises(ValueError, match=r"batch\['s'\] has shape \(\); its leading"):
         shard_batch({"s": np.float32(1.0)}, mesh)
     with pytest.raises(ValueError, match="at least one device"):
@@ -389,11 +361,10 @@ def test_one_device_mesh_step_matches_plain_step_and_keeps_rng_per_microbatch():
         return mlp_loss(params, batch), (batch["x"][:, 0], noise)
 
     kw = dict(num_microbatches=4, has_aux=True, uses_rng=True, **STEP_KW)
-    opt = optax.adam(1e-2)
     batch = batch_at(0)
-    plain_state, plain = make_train_step(loss_fn, opt, **kw)(new_state(), batch)
+    plain_state, plain = make_train_step(loss_fn, **kw)(new_state(), batch)
     state = shard_train_state(new_state(), mesh)
-    mesh_state, sharded = make_train_step(loss_fn, opt, mesh=mesh, **kw)(state, shard_batch(batch, mesh))
+    mesh_state, sharded = make_train_step(loss_fn, mesh=mesh, **kw)(state, shard_batch(batch, mesh))
     assert_close(flat(mesh_state), flat(plain_state))
     np.testing.assert_allclose(sharded.loss, plain.loss, rtol=1e-6)
     x0 = batch["x"][:, 0]

@@ -24,7 +24,8 @@ from jax.extend import core as jex_core
 
 from leanstep.clipping import clip_by_global_norm_transform
 from leanstep.loss_scale import DynamicLossScale, StaticLossScale
-from leanstep.step import StepMetrics, TrainState, make_train_step
+from leanstep.state import StepMetrics, TrainState
+from leanstep.step import make_train_step
 
 F32_MAX = float(np.finfo(np.float32).max)
 BATCH = 12
@@ -245,7 +246,7 @@ def test_jaxpr_one_scan_with_grad_inside_in_compute_dtype_float32_carry(num_micr
 
     opt = optax.adamw(1e-3)
     state = TrainState.create(init_mlp(), opt, loss_scale="dynamic")
-    step = make_train_step(loss_fn, opt, precision="params=float32,compute=bfloat16,output=float32",
+    step = make_train_step(loss_fn, precision="params=float32,compute=bfloat16,output=float32",
                            num_microbatches=num_microbatches, max_grad_norm=1.0, jit=False)
     closed = jax.make_jaxpr(step)(state, make_batch(0))
     scans = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "scan"]
@@ -272,7 +273,7 @@ def test_jaxpr_one_scan_with_grad_inside_in_compute_dtype_float32_carry(num_micr
 def test_unscale_happens_once_after_the_scan():
     opt = optax.sgd(0.1)
     state = TrainState.create(init_mlp(), opt, loss_scale=StaticLossScale.create(3.0))
-    step = make_train_step(mse_loss, opt, precision="compute=bfloat16", num_microbatches=3,
+    step = make_train_step(mse_loss, precision="compute=bfloat16", num_microbatches=3,
                            max_grad_norm=1.0, jit=False)
     events = _scale_events(step, (state, make_batch(0)), state.loss_scale.loss_scale)
     assert ("recip", False) in events  # the unscale exists, outside the scan
@@ -289,7 +290,7 @@ def test_gradients_accumulate_in_float32():
 
     opt = grad_probe()
     state = TrainState.create({"w": jnp.ones((1,))}, opt)
-    step = make_train_step(loss_fn, opt, precision="compute=bfloat16", num_microbatches=16)
+    step = make_train_step(loss_fn, precision="compute=bfloat16", num_microbatches=16)
     state, _ = step(state, {"x": values.astype(np.float32)})
     float32_sum = float(np.float32(np.sum(values.astype(np.float64)) / 16))
     bfloat16_sum = ml_dtypes.bfloat16(0)
@@ -322,7 +323,7 @@ def test_microbatches_match_full_batch(full_batch_trajectory, num_microbatches):
     name, trajectory = full_batch_trajectory
     opt = OPTIMIZERS[name]()
     state = TrainState.create(init_mlp(), opt)
-    step = make_train_step(mse_loss, opt, num_microbatches=num_microbatches)
+    step = make_train_step(mse_loss, num_microbatches=num_microbatches)
     for t, (params, opt_state, loss) in enumerate(trajectory):
         state, metrics = step(state, make_batch(t))
         assert_trees_close(state.params, params)
@@ -342,7 +343,7 @@ def test_clipping_is_of_the_accumulated_unscaled_gradient():
     x = np.array([[10.0, 0.0], [10.0, 0.0], [-6.0, 8.0], [-6.0, 8.0]], np.float32)
     opt = grad_probe()
     state = TrainState.create({"w": jnp.zeros(2)}, opt, loss_scale=StaticLossScale.create(2.0**12))
-    step = make_train_step(loss_fn, opt, num_microbatches=2, max_grad_norm=1.0)
+    step = make_train_step(loss_fn, num_microbatches=2, max_grad_norm=1.0)
     state, metrics = step(state, {"x": x})
 
     full = x.astype(np.float64).mean(axis=0)
@@ -370,7 +371,7 @@ def test_clipping_matches_optax_reference_on_an_mlp():
 
     opt = optax.sgd(0.5)
     state = TrainState.create(init_mlp(), opt, loss_scale="dynamic")
-    step = make_train_step(mse_loss, opt, num_microbatches=3, max_grad_norm=max_norm)
+    step = make_train_step(mse_loss, num_microbatches=3, max_grad_norm=max_norm)
     state, metrics = step(state, batch)
     assert_trees_close(state.params, params)
     np.testing.assert_allclose(float(metrics.grad_norm), full_norm, rtol=1e-5)
@@ -405,7 +406,7 @@ def _scale_model(scale, good, finite):
 @pytest.fixture(scope="module")
 def skipping_step():
     opt = optax.adamw(1e-2, weight_decay=1e-2)
-    step = make_train_step(mse_loss, opt, num_microbatches=3, max_grad_norm=10.0)
+    step = make_train_step(mse_loss, num_microbatches=3, max_grad_norm=10.0)
 
     def fresh_state():
         scale = DynamicLossScale.create(2.0**10, growth_interval=GROWTH_INTERVAL)
@@ -478,7 +479,7 @@ def test_overflow_only_when_scaled_backs_off_to_the_closed_form():
     opt = optax.sgd(1e-6)
     scale = DynamicLossScale.create(initial, growth_interval=1000, max_loss_scale=2.0**127)
     state = TrainState.create({"w": jnp.ones(2)}, opt, loss_scale=scale)
-    step = make_train_step(loss_fn, opt)
+    step = make_train_step(loss_fn)
     gradient = x.astype(np.float64).mean(axis=0)
     # Closed form: halvings until the scaled gradient fits under float32's maximum.
     expected_skips = next(k for k in range(200) if initial * 2.0**-k * np.max(np.abs(gradient)) <= F32_MAX)
@@ -522,7 +523,7 @@ def test_token_weighted_equals_full_batch_token_mean():
     params = {"w": np.array([0.5, -1.0], np.float32)}
     opt = grad_probe()
     state = TrainState.create(params, opt)
-    step = make_train_step(sum_and_count, opt, num_microbatches=4, token_weighted=True)
+    step = make_train_step(sum_and_count, num_microbatches=4, token_weighted=True)
     state, metrics = step(state, batch)
     loss, grads = jax.jit(jax.value_and_grad(token_mean))(params, batch)
     np.testing.assert_allclose(float(metrics.loss), float(loss), rtol=1e-6)
@@ -567,7 +568,7 @@ def _matches_reference(loss_fn, params, opt, steps: int = 4) -> None:
     ref = reference_step(loss_fn, opt)
     ref_params, ref_opt_state = params, opt.init(params)
     state = TrainState.create(params, opt)
-    step = make_train_step(loss_fn, opt, num_microbatches=2)
+    step = make_train_step(loss_fn, num_microbatches=2)
     losses = []
     for t in range(steps):
         batch = make_batch(20, size=8)
@@ -629,7 +630,7 @@ def test_aux_is_stacked_over_microbatches():
     opt = optax.sgd(0.1)
     state = TrainState.create(init_mlp(), opt)
     params = snapshot(state.params)
-    step = make_train_step(loss_fn, opt, num_microbatches=3, has_aux=True)
+    step = make_train_step(loss_fn, num_microbatches=3, has_aux=True)
     batch = make_batch(5)
     state, metrics = step(state, batch)
     assert isinstance(metrics, StepMetrics)
@@ -650,7 +651,7 @@ def test_rng_differs_per_microbatch_and_step_and_is_deterministic():
         return jnp.mean((mlp(params, x) - batch["y"]) ** 2), jax.random.key_data(rng)
 
     opt = optax.sgd(0.1)
-    step = make_train_step(dropout_loss, opt, num_microbatches=3, has_aux=True, uses_rng=True, donate=False)
+    step = make_train_step(dropout_loss, num_microbatches=3, has_aux=True, uses_rng=True, donate=False)
     batch = make_batch(6)
     state = TrainState.create(init_mlp(), opt, seed=0)
     next_state, metrics = step(state, batch)
@@ -687,7 +688,7 @@ def test_bfloat16_compute_with_dynamic_scale_trains_on_float32_masters():
 
     opt = optax.adam(3e-2)
     state = TrainState.create(init_mlp(2, (3, 8, 2)), opt, loss_scale="dynamic")
-    step = make_train_step(loss_fn, opt, precision="params=float32,compute=bfloat16,output=float32",
+    step = make_train_step(loss_fn, precision="params=float32,compute=bfloat16,output=float32",
                            num_microbatches=2, max_grad_norm=5.0)
     batch = make_batch(8)
     losses = []
@@ -717,25 +718,52 @@ def test_bfloat16_compute_with_dynamic_scale_trains_on_float32_masters():
         ({"max_grad_norm": -1.0}, ValueError, r"max_grad_norm.*-1\.0"),
         ({"max_grad_norm": float("nan")}, ValueError, r"max_grad_norm.*nan"),
         ({"max_grad_norm": float("inf")}, ValueError, r"max_grad_norm.*inf"),
-        ({"has_aux": True, "token_weighted": True}, ValueError, r"has_aux.*token_weighted"),
+        ({"split": "rows"}, ValueError, r"unknown split='rows'"),
+        ({"has_aux": 1}, TypeError, r"has_aux must be a bool"),
     ],
 )
 def test_bad_settings_raise_naming_the_argument(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
-        make_train_step(mse_loss, optax.sgd(0.1), **kwargs)
+        make_train_step(mse_loss, **kwargs)
 
 
-@pytest.mark.parametrize("optimizer", [optax.sgd, (lambda p: None, lambda u, s, p=None: (u, s)), None])
+@pytest.mark.parametrize("optimizer", [optax.sgd, (lambda p: None, lambda u, s, p=None: (u, s)), None, "adam"])
 def test_non_optax_optimizer_raises(optimizer):
     with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
-        make_train_step(mse_loss, optimizer)
-    with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
         TrainState.create(init_mlp(), optimizer)
+    if optimizer is not None:  # the deprecated second argument is checked too
+        with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
+            make_train_step(mse_loss, optimizer)
+
+
+def test_deprecated_optimizer_argument_warns_and_is_used_instead_of_the_states():
+    """The old form make_train_step(loss_fn, optimizer) still works for one release: with a
+    DeprecationWarning, applying the optimizer it was given (not the state's), compiling once."""
+    batch = make_batch(0)
+    with pytest.warns(DeprecationWarning, match="the optimizer is given once, to TrainState.create"):
+        old = make_train_step(mse_loss, optax.sgd(0.5), num_microbatches=2)
+    new = make_train_step(mse_loss, num_microbatches=2)
+    state_old = state_new = None
+    for _ in range(2):
+        state_old, _ = old(state_old or TrainState.create(init_mlp(), optax.sgd(0.01)), batch)
+        state_new, _ = new(state_new or TrainState.create(init_mlp(), optax.sgd(0.5)), batch)
+    assert_bit_identical(state_old.params, state_new.params)
+    assert old._cache_size() == 1
+
+
+def test_optimizer_is_static_state_metadata():
+    opt = optax.adam(1e-3)
+    state = TrainState.create(init_mlp(), opt)
+    assert state.optimizer is opt and opt not in jax.tree.leaves(state)
+    out = jax.jit(lambda s: s)(state)
+    assert out.optimizer is opt
+    with pytest.raises(TypeError, match="optimizer must be hashable"):
+        TrainState.create(init_mlp(), optax.GradientTransformation([], lambda u, s, p=None: (u, s)))
 
 
 def test_non_callable_loss_raises():
     with pytest.raises(TypeError, match="loss_fn must be callable, got str"):
-        make_train_step("mse", optax.sgd(0.1))
+        make_train_step("mse")
 
 
 def test_indivisible_batch_raises_at_call_naming_the_sizes(skipping_step):

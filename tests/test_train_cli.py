@@ -8,13 +8,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
 import pytest
 
 from leanstep import Checkpointer, TrainState
 from leanstep.cli.main import main
 from leanstep.models import build_model
-from leanstep.trainer import RunConfig, build_optimizer
+from leanstep.training import RunConfig, build_optimizer
 
 TINY = ["--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--microbatches", "2",
         "--eval-every", "10", "--eval-batches", "2", "--checkpoint-every", "10", "--no-progress",

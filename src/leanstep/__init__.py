@@ -6,40 +6,59 @@ gradient norm, and rematerialization, composed in the right order by
 :func:`make_train_step`. The seed contracts live in :mod:`leanstep.tasks`.
 """
 
-from leanstep.accumulation import microbatched_value_and_grad, split_microbatches
-from leanstep.audit import AuditReport, audit
-from leanstep.checkpoint import CheckpointError, Checkpointer, RestoreResult
-from leanstep.clipping import clip_by_global_norm, clip_by_global_norm_transform, global_norm
+from leanstep.accumulation import microbatched_value_and_grad
+from leanstep.auditing import AuditReport, audit
+from leanstep.checkpoint import Checkpointer, CheckpointError, RestoreResult
+from leanstep.clipping import (
+    clip_by_global_norm,
+    clip_by_global_norm_transform,
+    global_norm,
+)
+from leanstep.gradients import Gradients, gradient_stage
 from leanstep.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
     all_finite,
-    get_loss_scale,
 )
-from leanstep.plan import BudgetError, Plan, plan
-from leanstep.precision import Precision, get_precision, strict_precision
-from leanstep.remat import (
+from leanstep.loss_scale_registry import get_loss_scale
+from leanstep.microbatches import (
+    SPLITS,
+    get_splitter,
+    presplit_microbatches,
+    split_microbatches,
+    split_strided_microbatches,
+)
+from leanstep.planning import BudgetError, Plan, plan
+from leanstep.precision import Precision, get_precision
+from leanstep.rematerialization import (
     REMAT_POLICIES,
-    ResidualReport,
     checkpoint_name,
     get_remat_policy,
     remat,
-    saved_residuals_report,
 )
+from leanstep.residuals import ResidualReport, saved_residuals_report
+from leanstep.rounding import strict_precision
 from leanstep.sharding import (
+    ShardingLayer,
     batch_sharding,
     data_mesh,
     fsdp_partition_spec,
     shard_batch,
     shard_train_state,
-    split_strided_microbatches,
     state_shardings,
 )
-from leanstep.step import StepMetrics, TrainState, make_train_step
+from leanstep.state import StepMetrics, TrainState
+from leanstep.step import make_train_step
+from leanstep.update import (
+    GuardedState,
+    UpdateInfo,
+    guarded_update,
+    guarded_update_transform,
+)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AuditReport",
@@ -47,6 +66,8 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DynamicLossScale",
+    "Gradients",
+    "GuardedState",
     "LossScale",
     "NoOpLossScale",
     "Plan",
@@ -54,9 +75,12 @@ __all__ = [
     "REMAT_POLICIES",
     "ResidualReport",
     "RestoreResult",
+    "SPLITS",
+    "ShardingLayer",
     "StaticLossScale",
     "StepMetrics",
     "TrainState",
+    "UpdateInfo",
     "all_finite",
     "audit",
     "batch_sharding",
@@ -68,10 +92,15 @@ __all__ = [
     "get_loss_scale",
     "get_precision",
     "get_remat_policy",
+    "get_splitter",
     "global_norm",
+    "gradient_stage",
+    "guarded_update",
+    "guarded_update_transform",
     "make_train_step",
     "microbatched_value_and_grad",
     "plan",
+    "presplit_microbatches",
     "remat",
     "saved_residuals_report",
     "shard_batch",

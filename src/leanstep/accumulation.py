@@ -16,96 +16,14 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import DTypeLike
 
-__all__ = [
-    "split_microbatches",
-    "init_grad_accumulator",
-    "microbatched_value_and_grad",
-]
+from leanstep._checks import check_bool
+from leanstep.microbatches import Splitter, check_num_microbatches, get_splitter
+
+__all__ = ["init_grad_accumulator", "microbatched_value_and_grad"]
 
 Tree = TypeVar("Tree")
-
-
-def _check_num_microbatches(num_microbatches: Any) -> int:
-    if isinstance(num_microbatches, (bool, np.bool_)) or not isinstance(
-        num_microbatches, (int, np.integer)
-    ):
-        raise TypeError(
-            "num_microbatches must be a static Python int >= 1, got "
-            f"{num_microbatches!r} of type {type(num_microbatches).__name__}"
-        )
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got num_microbatches={num_microbatches}")
-    return int(num_microbatches)
-
-
-def split_microbatches(batch: Tree, num_microbatches: int) -> Tree:
-    r"""Reshape every leaf of ``batch`` from ``(B, ...)`` to ``(num_microbatches, S, ...)``.
-
-    With :math:`S = B / \text{num\_microbatches}`, microbatch :math:`j` holds rows
-    :math:`jS, \dots, (j+1)S - 1` of every leaf (a reshape: no copy, no reordering).
-
-    Args:
-      batch: a pytree whose leaves are arrays sharing a leading batch axis of size B >= 1.
-      num_microbatches: a Python int >= 1 that divides B.
-
-    Returns:
-      ``batch`` with every leaf reshaped to ``(num_microbatches, S) + leaf.shape[1:]``.
-
-    Raises:
-      TypeError: ``num_microbatches`` is not an int.
-      ValueError: ``num_microbatches < 1``; ``batch`` has no leaves; a leaf has no
-        leading axis or a leading size different from the others (the message names the
-        leaf path); B is 0 or not divisible by ``num_microbatches``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from leanstep.accumulation import split_microbatches
-      >>> split = split_microbatches({"x": jnp.arange(6.0), "y": jnp.zeros((6, 2))}, 3)
-      >>> split["x"], split["y"].shape
-      (Array([[0., 1.],
-             [2., 3.],
-             [4., 5.]], dtype=float32), (3, 2, 2))
-      >>> split_microbatches({"x": jnp.arange(6.0)}, 4)
-      Traceback (most recent call last):
-      ...
-      ValueError: batch size 6 is not divisible by num_microbatches=4
-    """
-    num_microbatches = _check_num_microbatches(num_microbatches)
-    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(batch)
-    if not leaves_with_paths:
-        raise ValueError(
-            "batch must have at least one array leaf with a leading batch axis, got "
-            f"{batch!r}"
-        )
-    batch_size = None
-    first_path = ""
-    for path, leaf in leaves_with_paths:
-        name = f"batch{jax.tree_util.keystr(path)}"
-        shape = jnp.shape(leaf)
-        if len(shape) == 0:
-            raise ValueError(f"{name} is a scalar; every batch leaf needs a leading batch axis")
-        if batch_size is None:
-            batch_size, first_path = shape[0], name
-        elif shape[0] != batch_size:
-            raise ValueError(
-                f"{name} has leading size {shape[0]} but {first_path} has {batch_size}; "
-                "every batch leaf must share the leading batch axis"
-            )
-    if batch_size == 0:
-        raise ValueError("batch size is 0; an empty batch has no loss or gradient")
-    if batch_size % num_microbatches:
-        raise ValueError(
-            f"batch size {batch_size} is not divisible by num_microbatches={num_microbatches}"
-        )
-    rows = batch_size // num_microbatches
-    split = [
-        jnp.reshape(leaf, (num_microbatches, rows) + tuple(jnp.shape(leaf)[1:]))
-        for _, leaf in leaves_with_paths
-    ]
-    return jax.tree.unflatten(treedef, split)
 
 
 def init_grad_accumulator(params: Tree, accum_dtype: DTypeLike = jnp.float32) -> Tree:
@@ -121,7 +39,6 @@ def init_grad_accumulator(params: Tree, accum_dtype: DTypeLike = jnp.float32) ->
 
     Example:
       >>> import jax.numpy as jnp
-      >>> from leanstep.accumulation import init_grad_accumulator
       >>> init_grad_accumulator({"w": jnp.ones((2,), jnp.bfloat16)})
       {'w': Array([0., 0.], dtype=float32)}
     """
@@ -146,11 +63,13 @@ def microbatched_value_and_grad(
     has_aux: bool = False,
     accum_dtype: DTypeLike = jnp.float32,
     token_weighted: bool = False,
+    split: str | Splitter = "contiguous",
+    with_index: bool = False,
 ) -> Callable[[Any, Any], tuple[Any, Any]]:
     r"""Like ``jax.value_and_grad(loss_fn)``, with the batch processed in microbatches.
 
     The returned function ``(params, batch) -> (loss, grads)`` splits ``batch`` with
-    :func:`split_microbatches` and runs **one** ``lax.scan`` of length
+    ``split`` (see :mod:`leanstep.microbatches`; contiguous by default) and runs **one** ``lax.scan`` of length
     ``num_microbatches``; its body calls ``jax.value_and_grad(loss_fn)`` on one
     microbatch of S rows and adds the result into the carry (a Python loop never unrolls
     the microbatches, and nothing differentiates through the scan).
@@ -194,19 +113,25 @@ def microbatched_value_and_grad(
         leading axis of size ``num_microbatches`` (entry j from microbatch j).
       accum_dtype: floating dtype of the gradient accumulator and returned grads.
       token_weighted: ``loss_fn`` returns ``(loss_sum, count)``; see above.
+      split: how the batch becomes microbatches: ``"contiguous"``, ``"strided"``,
+        ``"presplit"`` (the batch is already ``(num_microbatches, S, ...)``) or a callable
+        ``splitter(batch, num_microbatches)``. The loss and gradient of a row-wise mean
+        loss do not depend on it; per-microbatch ``aux`` follows the split's rows.
+      with_index: call ``loss_fn(params, microbatch, index)`` with the microbatch's int32
+        index ``0 <= index < num_microbatches`` (for a per-microbatch PRNG key, say).
 
     Returns:
       A function ``(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
       ``has_aux``), traceable under ``jax.jit``.
 
     Raises:
-      TypeError: ``num_microbatches`` is not an int or ``accum_dtype`` not floating
-        (now); the batch errors of :func:`split_microbatches` (at call or trace time).
-      ValueError: ``num_microbatches < 1`` (now).
+      TypeError: ``num_microbatches`` is not an int, ``accum_dtype`` not floating or
+        ``split`` not a splitter (now); the batch errors of the splitter (at call or
+        trace time).
+      ValueError: ``num_microbatches < 1`` or an unknown ``split`` name (now).
 
     Example:
       >>> import jax, jax.numpy as jnp
-      >>> from leanstep.accumulation import microbatched_value_and_grad
       >>> def loss_fn(w, batch):
       ...     return jnp.mean((batch["x"] * w - batch["y"]) ** 2)
       >>> batch = {"x": jnp.array([1.0, 2.0, 3.0, 4.0]), "y": jnp.array([2.0, 4.0, 6.0, 9.0])}
@@ -216,12 +141,14 @@ def microbatched_value_and_grad(
       >>> jax.value_and_grad(loss_fn)(w, batch)
       (Array(0.25, dtype=float32), Array(-2., dtype=float32))
     """
-    num_microbatches = _check_num_microbatches(num_microbatches)
+    num_microbatches = check_num_microbatches(num_microbatches)
     dtype = _check_accum_dtype(accum_dtype)
+    splitter = get_splitter(split)
+    with_index = check_bool("with_index", with_index)
 
-    def objective(params: Any, microbatch: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+    def objective(params: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, tuple[Any, Any]]:
         # value_and_grad differentiates the first output only; count and aux ride along.
-        out = loss_fn(params, microbatch)
+        out = loss_fn(params, microbatch, *index)
         value, aux = out if has_aux else (out, None)
         if token_weighted:
             loss_sum, count = value
@@ -232,13 +159,15 @@ def microbatched_value_and_grad(
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
     def accumulate(params: Any, batch: Any) -> tuple[Any, Any]:
-        microbatches = split_microbatches(batch, num_microbatches)
+        microbatches = splitter(batch, num_microbatches)
+        if with_index:  # the index rides along the scanned inputs, never inside the batch
+            microbatches = (microbatches, jnp.arange(num_microbatches, dtype=jnp.int32))
         zero = jnp.zeros((), jnp.float32)
         init = (zero, zero, init_grad_accumulator(params, dtype))
 
-        def body(carry: tuple, microbatch: Any) -> tuple[tuple, Any]:
+        def body(carry: tuple, inputs: Any) -> tuple[tuple, Any]:
             loss_total, count_total, grads_total = carry
-            (loss, (count, aux)), grads = grad_fn(params, microbatch)
+            (loss, (count, aux)), grads = grad_fn(params, *(inputs if with_index else (inputs,)))
             if token_weighted:
                 count_total = count_total + jnp.asarray(count).astype(jnp.float32)
             grads_total = jax.tree.map(lambda a, g: a + g.astype(dtype), grads_total, grads)

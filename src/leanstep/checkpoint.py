@@ -8,20 +8,17 @@ Layout of a checkpoint directory::
     <directory>/<step>.orbax-checkpoint-tmp/      a save in progress (or interrupted)
 
 Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` only when
-complete, so an interrupted save is never listed. The manifest is written after the rename
-(temporary file + ``os.replace``); a step without a valid manifest, or whose files do not match
-it, is never restored, and :meth:`Checkpointer.restore` falls back to the newest step that
-passes. Old steps are deleted only after the newer step's manifest is on disk.
+complete, so an interrupted save is never listed. The manifest (:mod:`leanstep.checkpoint_manifest`)
+is written after the rename (temporary file + ``os.replace``); a step without a valid manifest,
+or whose files do not match it, is never restored, and :meth:`Checkpointer.restore` falls back
+to the newest step that passes. Old steps are deleted only after the newer step's manifest is on disk.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import operator
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,22 +26,23 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from leanstep._checks import is_int
+from leanstep.checkpoint_manifest import (
+    MANIFEST_NAME,
+    RejectedStep,
+    verify_manifest,
+    write_manifest,
+)
+
 __all__ = ["CheckpointError", "Checkpointer", "RestoreResult", "MANIFEST_NAME"]
 
-MANIFEST_NAME = "leanstep_manifest.json"
-_MANIFEST_FORMAT = "leanstep-checkpoint-manifest/1"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
-_CHUNK = 1 << 20
 
 logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or no checkpoint could be restored."""
-
-
-class _Rejected(Exception):
-    """One step failed verification or restore; the message says why."""
 
 
 class RestoreResult(NamedTuple):
@@ -115,59 +113,6 @@ def _check_json(value: Any, where: str) -> None:
         )
 
 
-def _hash_files(step_dir: Path) -> dict[str, list[Any]]:
-    files = {}
-    for root, dirs, names in os.walk(step_dir):
-        dirs.sort()
-        for name in sorted(names):
-            path = Path(root, name)
-            rel = path.relative_to(step_dir).as_posix()
-            if rel.startswith(MANIFEST_NAME):
-                continue
-            digest, size = hashlib.sha256(), 0
-            with open(path, "rb") as f:
-                while chunk := f.read(_CHUNK):
-                    digest.update(chunk)
-                    size += len(chunk)
-            files[rel] = [size, digest.hexdigest()]
-    return files
-
-
-def _digest(body: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def _write_json_atomically(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _first_three(problems: list[str]) -> str:
-    return "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
-
-
-def _describe_mismatch(saved: list[list[Any]], wanted: list[list[Any]]) -> str:
-    on_disk = {path: f"{dtype}{shape}" for path, shape, dtype in saved}
-    template = {path: f"{dtype}{shape}" for path, shape, dtype in wanted}
-    problems = [f"{p} missing from the checkpoint" for p in template if p not in on_disk]
-    problems += [f"{p} in the checkpoint but not in the template" for p in on_disk if p not in template]
-    problems += [
-        f"{p} is {on_disk[p]} in the checkpoint, {t} in the template"
-        for p, t in template.items()
-        if p in on_disk and on_disk[p] != t
-    ]
-    return "state does not match the template: " + _first_three(problems or ["leaves in another order"])
-
-
 class Checkpointer:
     """Saves and restores a train-state pytree plus a JSON dict, keeping the newest ``max_to_keep``.
 
@@ -209,7 +154,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int = 3) -> None:
-        if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1:
+        if not is_int(max_to_keep) or max_to_keep < 1:
             raise ValueError(f"max_to_keep must be an int >= 1, got {max_to_keep!r}")
         path = Path(directory).expanduser().absolute()
         if path.exists() and not path.is_dir():
@@ -324,11 +269,9 @@ class Checkpointer:
         primary = jax.process_index() == 0
         for step, specs in pending:
             step_dir = self.directory / str(step)
-            body = {"format": _MANIFEST_FORMAT, "step": step, "leaves": specs}
             try:
                 if primary:
-                    body["files"] = _hash_files(step_dir)
-                    _write_json_atomically(step_dir / MANIFEST_NAME, {**body, "digest": _digest(body)})
+                    write_manifest(step_dir, step, specs)
             except OSError as e:  # the step stays unverified, so restore never picks it
                 raise CheckpointError(f"writing the manifest of {step_dir} failed: {e}") from e
         if pending:
@@ -370,34 +313,6 @@ class Checkpointer:
             self._delete(s)
         return newer
 
-    def _verify(self, step: int, specs: list[list[Any]]) -> None:
-        step_dir = self.directory / str(step)
-        try:
-            with open(step_dir / MANIFEST_NAME) as f:
-                manifest = json.load(f)
-        except FileNotFoundError:
-            raise _Rejected("no manifest (the save was interrupted before it was verified)") from None
-        except (OSError, ValueError) as e:
-            raise _Rejected(f"manifest unreadable: {e}") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != _MANIFEST_FORMAT:
-            raise _Rejected(f"manifest is not a {_MANIFEST_FORMAT} manifest")
-        digest = manifest.pop("digest", None)
-        if digest != _digest(manifest) or manifest.get("step") != step:
-            raise _Rejected("manifest is corrupted (its digest or step does not match)")
-        expected, found = manifest["files"], _hash_files(step_dir)
-        problems = [f"{f} missing" for f in sorted(expected.keys() - found.keys())]
-        problems += [f"{f} unexpected" for f in sorted(found.keys() - expected.keys())]
-        for name in sorted(expected.keys() & found.keys()):
-            (size, sha), (found_size, found_sha) = expected[name], found[name]
-            if found_size != size:
-                problems.append(f"{name} has {found_size} bytes, expected {size}")
-            elif found_sha != sha:
-                problems.append(f"{name} has the wrong sha256")
-        if problems:
-            raise _Rejected("files do not match the manifest: " + _first_three(problems))
-        if manifest["leaves"] != specs:
-            raise _Rejected(_describe_mismatch(manifest["leaves"], specs))
-
     def restore(self, template_state: Any, *, step: int | None = None) -> RestoreResult:
         """Restores the newest good checkpoint (or ``step``) into the structure of ``template_state``.
 
@@ -432,7 +347,7 @@ class Checkpointer:
         skipped: list[str] = []
         for candidate in [step] if step is not None else reversed(steps):
             try:
-                self._verify(candidate, specs)
+                verify_manifest(self.directory / str(candidate), candidate, specs)
                 try:
                     restored = self._manager.restore(
                         candidate,
@@ -441,8 +356,8 @@ class Checkpointer:
                         ),
                     )
                 except Exception as e:
-                    raise _Rejected(f"orbax could not restore it: {type(e).__name__}: {e}") from e
-            except _Rejected as e:
+                    raise RejectedStep(f"orbax could not restore it: {type(e).__name__}: {e}") from e
+            except RejectedStep as e:
                 skipped.append(f"step {candidate}: {e}")
                 logger.warning("skipping checkpoint %s/%d: %s", self.directory, candidate, e)
                 continue

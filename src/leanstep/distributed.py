@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
+
+from leanstep._checks import is_int
 
 __all__ = ["configure_devices", "device_mesh"]
 
@@ -21,7 +22,7 @@ _ADDRESS = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5}
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 

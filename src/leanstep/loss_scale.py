@@ -11,13 +11,12 @@ Every loss scale here is an immutable pytree with the same interface
 (:class:`LossScale`): ``loss_scale``, ``scale(loss)``, ``unscale(grads)`` and
 ``adjust(grads_finite)``. Settings that never change during training are static
 pytree metadata, so they survive ``jax.jit``, ``lax.scan`` and ``jax.tree.map``.
+:func:`leanstep.loss_scale_registry.get_loss_scale` builds one from its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
@@ -25,66 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-__all__ = [
-    "DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "all_finite", "get_loss_scale"
-]
+from leanstep._checks import (
+    INT32_MAX,
+    check_bool_scalar,
+    check_finite_float32,
+    check_positive_float32_scalar,
+    check_positive_int32,
+)
+
+__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "all_finite"]
 
 T = TypeVar("T")
 
-_F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)
-_INT32_MAX = int(np.iinfo(np.int32).max)
 _INT_SETTINGS = ("growth_interval", "hysteresis")
 _FLOAT_SETTINGS = ("growth_factor", "backoff_factor", "min_loss_scale", "max_loss_scale")
-
-
-def _check_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool {value!r}")
-    try:
-        as_int = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if not 1 <= as_int <= _INT32_MAX:
-        raise ValueError(f"{name} must be an int in [1, 2**31 - 1], got {value!r}")
-    return as_int
-
-
-def _check_f32(name: str, value: Any) -> float:
-    """Returns ``value`` rounded to float32 (the precision it is applied in)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    as_float = float(value)
-    # Checked before the float32 cast so that the cast cannot overflow.
-    if not math.isfinite(as_float) or abs(as_float) > _F32_MAX:
-        raise ValueError(f"{name} must be finite in float32 (|x| <= {_F32_MAX:.7g}), got {value!r}")
-    return float(np.float32(as_float))
-
-
-def _scalar_f32(name: str, value: ArrayLike) -> jax.Array:
-    """A float32 scalar; a concrete value must also be finite and > 0."""
-    if np.shape(value) != ():
-        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
-    try:
-        dtype = None if value is None else jnp.result_type(value)
-    except TypeError:
-        dtype = None
-    if dtype is None or not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    if not isinstance(value, jax.core.Tracer):
-        as_float = float(np.asarray(value, np.float64))
-        if not (0.0 < as_float <= _F32_MAX):
-            raise ValueError(f"{name} must be finite and > 0 in float32, got {as_float!r}")
-    return jnp.asarray(value, jnp.float32)
-
-
-def _check_grads_finite(grads_finite: ArrayLike) -> jax.Array:
-    finite = jnp.asarray(grads_finite)
-    if finite.dtype != jnp.bool_:
-        raise TypeError(f"grads_finite must be a bool array, got dtype {finite.dtype}")
-    if finite.shape != ():
-        raise ValueError(f"grads_finite must be a scalar, got shape {finite.shape}")
-    return finite
 
 
 def _is_inexact(x: Any) -> bool:
@@ -93,7 +47,7 @@ def _is_inexact(x: Any) -> bool:
 
 
 def _saturating_increment(count: jax.Array) -> jax.Array:
-    return jnp.where(count < _INT32_MAX, count + 1, count)
+    return jnp.where(count < INT32_MAX, count + 1, count)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -239,9 +193,9 @@ class DynamicLossScale(_ScaleByArray):
     def __post_init__(self) -> None:
         given = {name: getattr(self, name) for name in _INT_SETTINGS + _FLOAT_SETTINGS}
         for name in _INT_SETTINGS:
-            object.__setattr__(self, name, _check_int(name, given[name]))
+            object.__setattr__(self, name, check_positive_int32(name, given[name]))
         for name in _FLOAT_SETTINGS:
-            object.__setattr__(self, name, _check_f32(name, given[name]))
+            object.__setattr__(self, name, check_finite_float32(name, given[name]))
         if not self.growth_factor > 1.0:
             raise ValueError(f"growth_factor must be > 1 in float32, got {given['growth_factor']!r}")
         if not 0.0 < self.backoff_factor < 1.0:
@@ -296,7 +250,7 @@ class DynamicLossScale(_ScaleByArray):
           ...
           ValueError: initial_scale must be in [min_loss_scale=1.0, max_loss_scale=16777216.0], got 0.5
         """
-        scale = _scalar_f32("initial_scale", initial_scale)
+        scale = check_positive_float32_scalar("initial_scale", initial_scale)
         zero = jnp.zeros((), jnp.int32)
         state = cls(scale, zero, zero, growth_interval, growth_factor, backoff_factor,
                     min_loss_scale, max_loss_scale, hysteresis)
@@ -322,7 +276,7 @@ class DynamicLossScale(_ScaleByArray):
           TypeError: if ``grads_finite`` is not bool.
           ValueError: if ``grads_finite`` is not a scalar.
         """
-        finite = _check_grads_finite(grads_finite)
+        finite = check_bool_scalar("grads_finite", grads_finite)
         scale = jnp.asarray(self.loss_scale, jnp.float32)
         good = _saturating_increment(jnp.asarray(self.good_steps, jnp.int32))
         bad = _saturating_increment(jnp.asarray(self.bad_steps, jnp.int32))
@@ -360,11 +314,11 @@ class StaticLossScale(_ScaleByArray):
           TypeError: if ``loss_scale`` is not a real number.
           ValueError: if it is not a scalar, or not finite and positive.
         """
-        return cls(loss_scale=_scalar_f32("loss_scale", loss_scale))
+        return cls(loss_scale=check_positive_float32_scalar("loss_scale", loss_scale))
 
     def adjust(self, grads_finite: ArrayLike) -> StaticLossScale:
         """Returns ``self``; ``grads_finite`` (bool scalar) is only checked."""
-        _check_grads_finite(grads_finite)
+        check_bool_scalar("grads_finite", grads_finite)
         return self
 
 
@@ -389,7 +343,7 @@ class NoOpLossScale:
 
     def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
         """Returns ``self``; ``grads_finite`` (bool scalar) is only checked."""
-        _check_grads_finite(grads_finite)
+        check_bool_scalar("grads_finite", grads_finite)
         return self
 
 
@@ -415,60 +369,3 @@ class LossScale(Protocol):
     def unscale(self, tree: T) -> T: ...
 
     def adjust(self, grads_finite: ArrayLike) -> LossScale: ...
-
-
-_SPECS = ("dynamic", "static", "none")
-
-
-def get_loss_scale(
-    spec: str | LossScale, initial_scale: ArrayLike | None = None, **settings: Any
-) -> LossScale:
-    """Builds a loss scale from a name, or passes an existing one through.
-
-    Args:
-      spec: ``"dynamic"``, ``"static"`` or ``"none"`` (case-insensitive), or a
-        :class:`LossScale` instance, returned as is.
-      initial_scale: the scale; optional for ``"dynamic"`` (default ``2**15``), required
-        for ``"static"``, and for ``"none"`` only ``None`` or 1.
-      **settings: keyword settings of :meth:`DynamicLossScale.create`; ``"dynamic"`` only.
-
-    Returns:
-      A :class:`DynamicLossScale`, :class:`StaticLossScale` or :class:`NoOpLossScale`.
-
-    Raises:
-      ValueError: for an unknown name (the message lists the valid ones), a missing or
-        stray ``initial_scale``, or settings given for a non-dynamic spec.
-      TypeError: if ``spec`` is neither a string nor a :class:`LossScale`.
-
-    Example:
-      >>> get_loss_scale("dynamic", 256.0, growth_interval=100).growth_interval
-      100
-      >>> get_loss_scale("bf16")
-      Traceback (most recent call last):
-      ...
-      ValueError: unknown loss scale spec 'bf16'; expected one of 'dynamic', 'static', 'none'
-    """
-    if isinstance(spec, LossScale):
-        if initial_scale is not None or settings:
-            raise ValueError(
-                "initial_scale and settings apply only to a spec name, "
-                f"not to the instance {type(spec).__name__}"
-            )
-        return spec
-    if not isinstance(spec, str):
-        raise TypeError(f"spec must be a str or a LossScale, got {type(spec).__name__} {spec!r}")
-    name = spec.strip().lower()
-    if name not in _SPECS:
-        valid = ", ".join(repr(s) for s in _SPECS)
-        raise ValueError(f"unknown loss scale spec {spec!r}; expected one of {valid}")
-    if name == "dynamic":
-        return DynamicLossScale.create(2.0**15 if initial_scale is None else initial_scale, **settings)
-    if settings:
-        raise ValueError(f"settings {sorted(settings)} apply only to spec 'dynamic', got {spec!r}")
-    if name == "static":
-        if initial_scale is None:
-            raise ValueError("initial_scale is required for spec 'static', got None")
-        return StaticLossScale.create(initial_scale)
-    if initial_scale is not None and float(np.asarray(initial_scale)) != 1.0:
-        raise ValueError(f"initial_scale must be None or 1 for spec 'none', got {initial_scale!r}")
-    return NoOpLossScale()

@@ -16,38 +16,45 @@ leanstep builds no distribution of its own: it names where each array lives
   semantics (it sees the whole microbatch, whatever it computes across rows), and a per-device
   accumulation with one reduction per step would need ``shard_map`` and a loss that is a
   mean over rows.
-* Microbatches under sharding are *strided* (:func:`split_strided_microbatches`): microbatch
-  ``j`` takes rows ``j, j+M, j+2M, ...``, so each device's share of every microbatch is made of
-  its own rows and no row ever moves between devices.
+* Microbatches under sharding are *strided* (:func:`leanstep.split_strided_microbatches`):
+  microbatch ``j`` takes rows ``j, j+M, j+2M, ...``, so each device's share of every
+  microbatch is made of its own rows and no row ever moves between devices.
+
+:class:`ShardingLayer` is the one place :func:`leanstep.make_train_step` learns about the mesh:
+it wraps the composed step and constrains values at three boundaries only, the step's inputs
+(state, batch), the model's inputs (compute-dtype params, microbatches) and the step's outputs
+(state, metrics).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from leanstep.accumulation import _check_num_microbatches, split_microbatches
+from leanstep._checks import check_bool
+from leanstep.microbatches import Splitter, get_splitter
+from leanstep.state import StepMetrics, TrainState
 
 __all__ = [
+    "ShardingLayer",
     "batch_sharding",
+    "check_mesh",
     "data_mesh",
     "fsdp_partition_spec",
     "shard_batch",
     "shard_train_state",
-    "split_strided_microbatches",
     "state_shardings",
 ]
 
 Tree = TypeVar("Tree")
 
 
-def _check_mesh(mesh: Any, data_axis: Any) -> int:
+def check_mesh(mesh: Any, data_axis: Any) -> int:
     """Validates ``mesh`` and ``data_axis``; returns the data axis's size."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -96,7 +103,7 @@ def batch_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:
       >>> batch_sharding(data_mesh()).spec
       P('data',)
     """
-    _check_mesh(mesh, data_axis)
+    check_mesh(mesh, data_axis)
     return NamedSharding(mesh, PartitionSpec(data_axis))
 
 
@@ -141,13 +148,12 @@ def state_shardings(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: s
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from leanstep.step import TrainState
       >>> state = TrainState.create({"w": jnp.zeros((4, 8))}, optax.adam(1e-3))
       >>> mesh = data_mesh(jax.devices()[:1])
       >>> state_shardings(state, mesh, fsdp=True).params["w"].spec
       P()
     """
-    num_shards = _check_mesh(mesh, data_axis)
+    num_shards = check_mesh(mesh, data_axis)
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def split(leaf: Any) -> NamedSharding:
@@ -156,16 +162,10 @@ def state_shardings(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: s
     def sharded(tree: Any) -> Any:
         return jax.tree.map(split if fsdp else (lambda _: replicated), tree)
 
-    from leanstep.step import TrainState  # step imports this module
-
     if not isinstance(state, TrainState):
         return sharded(state)
     everything = jax.tree.map(lambda _: replicated, state)
-    return type(state)(**{
-        **{name: getattr(everything, name) for name in ("step", "loss_scale", "rng", "consecutive_skips")},
-        "params": sharded(state.params),
-        "opt_state": sharded(state.opt_state),
-    })
+    return everything.replace(params=sharded(state.params), opt_state=sharded(state.opt_state))
 
 
 def shard_train_state(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: str = "data") -> Tree:
@@ -178,7 +178,6 @@ def shard_train_state(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis:
 
     Example:
       >>> import jax.numpy as jnp, optax
-      >>> from leanstep.step import TrainState
       >>> state = TrainState.create({"w": jnp.zeros((4, 8))}, optax.sgd(0.1))
       >>> shard_train_state(state, data_mesh()).params["w"].sharding.is_fully_replicated
       True
@@ -219,7 +218,7 @@ def shard_batch(batch: Tree, mesh: Mesh, data_axis: str = "data") -> Tree:
       >>> batch["x"].shape, batch["x"].sharding.spec
       ((8, 3), P('data',))
     """
-    num_shards = _check_mesh(mesh, data_axis)
+    num_shards = check_mesh(mesh, data_axis)
     sharding = NamedSharding(mesh, PartitionSpec(data_axis))
 
     def place(path: Any, leaf: Any) -> jax.Array:
@@ -234,39 +233,85 @@ def shard_batch(batch: Tree, mesh: Mesh, data_axis: str = "data") -> Tree:
     return jax.tree_util.tree_map_with_path(place, batch)
 
 
-def split_strided_microbatches(batch: Tree, num_microbatches: int) -> Tree:
-    r"""Reshapes every leaf from ``(B, ...)`` to ``(M, B/M, ...)`` with microbatch ``j`` = rows ``j, j+M, ...``.
+@dataclasses.dataclass(frozen=True)
+class ShardingLayer:
+    """The sharding layer around a composed train step: constraints at its boundaries only.
 
-    .. math::
+    .. code-block:: text
 
-        \text{out}[j, r] = \text{batch}[r M + j], \qquad 0 \le j < M,\; 0 \le r < B/M
+        step inputs    state -> state_shardings(state)     batch -> rows on data_axis
+        model inputs   compute params -> replicated         microbatches -> (None, data_axis)
+        step outputs   state -> state_shardings(state)     metrics -> replicated (aux as XLA likes)
 
-    A reshape to ``(B/M, M, ...)`` then a swap of the first two axes. If the rows are split
-    contiguously over ``D`` devices and ``D M`` divides ``B``, device ``d``'s rows
-    ``[d B/D, (d+1) B/D)`` are exactly rows ``r`` in ``[d B/(DM), (d+1) B/(DM))`` of axis 1 for
-    every ``j``: splitting axis 1 the same way keeps every row on its device. (The contiguous
-    split, ``batch[j B/M + r]``, puts whole microbatches on a few devices, and XLA must move
-    rows between devices to spread each one.) Microbatch composition does not depend on ``D``.
+    XLA's SPMD partitioner inserts every collective from these; nothing else in the step
+    knows about the mesh.
 
-    Args:
-      batch: a pytree of arrays sharing a leading batch axis.
-      num_microbatches: a Python int >= 1 that divides the batch size.
-
-    Returns:
-      ``batch`` with every leaf of shape ``(num_microbatches, B / num_microbatches) + leaf.shape[1:]``.
+    Attributes:
+      mesh: the device mesh.
+      data_axis: the mesh axis the batch rows (and, with ``fsdp``, the state) are split along.
+      fsdp: shard parameters and optimizer state along ``data_axis`` instead of replicating them.
 
     Raises:
-      The errors of :func:`leanstep.split_microbatches`.
+      TypeError: ``mesh`` is not a Mesh or ``fsdp`` not a bool.
+      ValueError: ``data_axis`` is not one of the mesh's axes.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> split_strided_microbatches({"x": jnp.arange(6)}, 3)["x"]
-      Array([[0, 3],
-             [1, 4],
-             [2, 5]], dtype=int32)
+      >>> layer = ShardingLayer(data_mesh(jax.devices()[:1]))
+      >>> layer.num_shards, layer.split("strided") is not None
+      (1, True)
     """
-    num_microbatches = _check_num_microbatches(num_microbatches)
-    # Validates the tree (shared leading axis, divisibility) with the contiguous split's messages.
-    shapes = jax.eval_shape(functools.partial(split_microbatches, num_microbatches=num_microbatches), batch)
-    rows = jax.tree.leaves(shapes)[0].shape[1]
-    return jax.tree.map(lambda leaf: jnp.swapaxes(leaf, 0, 1), split_microbatches(batch, rows))
+
+    mesh: Mesh
+    data_axis: str = "data"
+    fsdp: bool = False
+
+    def __post_init__(self) -> None:
+        check_mesh(self.mesh, self.data_axis)
+        object.__setattr__(self, "fsdp", check_bool("fsdp", self.fsdp))
+
+    @property
+    def num_shards(self) -> int:
+        """The size of the data axis."""
+        return int(self.mesh.shape[self.data_axis])
+
+    def _constrain(self, tree: Any, spec: PartitionSpec) -> Any:
+        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, spec))
+
+    def split(self, split: str | Splitter) -> Splitter:
+        """``split`` followed by the microbatch constraint: axis 1 (the rows) on the data axis."""
+        splitter = get_splitter(split)
+        return lambda batch, num_microbatches: self._constrain(splitter(batch, num_microbatches),
+                                                              PartitionSpec(None, self.data_axis))
+
+    def model_params(self, params: Any) -> Any:
+        """Whole parameters for the forward and backward pass (FSDP gathers them here, once per step).
+
+        Left to itself XLA may split the matmuls by weight columns instead and move activations,
+        i.e. batch rows, between devices.
+        """
+        return self._constrain(params, PartitionSpec())
+
+    def around(
+        self, step: Callable[[TrainState, Any], tuple[TrainState, StepMetrics]], num_microbatches: int
+    ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
+        """``step`` with its inputs and outputs constrained; the batch must divide by ``M * D``.
+
+        Raises (at trace time):
+          ValueError: the batch size is not divisible by ``num_microbatches`` times the
+            data-axis size.
+        """
+        def sharded(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+            batch_size = jax.tree.leaves(batch)[0].shape[0]
+            if batch_size % (num_microbatches * self.num_shards):
+                raise ValueError(
+                    f"batch size {batch_size} is not divisible by num_microbatches={num_microbatches} times "
+                    f"the {self.num_shards} devices of mesh axis {self.data_axis!r}"
+                )
+            shardings = state_shardings(state, self.mesh, fsdp=self.fsdp, data_axis=self.data_axis)
+            state = jax.lax.with_sharding_constraint(state, shardings)
+            new_state, metrics = step(state, self._constrain(batch, PartitionSpec(self.data_axis)))
+            replicated = {name: self._constrain(getattr(metrics, name), PartitionSpec())
+                          for name in StepMetrics._fields if name != "aux"}
+            return jax.lax.with_sharding_constraint(new_state, shardings), metrics._replace(**replicated)
+
+        return sharded

@@ -8,17 +8,19 @@ or ``TypeError`` naming the argument.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from leanstep._checks import is_int
 from leanstep.accumulation import microbatched_value_and_grad
 from leanstep.clipping import clip_by_global_norm as _clip_by_global_norm
 from leanstep.loss_scale import DynamicLossScale, all_finite
 from leanstep.precision import Precision
-from leanstep.remat import remat
+from leanstep.rematerialization import remat
 
 __all__ = [
     "mixed_precision_step",
@@ -26,6 +28,7 @@ __all__ = [
     "clip_by_global_norm",
     "checkpointed_residual_block",
     "TASKS",
+    "Task",
 ]
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -78,7 +81,7 @@ def _check_data(params: Any, x: ArrayLike, y: ArrayLike, d: int, k: int) -> int:
 
 
 def _check_static_int(value: Any, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(
             f"{name} must be a static Python int (pass it with static_argnames), got {type(value).__name__} {value!r}"
         )
@@ -314,10 +317,26 @@ def checkpointed_residual_block(
     return {"loss": loss, "grads": grads}
 
 
-TASKS: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "mixed-precision-step": (mixed_precision_step, ("growth_interval",)),
-    "gradient-accumulation": (accumulate_gradients, ("num_microbatches",)),
-    "global-norm-clipping": (clip_by_global_norm, ()),
-    "checkpointed-residual-block": (checkpointed_residual_block, ()),
+class Task(NamedTuple):
+    """One seed contract: its function, static arguments and the kind of each argument.
+
+    ``inputs`` maps every argument, in order, to how its JSON is read: ``"tree"`` (a float32
+    pytree), ``"array"`` (a float32 array), ``"int"`` (a static or int32 integer), ``"count"``
+    (an integer >= 0), ``"scalar"`` (a finite float32 scalar) or ``"positive"`` (one > 0).
+    """
+
+    function: Callable[..., Any]
+    static: tuple[str, ...]
+    inputs: dict[str, str]
+
+
+#: Task name (as ``leanstep solve`` calls it) -> :class:`Task`.
+TASKS: dict[str, Task] = {
+    "mixed-precision-step": Task(mixed_precision_step, ("growth_interval",), {
+        "params": "tree", "x": "array", "y": "array", "loss_scale": "positive",
+        "good_steps": "count", "lr": "scalar", "growth_interval": "int"}),
+    "gradient-accumulation": Task(accumulate_gradients, ("num_microbatches",),
+                                  {"params": "tree", "x": "array", "y": "array", "num_microbatches": "int"}),
+    "global-norm-clipping": Task(clip_by_global_norm, (), {"grads": "tree", "max_norm": "positive"}),
+    "checkpointed-residual-block": Task(checkpointed_residual_block, (), {"params": "tree", "x": "array", "y": "array"}),
 }
-"""CLI task name -> (function, names of its static arguments)."""

@@ -16,12 +16,25 @@ PyTorch is a benchmark-only extra; without it the torch rows are skipped.
 """
 
 from leanstep.bench.chart import plot_benchmark
-from leanstep.bench.handwritten import HandwrittenState, init_handwritten_state, make_handwritten_step
+from leanstep.bench.handwritten import (
+    HandwrittenState,
+    init_handwritten_state,
+    make_handwritten_step,
+)
 from leanstep.bench.matmul import measure_matmul_gflops, torch_matmul, xla_matmul
 from leanstep.bench.runner import BenchConfig, machine_info, run_benchmark
-from leanstep.bench.table import render_benchmark
-from leanstep.bench.timing import compiled_stats, hlo_op_counts, summarize_times, time_interleaved
-from leanstep.bench.torch_step import build_torch_model, load_jax_params, make_torch_step, torch_available
+from leanstep.bench.timing import (
+    compiled_stats,
+    hlo_op_counts,
+    summarize_times,
+    time_interleaved,
+)
+from leanstep.bench.torch_step import (
+    build_torch_model,
+    load_jax_params,
+    make_torch_step,
+    torch_available,
+)
 
 __all__ = [
     "BenchConfig",
@@ -36,7 +49,6 @@ __all__ = [
     "make_torch_step",
     "measure_matmul_gflops",
     "plot_benchmark",
-    "render_benchmark",
     "run_benchmark",
     "summarize_times",
     "time_interleaved",

@@ -12,7 +12,7 @@ import numpy as np
 
 from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
 from leanstep.bench.timing import compiled_stats, hlo_op_counts
-from leanstep.loss_scale import get_loss_scale
+from leanstep.loss_scale_registry import get_loss_scale
 from leanstep.step import TrainState, make_train_step
 
 __all__ = ["Spec", "Contender", "build_jax_contender", "build_torch_contender"]
@@ -74,7 +74,7 @@ def build_jax_contender(
 
     bf16 = spec.precision == "bfloat16"
     if spec.impl == "leanstep":
-        step = make_train_step(loss_fn, optimizer, precision=PRECISIONS[spec.precision],
+        step = make_train_step(loss_fn, precision=PRECISIONS[spec.precision],
                                num_microbatches=spec.num_microbatches, max_grad_norm=max_grad_norm)
         scale = get_loss_scale("dynamic", initial_loss_scale) if bf16 else "none"
         state = TrainState.create(params, optimizer, loss_scale=scale)

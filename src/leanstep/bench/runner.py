@@ -12,13 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leanstep.bench.contenders import Contender, Spec, build_jax_contender, build_torch_contender
+from leanstep._checks import is_int
+from leanstep.bench.contenders import (
+    Contender,
+    Spec,
+    build_jax_contender,
+    build_torch_contender,
+)
 from leanstep.bench.matmul import measure_matmul_gflops, torch_matmul, xla_matmul
 from leanstep.bench.timing import summarize_times, time_interleaved
 from leanstep.bench.torch_step import torch_available
 from leanstep.models import build_model
-from leanstep.remat import get_remat_policy
-from leanstep.trainer import RunConfig, build_optimizer
+from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
+from leanstep.training import RunConfig, build_run
 
 __all__ = ["BenchConfig", "run_benchmark", "machine_info"]
 
@@ -45,7 +51,7 @@ class BenchConfig:
     num_microbatches: int = 2
     remat: str = "dots"
     microbatch_sweep: tuple[int, ...] = (1, 2, 4, 8)
-    remat_sweep: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch", "save:attn_out,mlp_hidden")
+    remat_sweep: tuple[str, ...] = (*REMAT_POLICIES, "save:attn_out,mlp_hidden")
     repeats: int = 10
     torch_repeats: int = 3
     warmup: int = 0
@@ -79,12 +85,12 @@ class BenchConfig:
             value = getattr(self, name)
             if name == "torch_threads" and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
         sweep = (self.num_microbatches, *self.microbatch_sweep)
-        if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in sweep):
+        if any(not is_int(m) or m < 1 for m in sweep):
             raise ValueError(f"microbatch counts must be integers >= 1, got {sweep}")
         bad = [m for m in sweep if self.batch_size % m]
         if bad:
@@ -93,6 +99,16 @@ class BenchConfig:
             get_remat_policy(policy)
         build_model("transformer", self.size, **dict(self.model_overrides))
         return self
+
+    def run_config(self) -> RunConfig:
+        """The training run this benchmark times (constant learning rate), as ``leanstep train`` would build it."""
+        overrides = dict(self.model_overrides)
+        seq_len = build_model("transformer", self.size, **overrides).seq_len  # the preset's, unless overridden
+        sizes = {name: value for name, value in overrides.items() if name != "seq_len"}
+        return RunConfig(model="transformer", size=self.size, seq_len=seq_len, batch_size=self.batch_size,
+                         microbatches=self.num_microbatches, remat=self.remat, lr=self.lr,
+                         weight_decay=self.weight_decay, schedule="constant", max_grad_norm=self.max_grad_norm,
+                         initial_loss_scale=self.initial_loss_scale, seed=self.seed, **sizes)
 
     def specs(self, with_torch: bool) -> list[Spec]:
         """Every contender, deduplicated, in the order they are timed each round."""
@@ -200,9 +216,8 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
                 make, dtype, size=config.matmul_size, repeats=config.matmul_repeats)
     peaks = {key: None if value is None else value["gflops"] for key, value in matmul.items()}
 
-    model = build_model("transformer", config.size, **dict(config.model_overrides))
-    optimizer, _ = build_optimizer(RunConfig(lr=config.lr, weight_decay=config.weight_decay, schedule="constant"))
-    params = model.init(jax.random.key(config.seed))
+    run = build_run(config.run_config())
+    model, optimizer, params = run.model, run.optimizer, run.init_params()
     tokens = np.random.default_rng(config.seed).integers(0, model.config.vocab_size,
                                                           (config.batch_size, model.seq_len + 1), np.int32)
     batch = {"tokens": jnp.asarray(tokens)}

@@ -34,6 +34,8 @@ def _policy_list(text: str) -> tuple[str, ...]:
 
 def add_parser(subparsers: Any) -> None:
     """Registers ``leanstep bench`` on an ``argparse`` subparsers object."""
+    from leanstep.models import SIZES
+
     p = subparsers.add_parser(
         "bench",
         help="measure leanstep's step against a hand-written JAX step, PyTorch and the matmul limit",
@@ -46,7 +48,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--quick", action="store_true", help="tiny model, fewer settings and repeats")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write every number as JSON to FILE")
     p.add_argument("--chart", metavar="FILE", default="bench.png", help="PNG chart path, 'none' for no chart (default bench.png)")
-    p.add_argument("--size", choices=("tiny", "small"), help="model size preset (default: small; tiny with --quick)")
+    p.add_argument("--size", choices=SIZES, help="model size preset (default: small; tiny with --quick)")
     p.add_argument("--batch-size", type=int, help="batch size (default 16)")
     p.add_argument("--microbatches", type=int, help="microbatches for the comparisons (default 2)")
     p.add_argument("--remat", help="remat policy for leanstep vs hand-written (default dots)")
@@ -110,7 +112,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
     from leanstep.bench.chart import plot_benchmark
     from leanstep.bench.runner import run_benchmark
-    from leanstep.bench.table import render_benchmark
+    from leanstep.cli.bench_table import render_benchmark
 
     config = _config(args)
     for path in (args.json_path, None if args.chart == "none" else args.chart):

@@ -16,11 +16,21 @@ def grad_norm(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {text!r}") from None
 
 
+def remat_help() -> str:
+    """``--remat``'s help, from the library's policy names."""
+    from leanstep.rematerialization import REMAT_POLICIES
+
+    return ", ".join(REMAT_POLICIES) + " or save:NAME,..."
+
+
 def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
     """The model and batch flags that train, plan and audit share, with ``d``'s defaults."""
+    from leanstep.loss_scale_registry import LOSS_SCALES
+    from leanstep.models import MODELS, SIZES
+
     model = p.add_argument_group("model and batch")
-    model.add_argument("--model", choices=("transformer", "mlp"), default=d.model)
-    model.add_argument("--size", choices=("tiny", "small"), default=d.size, help="size preset")
+    model.add_argument("--model", choices=tuple(MODELS), default=d.model)
+    model.add_argument("--size", choices=SIZES, default=d.size, help="size preset")
     model.add_argument("--d-model", type=int, help="override the preset's width")
     model.add_argument("--layers", dest="n_layers", type=int, help="override the preset's depth")
     model.add_argument("--heads", dest="n_heads", type=int, help="override the preset's attention heads")
@@ -28,5 +38,5 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
     model.add_argument("--batch-size", type=int, default=d.batch_size)
     model.add_argument("--seq-len", type=int, default=d.seq_len)
     model.add_argument("--precision", default=d.precision, help="jmp-style: params=...,compute=...,output=...[,strict]")
-    model.add_argument("--loss-scale", choices=("dynamic", "static", "none"), default=d.loss_scale)
+    model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")

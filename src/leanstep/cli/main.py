@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from leanstep.cli import bench, plan, solve, train
+from leanstep.cli import bench, plan, report, solve, train
 from leanstep.cli.jsontree import InputError
 
 
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
     train.add_parser(subparsers)
+    report.add_parser(subparsers)
     solve.add_parser(subparsers)
     bench.add_parser(subparsers)
     plan.add_parsers(subparsers)

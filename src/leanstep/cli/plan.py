@@ -1,4 +1,4 @@
-"""``leanstep plan`` and ``leanstep audit``: flags in, :mod:`leanstep.plan` / :mod:`leanstep.audit` called."""
+"""``leanstep plan`` and ``leanstep audit``: flags in, :mod:`leanstep.training.analysis` called, tables out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from leanstep.cli.flags import add_run_flags as _add_run_flags
+from leanstep.cli.flags import add_run_flags, remat_help
 from leanstep.cli.jsontree import InputError
 
 
@@ -21,8 +21,8 @@ def _int_list(text: str) -> list[int]:
 
 def add_parsers(subparsers: Any) -> None:
     """Registers ``plan`` and ``audit``."""
-    from leanstep.remat import REMAT_POLICIES
-    from leanstep.trainer import RunConfig
+    from leanstep.rematerialization import REMAT_POLICIES
+    from leanstep.training import RunConfig
 
     d = RunConfig()
     p = subparsers.add_parser(
@@ -36,7 +36,7 @@ def add_parsers(subparsers: Any) -> None:
     )
     p.add_argument("--budget", required=True, default=argparse.SUPPRESS,
                    help="memory budget: 512MiB, 2GiB, 1.5GB or a number of bytes")
-    _add_run_flags(p, d)
+    add_run_flags(p, d)
     search = p.add_argument_group("search")
     search.add_argument("--remat-policies", default=",".join(REMAT_POLICIES),
                         help="comma-separated policies to consider")
@@ -57,14 +57,14 @@ def add_parsers(subparsers: Any) -> None:
         "gradient-accumulation and remat rules.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_run_flags(a, d)
+    add_run_flags(a, d)
     a.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
-    a.add_argument("--remat", default=d.remat, help="none, full, dots, dots_no_batch or save:NAME,...")
+    a.add_argument("--remat", default=d.remat, help=remat_help())
     a.set_defaults(run=run_audit)
 
 
 def _config(args: argparse.Namespace, **fixed: Any) -> Any:
-    from leanstep.trainer import RunConfig
+    from leanstep.training import RunConfig
 
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     try:
@@ -77,7 +77,7 @@ def _table(result: Any, budget: int, chosen: Any, precision: str) -> Any:
     from rich import box
     from rich.table import Table
 
-    from leanstep.plan import format_bytes
+    from leanstep.memory_sizes import format_bytes
 
     arguments = next((c.argument_bytes for c in result if c.argument_bytes is not None), None)
     table = Table(title=f"budget {format_bytes(budget)} ({budget:,} bytes), precision {precision}", box=box.SIMPLE,
@@ -103,7 +103,9 @@ def _si(value: float) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from leanstep.plan import BudgetError, parse_bytes, plan_for_run, settings_grid
+    from leanstep.memory_sizes import parse_bytes
+    from leanstep.planning import BudgetError, settings_grid
+    from leanstep.training.analysis import plan_run
 
     try:
         budget = parse_bytes(args.budget)
@@ -118,7 +120,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     console = Console()
     try:
-        result = plan_for_run(config, budget, candidates=candidates, exhaustive=args.exhaustive)
+        result = plan_run(config, budget, candidates=candidates, exhaustive=args.exhaustive)
     except BudgetError as error:
         console.print(_table(error.candidates, budget, None, config.precision))
         _write_json(args.json_path, {"budget_bytes": budget, "chosen": None, "error": str(error),
@@ -140,11 +142,11 @@ def _write_json(path: str | None, value: Any) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from leanstep.audit import audit_for_run
+    from leanstep.training.analysis import audit_run
 
     config = _config(args)
     try:
-        report = audit_for_run(config)
+        report = audit_run(config)
     except (TypeError, ValueError) as error:
         raise InputError(str(error)) from None
     print(report)

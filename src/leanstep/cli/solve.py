@@ -5,24 +5,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
-from leanstep.cli.jsontree import InputError, dumps, mismatch, tree_from_json, tree_to_json
+from leanstep.cli.jsontree import (
+    InputError,
+    dumps,
+    mismatch,
+    tree_from_json,
+    tree_to_json,
+)
 
-# Per task: each input key and how to read it ("tree" = float32 pytree, "int" = static or int32,
-# "count" = int >= 0, "scalar" = finite float32 scalar, "positive" = float32 scalar > 0,
-# "array" = float32 array).
-_INPUTS: dict[str, dict[str, str]] = {
-    "mixed-precision-step": {
-        "params": "tree", "x": "array", "y": "array", "loss_scale": "positive",
-        "good_steps": "count", "lr": "scalar", "growth_interval": "int",
-    },
-    "gradient-accumulation": {"params": "tree", "x": "array", "y": "array", "num_microbatches": "int"},
-    "global-norm-clipping": {"grads": "tree", "max_norm": "positive"},
-    "checkpointed-residual-block": {"params": "tree", "x": "array", "y": "array"},
-}
+
+def _task_names() -> list[str]:
+    from leanstep.tasks import TASKS
+
+    return sorted(TASKS)
+
+
+def _inputs(task: str) -> dict[str, str]:
+    """Each input key of ``task`` and how to read it (see :class:`leanstep.tasks.Task`)."""
+    from leanstep.tasks import TASKS
+
+    return TASKS[task].inputs
 
 
 def add_parser(subparsers: Any) -> None:
@@ -32,8 +38,8 @@ def add_parser(subparsers: Any) -> None:
         description="Reads the task's input as JSON (from --input FILE or standard input), runs it under "
         "jax.jit and prints the output as one line of JSON.",
     )
-    parser.add_argument("task", nargs="?", choices=sorted(_INPUTS), metavar="TASK",
-                        help="one of: " + ", ".join(sorted(_INPUTS)))
+    parser.add_argument("task", nargs="?", choices=_task_names(), metavar="TASK",
+                        help="one of: " + ", ".join(_task_names()))
     parser.add_argument("--list", action="store_true", help="list the task names and exit")
     parser.add_argument("--input", metavar="FILE", help="read the input JSON from FILE (default: standard input)")
     parser.add_argument("--example", type=int, metavar="N",
@@ -63,9 +69,9 @@ def parse_input(task: str, data: Any) -> dict[str, Any]:
     """Checks ``data`` against the task's keys and converts each value to what the function takes."""
     import numpy as np
 
+    expected = _inputs(task)
     if not isinstance(data, dict):
-        raise InputError(f"input: expected a JSON object with keys {list(_INPUTS[task])}, got {type(data).__name__}")
-    expected = _INPUTS[task]
+        raise InputError(f"input: expected a JSON object with keys {list(expected)}, got {type(data).__name__}")
     missing = [k for k in expected if k not in data]
     extra = [k for k in data if k not in expected]
     if missing:
@@ -102,7 +108,7 @@ def solve(task: str, data: Any) -> Any:
 
     from leanstep.tasks import TASKS
 
-    fn, static = TASKS[task]
+    fn, static = TASKS[task].function, TASKS[task].static
     args = parse_input(task, data)
     if task == "mixed-precision-step":
         args["good_steps"] = np.int32(args["good_steps"])
@@ -115,11 +121,11 @@ def solve(task: str, data: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     if args.list:
-        for name in sorted(_INPUTS):
+        for name in _task_names():
             print(name)
         return 0
     if args.task is None:
-        raise InputError("solve: a TASK is required (or --list); tasks: " + ", ".join(sorted(_INPUTS)))
+        raise InputError("solve: a TASK is required (or --list); tasks: " + ", ".join(_task_names()))
     if args.example is not None:
         examples = load_examples(args.task)
         if not 1 <= args.example <= len(examples):

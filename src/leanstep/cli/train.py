@@ -1,4 +1,4 @@
-"""``leanstep train`` and ``leanstep report``: flags in, :func:`leanstep.trainer.train` called."""
+"""``leanstep train``: flags in, :func:`leanstep.training.train` called, its records rendered."""
 
 from __future__ import annotations
 
@@ -7,17 +7,19 @@ import dataclasses
 import re
 from typing import Any
 
-from leanstep.cli.flags import add_run_flags
+from leanstep.cli.flags import add_run_flags, remat_help
 from leanstep.cli.jsontree import InputError
 
 
 def _defaults() -> Any:
-    from leanstep.trainer import RunConfig
+    from leanstep.training import RunConfig
 
     return RunConfig()
 
 
 def add_parser(subparsers: Any) -> None:
+    from leanstep.training.config import SCHEDULES
+
     d = _defaults()
     p = subparsers.add_parser(
         "train",
@@ -33,9 +35,9 @@ def add_parser(subparsers: Any) -> None:
     run.add_argument("--steps", type=int, default=d.steps)
     run.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
     run.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
-    run.add_argument("--remat", default=d.remat, help="none, full, dots, dots_no_batch or save:NAME,...")
+    run.add_argument("--remat", default=d.remat, help=remat_help())
     run.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    run.add_argument("--schedule", choices=("constant", "cosine", "warmup-cosine"), default=d.schedule)
+    run.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
     run.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     run.add_argument("--weight-decay", type=float, default=d.weight_decay)
     run.add_argument("--seed", type=int, default=d.seed)
@@ -67,18 +69,15 @@ def add_parser(subparsers: Any) -> None:
     scale.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. P-1")
     p.set_defaults(run=run_train)
 
-    r = subparsers.add_parser("report", help="re-render the chart and summary of a run directory")
-    r.add_argument("dir", help="a run directory written by leanstep train")
-    r.set_defaults(run=run_report)
-
 
 def run_train(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from leanstep.trainer import RunConfig, RunStopped, train
-
+    from leanstep.cli.progress import TrainProgress
+    from leanstep.cli.render import render_summary
     from leanstep.distributed import configure_devices
+    from leanstep.training import RunConfig, RunStopped, train
 
     try:  # first: the device count and the processes are fixed once JAX makes its first array
         configure_devices(args.devices, args.coordinator, args.num_processes, args.process_id)
@@ -94,10 +93,10 @@ def run_train(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise InputError(str(error)) from None
     if args.budget is not None:
-        from leanstep.plan import plan_for_run
+        from leanstep.training.analysis import plan_run
 
         try:
-            chosen = plan_for_run(config, args.budget).chosen
+            chosen = plan_run(config, args.budget).chosen
         except ValueError as error:  # BudgetError included: nothing fits
             raise InputError(f"--budget: {error}") from None
         setting = chosen.setting
@@ -105,26 +104,15 @@ def run_train(args: argparse.Namespace) -> int:
         console.print(Text(f"--budget {args.budget}: chose --microbatches {setting.num_microbatches} "
                            f"--remat {setting.remat} (predicted peak {chosen.peak_bytes:,} bytes)"), soft_wrap=True)
     try:
-        summary = train(config, resume=args.resume, console=console)
+        with TrainProgress(enabled=config.progress, console=console) as progress:
+            summary = train(config, resume=args.resume, on_record=progress.handle)
     except ValueError as error:
         raise InputError(str(error)) from None
     except RunStopped as stopped:
         # One line whatever the terminal width, and no rich markup read into paths or messages.
         console.print(Text.assemble(("leanstep train: ", "bold red"), str(stopped)), soft_wrap=True)
         return stopped.exit_code
+    if "run" in summary:  # process 0 of a multi-process run summarizes it
+        console.print(render_summary(summary))
     console.print(Text(f"run directory: {config.out}  (chart: {summary['curves']})"), soft_wrap=True)
-    return 0
-
-
-def run_report(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from leanstep.report import render_summary, report
-
-    try:
-        summary = report(args.dir)
-    except (FileNotFoundError, ValueError) as error:
-        raise InputError(str(error)) from None
-    Console().print(render_summary(summary))
-    print(f"chart: {summary['curves']}")
     return 0

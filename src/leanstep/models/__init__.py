@@ -1,6 +1,6 @@
 """Byte-level language models in plain JAX: a GPT-2 style transformer and a residual MLP."""
 
-from leanstep.models.registry import MODELS, Model, build_model
+from leanstep.models.registry import MODELS, SIZES, Model, build_model
 from leanstep.models.residual_mlp import (
     MLPConfig,
     init_residual_mlp,
@@ -21,6 +21,7 @@ from leanstep.models.transformer import (
 
 __all__ = [
     "MODELS",
+    "SIZES",
     "MLPConfig",
     "Model",
     "TransformerConfig",

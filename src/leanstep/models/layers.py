@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
+from leanstep._checks import is_int
+
 
 def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:
     """Casts every floating leaf of ``params`` to ``dtype``; ``None`` leaves them as they are.
@@ -163,5 +165,5 @@ def weighted_sum(nll: jax.Array, batch: Mapping[str, ArrayLike]) -> tuple[jax.Ar
 def check_positive_ints(owner: str, **fields: Any) -> None:
     """Raises ``ValueError`` naming the first field that is not a positive ``int``."""
     for name, value in fields.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{owner}.{name} must be a positive int; got {value!r}")

@@ -69,6 +69,10 @@ MODELS: Mapping[str, tuple[Any, ...]] = {
 }  # fmt: skip
 
 
+#: Every size preset some model has, in the order of the first model's presets.
+SIZES: tuple[str, ...] = tuple(dict.fromkeys(size for *_, presets in MODELS.values() for size in presets))
+
+
 def build_model(name: str, size: str = "small", **overrides: int) -> Model:
     """Builds a registered model from a size preset, with any config field overridden.
 

@@ -29,7 +29,7 @@ from leanstep.models.layers import (
     token_nll,
     weighted_sum,
 )
-from leanstep.remat import checkpoint_name, remat
+from leanstep.rematerialization import checkpoint_name, remat
 
 Params = dict[str, Any]
 

@@ -4,7 +4,7 @@ Pre-norm GPT-2 blocks: LayerNorm (with bias), causal multi-head self-attention, 
 gelu MLP; learned positional embeddings; a final LayerNorm; and an output head tied to the
 token embedding (``logits = h @ embed.T``). Per-layer parameters are stacked along a leading
 ``n_layers`` axis and the blocks run under ``jax.lax.scan``, so compile time does not grow with
-depth, and every block is wrapped in ``leanstep.remat.remat`` with the caller's policy.
+depth, and every block is wrapped in ``leanstep.remat`` with the caller's policy.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from leanstep.models.layers import (
     token_nll,
     weighted_sum,
 )
-from leanstep.remat import checkpoint_name, remat
+from leanstep.rematerialization import checkpoint_name, remat
 
 Params = dict[str, Any]
 
@@ -156,7 +156,7 @@ def transformer_logits(
       params: from :func:`init_transformer`, in any float dtype.
       tokens: integer ids of shape ``(B, T)`` with ``T <= config.seq_len``.
       config: the model sizes.
-      remat_policy: a policy accepted by ``leanstep.remat.remat`` for each block.
+      remat_policy: a policy accepted by ``leanstep.remat`` for each block.
       compute_dtype: dtype to cast floating params to, or ``None``.
 
     Returns:

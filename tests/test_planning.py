@@ -1,4 +1,4 @@
-"""plan: XLA's memory accounting, the choice rule against a brute-force reference, the budget error, reality."""
+"""leanstep.planning (and the `leanstep plan` CLI): XLA's memory accounting, the choice rule against a brute-force reference, the budget error, reality."""
 
 from __future__ import annotations
 
@@ -15,24 +15,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import importlib
-
-planning = importlib.import_module("leanstep.plan")  # the module: leanstep.plan is also the function
+from leanstep import planning
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
-from leanstep.plan import (
-    BudgetError,
-    Candidate,
-    Setting,
-    format_bytes,
-    parse_bytes,
-    plan,
-    settings_grid,
-    validate_plan,
-)
-from leanstep.remat import remat
-from leanstep.step import TrainState, make_train_step
-from leanstep.trainer import RunConfig
+from leanstep.memory_sizes import format_bytes
+from leanstep.planning import BudgetError, Candidate, Setting, plan, settings_grid
+from leanstep.rematerialization import remat
+from leanstep.state import TrainState
+from leanstep.step import make_train_step
+from leanstep.training import RunConfig, build_run
+from leanstep.training import analysis
 
 D, H, LAYERS, BATCH, T = 16, 64, 2, 4, 32
 POLICIES = ("none", "full")
@@ -113,7 +105,7 @@ def test_the_plan_equals_the_executable_a_run_compiles_from_real_arrays(everythi
     """Abstract inputs and LLVM -O0 (planning) against real arrays and XLA's defaults (a run)."""
     for c in [everything.chosen]:
         s = c.setting
-        step = make_train_step(make_loss_fn(s.remat), OPT, precision=s.precision, num_microbatches=s.num_microbatches,
+        step = make_train_step(make_loss_fn(s.remat), precision=s.precision, num_microbatches=s.num_microbatches,
                                max_grad_norm=1.0)
         memory = step.lower(TrainState.create(_params(), OPT), _batch()).compile().memory_analysis()
         assert (memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes,
@@ -124,7 +116,7 @@ def test_the_chosen_executable_runs_the_same_step(everything):
     chosen = everything.chosen
     state, metrics = chosen.executable(TrainState.create(_params(), OPT), _batch())
     s = chosen.setting
-    reference = make_train_step(make_loss_fn(s.remat), OPT, num_microbatches=s.num_microbatches, max_grad_norm=1.0)
+    reference = make_train_step(make_loss_fn(s.remat), num_microbatches=s.num_microbatches, max_grad_norm=1.0)
     ref_state, ref_metrics = reference(TrainState.create(_params(), OPT), _batch())
     assert np.isfinite(float(metrics.loss)) and float(metrics.loss) == pytest.approx(float(ref_metrics.loss), rel=1e-6)
     for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
@@ -217,49 +209,7 @@ def test_a_budget_too_small_names_the_smallest_peak_and_its_setting(everything):
            f"with num_microbatches={s.num_microbatches}, remat={s.remat!r}" in str(info.value)
 
 
-# --- reality: a real step in a subprocess --------------------------------------------------------
-
-def test_validate_plan_runs_the_tiny_transformer_and_measures_its_peak():
-    config = RunConfig(size="tiny", batch_size=8, seq_len=16)
-    result = validate_plan(config, "64MiB", compiler_options={"xla_backend_optimization_level": 0},
-                           candidates=[(1, "none", config.precision)])
-    assert result["ran"] and np.isfinite(result["loss"])
-    assert result["predicted_over_compiled"] == 1.0  # abstract planning == the run's own compile
-    assert result["peak_reset"] and result["rss_rise_bytes"] > 0
-    assert np.isfinite(result["predicted_over_measured"]) and 0.25 < result["predicted_over_measured"] < 4
-    assert result["within_budget"]
-
-
-# --- sizes, grids, bad input ---------------------------------------------------------------------
-
-@pytest.mark.parametrize(("text", "expected"), [
-    ("512MiB", 512 * 2**20), ("2GiB", 2 * 2**30), ("1.5GB", 1_500_000_000), ("1000000", 10**6),
-    (" 64 kib ", 64 * 1024), ("1.5KiB", 1536), ("3b", 3), (7, 7), (".5MB", 500_000),
-])
-def test_parse_bytes(text, expected):
-    assert parse_bytes(text) == expected
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.integers(1, 10**6), st.sampled_from([("", 1), ("KB", 1000), ("MiB", 2**20), ("gb", 10**9), ("TiB", 2**40)]))
-def test_parse_bytes_multiplies_by_the_unit(number, unit):
-    assert parse_bytes(f"{number}{unit[0]}") == number * unit[1]
-
-
-@pytest.mark.parametrize(("text", "match"), [
-    ("lots", "is not a size"), ("12XB", "is not a size"), ("0.3B", "not a whole number of bytes"),
-    ("0MiB", "must be positive"), ("-5", "is not a size"), ("", "is not a size"), (True, "is not a size"),
-])
-def test_parse_bytes_rejects(text, match):
-    with pytest.raises(ValueError, match=match):
-        parse_bytes(text)
-
-
-@pytest.mark.parametrize(("n", "text"), [(None, "-"), (0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"),
-                                         (3 * 2**20, "3.0 MiB"), (5 * 2**40, "5120.0 GiB")])
-def test_format_bytes(n, text):
-    assert format_bytes(n) == text
-
+# --- grids, bad input ---------------------------------------------------------------------------
 
 def test_settings_grid_uses_the_divisors():
     assert [s.num_microbatches for s in settings_grid(12, remat_policies=("none",))] == [1, 2, 3, 4, 6, 12]
@@ -307,10 +257,9 @@ def test_cli_plan_prints_the_table_and_writes_json(tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert (saved["chosen"]["num_microbatches"], saved["chosen"]["remat"]) == (1, "none")
     assert saved["budget_bytes"] == 64 * 2**20 and len(saved["candidates"]) == 4
-    # plan_for_run planned the step a run takes: its inputs are the run's state and a token batch.
+    # plan_run planned the step a run takes: its inputs are the run's state and a token batch.
     config = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8)
-    model, optimizer, _, scale = planning._run_parts(config)
-    state = TrainState.create(model.init(jax.random.key(config.seed)), optimizer, loss_scale=scale)
+    state = build_run(config).init_state()
     assert saved["chosen"]["argument_bytes"] == _nbytes(state) + 4 * (8 + 1) * 4
     assert saved["chosen"]["precision"] == config.precision
     text = capsys.readouterr().out
@@ -321,7 +270,7 @@ def test_cli_plan_reports_a_budget_too_small(tmp_path, capsys, monkeypatch, ever
     def too_small(config, budget, **options):
         raise BudgetError(budget, everything.candidates[-1], everything.candidates)
 
-    monkeypatch.setattr(planning, "plan_for_run", too_small)
+    monkeypatch.setattr(analysis, "plan_run", too_small)
     out = tmp_path / "plan.json"
     assert _cli(["plan", "--budget", "1KiB", *TINY_MLP, "--json", str(out)]) == 1
     saved = json.loads(out.read_text())
@@ -340,6 +289,6 @@ def test_cli_plan_rejects_bad_flags(argv, match):
         _cli(argv)
 
 
-def test_plan_for_run_refuses_a_multi_device_run():
+def test_plan_run_refuses_a_multi_device_run():
     with pytest.raises(ValueError, match="planned for a one-device run; drop --devices and --fsdp"):
-        planning.plan_for_run(RunConfig(devices=2), "1GiB")
+        analysis.plan_run(RunConfig(devices=2), "1GiB")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from leanstep._checks import is_int
+
 #: Cap on the default corpus, so that loading it takes a fraction of a second.
 DEFAULT_CORPUS_BYTES = 8_000_000
 #: Folder names left out of the default corpus: installed packages and the stdlib's own tests
@@ -35,7 +37,7 @@ def default_corpus_paths(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
     Raises:
       ValueError: ``max_bytes`` is not a positive int.
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+    if not is_int(max_bytes) or max_bytes < 1:
         raise ValueError(f"max_bytes must be a positive int; got {max_bytes!r}")
     root = Path(sysconfig.get_paths()["stdlib"])
     candidates = []
@@ -213,7 +215,7 @@ def load_corpus(
 
 
 def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
     return int(value)
 
@@ -264,7 +266,7 @@ class BatchSampler:
     def __post_init__(self) -> None:
         _check_positive("batch_size", self.batch_size)
         _check_positive("seq_len", self.seq_len)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int; got {self.seed!r}")
         object.__setattr__(self, "data", _check_data(self.data, self.seq_len, "training data"))
 

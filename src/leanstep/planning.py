@@ -40,8 +40,6 @@ than ``flops_rtol`` are never compiled. ``exhaustive=True`` compiles every candi
 from __future__ import annotations
 
 import dataclasses
-import decimal
-import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -50,58 +48,20 @@ import jax
 import numpy as np
 import optax
 
-from leanstep.audit import count_flops
-from leanstep.loss_scale import LossScale, get_loss_scale
+from leanstep._checks import is_int
+from leanstep.flops import count_flops
+from leanstep.loss_scale import LossScale
+from leanstep.loss_scale_registry import get_loss_scale
+from leanstep.memory_sizes import format_bytes, parse_bytes
 from leanstep.precision import Precision, get_precision
-from leanstep.remat import REMAT_POLICIES, get_remat_policy
-from leanstep.step import TrainState, make_train_step
+from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
+from leanstep.state import TrainState
+from leanstep.step import make_train_step
 
-__all__ = ["BudgetError", "Candidate", "Plan", "Setting", "format_bytes", "parse_bytes", "plan",
-           "plan_for_run", "settings_grid", "time_candidates", "validate_plan"]
+__all__ = ["BudgetError", "Candidate", "Plan", "Setting", "plan", "settings_grid"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 # LLVM's optimization level only: buffer assignment (every memory number) comes before it.
 _FAST_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
-
-
-def parse_bytes(text: str | int) -> int:
-    """Parses a memory size: ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``, ``"1000000"`` (bytes).
-
-    KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000; case is ignored.
-
-    Raises:
-      ValueError: not a size, an unknown unit, not a whole number of bytes, or not positive.
-
-    Example:
-      >>> parse_bytes("512MiB"), parse_bytes("1.5GB"), parse_bytes("1000000")
-      (536870912, 1500000000, 1000000)
-    """
-    if isinstance(text, (int, np.integer)) and not isinstance(text, bool):
-        value = decimal.Decimal(int(text))
-    elif isinstance(text, str) and (m := _SIZE.fullmatch(text)) and m[2].lower() in _UNITS:
-        value = decimal.Decimal(m[1]) * _UNITS[m[2].lower()]
-    else:
-        raise ValueError(f"memory size {text!r} is not a size; expected e.g. 512MiB, 2GiB, 1.5GB or a "
-                         f"number of bytes (units: {', '.join(u for u in _UNITS if u)}; KiB = 1024 B)")
-    if value != value.to_integral_value():
-        raise ValueError(f"memory size {text!r} is {value} bytes, not a whole number of bytes")
-    if value <= 0:
-        raise ValueError(f"memory size {text!r} must be positive")
-    return int(value)
-
-
-def format_bytes(n: float | None) -> str:
-    """``1536 -> '1.5 KiB'``; None -> ``'-'``."""
-    if n is None:
-        return "-"
-    value, unit = float(n), "B"
-    for larger in ("KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, larger
-    return f"{value:.0f} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 class Setting(NamedTuple):
@@ -214,7 +174,7 @@ def settings_grid(
       >>> [tuple(s) for s in settings_grid(4, remat_policies=("none", "dots"))][:3]
       [(1, 'none', 'float32'), (1, 'dots', 'float32'), (2, 'none', 'float32')]
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     counts = [m for m in range(1, batch_size + 1) if batch_size % m == 0] if microbatches is None else list(microbatches)
     return tuple(Setting(int(m), r, p) for m in counts for r in remat_policies for p in precisions)
@@ -226,7 +186,7 @@ def _check_setting(setting: Any, batch_size: int) -> Setting:
     except TypeError:
         raise TypeError(f"candidates must hold (num_microbatches, remat, precision) triples, got {setting!r}") from None
     m = setting.num_microbatches
-    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1 or batch_size % m:
+    if not is_int(m) or m < 1 or batch_size % m:
         raise ValueError(f"candidate {tuple(setting)}: num_microbatches={m!r} must be a positive divisor of "
                          f"the batch size {batch_size}")
     get_remat_policy(setting.remat)
@@ -282,7 +242,7 @@ def plan(
       params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` (only shapes are used).
       batch: one full batch, arrays or ``ShapeDtypeStruct``; leaves share the leading batch axis.
       optimizer: the ``optax.GradientTransformation`` of the run.
-      budget_bytes: bytes, or a size string such as ``"512MiB"`` (see :func:`parse_bytes`).
+      budget_bytes: bytes, or a size string such as ``"512MiB"`` (see :func:`leanstep.memory_sizes.parse_bytes`).
       candidates: ``(num_microbatches, remat, precision)`` settings; default
         :func:`settings_grid` over the batch size's divisors, :data:`REMAT_POLICIES`
         and ``precision``.
@@ -346,7 +306,7 @@ def plan(
         s, t0 = candidate.setting, time.perf_counter()
         if s.remat not in loss_fns:
             loss_fns[s.remat] = make_loss_fn(s.remat)
-        step = make_train_step(loss_fns[s.remat], optimizer, precision=s.precision,
+        step = make_train_step(loss_fns[s.remat], precision=s.precision,
                                num_microbatches=s.num_microbatches, max_grad_norm=max_grad_norm, **step_kwargs)
         traced[s] = step.trace(state, batch)
         return dataclasses.replace(candidate, flops=count_flops(traced[s].jaxpr),
@@ -435,210 +395,3 @@ def _first_fit(members: list[int], fits: Callable[[int], bool]) -> int | None:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(members[mid]) else (mid, hi)
     return members[hi]
-
-
-def _run_parts(config: Any) -> tuple[Any, optax.GradientTransformation, Callable[[str], Callable[..., Any]], LossScale]:
-    """The model, optimizer, loss factory and loss scale a :class:`RunConfig` trains with."""
-    from leanstep.models import build_model
-    from leanstep.trainer import _model_overrides, build_optimizer
-
-    model = build_model(config.model, config.size, **_model_overrides(config))
-    optimizer, _ = build_optimizer(config)
-    scale = get_loss_scale(config.loss_scale, None if config.loss_scale == "none" else config.initial_loss_scale)
-
-    def make_loss_fn(policy: str) -> Callable[..., Any]:
-        return lambda params, batch: model.loss(params, batch, remat_policy=policy)
-
-    return model, optimizer, make_loss_fn, scale
-
-
-def plan_for_run(config: Any, budget_bytes: int | str, **options: Any) -> Plan:
-    """Plans microbatches and remat for a :class:`leanstep.trainer.RunConfig` (its other fields fixed).
-
-    Candidates: every divisor of ``config.batch_size`` times :data:`REMAT_POLICIES`, at
-    ``config.precision``; ``options`` go to :func:`plan` (e.g. ``candidates``, ``exhaustive``).
-    Use ``dataclasses.replace(config, microbatches=s.num_microbatches, remat=s.remat)``
-    with ``s = plan_for_run(config, budget).chosen.setting``.
-
-    Raises:
-      BudgetError: nothing fits.
-      ValueError: an invalid config or budget, or a multi-device config (``devices``, ``fsdp``).
-    """
-    dataclasses.replace(config, microbatches=1, remat="none").validate()  # both are planned here
-    if getattr(config, "devices", None) is not None or getattr(config, "fsdp", False):
-        raise ValueError("a memory budget is planned for a one-device run; drop --devices and --fsdp "
-                         f"(got devices={config.devices!r}, fsdp={config.fsdp!r})")
-    model, optimizer, make_loss_fn, scale = _run_parts(config)
-    params = jax.eval_shape(model.init, jax.random.key(config.seed))
-    batch = {"tokens": jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), np.int32)}
-    options.setdefault("precision", config.precision)
-    return plan(make_loss_fn, params, batch, optimizer, budget_bytes=budget_bytes,
-                max_grad_norm=config.max_grad_norm, loss_scale=scale, **options)
-
-
-# --- validation against reality (benchmarks, not tests) ------------------------------------------
-
-def _run_inputs(config: Any) -> tuple[Callable[..., Any], Any, Any]:
-    """The jitted step, a materialized state and a device batch for ``config`` (as a run builds them)."""
-    model, optimizer, make_loss_fn, scale = _run_parts(config)
-    state = TrainState.create(model.init(jax.random.key(config.seed)), optimizer, loss_scale=scale, seed=config.seed)
-    tokens = np.random.default_rng(config.seed).integers(0, 256, (config.batch_size, config.seq_len + 1))
-    batch = {"tokens": jax.device_put(tokens.astype(np.int32))}
-    step = make_train_step(make_loss_fn(config.remat), optimizer, precision=config.precision,
-                           num_microbatches=config.microbatches, max_grad_norm=config.max_grad_norm)
-    return step, state, batch
-
-
-def _peak_rss_bytes() -> int:
-    """The process's peak RSS: VmHWM on Linux, else ``ru_maxrss``.
-
-    Not ``ru_maxrss`` on Linux: it also holds the peak of the process image that exec'd
-    this one, and Python's subprocess execs from a vfork of the parent, so a child
-    started from a big parent reports the parent's peak, whatever it does itself.
-    """
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024  # KiB on Linux
-
-
-def _reset_peak_rss() -> bool:
-    """Sets the process's RSS high-water mark (ru_maxrss) to its current RSS (Linux >= 4.0)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:  # hand freed heap pages back, so that reusing them later shows up as growth
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _measure_in_child(spec_path: str) -> None:
-    """Runs one step of a planned setting and prints its memory as JSON (see :func:`validate_plan`)."""
-    import json
-
-    from leanstep.trainer import RunConfig
-
-    spec = json.loads(open(spec_path).read())
-    step, state, batch = _run_inputs(RunConfig(**spec["config"]))
-    options = spec["compiler_options"]
-    executable = step.lower(state, batch).compile(options) if options else step.lower(state, batch).compile()
-    memory = executable.memory_analysis()
-    state, metrics = executable(state, batch)  # warm-up: thread pools and other one-time allocations
-    jax.block_until_ready((state, metrics))
-    reset = _reset_peak_rss()
-    before = _peak_rss_bytes()
-    state, metrics = executable(state, batch)
-    jax.block_until_ready((state, metrics))
-    rise = _peak_rss_bytes() - before
-    print(json.dumps({
-        "compiled_peak_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
-        "xla_peak_bytes": getattr(memory, "peak_memory_in_bytes", None),
-        "argument_bytes": memory.argument_size_in_bytes, "rss_rise_bytes": rise,
-        "measured_peak_bytes": rise + memory.argument_size_in_bytes, "peak_reset": reset,
-        "loss": float(metrics.loss),
-    }))
-
-
-def validate_plan(config: Any, budget_bytes: int | str, *, compiler_options: dict[str, Any] | None = None,
-                  timeout: float = 600.0, **plan_options: Any) -> dict[str, Any]:
-    """Plans ``config`` for the budget, runs the chosen setting once in a subprocess, compares memory.
-
-    .. code-block:: text
-
-        predicted = plan's peak (abstract inputs)
-        compiled  = the same formula on the executable a run compiles (real arrays, ``compiler_options``)
-        measured  = rise of the child's peak RSS (VmHWM) over one step (high-water mark reset
-                    just before it, after a warm-up step) + the argument bytes, resident before it
-
-    A benchmark, not a test. ``compiler_options`` apply to the child's compile (default:
-    XLA's, as a run compiles); ``plan_options`` go to :func:`plan_for_run`.
-
-    Returns:
-      A dict: the setting, the three peaks, ``predicted_over_measured``,
-      ``predicted_over_compiled``, ``ran`` (the step returned a finite loss),
-      ``within_budget`` (measured <= budget) and the planning time.
-    """
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    result = plan_for_run(config, budget_bytes, **plan_options)
-    chosen = result.chosen.setting
-    run = dataclasses.replace(config, microbatches=chosen.num_microbatches, remat=chosen.remat)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"config": run.to_json(), "compiler_options": compiler_options}, f)
-    code = f"from leanstep.plan import _measure_in_child; _measure_in_child({f.name!r})"
-    # A fixed mmap threshold makes every buffer over 64 KiB a fresh mapping whose pages count in the
-    # RSS, instead of heap pages the warm-up step left resident (glibc raises the threshold on free).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
-    if child.returncode:
-        raise RuntimeError(f"the measuring subprocess failed ({child.returncode}):\n{child.stderr[-3000:]}")
-    measured = json.loads(child.stdout.strip().splitlines()[-1])
-    predicted = result.chosen.peak_bytes
-    return {
-        "model": config.model, "size": config.size, "batch_size": config.batch_size, "seq_len": config.seq_len,
-        "budget_bytes": result.budget_bytes, "setting": chosen._asdict(), "predicted_peak_bytes": predicted,
-        **measured, "predicted_over_measured": predicted / max(measured["measured_peak_bytes"], 1),
-        "predicted_over_compiled": predicted / measured["compiled_peak_bytes"],
-        "ran": bool(np.isfinite(measured["loss"])),
-        "within_budget": measured["measured_peak_bytes"] <= result.budget_bytes,
-        "planning_seconds": result.seconds,
-    }
-
-
-def time_candidates(config: Any, budget_bytes: int | str, *, steps: int = 5, rounds: int = 3) -> dict[str, Any]:
-    """Times every candidate's real step (XLA's default options) and compares with the plan's choice.
-
-    Each candidate is compiled, warmed up, then run ``steps`` times in each of ``rounds``
-    interleaved rounds (so a change in machine load hits all alike); its time is the
-    fastest step (on a shared machine the noise only ever adds time), the median is
-    reported too. A benchmark, not a test.
-
-    Returns:
-      ``{"plan": Plan.to_json(), "rows": [...], "chosen_seconds", "fastest_fitting_seconds",
-      "chosen_over_fastest"}``; each row has the setting, peak, fits, FLOPs, the median
-      step time and the peak of the default-options executable.
-    """
-    result = plan_for_run(config, budget_bytes, exhaustive=True)
-    runs = []
-    for candidate in result.candidates:
-        s = candidate.setting
-        step, state, batch = _run_inputs(dataclasses.replace(config, microbatches=s.num_microbatches, remat=s.remat))
-        executable = step.lower(state, batch).compile()
-        memory = executable.memory_analysis()
-        state, _ = executable(state, batch)
-        jax.block_until_ready(state)
-        runs.append([candidate, executable, state, batch, [], memory])
-    for _ in range(rounds):
-        for run in runs:
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                run[2], metrics = run[1](run[2], run[3])
-                jax.block_until_ready((run[2], metrics))
-                run[4].append(time.perf_counter() - t0)
-    rows = [{**c.setting._asdict(), "peak_bytes": c.peak_bytes, "fits": c.fits, "flops": c.flops,
-             "chosen": c is result.chosen, "seconds": float(np.min(times)), "median_seconds": float(np.median(times)),
-             "default_options_peak_bytes": m.argument_size_in_bytes + m.output_size_in_bytes
-             - m.alias_size_in_bytes + m.temp_size_in_bytes}
-            for c, _, _, _, times, m in runs]
-    chosen = next(r["seconds"] for r in rows if r["chosen"])
-    fastest = min(r["seconds"] for r in rows if r["fits"])
-    return {"plan": result.to_json(), "rows": rows, "chosen_seconds": chosen,
-            "fastest_fitting_seconds": fastest, "chosen_over_fastest": chosen / fastest}

@@ -1,4 +1,7 @@
-"""audit: FLOPs against XLA's own count, the seeds' traced-program rules, remat policies, dtypes, host syncs."""
+"""auditing: the seeds' traced-program rules, remat policies, dtypes, host syncs, a run's step, the CLI.
+
+The FLOP counts are tested in test_flops.py.
+"""
 
 from __future__ import annotations
 
@@ -10,58 +13,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from jax.experimental import io_callback
 
 from leanstep import tasks
 from leanstep.accumulation import microbatched_value_and_grad
-from leanstep.audit import audit, audit_for_run, audit_jaxpr, count_flops, policy_name
+from leanstep.auditing import audit, audit_jaxpr, policy_name
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
-from leanstep.remat import REMAT_POLICIES, checkpoint_name, remat, saved_residuals_report
-from leanstep.step import TrainState, make_train_step
-from leanstep.trainer import RunConfig
-
-
-def _xla_flops(fn, *args):
-    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
-    return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
-
-
-# --- FLOPs --------------------------------------------------------------------------------------
-
-# Sizes >= 2: XLA rewrites a dot with a size-1 dimension as a multiply (1 FLOP an element).
-@settings(max_examples=25, deadline=None)
-@given(st.integers(2, 5), st.integers(2, 5), st.integers(2, 5), st.integers(2, 5))
-def test_matmul_flops_equal_xla_on_a_loop_free_program(m, k, n, p):
-    def f(a, b, c):
-        return (a @ b) @ c
-
-    args = (jnp.ones((m, k)), jnp.ones((k, n)), jnp.ones((n, p)))
-    assert count_flops(jax.make_jaxpr(f)(*args)) == _xla_flops(f, *args) == 2 * m * n * (k + p)
-
-
-@settings(max_examples=10, deadline=None)
-@given(st.integers(1, 5), st.integers(2, 4), st.integers(2, 6))
-def test_a_scan_counts_its_body_times_its_length_as_xla_does_unrolled(length, rows, width):
-    def f(w, x, unroll):
-        return jax.lax.scan(lambda h, wi: (h @ wi, None), x, w, unroll=unroll)[0]
-
-    w, x = jnp.ones((length, width, width)), jnp.ones((rows, width))
-    rolled = jax.make_jaxpr(functools.partial(f, unroll=1))(w, x)
-    # XLA's reference: the fully unrolled program, which has no loop for XLA to count once.
-    assert count_flops(rolled) == _xla_flops(functools.partial(f, unroll=True), w, x) == 2 * length * rows * width**2
-
-
-def test_cond_counts_its_dearest_branch_and_while_its_body_once():
-    def f(x):
-        y = jax.lax.cond(x[0, 0] > 0, lambda: x @ x, lambda: x)
-        return jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, c[1] @ c[1]), (0, y))[1]
-
-    x = jnp.ones((3, 3))
-    # gt 1 + cond branch 54 + while: cond `lt` 1 + body (add 1 + matmul 54)
-    assert count_flops(jax.make_jaxpr(f)(x)) == 1 + 54 + 1 + 1 + 54
+from leanstep.flops import count_flops
+from leanstep.rematerialization import REMAT_POLICIES, checkpoint_name, remat
+from leanstep.residuals import saved_residuals_report
+from leanstep.state import TrainState
+from leanstep.step import make_train_step
+from leanstep.training import RunConfig
+from leanstep.training.analysis import audit_run
 
 
 # --- the gradient-accumulation rules ------------------------------------------------------------
@@ -194,7 +159,7 @@ def test_matmul_dtypes_of_a_bf16_step_with_float32_masters():
 
     opt = optax.sgd(0.1)
     state = TrainState.create({"w": jnp.ones((4, 3))}, opt)
-    step = make_train_step(loss_fn, opt, precision="compute=bfloat16", num_microbatches=2)
+    step = make_train_step(loss_fn, precision="compute=bfloat16", num_microbatches=2)
     report = audit(step, state, {"x": jnp.ones((6, 4))})
     # One forward matmul and its weight gradient (x is data: no input gradient), both in the scan.
     assert report.matmul_dtypes == {("bfloat16", "bfloat16", "bfloat16"): 2}
@@ -242,8 +207,8 @@ def test_bad_input():
 TINY = dict(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, remat="dots")
 
 
-def test_audit_for_run_reports_the_run_settings():
-    report = audit_for_run(RunConfig(**TINY))
+def test_audit_run_reports_the_run_settings():
+    report = audit_run(RunConfig(**TINY))
     assert [s.length for s in report.top_level_scans] == [2]
     assert report.accumulation_violations(2) == [] and report.remat_violations("dots") == []
     assert {m.dtypes[:2] for m in report.matmuls} == {("bfloat16", "bfloat16")}

@@ -9,18 +9,14 @@ program and every sub-program in it (``jit``, ``scan``, ``while``, ``cond``,
     scans           every lax.scan: its length, direction, carry, matmuls in its body
     remat regions   every jax.checkpoint (primitive remat2): its policy, mapped back to a
                     leanstep name ("dots", "full", ...), and the primitives it recomputes
-    matmuls         every dot_general: operand dtypes, accumulation dtype, enclosing scans
+    matmuls         every dot_general: operand dtypes, accumulation dtype, enclosing scans,
+                    its FLOPs times the trip counts of the scans around it
     host syncs      pure_callback / io_callback / debug_callback / debug_print / infeed / outfeed
-    residuals       leanstep.remat.saved_residuals_report of the loss, when one is given
-    flops           counted on the program, a loop body times its trip count:
-                      dot_general   2 * prod(output shape) * prod(contracted sizes)
-                      elementwise   prod(output shape)     (add, mul, tanh, exp, select_n, ...)
-                      reduction     prod(input shape)      (reduce_sum, argmax, cumsum, ...)
-                      cond          the most expensive branch
-                      while         its body once (the trip count is not known when tracing)
+    residuals       leanstep.saved_residuals_report of the loss, when one is given
+    flops           leanstep.flops.count_flops of the program (loop bodies x trip count)
 
-XLA's own ``cost_analysis()`` counts a while loop's body once, whatever its trip
-count, so it cannot compare two microbatch counts; the count here can.
+and returns them as an :class:`AuditReport` of the records in :mod:`leanstep.audit_records`,
+which checks them against the gradient-accumulation rules and a remat policy.
 """
 
 from __future__ import annotations
@@ -28,125 +24,29 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import numpy as np
 
-from leanstep.remat import REMAT_POLICIES, ResidualReport, get_remat_policy, saved_residuals_report
-from leanstep.remat import _short_dtype as _short
+from leanstep._checks import check_callable
+from leanstep._jaxpr import is_remat_primitive, sub_jaxprs
+from leanstep.audit_records import HostSync, Matmul, RematRegion, ScanInfo
+from leanstep.flops import ELEMENTWISE_PRIMITIVES, count_flops, equation_flops
+from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
+from leanstep.residuals import ResidualReport, saved_residuals_report, short_dtype_name
 
-__all__ = ["AuditReport", "HostSync", "Matmul", "RematRegion", "ScanInfo", "audit", "audit_for_run", "audit_jaxpr",
-           "count_flops", "policy_name"]
+__all__ = ["AuditReport", "audit", "audit_jaxpr", "policy_name"]
 
 HOST_SYNC_PRIMITIVES: frozenset[str] = frozenset(
     {"pure_callback", "io_callback", "debug_callback", "debug_print", "callback", "infeed", "outfeed"}
 )
 
-_ELEMENTWISE = frozenset("""
-    abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp cos cosh div eq erf
-    erf_inv erfc exp exp2 expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log log1p
-    logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt
-    select_n sign sin sinh sqrt square sub tan tanh xor
-""".split())
-_REDUCTIONS = frozenset("""
-    argmax argmin cumlogsumexp cummax cummin cumprod cumsum reduce_and reduce_max reduce_min
-    reduce_or reduce_prod reduce_sum reduce_xor
-""".split())
-
-
-@dataclasses.dataclass(frozen=True)
-class ScanInfo:
-    """One ``lax.scan`` in the program.
-
-    Attributes:
-      length: the trip count.
-      reverse: runs back to front; a transposed (backward-pass) scan does.
-      depth: number of scans around this one (0: top level).
-      path: the enclosing primitives, e.g. ``"jit(step)/scan"``.
-      carry: ``(shape, dtype name)`` of every carried value.
-      matmuls: dot_generals in its body, nested ones included (counted once each).
-    """
-
-    length: int
-    reverse: bool
-    depth: int
-    path: str
-    carry: tuple[tuple[tuple[int, ...], str], ...]
-    matmuls: int
-
-
-@dataclasses.dataclass(frozen=True)
-class RematRegion:
-    """One ``jax.checkpoint`` region (primitive ``remat2``).
-
-    Attributes:
-      policy: the leanstep name of its policy (``"dots"``, ``"full"``,
-        ``"dots_no_batch"``, ``"save:a,b"``), else the policy's repr.
-      differentiated: the region belongs to the backward pass; what it computes
-        besides the cotangents is recomputed forward work.
-      prevent_cse: the ``prevent_cse`` flag.
-      path: the enclosing primitives.
-      primitives: the primitive names inside, sorted.
-    """
-
-    policy: str
-    differentiated: bool
-    prevent_cse: bool
-    path: str
-    primitives: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Matmul:
-    """One ``dot_general``.
-
-    Attributes:
-      lhs, rhs: operand ``(shape, dtype name)``.
-      preferred: ``preferred_element_type`` (the accumulation dtype), or the output dtype.
-      out: the output dtype name.
-      scan_depth: number of enclosing scans (0: outside any scan).
-      path: the enclosing primitives.
-      flops: ``2 * prod(out shape) * prod(contracted sizes)``, times the trip counts around it.
-    """
-
-    lhs: tuple[tuple[int, ...], str]
-    rhs: tuple[tuple[int, ...], str]
-    preferred: str
-    out: str
-    scan_depth: int
-    path: str
-    flops: float
-
-    @property
-    def dtypes(self) -> tuple[str, str, str]:
-        """``(lhs dtype, rhs dtype, accumulation dtype)``."""
-        return (self.lhs[1], self.rhs[1], self.preferred)
-
-
-@dataclasses.dataclass(frozen=True)
-class HostSync:
-    """One host callback or infeed/outfeed: the device waits for the host there.
-
-    Attributes:
-      primitive: e.g. ``"pure_callback"``.
-      path: the enclosing primitives.
-      callback: the Python callback's name, when there is one.
-    """
-
-    primitive: str
-    path: str
-    callback: str | None
-
 
 def _aval(var: Any) -> tuple[tuple[int, ...], str]:
     aval = var.aval
     return tuple(getattr(aval, "shape", ())), str(getattr(aval, "dtype", type(aval).__name__))
-
-
-def _size(var: Any) -> int:
-    return math.prod(getattr(var.aval, "shape", ()))
 
 
 def policy_name(policy: Any) -> str:
@@ -168,28 +68,6 @@ def policy_name(policy: Any) -> str:
     return getattr(policy, "__name__", repr(policy))
 
 
-def _sub_jaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
-    """``(param name, open jaxpr)`` for every sub-program of an equation."""
-    for key, value in eqn.params.items():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                yield key, inner
-
-
-def _eqn_flops(eqn: Any) -> float:
-    name = eqn.primitive.name
-    if name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        lhs_shape = eqn.invars[0].aval.shape
-        return 2.0 * _size(eqn.outvars[0]) * math.prod(lhs_shape[d] for d in lhs_contract)
-    if name in _ELEMENTWISE:
-        return float(sum(_size(v) for v in eqn.outvars))
-    if name in _REDUCTIONS:
-        return float(sum(_size(v) for v in eqn.invars))
-    return 0.0
-
-
 @dataclasses.dataclass
 class _Collector:
     scans: list[ScanInfo] = dataclasses.field(default_factory=list)
@@ -205,81 +83,56 @@ def _segment(eqn: Any) -> str:
         return f"{name}({params['name']})"
     if name == "scan":
         return f"scan({params['length']})"
-    if name.startswith("remat") or name == "checkpoint":
+    if is_remat_primitive(name):
         return f"{name}({policy_name(params.get('policy'))})"
     return name
 
 
 def _walk(jaxpr: Any, path: tuple[str, ...], scan_depth: int, multiplier: float, names: list[set[str]],
-          out: _Collector) -> tuple[float, int]:
-    """Visits ``jaxpr``; returns ``(flops, dot_general count)``, loop bodies times their trip counts."""
-    flops, matmuls = 0.0, 0
+          out: _Collector) -> int:
+    """Visits ``jaxpr``, recording into ``out``; returns its dot_general count, sub-programs included.
+
+    ``multiplier`` is the product of the trip counts of the scans around ``jaxpr``; ``names``
+    holds the primitive-name sets of the remat regions around it, each of which gets every
+    primitive visited here.
+    """
+    matmuls = 0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
         out.equations += 1
         for region in names:
             region.add(name)
         where = "/".join(path) or "top"
-        own = _eqn_flops(eqn)
-        flops += own
         if name == "dot_general":
             matmuls += 1
             preferred = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
             out.matmuls.append(Matmul(_aval(eqn.invars[0]), _aval(eqn.invars[1]), str(np.dtype(preferred)),
-                                      _aval(eqn.outvars[0])[1], scan_depth, where, own * multiplier))
+                                      _aval(eqn.outvars[0])[1], scan_depth, where, equation_flops(eqn) * multiplier))
         if name in HOST_SYNC_PRIMITIVES:
             callback = eqn.params.get("callback")
             func = getattr(callback, "callback_func", callback)
             out.host_syncs.append(HostSync(name, where, getattr(func, "__name__", None)))
         inner_path = (*path, _segment(eqn))
-        subs = list(_sub_jaxprs(eqn))
+        subs = list(sub_jaxprs(eqn))
         if name == "scan":
             length, before = eqn.params["length"], len(out.scans)
-            body_flops, body_matmuls = _walk(subs[0][1], inner_path, scan_depth + 1, multiplier * length, names, out)
+            body_matmuls = _walk(subs[0][1], inner_path, scan_depth + 1, multiplier * length, names, out)
             num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
             carry = tuple(_aval(v) for v in eqn.invars[num_consts:num_consts + num_carry])
             out.scans.insert(before, ScanInfo(length, bool(eqn.params["reverse"]), scan_depth, where, carry,
                                               body_matmuls))
-            flops += length * body_flops
             matmuls += body_matmuls
-        elif name == "cond":
-            branches = [_walk(sub, inner_path, scan_depth, multiplier, names, out) for _, sub in subs]
-            flops += max(f for f, _ in branches)
-            matmuls += sum(m for _, m in branches)
-        elif name.startswith("remat") or name == "checkpoint":
+        elif is_remat_primitive(name):
             region: set[str] = set()
             before = len(out.remats)
-            f, m = _walk(subs[0][1], inner_path, scan_depth, multiplier, [*names, region], out)
+            matmuls += _walk(subs[0][1], inner_path, scan_depth, multiplier, [*names, region], out)
             out.remats.insert(before, RematRegion(
                 policy_name(eqn.params.get("policy")), bool(eqn.params.get("differentiated", False)),
                 bool(eqn.params.get("prevent_cse", True)), where, tuple(sorted(region))))
-            flops += f
-            matmuls += m
-        else:
+        else:  # cond branches, while's cond and body, call bodies: each one walked
             for _, sub in subs:
-                f, m = _walk(sub, inner_path, scan_depth, multiplier, names, out)
-                flops += f
-                matmuls += m
-    return flops, matmuls
-
-
-def count_flops(closed_jaxpr: Any) -> float:
-    """FLOPs of a traced program, each loop body counted times its trip count (see the module doc).
-
-    Args:
-      closed_jaxpr: a ``ClosedJaxpr`` or ``Jaxpr`` (``jax.make_jaxpr(f)(*args)``).
-
-    Returns:
-      The FLOP count, a float.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> def f(w, x):
-      ...     return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)[0]
-      >>> count_flops(jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 4))))  # 3 * (2*2*4*4 + 2*4)
-      216.0
-    """
-    return _walk(getattr(closed_jaxpr, "jaxpr", closed_jaxpr), (), 0, 1.0, [], _Collector())[0]
+                matmuls += _walk(sub, inner_path, scan_depth, multiplier, names, out)
+    return matmuls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +145,7 @@ class AuditReport:
       matmuls: every ``dot_general``.
       host_syncs: every host callback, infeed or outfeed.
       residuals: what the loss saves for its backward pass, when a loss was given.
-      flops: see :func:`count_flops`.
+      flops: see :func:`leanstep.flops.count_flops`.
       equations: the number of equations, sub-programs included.
     """
 
@@ -397,7 +250,7 @@ class AuditReport:
                          f"{s.matmuls} matmuls in the body, carry {len(s.carry)} values ({carry:,} bytes)  at {s.path}")
         lines.append(f"remat regions: {len(self.remat_regions)}")
         for r in self.remat_regions:
-            work = ", ".join(p for p in r.primitives if p in _ELEMENTWISE or p == "dot_general")
+            work = ", ".join(p for p in r.primitives if p in ELEMENTWISE_PRIMITIVES or p == "dot_general")
             lines.append(f"  policy {r.policy}, {'backward pass' if r.differentiated else 'forward pass'}, "
                          f"runs {work or '-'}  at {r.path}")
         total = sum(m.flops for m in self.matmuls) or 1.0
@@ -407,10 +260,10 @@ class AuditReport:
             by_dtype[m.dtypes][0] += 1
             by_dtype[m.dtypes][1] += m.flops
         for (lhs, rhs, acc), (count, flops) in sorted(by_dtype.items(), key=lambda kv: -kv[1][1]):
-            lines.append(f"  {_short(lhs)} x {_short(rhs)} -> {_short(acc)}: {count} matmuls, "
+            lines.append(f"  {short_dtype_name(lhs)} x {short_dtype_name(rhs)} -> {short_dtype_name(acc)}: {count} matmuls, "
                          f"{100 * flops / total:.1f}% of matmul FLOPs")
         for m in self.matmuls_outside_scans:
-            lines.append(f"  outside any scan: {_short(m.lhs[1])}{list(m.lhs[0])} x {_short(m.rhs[1])}{list(m.rhs[0])}"
+            lines.append(f"  outside any scan: {short_dtype_name(m.lhs[1])}{list(m.lhs[0])} x {short_dtype_name(m.rhs[1])}{list(m.rhs[0])}"
                          f"  at {m.path}")
         lines.append(f"host syncs: {len(self.host_syncs) or 'none'}")
         lines.extend(f"  {h.primitive}{f' ({h.callback})' if h.callback else ''}  at {h.path}" for h in self.host_syncs)
@@ -437,9 +290,9 @@ def audit_jaxpr(closed_jaxpr: Any, *, residuals: ResidualReport | None = None) -
     if not hasattr(jaxpr, "eqns"):
         raise TypeError(f"closed_jaxpr must be a jaxpr (from jax.make_jaxpr), got {type(closed_jaxpr).__name__}")
     out = _Collector()
-    flops, _ = _walk(jaxpr, (), 0, 1.0, [], out)
+    _walk(jaxpr, (), 0, 1.0, [], out)
     return AuditReport(tuple(out.scans), tuple(out.remats), tuple(out.matmuls), tuple(out.host_syncs),
-                       residuals, flops, out.equations)
+                       residuals, count_flops(jaxpr), out.equations)
 
 
 def audit(
@@ -484,36 +337,9 @@ def audit(
       >>> report.accumulation_violations(4, params=p)
       []
     """
-    if not callable(step_or_fn):
-        raise TypeError(f"step_or_fn must be callable, got {type(step_or_fn).__name__}")
+    check_callable("step_or_fn", step_or_fn)
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
     closed = jax.make_jaxpr(lambda *a: step_or_fn(*a, **kwargs))(*args)
     residuals = saved_residuals_report(loss_fn, *loss_args) if loss_fn is not None else None
     return audit_jaxpr(closed, residuals=residuals)
-
-
-def audit_for_run(config: Any) -> AuditReport:
-    """Audits the step a :class:`leanstep.trainer.RunConfig` trains with (abstract inputs, nothing runs).
-
-    The residuals are those of one microbatch's loss, in the compute dtype.
-
-    Raises:
-      ValueError: an invalid config.
-    """
-    from leanstep.plan import _run_parts
-    from leanstep.precision import get_precision
-    from leanstep.step import TrainState, make_train_step
-
-    config.validate()
-    model, optimizer, make_loss_fn, scale = _run_parts(config)
-    policy = get_precision(config.precision)
-    params = jax.eval_shape(model.init, jax.random.key(config.seed))
-    state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, loss_scale=scale), params)
-    rows = config.batch_size // config.microbatches
-    batch, microbatch = ({"tokens": jax.ShapeDtypeStruct((n, config.seq_len + 1), np.int32)}
-                         for n in (config.batch_size, rows))
-    step = make_train_step(make_loss_fn(config.remat), optimizer, precision=policy,
-                           num_microbatches=config.microbatches, max_grad_norm=config.max_grad_norm)
-    loss = policy.wrap(make_loss_fn(config.remat))
-    return audit(step, state, batch, loss_fn=loss, loss_args=(jax.eval_shape(policy.cast_to_compute, params), microbatch))

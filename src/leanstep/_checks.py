@@ -1,0 +1,154 @@
+"""Argument checks shared by every module (optax's ``_src/utils.py``).
+
+Each check raises at call or trace time, never with ``assert``: ``TypeError`` for a value of
+the wrong kind, ``ValueError`` for one out of range, and the message names the argument, shows
+the value and says what would be right, e.g.
+``ValueError: num_microbatches must be >= 1, got 0``. The names here have no leading
+underscore: the module is private, its functions are shared.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def is_int(value: Any) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value: Any) -> bool:
+    """A Python or NumPy real number (int or float), not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, maximum: int | None = None, static: bool = False) -> int:
+    """``value`` as a Python int in ``[minimum, maximum]``.
+
+    Args:
+      name: the argument's name, as the caller knows it.
+      value: the value to check.
+      minimum, maximum: the allowed range (no maximum: unbounded).
+      static: the argument is static under ``jax.jit`` (the message says so).
+    """
+    if not is_int(value):
+        kind = "a static Python int" if static else "an int"
+        raise TypeError(f"{name} must be {kind} >= {minimum}, got {type(value).__name__} {value!r}")
+    as_int = operator.index(value)
+    if maximum is not None and not minimum <= as_int <= maximum:
+        raise ValueError(f"{name} must be an int in [{minimum}, {maximum}], got {value!r}")
+    if as_int < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return as_int
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` as a Python bool (NumPy bools accepted)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_positive(name: str, value: Any, *, optional: bool = False) -> float | None:
+    """``value`` as a positive finite float (or None with ``optional``)."""
+    if value is None and optional:
+        return None
+    none = " or None" if optional else ""
+    if not is_real(value):
+        raise TypeError(f"{name} must be a number{none}, got {type(value).__name__} {value!r}")
+    if not 0 < float(value) < math.inf:
+        raise ValueError(f"{name} must be a positive finite number{none}, got {value!r}")
+    return float(value)
+
+
+def check_callable(name: str, value: Any) -> None:
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {type(value).__name__}")
+
+
+def check_optimizer(value: Any, name: str = "optimizer") -> None:
+    import optax  # only where an optimizer is checked
+
+    if not isinstance(value, optax.GradientTransformation):
+        raise TypeError(f"{name} must be an optax.GradientTransformation, got {type(value).__name__}")
+
+
+def leaf_dtype(leaf: Any) -> np.dtype | None:
+    """The dtype of an array-like leaf (arrays, NumPy and Python scalars), else None."""
+    if hasattr(leaf, "dtype"):
+        return np.dtype(leaf.dtype)
+    if isinstance(leaf, (bool, int, float, complex)):
+        return np.dtype(jnp.result_type(leaf))
+    return None
+
+
+def check_floating_tree(tree: Any, name: str, *, what: str = "floating-point arrays") -> None:
+    """Every leaf of ``tree`` is a real floating array; the message names the first that is not."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        where = f"{name}{jax.tree_util.keystr(path)}"
+        dtype = leaf_dtype(leaf)
+        if dtype is None:
+            raise TypeError(f"{where} is a {type(leaf).__name__}; expected {what}")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"{where} has dtype {dtype}; expected {what}")
+
+
+def check_positive_int32(name: str, value: Any) -> int:
+    """``value`` as a Python int in ``[1, 2**31 - 1]``: anything ``operator.index`` takes (a jax or
+    NumPy integer scalar too), not a bool."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool {value!r}")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if not 1 <= as_int <= INT32_MAX:
+        raise ValueError(f"{name} must be an int in [1, 2**31 - 1], got {value!r}")
+    return as_int
+
+
+def check_finite_float32(name: str, value: Any) -> float:
+    """``value``, a real number finite in float32, rounded to float32 (the precision it is applied in)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    as_float = float(value)
+    # Checked before the float32 cast so that the cast cannot overflow.
+    if not math.isfinite(as_float) or abs(as_float) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite in float32 (|x| <= {FLOAT32_MAX:.7g}), got {value!r}")
+    return float(np.float32(as_float))
+
+
+def check_positive_float32_scalar(name: str, value: Any) -> jax.Array:
+    """``value`` as a float32 scalar array; a concrete (not traced) value must be finite and > 0."""
+    if np.shape(value) != ():
+        raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
+    try:
+        dtype = None if value is None else jnp.result_type(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if not isinstance(value, jax.core.Tracer):
+        as_float = float(np.asarray(value, np.float64))
+        if not (0.0 < as_float <= FLOAT32_MAX):
+            raise ValueError(f"{name} must be finite and > 0 in float32, got {as_float!r}")
+    return jnp.asarray(value, jnp.float32)
+
+
+def check_bool_scalar(name: str, value: Any) -> jax.Array:
+    """``value`` as a bool scalar array (traced or not)."""
+    as_array = jnp.asarray(value)
+    if as_array.dtype != jnp.bool_:
+        raise TypeError(f"{name} must be a bool array, got dtype {as_array.dtype}")
+    if as_array.shape != ():
+        raise ValueError(f"{name} must be a scalar, got shape {as_array.shape}")
+    return as_array

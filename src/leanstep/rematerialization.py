@@ -1,0 +1,195 @@
+r"""Rematerialization: named ``jax.checkpoint`` policies, and :func:`remat` to apply them.
+
+Reverse-mode autodiff keeps some forward-pass values alive (the *residuals*) so the
+backward pass can use them. ``jax.checkpoint`` trades memory for compute: values its
+policy does not save are recomputed from the saved ones during the backward pass.
+This module names the common policies.
+
+.. code-block:: text
+
+    policy              saved for the backward pass                  recomputed
+    "none"              everything autodiff needs (no checkpoint)    nothing
+    "full"              only the inputs of the wrapped function      the whole forward pass
+    "dots"              dot_general / conv outputs                   elementwise ops (tanh, ...)
+    "dots_no_batch"     dot_generals without batch dimensions        elementwise ops and
+                        (x @ W, not einsum('bij,bjk->bik'))          batched matmuls
+    "save:NAME1,NAME2"  only values tagged checkpoint_name(v, NAME)  everything else
+
+For a residual MLP block :math:`y = x + \tanh(x W_1 + b_1) W_2 + b_2` with
+:math:`t = \tanh(x W_1 + b_1)`:
+
+- ``"none"`` keeps :math:`t` and :math:`1 - t` (``tanh' = (1 - t)(1 + t)``);
+- ``"dots"`` keeps :math:`x W_1` and recomputes :math:`t` in the backward pass;
+- ``"full"`` keeps only :math:`x, W_1, b_1, W_2` and reruns the block.
+
+Use :func:`leanstep.residuals.saved_residuals_report` to see, per policy, which values
+are saved and how many bytes they take. Equal gradients cannot show that anything was
+recomputed; the report (and the gradient jaxpr) can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from leanstep._checks import check_bool
+
+__all__ = ["REMAT_POLICIES", "checkpoint_name", "get_remat_policy", "remat"]
+
+_POLICIES = jax.checkpoint_policies
+
+#: Policy names accepted by :func:`get_remat_policy` and :func:`remat`, besides the
+#: ``"save:NAME1,NAME2"`` form and a raw JAX policy callable.
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots", "dots_no_batch")
+
+_SAVE_PREFIX = "save:"
+
+_NAMED_POLICIES: dict[str, Callable[..., Any]] = {
+    "full": _POLICIES.nothing_saveable,
+    "dots": _POLICIES.dots_saveable,
+    "dots_no_batch": _POLICIES.dots_with_no_batch_dims_saveable,
+}
+
+# Factories that build a policy: passing one uncalled is always a mistake, and a
+# silent one (the factory is callable and its return value is truthy).
+_POLICY_FACTORIES = tuple(
+    getattr(_POLICIES, name, None)
+    for name in ("save_only_these_names", "save_any_names_but_these", "save_anything_except_these_names",
+                 "save_from_both_policies", "offload_dot_with_no_batch_dims",
+                 "save_and_offload_only_these_names")
+)
+
+
+def get_remat_policy(policy: str | Callable[..., Any]) -> Callable[..., Any] | None:
+    """Resolve a policy name (or a raw JAX policy) to a ``jax.checkpoint`` policy.
+
+    .. code-block:: text
+
+        "none"          -> None   (meaning: do not wrap in jax.checkpoint at all)
+        "full"          -> jax.checkpoint_policies.nothing_saveable
+        "dots"          -> jax.checkpoint_policies.dots_saveable
+        "dots_no_batch" -> jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        "save:a,b"      -> jax.checkpoint_policies.save_only_these_names("a", "b")
+        callable        -> returned unchanged
+
+    ``None`` means *no rematerialization*. Do not pass it on to
+    ``jax.checkpoint(policy=None)``, which means the opposite (save nothing);
+    :func:`remat` handles this for you.
+
+    Args:
+      policy: one of :data:`REMAT_POLICIES`, ``"save:"`` followed by comma-separated
+        ``checkpoint_name`` tags (surrounding whitespace is stripped), or a JAX policy
+        callable ``(prim, *avals, **params) -> bool``.
+
+    Returns:
+      The JAX policy callable, or ``None`` for ``"none"``.
+
+    Raises:
+      ValueError: ``policy`` is an unknown name, or ``"save:"`` without names.
+      TypeError: ``policy`` is neither a string nor a callable, or is a policy
+        factory such as ``save_only_these_names`` that was not called.
+
+    Example:
+      >>> get_remat_policy("dots") is jax.checkpoint_policies.dots_saveable
+      True
+      >>> get_remat_policy("none") is None
+      True
+      >>> get_remat_policy("save:attn, mlp_hidden")
+      SaveOnlyTheseNames(saveable_names=frozenset({...}))
+      >>> get_remat_policy("dot")
+      Traceback (most recent call last):
+      ...
+      ValueError: unknown policy='dot'; expected one of 'none', 'full', 'dots', 'dots_no_batch', 'save:NAME1,NAME2' or a JAX policy callable
+    """
+    if isinstance(policy, str):
+        if policy == "none":
+            return None
+        if policy in _NAMED_POLICIES:
+            return _NAMED_POLICIES[policy]
+        if policy.startswith(_SAVE_PREFIX):
+            names = [name.strip() for name in policy[len(_SAVE_PREFIX):].split(",")]
+            if not all(names):
+                raise ValueError(f"policy={policy!r} names an empty checkpoint_name tag; "
+                                 "expected 'save:NAME1,NAME2' with one or more non-empty names")
+            return _POLICIES.save_only_these_names(*names)
+        valid = ", ".join(repr(name) for name in (*REMAT_POLICIES, "save:NAME1,NAME2"))
+        raise ValueError(f"unknown policy={policy!r}; expected one of {valid} or a JAX policy callable")
+    if not callable(policy):
+        raise TypeError(
+            f"policy must be a policy name (str) or a JAX policy callable, got {policy!r} "
+            f"of type {type(policy).__name__}; use 'none' for no remat and 'full' to save nothing"
+        )
+    if any(policy is factory for factory in _POLICY_FACTORIES):
+        raise TypeError(
+            f"policy={policy!r} is a policy factory, not a policy; call it first, e.g. "
+            "jax.checkpoint_policies.save_only_these_names('name'), or pass 'save:name'"
+        )
+    return policy
+
+
+def remat(
+    fn: Callable[..., Any],
+    policy: str | Callable[..., Any] = "full",
+    *,
+    prevent_cse: bool = True,
+    static_argnums: int | tuple[int, ...] = (),
+) -> Callable[..., Any]:
+    """Wrap ``fn`` in ``jax.checkpoint`` with a named policy (or return it for ``"none"``).
+
+    .. code-block:: text
+
+        remat(fn, "none")   == fn
+        remat(fn, policy)   == jax.checkpoint(fn, policy=get_remat_policy(policy),
+                                              prevent_cse=prevent_cse,
+                                              static_argnums=static_argnums)
+
+    Values and gradients are those of ``fn``; only what is kept between the forward
+    and the backward pass changes (see :func:`leanstep.residuals.saved_residuals_report`). The policy is
+    resolved and validated here, at wrap time.
+
+    Use it as a decorator with ``functools.partial(remat, policy="dots")``. For the
+    body of a ``lax.scan`` over layers pass ``prevent_cse=False``: the scan already
+    keeps XLA from merging the recomputation with the forward pass, and the extra
+    optimization barriers of ``prevent_cse=True`` only cost speed there (this is what
+    the ``jax.checkpoint`` docs recommend).
+
+    Args:
+      fn: the function to rematerialize.
+      policy: see :func:`get_remat_policy`. Default ``"full"`` (save only inputs).
+      prevent_cse: forwarded to ``jax.checkpoint``; ``False`` inside ``lax.scan``.
+      static_argnums: positions of arguments that are static Python values (used in
+        Python control flow inside ``fn``); forwarded to ``jax.checkpoint``.
+
+    Returns:
+      The wrapped function, or ``fn`` itself for ``policy="none"``.
+
+    Raises:
+      ValueError, TypeError: bad ``policy`` (see :func:`get_remat_policy`),
+        ``prevent_cse`` not a bool, or ``static_argnums`` not an int or tuple of ints.
+
+    Example:
+      >>> import functools
+      >>> import jax.numpy as jnp
+      >>> @functools.partial(remat, policy="dots")
+      ... def block(w, x):
+      ...     return x + jnp.tanh(x @ w) @ w
+      >>> w, x = jnp.eye(2) * 0.5, jnp.ones((3, 2))
+      >>> loss = lambda f: lambda w, x: jnp.sum(f(w, x) ** 2)
+      >>> g = jax.grad(loss(block))(w, x)
+      >>> g_plain = jax.grad(loss(block.__wrapped__))(w, x)
+      >>> bool(jnp.allclose(g, g_plain, rtol=1e-6))
+      True
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {fn!r} of type {type(fn).__name__}")
+    jax_policy = get_remat_policy(policy)
+    prevent_cse = check_bool("prevent_cse", prevent_cse)
+    argnums = (static_argnums,) if isinstance(static_argnums, int) else static_argnums
+    if not isinstance(argnums, tuple) or not all(type(i) is int for i in argnums):
+        raise TypeError(f"static_argnums must be an int or a tuple of ints, got {static_argnums!r}")
+    if jax_policy is None:
+        return fn
+    return jax.checkpoint(fn, policy=jax_policy, prevent_cse=prevent_cse, static_argnums=argnums)

@@ -1,0 +1,136 @@
+"""What a training run carries from one step to the next, and what one step reports.
+
+The state types every stage works on, in a module that depends only on the loss-scale state
+types and the shared checks, so that every other module can import it and none of them
+import each other in a circle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from leanstep._checks import check_floating_tree, check_optimizer, is_int
+from leanstep.loss_scale import LossScale
+from leanstep.loss_scale_registry import get_loss_scale
+
+__all__ = ["StepMetrics", "TrainState"]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "params", "opt_state", "loss_scale", "rng", "consecutive_skips"],
+    meta_fields=["optimizer"],
+)
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a training run carries from one step to the next, as one pytree.
+
+    The optimizer is given once, to :meth:`create`, and travels with the state as static
+    pytree metadata (as in flax's ``TrainState``): the step takes it from here, and
+    ``jax.jit`` treats two different optimizers as two different programs.
+
+    Attributes:
+      step: int32 count of steps taken, skipped ones included (it indexes the data).
+      params: the float32 master parameters.
+      opt_state: the optax optimizer's state; it does not advance on a skipped step.
+      loss_scale: a :class:`DynamicLossScale`, :class:`StaticLossScale` or
+        :class:`NoOpLossScale`.
+      rng: a ``uint32[2]`` PRNG key; microbatch ``j`` of step ``t`` gets
+        ``fold_in(fold_in(rng, t), j)`` (with ``uses_rng``).
+      consecutive_skips: int32 count of non-finite steps in a row (saturating).
+      optimizer: the ``optax.GradientTransformation`` (static).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale
+    rng: jax.Array
+    consecutive_skips: jax.Array
+    optimizer: optax.GradientTransformation
+
+    @classmethod
+    def create(
+        cls,
+        params: Any,
+        optimizer: optax.GradientTransformation,
+        *,
+        loss_scale: str | LossScale = "none",
+        seed: int = 0,
+    ) -> TrainState:
+        """Builds the state at step 0.
+
+        Args:
+          params: a pytree of floating-point arrays; they are stored as float32 masters.
+          optimizer: any ``optax.GradientTransformation``; its ``init`` builds ``opt_state``
+            and the train step applies it.
+          loss_scale: ``"dynamic"``, ``"static"``, ``"none"`` or a loss-scale instance.
+          seed: the seed of ``rng``.
+
+        Raises:
+          TypeError: a parameter leaf is not a floating-point array, ``optimizer`` is not
+            a hashable ``GradientTransformation``, or ``seed`` is not an int.
+          ValueError: ``params`` has no leaves.
+
+        Example:
+          >>> import jax.numpy as jnp, optax
+          >>> state = TrainState.create({"w": jnp.ones(3)}, optax.sgd(0.1), loss_scale="dynamic")
+          >>> int(state.step), state.params["w"].dtype, float(state.loss_scale.loss_scale)
+          (0, dtype('float32'), 32768.0)
+        """
+        check_optimizer(optimizer)
+        try:
+            hash(optimizer)
+        except TypeError:
+            raise TypeError("optimizer must be hashable: it is static metadata of the state, so jax.jit can "
+                            "tell two optimizers apart; build it from optax transformations") from None
+        if not is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        if not jax.tree.leaves(params):
+            raise ValueError("params must have at least one array leaf, got an empty tree")
+        check_floating_tree(params, "params", what="floating-point parameters")
+        params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        state = cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            loss_scale=get_loss_scale(loss_scale),
+            rng=jax.random.key_data(jax.random.key(seed)),
+            consecutive_skips=jnp.zeros((), jnp.int32),
+            optimizer=optimizer,
+        )
+        # One buffer per leaf: the step donates the state, and XLA refuses to donate a buffer
+        # that two leaves share (the caller's params, or counters built from one zeros array).
+        return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), state)
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with ``changes`` applied (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+
+class StepMetrics(NamedTuple):
+    """What one step reports, as device arrays (reading them is the caller's host sync).
+
+    Attributes:
+      loss: float32, the unscaled loss of the whole batch.
+      grad_norm: float32, the global norm of the accumulated, unscaled gradient, before clipping.
+      loss_scale: float32, the scale this step used.
+      skipped: bool, the gradient was not finite and nothing was applied.
+      clipped: bool, the gradient norm exceeded ``max_grad_norm``.
+      consecutive_skips: int32, non-finite steps in a row, this one included.
+      aux: the loss function's auxiliary output stacked over microbatches, or None.
+    """
+
+    loss: jax.Array
+    grad_norm: jax.Array
+    loss_scale: jax.Array
+    skipped: jax.Array
+    clipped: jax.Array
+    consecutive_skips: jax.Array
+    aux: Any = None

@@ -1,0 +1,23 @@
+"""Training runs: a :class:`RunConfig` built into parts, trained, logged, checkpointed and reported.
+
+.. code-block:: text
+
+    config.py       RunConfig: every flag of `leanstep train`, checked, naming the flag
+    build.py        build_run(config) -> Run: model, optimizer, loss scale, loss, step
+    data.py         the byte corpus (split by file) and the resumable batch sampler
+    trainer.py      train(config, on_record=...): the loop, checkpoints, signals, resume
+    run_dir.py      the run directory: checked first, written atomically
+    records.py      the typed records a run emits (TrainRecord, EvalRecord, Note, RunStart)
+    metrics_log.py  metrics.jsonl: writer, reader, truncation on resume
+    summary.py      the summary of a run; report(run_dir)
+    curves.py       curves.png (matplotlib, Agg)
+    analysis.py     plan_run and audit_run: the planner and auditor applied to a config
+"""
+
+from leanstep.training.build import Run, build_optimizer, build_run
+from leanstep.training.config import RunConfig
+from leanstep.training.records import EvalRecord, Note, RunStart, TrainRecord
+from leanstep.training.trainer import RunStopped, train
+
+__all__ = ["EvalRecord", "Note", "Run", "RunConfig", "RunStart", "RunStopped", "TrainRecord", "build_optimizer",
+           "build_run", "train"]

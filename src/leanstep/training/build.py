@@ -1,0 +1,122 @@
+"""A :class:`RunConfig` made into the parts a run trains with, in one place: :func:`build_run`.
+
+``leanstep train``, ``plan``, ``audit`` and ``bench`` all build their model, optimizer, loss
+scale, loss function and step from a config here, so the four cannot drift apart; the
+planner and the auditor themselves see only those parts, never a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from leanstep.loss_scale import LossScale
+from leanstep.models import Model, build_model
+from leanstep.precision import Precision, get_precision
+from leanstep.state import StepMetrics, TrainState
+from leanstep.step import make_train_step
+from leanstep.training.config import RunConfig, model_overrides
+
+__all__ = ["Run", "build_optimizer", "build_run"]
+
+
+def build_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Callable[[int], float]]:
+    """AdamW (b1 0.9, b2 0.95) under the configured learning-rate schedule; returns it and the schedule.
+
+    Example:
+      >>> optimizer, schedule = build_optimizer(RunConfig(steps=100, warmup_steps=10))
+      >>> float(schedule(0)), float(schedule(10)), round(float(schedule(100)), 6)
+      (0.0, 0.003, 0.0003)
+    """
+    if config.schedule == "constant":
+        schedule = optax.constant_schedule(config.lr)
+    elif config.schedule == "cosine":
+        schedule = optax.cosine_decay_schedule(config.lr, config.steps, alpha=0.1)
+    else:
+        warmup = min(config.warmup_steps, max(config.steps - 1, 0))
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, config.lr, warmup, max(config.steps, warmup + 1), end_value=0.1 * config.lr
+        )
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay), schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """The parts of a run (see :func:`build_run`).
+
+    Attributes:
+      config: the validated config.
+      model: the model, its config bound.
+      optimizer: AdamW under the schedule.
+      schedule: the learning rate against the number of applied updates.
+      precision: the mixed-precision policy.
+      loss_scale: the initial loss scale.
+    """
+
+    config: RunConfig
+    model: Model
+    optimizer: optax.GradientTransformation
+    schedule: Callable[[int], float]
+    precision: Precision
+    loss_scale: LossScale
+
+    def loss_fn(self, remat: str | None = None) -> Callable[[Any, Any], jax.Array]:
+        """``loss_fn(params, batch)`` of the model under remat policy ``remat`` (default: the config's)."""
+        policy = self.config.remat if remat is None else remat
+        return lambda params, batch: self.model.loss(params, batch, remat_policy=policy)
+
+    def batch_spec(self, batch_size: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+        """The stand-in of one batch (default: the config's batch size): int32 tokens ``(B, T + 1)``."""
+        rows = self.config.batch_size if batch_size is None else batch_size
+        return {"tokens": jax.ShapeDtypeStruct((rows, self.config.seq_len + 1), np.int32)}
+
+    def init_params(self) -> Any:
+        """The model's float32 parameters from the config's seed."""
+        return self.model.init(jax.random.key(self.config.seed))
+
+    def abstract_params(self) -> Any:
+        """Shapes and dtypes of :meth:`init_params`, without computing them."""
+        return jax.eval_shape(self.init_params)
+
+    def init_state(self, params: Any = None) -> TrainState:
+        """The step-0 :class:`TrainState` (of ``params``, default :meth:`init_params`)."""
+        params = self.init_params() if params is None else params
+        return TrainState.create(params, self.optimizer, loss_scale=self.loss_scale, seed=self.config.seed)
+
+    def abstract_state(self) -> TrainState:
+        """Shapes and dtypes of :meth:`init_state`, without computing it."""
+        return jax.eval_shape(self.init_state, self.abstract_params())
+
+    def make_step(self, *, mesh: Mesh | None = None, **changes: Any) -> Callable[[TrainState, Any],
+                                                                                tuple[TrainState, StepMetrics]]:
+        """The run's jitted train step; ``changes`` override ``microbatches``, ``remat``, ``precision``."""
+        config = dataclasses.replace(self.config, **changes)
+        return make_train_step(self.loss_fn(config.remat), precision=config.precision,
+                               num_microbatches=config.microbatches, max_grad_norm=config.max_grad_norm,
+                               mesh=mesh, fsdp=config.fsdp)
+
+
+def build_run(config: RunConfig) -> Run:
+    """Validates ``config`` and builds its model, optimizer, schedule, precision and loss scale.
+
+    Raises:
+      ValueError: an invalid config, naming the flag.
+
+    Example:
+      >>> run = build_run(RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2))
+      >>> run.model.name, run.batch_spec()["tokens"].shape, type(run.loss_scale).__name__
+      ('mlp', (4, 9), 'DynamicLossScale')
+      >>> state, metrics = run.make_step()(run.init_state(), {"tokens": np.zeros((4, 9), np.int32)})
+      >>> int(state.step), bool(metrics.skipped)
+      (1, False)
+    """
+    config.validate()
+    model = build_model(config.model, config.size, **model_overrides(config))
+    optimizer, schedule = build_optimizer(config)
+    return Run(config, model, optimizer, schedule, get_precision(config.precision), config.make_loss_scale())

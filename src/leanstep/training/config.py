@@ -1,0 +1,173 @@
+"""What defines a training run: :class:`RunConfig`, its checks and its identity.
+
+Field names follow the command-line flags of ``leanstep train`` (``batch_size`` is
+``--batch-size``), and every check names the flag, so the CLI can print the message as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any
+
+from leanstep._checks import is_int, is_real
+from leanstep.loss_scale import LossScale
+from leanstep.loss_scale_registry import get_loss_scale
+from leanstep.models import build_model
+from leanstep.precision import get_precision
+from leanstep.rematerialization import get_remat_policy
+
+__all__ = ["MODEL_FLAGS", "RESUMABLE_FIELDS", "SCHEDULES", "RunConfig", "config_hash", "model_overrides"]
+
+#: Learning-rate schedules of :func:`leanstep.training.build_optimizer`.
+SCHEDULES = ("constant", "cosine", "warmup-cosine")
+
+#: Fields that may change between a run and its resumption; every other field must match.
+#: (Changing ``steps`` changes the learning-rate schedule, so such a run is an extension, not a
+#: replay; ``devices`` and ``fsdp`` only lay the same state out differently: a checkpoint
+#: restores into whatever layout the resumed run asks for.)
+RESUMABLE_FIELDS = frozenset({"steps", "stop_at", "eval_every", "checkpoint_every", "keep_checkpoints", "out",
+                              "max_consecutive_skips", "progress", "devices", "fsdp"})
+
+#: ``(flag, field)`` of the model-size overrides.
+MODEL_FLAGS = (("--d-model", "d_model"), ("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-ff", "d_ff"))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_number(value: Any, minimum: float, *, strict: bool) -> bool:
+    return is_real(value) and math.isfinite(value) and (value > minimum if strict else value >= minimum)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a run; written to ``config.json``. Field names follow the CLI flags.
+
+    Example:
+      >>> RunConfig(size="tiny", steps=20).validate().microbatches
+      2
+      >>> RunConfig(batch_size=6, microbatches=4).validate()
+      Traceback (most recent call last):
+      ...
+      ValueError: --batch-size 6 is not divisible by --microbatches 4
+    """
+
+    model: str = "transformer"
+    size: str = "small"
+    d_model: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    d_ff: int | None = None
+    steps: int = 300
+    batch_size: int = 16
+    seq_len: int = 128
+    microbatches: int = 2
+    precision: str = "params=float32,compute=bfloat16,output=float32"
+    loss_scale: str = "dynamic"
+    initial_loss_scale: float = 2.0**15
+    remat: str = "dots"
+    max_grad_norm: float | None = 1.0
+    lr: float = 3e-3
+    schedule: str = "warmup-cosine"
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    seed: int = 0
+    data: str | None = None
+    eval_every: int = 50
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    max_consecutive_skips: int = 100
+    out: str = "runs/train"
+    stop_at: int | None = None
+    progress: bool = True
+    devices: int | None = None
+    fsdp: bool = False
+
+    def validate(self) -> RunConfig:
+        """Checks every field, naming its flag; returns self.
+
+        Raises:
+          ValueError: the first field that is wrong, with its flag and what would be right.
+        """
+        def check_int(name: str, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if not is_int(value) or value < minimum:
+                raise ValueError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
+
+        for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every", "eval_batches",
+                     "checkpoint_every", "keep_checkpoints", "max_consecutive_skips"):
+            check_int(name)
+        check_int("warmup_steps", 0)
+        check_int("seed", 0)
+        for name in ("d_model", "n_layers", "n_heads", "d_ff", "stop_at", "devices"):
+            if getattr(self, name) is not None:
+                check_int(name)
+        if self.batch_size % self.microbatches:
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches {self.microbatches}")
+        if self.devices is not None and self.batch_size % (self.microbatches * self.devices):
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches "
+                             f"{self.microbatches} times --devices {self.devices}")
+        for name in ("lr", "initial_loss_scale"):
+            if not _is_number(getattr(self, name), 0, strict=True):
+                raise ValueError(f"{_flag(name)} must be a positive finite number, got {getattr(self, name)!r}")
+        if not _is_number(self.weight_decay, 0, strict=False):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
+        if self.max_grad_norm is not None and not _is_number(self.max_grad_norm, 0, strict=True):
+            raise ValueError(f"--max-grad-norm must be a positive finite number or 'none', got {self.max_grad_norm!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for flag, value in (("--out", self.out), ("--data", self.data)):
+            if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
+                raise ValueError(f"{flag} must be a non-empty path, got {value!r}")
+        for flag, parse, value in (("--precision", get_precision, self.precision),
+                                   ("--remat", get_remat_policy, self.remat)):
+            try:
+                parse(value)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{flag}: {error}") from None
+        try:
+            self.make_loss_scale()
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"--loss-scale: {error}") from None
+        try:  # cheap: builds the config dataclass only, no arrays
+            build_model(self.model, self.size, **model_overrides(self))
+        except (TypeError, ValueError) as error:
+            flags = "".join(f" {flag} {getattr(self, name)}" for flag, name in MODEL_FLAGS
+                            if getattr(self, name) is not None)
+            raise ValueError(f"--model {self.model} --size {self.size}{flags}: {error}") from None
+        return self
+
+    def make_loss_scale(self) -> LossScale:
+        """The run's initial loss scale: ``--loss-scale`` at ``--initial-loss-scale`` (none: no scale)."""
+        return get_loss_scale(self.loss_scale, None if self.loss_scale == "none" else self.initial_loss_scale)
+
+    def to_json(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def mismatches(self, saved: dict[str, Any]) -> list[str]:
+        """The fields (other than :data:`RESUMABLE_FIELDS`) whose value differs from a saved config."""
+        mine = self.to_json()
+        return sorted(k for k in mine if k not in RESUMABLE_FIELDS and (k not in saved or saved[k] != mine[k]))
+
+
+def model_overrides(config: RunConfig) -> dict[str, int]:
+    """The model-config fields a run sets: the size flags given, and ``seq_len``."""
+    overrides = {name: getattr(config, name) for _, name in MODEL_FLAGS if getattr(config, name) is not None}
+    if config.model == "mlp":
+        overrides.pop("n_heads", None)
+        if "d_ff" in overrides:
+            overrides["d_hidden"] = overrides.pop("d_ff")
+    overrides["seq_len"] = config.seq_len
+    return overrides
+
+
+def config_hash(config: RunConfig) -> str:
+    """sha256 of the fields that identify a run (all but :data:`RESUMABLE_FIELDS`)."""
+    identity = {k: v for k, v in config.to_json().items() if k not in RESUMABLE_FIELDS}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,235 @@
+"""``curves.png``: a run's loss, loss scale, gradient norm and throughput against step.
+
+:func:`plot_curves` draws it; :func:`report` redraws it for a run directory and returns the
+run's summary (``leanstep report``).
+
+Plots use :class:`matplotlib.figure.Figure` with the Agg canvas, never pyplot, so drawing
+changes no global state (no backend switch, no open figures).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from leanstep._checks import is_real
+from leanstep.training.metrics_log import RunMetrics, read_metrics
+from leanstep.training.summary import summarize
+
+__all__ = ["plot_curves", "report"]
+
+
+def _ema(values: np.ndarray, span: int) -> np.ndarray:
+    """Bias-corrected exponential moving average, decay ``1 - 2 / (span + 1)``."""
+    decay = 1.0 - 2.0 / (span + 1.0)
+    out = np.empty_like(values)
+    mean = weight = 0.0
+    for i, value in enumerate(values):
+        mean = decay * mean + (1.0 - decay) * value
+        weight = decay * weight + (1.0 - decay)
+        out[i] = mean / weight
+    return out
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _ticks(ax: Any, steps: np.ndarray, height: float, color: str, label: str) -> None:
+    """Vertical ticks at ``steps`` along one edge (``height`` in axes units): never hide data."""
+    ax.plot(steps, np.full(steps.shape, height), "|", color=color, ms=9, mew=1.2,
+            transform=ax.get_xaxis_transform(), label=label)
+
+
+def _mark_events(ax: Any, metrics: RunMetrics, skipped: np.ndarray) -> None:
+    """Red ticks along the bottom at skipped steps; dotted lines at resumes."""
+    if skipped.size:
+        _ticks(ax, skipped, 0.02, "tab:red", f"skipped ({skipped.size})")
+    for i, step in enumerate(metrics.resumed_at):
+        ax.axvline(step, color="0.4", ls=":", lw=1, label="resumed" if i == 0 else None)
+
+
+def _finish(ax: Any, title: str, ylabel: str, has_data: bool) -> None:
+    ax.set_title(title, fontsize="medium")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="major", alpha=0.35)
+    if not has_data:
+        ax.text(0.5, 0.5, "no finite values", ha="center", va="center",
+                transform=ax.transAxes, color="0.4", bbox={"fc": "white", "ec": "none"})
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize="small", framealpha=0.8)
+
+
+def plot_curves(
+    metrics: RunMetrics, path: str | os.PathLike[str], *, max_grad_norm: float | None = None
+) -> pathlib.Path:
+    """Draw a 2x2 PNG: loss, loss scale, gradient norm and throughput against step.
+
+    Non-finite values are left out of the lines; skipped steps are red ticks on the first
+    three panels, resumes dotted lines. The right axis of the loss panel reads the same curves
+    in bits/byte (``nats / ln 2``).
+
+    Args:
+      metrics: from :func:`~leanstep.training.metrics_log.read_metrics`.
+      path: the PNG to write.
+      max_grad_norm: the clipping threshold, drawn dashed on the gradient-norm panel.
+
+    Returns:
+      ``path`` as a :class:`pathlib.Path`.
+
+    Raises:
+      ValueError: ``max_grad_norm`` is not a positive finite number.
+
+    Example:
+      >>> import tempfile
+      >>> from leanstep.training.records import TrainRecord
+      >>> m = RunMetrics(train=(TrainRecord(1, 5.5, 3.0, 2.0**15, False, True, 0, 0.0, 9.0, 0.0),))
+      >>> out = plot_curves(m, pathlib.Path(tempfile.mkdtemp()) / "curves.png", max_grad_norm=1.0)
+      >>> out.read_bytes()[:8]
+      b'\\x89PNG\\r\\n\\x1a\\n'
+    """
+    if max_grad_norm is not None and (
+        not is_real(max_grad_norm)
+        or not math.isfinite(max_grad_norm) or max_grad_norm <= 0
+    ):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r}; expected a positive finite number")
+    path = pathlib.Path(path)
+    summary = summarize(metrics)
+    steps = metrics.train_column("step")
+    skipped = steps[metrics.train_column("skipped") > 0]
+    fig = Figure(figsize=(10, 7), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    (ax_loss, ax_scale), (ax_grad, ax_speed) = fig.subplots(2, 2)
+    style = {"marker": "o", "ms": 3} if steps.size <= 30 else {}
+
+    loss = metrics.train_column("loss")
+    ok = np.isfinite(loss)
+    span = min(100, max(1, round(steps.size / 50)))
+    if ok.any():
+        # Short runs are drawn as they are; longer ones get a light raw line under an EMA.
+        ax_loss.plot(steps[ok], loss[ok], color="tab:blue", alpha=0.3 if span > 1 else 1.0,
+                     lw=0.8, label="train", **style)
+    if span > 1 and ok.any():
+        ax_loss.plot(steps[ok], _ema(loss[ok], span), color="tab:blue", lw=1.8,
+                     label=f"train (EMA, span {span})")
+    estep, eloss = metrics.eval_column("step"), metrics.eval_column("heldout_loss")
+    eok = np.isfinite(eloss)
+    if eok.any():
+        final_bpb = metrics.eval[np.flatnonzero(eok)[-1]].heldout_bits_per_byte
+        ax_loss.plot(estep[eok], eloss[eok], "o-", color="tab:orange", ms=4, lw=1,
+                     label=f"held-out (final {final_bpb:.3f} bits/byte)")
+    ln2 = math.log(2.0)
+    ax_loss.secondary_yaxis("right", functions=(lambda x: x / ln2, lambda x: x * ln2)
+                            ).set_ylabel("bits/byte")
+    _mark_events(ax_loss, metrics, skipped)
+    _finish(ax_loss, "train and held-out loss", "loss (nats/byte)", bool(ok.any() or eok.any()))
+
+    scale = metrics.train_column("loss_scale")
+    ok = np.isfinite(scale) & (scale > 0)
+    ax_scale.plot(steps[ok], scale[ok], color="tab:purple", drawstyle="steps-post",
+                  label="loss scale" if ok.any() else None, **style)
+    ax_scale.set_yscale("log", base=2)
+    _mark_events(ax_scale, metrics, skipped)
+    _finish(ax_scale, "dynamic loss scale", "loss scale (log2)", bool(ok.any()))
+
+    grad = metrics.train_column("grad_norm")
+    ok = np.isfinite(grad) & (grad > 0)
+    ax_grad.plot(steps[ok], grad[ok], color="tab:green", lw=0.8, alpha=0.35 if span > 1 else 1,
+                 label="grad norm" if ok.any() else None, **style)
+    if span > 1 and ok.any():  # geometric EMA: the panel is logarithmic
+        ax_grad.plot(steps[ok], np.exp(_ema(np.log(grad[ok]), span)), color="tab:green",
+                     lw=1.6, label=f"grad norm (EMA, span {span})")
+    _ticks(ax_grad, steps[metrics.train_column("clipped") > 0], 0.98, "tab:orange",
+           f"clipped ({summary['clipped_steps']})")
+    if max_grad_norm is not None:
+        ax_grad.axhline(max_grad_norm, color="black", ls="--", lw=1,
+                        label=f"max_grad_norm = {max_grad_norm:g}")
+    ax_grad.set_yscale("log")
+    _mark_events(ax_grad, metrics, skipped)
+    _finish(ax_grad, "gradient global norm (before clipping)", "grad norm (log)", bool(ok.any()))
+
+    speed = metrics.train_column("tokens_per_sec")
+    compiling = np.isin(steps, np.concatenate([steps[:1], metrics.resumed_at]))
+    ok = np.isfinite(speed) & ~compiling
+    if ok.any():
+        left_out = int(compiling.sum())
+        ax_speed.plot(steps[ok], speed[ok], color="tab:cyan", lw=0.9, **style, label=(
+            f"tokens/sec ({left_out} compile step{'s' * (left_out != 1)} left out)"))
+    mean_speed = summary["mean_tokens_per_sec"]
+    if mean_speed is not None:
+        ax_speed.axhline(mean_speed, color="0.3", ls="--", lw=1,
+                         label=f"mean {mean_speed:,.0f} (after compile)")
+    if ok.any() and speed[ok].max() > 0:  # from zero, so a 2% wobble looks like one
+        ax_speed.set_ylim(0, 1.1 * speed[ok].max())
+    _finish(ax_speed, "throughput", "tokens/sec", bool(ok.any()))
+
+    every_step = np.concatenate([steps, estep])
+    lo, hi = (every_step.min(), every_step.max()) if every_step.size else (0.0, 1.0)
+    for ax in (ax_loss, ax_scale, ax_grad, ax_speed):
+        ax.set_xlim(lo - max(0.5, 0.02 * (hi - lo)), hi + max(0.5, 0.02 * (hi - lo)))
+    fig.suptitle(
+        f"{metrics.name}: {summary['steps']:,} step{'s' * (summary['steps'] != 1)} · train loss "
+        f"{_fmt(summary['final_train_loss'])} · held-out "
+        f"{_fmt(summary['final_heldout_bits_per_byte'])} bits/byte (best "
+        f"{_fmt(summary['best_heldout_bits_per_byte'])}) · {summary['skipped_steps']} skipped, "
+        f"{summary['clipped_steps']} clipped",
+        fontsize="large",
+    )
+    fig.savefig(path, format="png")
+    return path
+
+
+def report(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Re-render ``run_dir/curves.png`` from the run's files and return its summary.
+
+    Args:
+      run_dir: a directory with ``metrics.jsonl`` and, optionally, ``config.json``
+        (whose ``max_grad_norm`` is drawn as the clip threshold).
+
+    Returns:
+      :func:`summarize`'s dict plus ``"curves"``: the path of the PNG written.
+
+    Raises:
+      FileNotFoundError: ``run_dir`` or its ``metrics.jsonl`` does not exist.
+      ValueError: a file is malformed (the message names it).
+
+    Example:
+      >>> import tempfile
+      >>> from leanstep.training.metrics_log import MetricsWriter
+      >>> from leanstep.training.records import EvalRecord, TrainRecord
+      >>> run = pathlib.Path(tempfile.mkdtemp()) / "demo"; run.mkdir()
+      >>> with MetricsWriter(run / "metrics.jsonl") as log:
+      ...     for step in (1, 2):
+      ...         log.write(TrainRecord(step, 3.0 / step, 1.0, 2.0**15, False, False, 0, 1e4,
+      ...                               float(step), 1e-3), EvalRecord.from_loss(step, 2.0))
+      >>> summary = report(run)
+      >>> summary["steps"], summary["final_train_loss"], summary["curves"].endswith("curves.png")
+      (2, 2.25, True)
+    """
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run_dir}")
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    config = None
+    config_path = run_dir / "config.json"
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_path} is not valid JSON: {error}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path} holds {type(config).__name__}; expected an object")
+    max_grad_norm = None if config is None else config.get("max_grad_norm")
+    try:
+        curves = plot_curves(metrics, run_dir / "curves.png", max_grad_norm=max_grad_norm)
+    except ValueError as error:
+        raise ValueError(f"{config_path}: {error}") from None
+    return {**summarize(metrics, config), "curves": str(curves)}

@@ -1,0 +1,334 @@
+"""A whole training run: data, model, step, metrics, checkpoints, exact resume.
+
+:func:`train` runs a :class:`~leanstep.training.RunConfig` and reports through one callback
+that receives typed records (:mod:`leanstep.training.records`): a ``Note`` for each warning, a
+``RunStart``, then a ``TrainRecord`` per step and an ``EvalRecord`` per evaluation, the same
+records ``metrics.jsonl`` holds. It prints nothing; the CLI renders the records.
+
+What a run does when something goes wrong::
+
+    bad flag, data path or run directory   ValueError naming the flag, before anything is written
+    non-finite gradient                     the step skips it (params, optimizer state unchanged)
+                                            and the record says "skipped": true
+    skipped at the minimum loss scale       RunStopped(1) after --max-consecutive-skips such steps
+                                            in a row; such steps are never checkpointed, so the
+                                            last good checkpoint is never pruned
+    SIGINT / SIGTERM                        finish the step, save, RunStopped(128 + signal)
+    SIGKILL, power loss                     --resume restores the newest verified checkpoint, drops
+                                            the metrics past it and replays them bit for bit
+    damaged newest checkpoint               --resume falls back to an older one, with a warning
+    no good checkpoint                      RunStopped(1) naming each checkpoint's fault
+    a checkpoint or metrics write fails     RunStopped(1); the checkpoints before it are intact
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from leanstep.checkpoint import Checkpointer, CheckpointError
+from leanstep.distributed import device_mesh
+from leanstep.sharding import shard_batch, shard_train_state
+from leanstep.state import TrainState
+from leanstep.training.build import build_run
+from leanstep.training.config import RunConfig, config_hash
+from leanstep.training.data import BatchSampler, heldout_batches, load_corpus
+from leanstep.training.metrics_log import MetricsWriter, read_metrics, truncate_metrics
+from leanstep.training.records import EvalRecord, Note, Record, RunStart, TrainRecord
+from leanstep.training.run_dir import (
+    check_out,
+    remove_unfinished_saves,
+    saved_run,
+    write_json_atomic,
+)
+
+__all__ = ["RunStopped", "train"]
+
+
+class RunStopped(RuntimeError):
+    """The run stopped before its last step; the message says why and how to continue."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _ignore(*records: Record) -> None:
+    del records
+
+
+def train(config: RunConfig, *, resume: bool = False,
+          on_record: Callable[..., None] | None = None) -> dict[str, Any]:
+    """Runs (or resumes) a training run described by ``config`` and returns its summary.
+
+    Args:
+      config: the run; checked with :meth:`RunConfig.validate` first.
+      resume: continue the run in ``config.out`` from its newest intact checkpoint.
+      on_record: called as ``on_record(*records)`` with what the run emits (see the module
+        doc); process 0 of a multi-process run emits the step records, every process its
+        notes. None: nothing is reported.
+
+    Returns:
+      The summary written to ``summary.json``, plus ``"curves"``: the path of ``curves.png``.
+
+    Raises:
+      ValueError: bad configuration or data, or a run directory that does not fit.
+      RunStopped: stopped by a signal (after saving a checkpoint), by a loss scale stuck at its
+        minimum, by a failed write, or because no checkpoint to resume from is intact.
+    """
+    emit = _ignore if on_record is None else on_record
+    run = build_run(config)
+    out = Path(config.out)
+    check_out(out)
+    config_path, metrics_path, ckpt_dir = out / "config.json", out / "metrics.jsonl", out / "checkpoints"
+    saved = saved_run(config, config_path) if resume else None
+    if not resume and any(p.exists() for p in (config_path, metrics_path, ckpt_dir)):
+        raise ValueError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out")
+
+    corpus = load_corpus(config.data, seq_len=config.seq_len)
+    described = corpus.describe()
+    saved_corpus = (saved or {}).get("corpus")
+    saved_sha = saved_corpus.get("data_sha256") if isinstance(saved_corpus, dict) else None
+    if saved_sha not in (None, described["data_sha256"]):
+        raise ValueError(f"--resume: the data behind --data {config.data!r} changed since the run started "
+                         f"(sha256 {saved_sha[:12]}… then, {described['data_sha256'][:12]}… now); "
+                         "resuming would not replay the run")
+    # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
+    mesh = device_mesh(config.devices) if config.devices is not None or jax.process_count() > 1 else None
+    if mesh is not None and config.batch_size % (config.microbatches * mesh.size):
+        raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches {config.microbatches} "
+                         f"times the {mesh.size} devices of the run's {jax.process_count()} process(es)")
+    if config.fsdp and mesh is None:
+        raise ValueError("--fsdp shards the state over devices; add --devices N")
+    primary = jax.process_index() == 0  # one process writes config, metrics and summary
+    many = jax.process_count() > 1
+    template = run.init_state()
+    if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
+        template = shard_train_state(template, mesh, fsdp=config.fsdp)
+    run_info = {"run": config.to_json(), "corpus": described, "model_config": dataclasses.asdict(run.model.config),
+                "parameters": int(sum(x.size for x in jax.tree.leaves(template.params))),
+                "flops_per_token": run.model.flops_per_token, "jax_version": jax.__version__,
+                "backend": jax.default_backend(), "max_grad_norm": config.max_grad_norm,
+                "devices": 1 if mesh is None else mesh.size, "processes": jax.process_count()}
+    if many:  # every process has checked --out before process 0 writes to it
+        multihost_utils.sync_global_devices("leanstep: run directory checked")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume and primary:  # before the first checkpoint, so that a run killed from here on can be resumed
+            write_json_atomic(config_path, run_info)
+        notes = remove_unfinished_saves(ckpt_dir) if resume and primary else []
+        if many:  # ... and cleaned it up before any process opens the checkpoints
+            multihost_utils.sync_global_devices("leanstep: run directory ready")
+        checkpointer = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints)
+    except (OSError, CheckpointError) as error:
+        raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
+
+    eval_data = heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
+    loop = _Loop(config, checkpointer, metrics_path if primary else None, run.make_step(mesh=mesh),
+                 # A replicated result: one scalar every process can read.
+                 jax.jit(lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
+                         out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec())),
+                 BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
+                 eval_data if mesh is None else [_place_eval_batch(b, mesh) for b in eval_data], run.schedule,
+                 emit if primary else _ignore, mesh)
+    try:
+        state, elapsed_before = template, 0.0
+        if resume and checkpointer.latest_step() is not None:
+            state, elapsed_before = _restore(checkpointer, template, config, notes)
+        if resume and primary:
+            try:
+                truncate_metrics(metrics_path, int(state.step))
+                write_json_atomic(config_path, run_info)  # a resumable field may have changed
+            except OSError as error:
+                raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
+        emit(*(Note(note) for note in notes))
+        loop.emit(RunStart(config.steps, int(state.step)))
+        _run_steps(loop, state, elapsed_before)
+    except BaseException:
+        with contextlib.suppress(CheckpointError):  # report the first failure, not a follow-on one
+            checkpointer.close()
+        raise
+    checkpointer.close()
+    if not primary:
+        return {"process_index": jax.process_index(), "curves": str(out / "curves.png")}  # process 0 draws it
+    from leanstep.training.curves import plot_curves  # matplotlib: only now
+    from leanstep.training.summary import summarize
+
+    metrics_record = read_metrics(metrics_path)
+    plot_curves(metrics_record, out / "curves.png", max_grad_norm=config.max_grad_norm)
+    summary = summarize(metrics_record, run_info)
+    summary["curves"] = str(out / "curves.png")
+    write_json_atomic(out / "summary.json", summary)
+    return summary
+
+
+def _restore(checkpointer: Checkpointer, template: TrainState, config: RunConfig,
+             notes: list[str]) -> tuple[TrainState, float]:
+    """The newest intact checkpoint that belongs to this config; notes say what was passed over."""
+    try:
+        restored = checkpointer.restore(template)
+    except CheckpointError as error:
+        raise RunStopped(f"--resume: no checkpoint of the run can be restored, so it cannot continue: {error}. "
+                         f"Start again with a new --out (or move {checkpointer.directory} away)", 1) from None
+    notes.extend(f"warning: skipped damaged checkpoint {reason}" for reason in restored.skipped)
+    if restored.skipped:
+        notes.append(f"warning: resuming from step {restored.step}, the newest intact checkpoint")
+    if restored.extra.get("config_sha256", config_hash(config)) != config_hash(config):
+        raise ValueError(f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
+                         "a different config than this one")
+    if restored.step > config.steps:
+        raise ValueError(f"--steps {config.steps} is below step {restored.step}, which the run has reached; "
+                         f"pass --steps {restored.step} or more")
+    checkpointer.delete_newer_than(restored.step)
+    return restored.state, float(restored.extra.get("elapsed_s", 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """What the step loop works with; built by :func:`train`."""
+
+    config: RunConfig
+    checkpointer: Checkpointer
+    metrics_path: Path | None  # None: another process writes the metrics
+    step_fn: Callable[[TrainState, Any], tuple[TrainState, Any]]
+    eval_fn: Callable[[Any, Any], jax.Array]
+    sampler: BatchSampler
+    eval_data: list[Any]
+    schedule: Callable[[int], float]
+    emit: Callable[..., None]
+    mesh: Mesh | None = None  # shard each batch over it (None: one device, unsharded)
+
+
+class _StopSignals:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None:  # a second signal: stop at once
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
+    """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured."""
+    config, checkpointer, out = loop.config, loop.checkpointer, Path(loop.config.out)
+    last_saved = int(state.step)
+    # A static or absent loss scale cannot back off, so it is always at its minimum.
+    minimum = getattr(state.loss_scale, "min_loss_scale", math.inf)
+    skips_at_minimum = 0  # skipped steps in a row at the minimum loss scale: lowering it cannot help
+
+    def where_saved() -> str:
+        return (f"the last checkpoint (step {last_saved}) is intact in {checkpointer.directory}"
+                if last_saved else "no checkpoint was written yet")
+
+    def save(state: TrainState, elapsed: float) -> None:
+        step = int(state.step)
+        try:
+            checkpointer.save(step, state, extra={"data_position": step, "elapsed_s": elapsed,
+                                                  "config_sha256": config_hash(config)})
+        except CheckpointError as error:
+            raise RunStopped(f"stopped at step {step}: its checkpoint could not be written ({error}); "
+                             f"{where_saved()}. Free space or fix the directory, then continue with "
+                             f"--resume --out {out}", 1) from None
+
+    def write_failed(error: OSError) -> RunStopped:
+        return RunStopped(f"cannot write {loop.metrics_path}: {error}; {where_saved()}", 1)
+
+    tokens_per_step = config.batch_size * config.seq_len
+    applied_updates = _applied_updates(state.opt_state)
+    t_start = time.perf_counter()
+    many = jax.process_count() > 1
+    with contextlib.ExitStack() as stack:
+        try:
+            log = stack.enter_context(MetricsWriter(loop.metrics_path)) if loop.metrics_path else None
+        except OSError as error:
+            raise write_failed(error) from None
+        stop = stack.enter_context(_StopSignals())
+        while int(state.step) < config.steps:
+            t0 = time.perf_counter()
+            batch = loop.sampler.batch_at(int(state.step))
+            state, metrics = loop.step_fn(state, batch if loop.mesh is None else shard_batch(batch, loop.mesh))
+            metrics = jax.device_get(metrics)
+            dt = time.perf_counter() - t0
+            step = int(state.step)
+            record = TrainRecord(
+                step=step, loss=float(metrics.loss), grad_norm=float(metrics.grad_norm),
+                loss_scale=float(metrics.loss_scale), skipped=bool(metrics.skipped),
+                clipped=bool(metrics.clipped), consecutive_skips=int(metrics.consecutive_skips),
+                tokens_per_sec=tokens_per_step / dt, elapsed_s=elapsed_before + time.perf_counter() - t_start,
+                lr=float(loop.schedule(applied_updates)))
+            applied_updates += not record.skipped
+            records = [record]
+            if step % config.eval_every == 0 or step == config.steps:
+                heldout = float(np.mean([float(loop.eval_fn(state.params, b)) for b in loop.eval_data]))
+                records.append(EvalRecord.from_loss(step, heldout))
+            if log is not None:
+                try:
+                    log.write(*records)
+                except OSError as error:
+                    raise write_failed(error) from None
+            loop.emit(*records)
+            at_minimum = record.skipped and record.loss_scale <= minimum
+            skips_at_minimum = skips_at_minimum + 1 if at_minimum else 0
+            if skips_at_minimum >= config.max_consecutive_skips:
+                raise RunStopped(
+                    f"stopped at step {step}: the loss scale sat at its minimum ({record.loss_scale:g}) for "
+                    f"{skips_at_minimum} skipped steps in a row (non-finite gradients); {where_saved()}. "
+                    "Lower --lr, check the data, or raise --max-consecutive-skips.", 1)
+            signalled = stop.received  # read once: a signal arriving later is handled after the next step
+            if many:  # a signal to any process stops all of them after the same step (saving is collective)
+                signalled = int(np.max(multihost_utils.process_allgather(np.int32(signalled or 0)))) or None
+            stop_here = config.stop_at is not None and config.stop_at <= step < config.steps
+            # A state stuck at the minimum scale is not worth keeping, and saving it could prune a good one.
+            if skips_at_minimum == 0 and (step % config.checkpoint_every == 0 or step == config.steps
+                                          or signalled or stop_here):
+                save(state, record.elapsed_s)
+                last_saved = step
+            saved_now = "after saving a checkpoint" if last_saved == step else f"({where_saved()})"
+            if stop_here:
+                raise RunStopped(f"stopped at step {step} as --stop-at asked, {saved_now}; "
+                                 f"continue with --resume --out {out}", 0)
+            if signalled:
+                raise RunStopped(f"{signal.Signals(signalled).name} received: stopped at step {step} "
+                                 f"{saved_now}; continue with --resume --out {out}", 128 + signalled)
+
+
+def _place_eval_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> Any:
+    """Rows split over the mesh when they divide evenly, else (a short heldout set) replicated."""
+    if len(next(iter(batch.values()))) % mesh.size == 0:
+        return shard_batch(batch, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return {k: jax.make_array_from_callback(v.shape, replicated, lambda index, v=v: v[index]) for k, v in batch.items()}
+
+
+def _applied_updates(opt_state: Any) -> int:
+    """The optimizer's update count (it does not advance on skipped steps), which drives the schedule."""
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    return int(counts[0][1]) if counts else 0

@@ -1,0 +1,137 @@
+"""Tests for leanstep.gradients: the gradient stage on its own.
+
+References: ``jax.value_and_grad`` of the scaled full-batch loss in float32 (mean and
+token-weighted), the per-microbatch keys ``fold_in(key, j)`` computed by hand, and the dtypes
+the loss function is handed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from leanstep.gradients import Gradients, gradient_stage
+from leanstep.loss_scale import StaticLossScale
+from leanstep.microbatches import split_microbatches
+
+SCALE = StaticLossScale.create(1024.0)
+
+
+def params0() -> dict:
+    rng = np.random.default_rng(0)
+    return {"w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=(4,)), jnp.float32)}
+
+
+def batch0(rows: int = 12) -> dict:
+    rng = np.random.default_rng(1)
+    return {"x": jnp.asarray(rng.normal(size=(rows, 3)), jnp.float32),
+            "y": jnp.asarray(rng.normal(size=(rows, 4)), jnp.float32),
+            "mask": jnp.asarray(rng.integers(0, 2, size=(rows,)), jnp.float32)}
+
+
+def mean_loss(params: dict, batch: dict) -> jax.Array:
+    pred = jnp.tanh(batch["x"] @ params["w"] + params["b"][None, :])
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def sum_and_count(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
+    pred = jnp.tanh(batch["x"] @ params["w"] + params["b"][None, :])
+    per_row = jnp.mean((pred - batch["y"]) ** 2, axis=1)
+    return jnp.sum(per_row * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def assert_close(actual, expected, rtol=2e-6, atol=1e-6) -> None:
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("split", ["contiguous", "strided", "presplit"])
+@pytest.mark.parametrize("num_microbatches", [1, 3, 4])
+def test_mean_mode_is_the_scaled_full_batch_gradient(split, num_microbatches):
+    params, batch = params0(), batch0()
+    stage = jax.jit(gradient_stage(mean_loss, num_microbatches=num_microbatches, split=split))
+    given = split_microbatches(batch, num_microbatches) if split == "presplit" else batch
+    result = stage(params, given, SCALE)
+    loss, grads = jax.value_and_grad(mean_loss)(params, batch)
+    assert isinstance(result, Gradients) and result.aux is None
+    assert result.loss.dtype == jnp.float32 and all(g.dtype == jnp.float32 for g in jax.tree.leaves(result.grads))
+    np.testing.assert_allclose(result.loss, loss, rtol=2e-6)  # unscaled
+    assert_close(result.grads, jax.tree.map(lambda g: 1024.0 * g, grads), rtol=2e-5, atol=1e-4)  # scaled
+
+
+def test_token_weighted_is_the_full_batch_sum_over_count_with_aux():
+    params, batch = params0(), batch0()
+
+    def with_aux(params, batch):
+        return sum_and_count(params, batch), jnp.max(batch["x"])
+
+    stage = jax.jit(gradient_stage(with_aux, num_microbatches=4, token_weighted=True, has_aux=True))
+    result = stage(params, batch, SCALE)
+    ratio = lambda p: sum_and_count(p, batch)[0] / sum_and_count(p, batch)[1]  # noqa: E731
+    loss, grads = jax.value_and_grad(ratio)(params)
+    np.testing.assert_allclose(result.loss, loss, rtol=2e-6)
+    assert_close(result.grads, jax.tree.map(lambda g: 1024.0 * g, grads), rtol=2e-5, atol=1e-4)
+    loss_sums, counts, maxima = result.aux
+    micro = split_microbatches(batch, 4)
+    np.testing.assert_array_equal(counts, np.asarray(micro["mask"]).sum(axis=1))
+    np.testing.assert_array_equal(maxima, np.asarray(micro["x"]).max(axis=(1, 2)))
+    np.testing.assert_allclose(np.sum(loss_sums) / np.sum(counts), loss, rtol=2e-6)
+
+
+def test_each_microbatch_gets_fold_in_of_the_key_and_its_index():
+    def loss_fn(params, batch, key):
+        return mean_loss(params, batch), jax.random.key_data(key)
+
+    key = jax.random.key(7)
+    stage = jax.jit(gradient_stage(loss_fn, num_microbatches=3, has_aux=True, uses_rng=True))
+    result = stage(params0(), batch0(), None, key)
+    expected = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(key, j))) for j in range(3)])
+    np.testing.assert_array_equal(result.aux, expected)
+    with pytest.raises(ValueError, match="uses_rng=True: pass the step's PRNG key"):
+        stage(params0(), batch0())
+
+
+def test_the_loss_sees_compute_dtype_params_and_batch_and_the_layout_hook():
+    seen = {}
+
+    def loss_fn(params, batch):
+        seen.update(w=params["w"].dtype, x=batch["x"].dtype)
+        return mean_loss(params, batch)
+
+    def layout(params_c):
+        seen["layout"] = params_c["w"].dtype
+        return params_c
+
+    result = gradient_stage(loss_fn, precision="compute=bfloat16", params_layout=layout)(params0(), batch0())
+    assert seen == {"w": jnp.bfloat16, "x": jnp.bfloat16, "layout": jnp.bfloat16}
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(result.grads))  # the accumulator's dtype
+    gradient_stage(loss_fn, precision="compute=bfloat16", cast_batch=False)(params0(), batch0())
+    assert seen["x"] == jnp.float32
+
+
+@pytest.mark.parametrize(("kwargs", "out", "error", "pattern"), [
+    ({"has_aux": True}, lambda: jnp.float32(1.0), TypeError, r"has_aux=True: loss_fn must return \(loss, aux\)"),
+    ({"token_weighted": True}, lambda: jnp.float32(1.0), TypeError,
+     r"token_weighted=True: loss_fn must return \(loss_sum, count\)"),
+    ({"token_weighted": True, "has_aux": True}, lambda: (jnp.float32(1.0), 2), TypeError,
+     r"has_aux=True and token_weighted=True: loss_fn must return \(\(loss_sum, count\), aux\)"),
+    ({}, lambda: jnp.ones(2), ValueError, r"loss_fn's loss must be a scalar, got shape \(2,\)"),
+    ({}, lambda: jnp.int32(1), TypeError, "loss_fn's loss must be a real floating scalar, got dtype int32"),
+])
+def test_bad_loss_outputs_are_named(kwargs, out, error, pattern):
+    stage = gradient_stage(lambda p, b: out(), **kwargs)
+    with pytest.raises(error, match=pattern):
+        stage(params0(), batch0())
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        gradient_stage("loss")
+    with pytest.raises(TypeError, match="uses_rng must be a bool"):
+        gradient_stage(mean_loss, uses_rng="yes")
+    with pytest.raises(TypeError, match="params_layout must be callable"):
+        gradient_stage(mean_loss, params_layout=3)
+    with pytest.raises(ValueError, match="batch size 12 is not divisible by num_microbatches=5"):
+        gradient_stage(mean_loss, num_microbatches=5)(params0(), batch0())

@@ -1,0 +1,57 @@
+"""Tests for leanstep.loss_scale_registry: get_loss_scale builds each kind by name and rejects bad specs."""
+
+import re
+
+import pytest
+
+from leanstep.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from leanstep.loss_scale_registry import get_loss_scale
+
+SETTING_NAMES = (
+    "growth_interval",
+    "growth_factor",
+    "backoff_factor",
+    "min_loss_scale",
+    "max_loss_scale",
+    "hysteresis",
+)
+# Every setting differs from its default, so a dropped setting shows up.
+CUSTOM = dict(
+    growth_interval=3,
+    growth_factor=3.0,
+    backoff_factor=0.25,
+    min_loss_scale=0.5,
+    max_loss_scale=4096.0,
+    hysteresis=2,
+)
+
+
+def settings_of(state):
+    return {name: getattr(state, name) for name in SETTING_NAMES}
+
+
+def test_get_loss_scale_builds_each_kind():
+    dynamic = get_loss_scale("dynamic", 64.0, **CUSTOM)
+    assert type(dynamic) is DynamicLossScale and settings_of(dynamic) == CUSTOM
+    assert float(dynamic.loss_scale) == 64.0
+    assert float(get_loss_scale("Dynamic").loss_scale) == 2.0**15
+    static = get_loss_scale("static", 8.0)
+    assert type(static) is StaticLossScale and float(static.loss_scale) == 8.0
+    assert type(get_loss_scale("none")) is NoOpLossScale
+    assert get_loss_scale(static) is static
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, text",
+    [
+        (("fp16",), {}, ValueError, "unknown loss scale spec 'fp16'; expected one of 'dynamic', 'static', 'none'"),
+        ((3,), {}, TypeError, "spec must be a str or a LossScale, got int 3"),
+        (("static",), {}, ValueError, "initial_scale is required for spec 'static', got None"),
+        (("static", 2.0), dict(hysteresis=2), ValueError, "settings ['hysteresis'] apply only to spec 'dynamic'"),
+        (("none", 4.0), {}, ValueError, "initial_scale must be None or 1 for spec 'none', got 4.0"),
+        ((NoOpLossScale(), 2.0), {}, ValueError, "initial_scale and settings apply only to a spec name"),
+    ],
+)
+def test_get_loss_scale_rejects_bad_specs(args, kwargs, error, text):
+    with pytest.raises(error, match=re.escape(text)):
+        get_loss_scale(*args, **kwargs)

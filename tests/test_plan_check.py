@@ -1,0 +1,19 @@
+"""leanstep.bench.plan_check: the planned step run for real in a child process, its memory measured."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from leanstep.bench.plan_check import validate_plan
+from leanstep.training import RunConfig
+
+
+def test_validate_plan_runs_the_tiny_transformer_and_measures_its_peak():
+    config = RunConfig(size="tiny", batch_size=8, seq_len=16)
+    result = validate_plan(config, "64MiB", compiler_options={"xla_backend_optimization_level": 0},
+                           candidates=[(1, "none", config.precision)])
+    assert result["ran"] and np.isfinite(result["loss"])
+    assert result["predicted_over_compiled"] == 1.0  # abstract planning == the run's own compile
+    assert result["peak_reset"] and result["rss_rise_bytes"] > 0
+    assert np.isfinite(result["predicted_over_measured"]) and 0.25 < result["predicted_over_measured"] < 4
+    assert result["within_budget"]
