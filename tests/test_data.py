@@ -1,4 +1,4 @@
-"""Tests for leanstep.data: corpus loading and split, the sampler, held-out batches, errors."""
+"""Tests for leanstep.training.data: corpus loading and split, the sampler, held-out batches, errors."""
 
 from __future__ import annotations
 

@@ -19,32 +19,12 @@ from leanstep.loss_scale import (
     all_finite,
 )
 
+from loss_scale_settings import CUSTOM, settings_of
+
 F32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1
-SETTING_NAMES = (
-    "growth_interval",
-    "growth_factor",
-    "backoff_factor",
-    "min_loss_scale",
-    "max_loss_scale",
-    "hysteresis",
-)
-# Every setting differs from its default, so a dropped setting shows up.
-CUSTOM = dict(
-    growth_interval=3,
-    growth_factor=3.0,
-    backoff_factor=0.25,
-    min_loss_scale=0.5,
-    max_loss_scale=4096.0,
-    hysteresis=2,
-)
-
 adjust_jit = jax.jit(lambda state, finite: state.adjust(finite))
 identity_jit = jax.jit(lambda state: state)
-
-
-def settings_of(state):
-    return {name: getattr(state, name) for name in SETTING_NAMES}
 
 
 def state_tuple(state):

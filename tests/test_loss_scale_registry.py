@@ -7,28 +7,7 @@ import pytest
 from leanstep.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from leanstep.loss_scale_registry import get_loss_scale
 
-SETTING_NAMES = (
-    "growth_interval",
-    "growth_factor",
-    "backoff_factor",
-    "min_loss_scale",
-    "max_loss_scale",
-    "hysteresis",
-)
-# Every setting differs from its default, so a dropped setting shows up.
-CUSTOM = dict(
-    growth_interval=3,
-    growth_factor=3.0,
-    backoff_factor=0.25,
-    min_loss_scale=0.5,
-    max_loss_scale=4096.0,
-    hysteresis=2,
-)
-
-
-def settings_of(state):
-    return {name: getattr(state, name) for name in SETTING_NAMES}
-
+from loss_scale_settings import CUSTOM, settings_of
 
 def test_get_loss_scale_builds_each_kind():
     dynamic = get_loss_scale("dynamic", 64.0, **CUSTOM)

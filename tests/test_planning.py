@@ -209,6 +209,24 @@ def test_a_budget_too_small_names_the_smallest_peak_and_its_setting(everything):
            f"with num_microbatches={s.num_microbatches}, remat={s.remat!r}" in str(info.value)
 
 
+def test_arguments_over_the_budget_stop_the_search_after_one_compile(everything):
+    """The state and the batch are every candidate's arguments: below them nothing can fit."""
+    arguments = everything.candidates[0].argument_bytes
+    assert all(c.argument_bytes == arguments for c in everything.candidates)
+    compiled = []
+
+    def compile_at(i, candidate):
+        compiled.append(i)
+        found = next(c for c in everything.candidates if c.setting == candidate.setting)
+        return dataclasses.replace(found, fits=found.peak_bytes <= arguments - 1)
+
+    blank = [Candidate(c.setting, flops=c.flops) for c in everything.candidates]
+    result = planning._search(blank, compile_at, 0.02, exhaustive=False, budget=arguments - 1)
+    assert len(compiled) == 1 and sum(c.compiled for c in result) == 1 and not any(c.fits for c in result)
+    with pytest.raises(BudgetError, match="no setting fits"):
+        _plan(arguments - 1)
+
+
 # --- grids, bad input ---------------------------------------------------------------------------
 
 def test_settings_grid_uses_the_divisors():

@@ -246,7 +246,7 @@ API = [
          ValueError, "missing ['b1']"),
     Case("tasks/residual_empty_batch", lambda p: _residual(x=jnp.ones((0, 2)), y=jnp.ones((0, 2))), ValueError,
          "x has 0 rows"),
-    # leanstep.trainer
+    # leanstep.training
     Case("trainer/lr_bool", lambda p: _train(p, lr=True), ValueError, "--lr must be a positive finite number, got True"),
     Case("trainer/weight_decay_text", lambda p: _train(p, weight_decay="0.1"), ValueError,
          "--weight-decay must be a finite number >= 0, got '0.1'"),

@@ -125,7 +125,9 @@ def test_empty_data_and_resume_mismatch(tmp_path, corpus, capsys, straight_run):
 
 
 def test_budget_picks_a_setting_or_says_nothing_fits(tmp_path, corpus, capsys):
-    argv = ["train", *TINY, "--data", str(corpus), "--steps", "2", "--eval-every", "2"]
+    # The MLP with 2 rows: few candidates to compile (the planner itself is tested in test_planning.py).
+    argv = ["train", *TINY, "--model", "mlp", "--batch-size", "2", "--microbatches", "1", "--data", str(corpus),
+            "--steps", "2", "--eval-every", "2"]
     assert main([*argv, "--out", str(tmp_path / "small"), "--budget", "1KiB"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--budget: no setting fits the budget of 1.0 KiB" in err

@@ -34,7 +34,9 @@ assumes the peak does not grow with the microbatch count, as activations shrink 
 the microbatch. Where it fails (a model so small that per-microbatch overhead outweighs
 its activations) the choice still fits, since it was compiled, but may use more
 microbatches than needed. Families whose FLOPs exceed the best fitting one's by more
-than ``flops_rtol`` are never compiled. ``exhaustive=True`` compiles every candidate.
+than ``flops_rtol`` are never compiled, and nothing more is compiled once the arguments alone
+(the state and the batch, the same for every candidate) exceed the budget.
+``exhaustive=True`` compiles every candidate.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,7 +54,8 @@ from leanstep._checks import is_int
 from leanstep.flops import count_flops
 from leanstep.loss_scale import LossScale
 from leanstep.loss_scale_registry import get_loss_scale
-from leanstep.memory_sizes import format_bytes, parse_bytes
+from leanstep.memory_sizes import parse_bytes
+from leanstep.plan_records import BudgetError, Candidate, Plan, Setting
 from leanstep.precision import Precision, get_precision
 from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.state import TrainState
@@ -62,103 +65,6 @@ __all__ = ["BudgetError", "Candidate", "Plan", "Setting", "plan", "settings_grid
 
 # LLVM's optimization level only: buffer assignment (every memory number) comes before it.
 _FAST_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
-
-
-class Setting(NamedTuple):
-    """One candidate: how many microbatches, which remat policy, which precision."""
-
-    num_microbatches: int
-    remat: str
-    precision: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """A setting and what planning found out about it (None: not traced, or not compiled).
-
-    Attributes:
-      setting: the :class:`Setting`.
-      flops: FLOPs of the traced step, loop bodies times their trip counts.
-      argument_bytes, output_bytes, alias_bytes, temp_bytes: ``memory_analysis()``.
-      peak_bytes: ``argument + output - alias + temp`` (see the module doc).
-      xla_flops: ``cost_analysis()["flops"]`` (loop bodies counted once).
-      xla_peak_bytes: ``memory_analysis().peak_memory_in_bytes`` where the backend reports it
-        (on CPU it is about the argument size, whatever the temporaries: not a peak).
-      fits: ``peak_bytes <= budget``.
-      trace_seconds, compile_seconds: time spent on this candidate.
-      executable: the compiled step (``jax.stages.Compiled``), callable as ``step(state, batch)``.
-    """
-
-    setting: Setting
-    flops: float | None = None
-    trace_seconds: float | None = None
-    argument_bytes: int | None = None
-    output_bytes: int | None = None
-    alias_bytes: int | None = None
-    temp_bytes: int | None = None
-    peak_bytes: int | None = None
-    xla_flops: float | None = None
-    xla_peak_bytes: int | None = None
-    fits: bool | None = None
-    compile_seconds: float | None = None
-    executable: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def compiled(self) -> bool:
-        """Whether planning compiled this candidate (else it could not be chosen)."""
-        return self.peak_bytes is not None
-
-    def to_json(self) -> dict[str, Any]:
-        fields = (f.name for f in dataclasses.fields(self) if f.name not in ("setting", "executable"))
-        return {**self.setting._asdict(), **{name: getattr(self, name) for name in fields}}
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """Every candidate (families in FLOPs order, each by microbatch count) and the chosen one.
-
-    Attributes:
-      budget_bytes: the memory budget.
-      candidates: all candidates; uncompiled ones have no memory numbers.
-      chosen: the candidate to run.
-      seconds: wall time of planning.
-    """
-
-    budget_bytes: int
-    candidates: tuple[Candidate, ...]
-    chosen: Candidate
-    seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget_bytes, "seconds": self.seconds,
-                "chosen": self.chosen.to_json(), "candidates": [c.to_json() for c in self.candidates]}
-
-    def __str__(self) -> str:
-        header = ("", "microbatches", "remat", "precision", "peak", "temporaries", "GFLOP", "fits")
-        rows = [header] + [(
-            "*" if c is self.chosen else "", str(c.setting.num_microbatches), c.setting.remat, c.setting.precision,
-            format_bytes(c.peak_bytes), format_bytes(c.temp_bytes), "-" if c.flops is None else f"{c.flops / 1e9:.3f}",
-            "skipped" if c.fits is None else ("yes" if c.fits else "no"),
-        ) for c in self.candidates]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = ["  ".join(f"{v:<{w}}" for v, w in zip(r, widths)).rstrip() for r in rows]
-        lines.append(f"budget {format_bytes(self.budget_bytes)}; chosen (*): {self.chosen.setting.num_microbatches} "
-                     f"microbatches, remat {self.chosen.setting.remat}; planned in {self.seconds:.1f} s")
-        return "\n".join(lines)
-
-
-class BudgetError(ValueError):
-    """No candidate fits the budget; ``smallest`` is the candidate with the smallest peak."""
-
-    def __init__(self, budget_bytes: int, smallest: Candidate, candidates: tuple[Candidate, ...]) -> None:
-        s = smallest.setting
-        super().__init__(
-            f"no setting fits the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} bytes): the smallest "
-            f"peak found is {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes:,} bytes), with "
-            f"num_microbatches={s.num_microbatches}, remat={s.remat!r}, precision={s.precision!r}; "
-            f"raise the budget or lower the batch size"
-        )
-        self.budget_bytes, self.smallest, self.candidates = budget_bytes, smallest, candidates
 
 
 def settings_grid(
@@ -325,7 +231,7 @@ def plan(
         first[c.setting[1:]] = i if c.setting.num_microbatches < initial[j].setting.num_microbatches else j
     for i in first.values():
         initial[i] = trace(initial[i])
-    final = _search(initial, compile_at, flops_rtol, exhaustive)
+    final = _search(initial, compile_at, flops_rtol, exhaustive, budget)
     chosen = _choose(final, flops_rtol)
     if chosen is None:
         raise BudgetError(budget, min((c for c in final if c.compiled), key=lambda c: c.peak_bytes), final)
@@ -340,9 +246,15 @@ def _choose(candidates: Sequence[Candidate], rtol: float) -> Candidate | None:
 
 
 def _search(candidates: list[Candidate], compile_at: Callable[[int, Candidate], Candidate], rtol: float,
-            exhaustive: bool) -> tuple[Candidate, ...]:
+            exhaustive: bool, budget: int | None = None) -> tuple[Candidate, ...]:
     """Compiles the candidates the choice depends on (see the module doc); returns all, families in FLOPs order."""
     found = list(candidates)
+
+    def hopeless() -> bool:
+        # Every candidate takes the same arguments (the state and the batch): once they alone
+        # exceed the budget, nothing fits, and compiling more only says so again.
+        return budget is not None and any(c.compiled and c.argument_bytes > budget for c in found)
+
     families: dict[tuple[str, str], list[int]] = {}
     for i, candidate in enumerate(found):
         families.setdefault(candidate.setting[1:], []).append(i)
@@ -356,6 +268,8 @@ def _search(candidates: list[Candidate], compile_at: Callable[[int, Candidate], 
 
     def fits(i: int) -> bool:
         if not found[i].compiled:
+            if not exhaustive and hopeless():
+                return False
             found[i] = compile_at(i, found[i])
         return bool(found[i].fits)
 
