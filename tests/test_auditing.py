@@ -28,7 +28,6 @@ from leanstep.step import make_train_step
 from leanstep.training import RunConfig
 from leanstep.training.analysis import audit_run
 
-
 # --- the gradient-accumulation rules ------------------------------------------------------------
 
 def _mlp(d=3, h=5, k=2, seed=0):

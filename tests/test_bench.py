@@ -231,7 +231,11 @@ def test_cli_writes_table_json_and_chart(result, tmp_path, monkeypatch, capsys):
 
 def test_torch_transformer_matches_leanstep_loss_and_gradients():
     torch = pytest.importorskip("torch")
-    from leanstep.bench.torch_step import build_torch_model, load_jax_params, make_torch_step
+    from leanstep.bench.torch_step import (
+        build_torch_model,
+        load_jax_params,
+        make_torch_step,
+    )
     from leanstep.models import build_model
 
     model = build_model("transformer", "tiny", d_model=8, n_layers=2, n_heads=2, d_ff=16, seq_len=6)

@@ -21,7 +21,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.checkpoint import MANIFEST_NAME, CheckpointError, Checkpointer, RestoreResult
+from leanstep.checkpoint import (
+    MANIFEST_NAME,
+    Checkpointer,
+    CheckpointError,
+    RestoreResult,
+)
 
 
 @functools.partial(

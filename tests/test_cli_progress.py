@@ -5,12 +5,11 @@ from __future__ import annotations
 import io
 
 import pytest
+from metrics_lines import train_line
 from rich.console import Console
 
 from leanstep.cli.progress import TrainProgress
 from leanstep.training.records import EvalRecord, Note, RunStart, TrainRecord
-
-from metrics_lines import train_line
 
 
 def record(step: int, *, skipped: bool = False, loss: float = 2.0) -> TrainRecord:

@@ -13,7 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.clipping import clip_by_global_norm, clip_by_global_norm_transform, global_norm
+from leanstep.clipping import (
+    clip_by_global_norm,
+    clip_by_global_norm_transform,
+    global_norm,
+)
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
@@ -57,7 +61,7 @@ def build_tree(spec: object, rng: np.random.Generator) -> object:
     return {key: build_tree(child, rng) for key, child in spec.items()}
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=15, deadline=None)  # each tree shape compiles
 @given(spec=tree_specs, seed=st.integers(0, 2**31 - 1))
 def test_global_norm_matches_float64_reference(spec: object, seed: int) -> None:
     tree = build_tree(spec, np.random.default_rng(seed))

@@ -135,3 +135,25 @@ def test_bad_arguments_are_named():
         gradient_stage(mean_loss, params_layout=3)
     with pytest.raises(ValueError, match="batch size 12 is not divisible by num_microbatches=5"):
         gradient_stage(mean_loss, num_microbatches=5)(params0(), batch0())
+
+
+def test_aux_comes_back_in_the_output_dtype():
+    """``output=`` of the policy applies where leanstep sees the model's outputs: the aux."""
+    def loss_fn(params, batch):
+        pred = batch["x"] @ params["w"]
+        return jnp.mean(pred.astype(jnp.float32) ** 2), pred
+
+    for spec, dtype in (("params=float32,compute=bfloat16,output=float32", jnp.float32),
+                        ("params=float32,compute=bfloat16,output=bfloat16", jnp.bfloat16)):
+        result = gradient_stage(loss_fn, precision=spec, has_aux=True, num_microbatches=2)(params0(), batch0())
+        assert result.aux.dtype == dtype and result.loss.dtype == jnp.float32  # the loss stays float32
+
+
+def test_unrolled_microbatches_give_the_scanned_gradient():
+    params, batch = params0(), batch0()
+    scanned = jax.jit(gradient_stage(mean_loss, num_microbatches=4))(params, batch, SCALE)
+    unrolled = gradient_stage(mean_loss, num_microbatches=4, unroll=True)
+    jaxpr = jax.make_jaxpr(unrolled)(params, batch, SCALE)
+    (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan.params["unroll"] == 4  # lax.scan(unroll=True) unrolls every step
+    assert_close(jax.jit(unrolled)(params, batch, SCALE), scanned, rtol=1e-6, atol=1e-5)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loss_scale_settings import CUSTOM, settings_of
 
 from leanstep.loss_scale import (
     DynamicLossScale,
@@ -18,8 +19,6 @@ from leanstep.loss_scale import (
     StaticLossScale,
     all_finite,
 )
-
-from loss_scale_settings import CUSTOM, settings_of
 
 F32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1

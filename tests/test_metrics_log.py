@@ -11,11 +11,10 @@ import tempfile
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from metrics_lines import eval_line, train_line, write
 
 from leanstep.training.metrics_log import MetricsWriter, read_metrics, truncate_metrics
 from leanstep.training.records import EvalRecord, Note, TrainRecord, parse_record
-
-from metrics_lines import eval_line, train_line, write
 
 
 def train_record(step: int, loss: float = 2.0, **overrides: object) -> TrainRecord:

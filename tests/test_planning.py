@@ -23,8 +23,7 @@ from leanstep.planning import BudgetError, Candidate, Setting, plan, settings_gr
 from leanstep.rematerialization import remat
 from leanstep.state import TrainState
 from leanstep.step import make_train_step
-from leanstep.training import RunConfig, build_run
-from leanstep.training import analysis
+from leanstep.training import RunConfig, analysis, build_run
 
 D, H, LAYERS, BATCH, T = 16, 64, 2, 4, 32
 POLICIES = ("none", "full")

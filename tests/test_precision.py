@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from bits import count_differences, leaves_bit_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bits import count_differences, leaves_bit_equal
 from leanstep.precision import Precision, get_precision
 
 BF16 = jnp.bfloat16

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from metrics_lines import eval_line, train_line
 
 from leanstep.training.records import EvalRecord, Note, TrainRecord, parse_record
-
-from metrics_lines import eval_line, train_line
 
 TRAIN_FIELDS = ("step", "loss", "grad_norm", "loss_scale", "skipped", "clipped",
                 "consecutive_skips", "tokens_per_sec", "elapsed_s", "lr")

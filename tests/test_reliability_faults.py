@@ -33,13 +33,12 @@ from hypothesis import strategies as st
 
 import leanstep.checkpoint
 import leanstep.training.curves
-from leanstep.training import build, trainer
 from leanstep.checkpoint import MANIFEST_NAME, Checkpointer
 from leanstep.cli.main import main
 from leanstep.loss_scale import DynamicLossScale, all_finite
 from leanstep.models import build_model
 from leanstep.step import TrainState, make_train_step
-from leanstep.training import RunConfig, build_optimizer
+from leanstep.training import RunConfig, build, build_optimizer, trainer
 
 # --- a linear model whose gradients the batch controls ---------------------------------------
 

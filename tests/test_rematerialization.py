@@ -10,10 +10,26 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from residual_blocks import (
+    ALL_POLICIES,
+    LAYERS,
+    PARAMS,
+    STACKED,
+    B,
+    D,
+    H,
+    X,
+    block,
+    loop_stack,
+    scan_stack,
+)
 
-from leanstep.rematerialization import REMAT_POLICIES, checkpoint_name, get_remat_policy, remat
-
-from residual_blocks import B, D, H, ALL_POLICIES, LAYERS, PARAMS, STACKED, X, block, loop_stack, scan_stack
+from leanstep.rematerialization import (
+    REMAT_POLICIES,
+    checkpoint_name,
+    get_remat_policy,
+    remat,
+)
 
 REMAT_PRIMITIVES = {"remat2", "remat", "checkpoint"}
 Y = jax.random.normal(jax.random.key(3), (B, D))
@@ -23,6 +39,7 @@ def mse(out, y):
     return jnp.mean((out - y) ** 2)
 
 
+@functools.cache  # one compile per policy, however many examples
 def block_value_and_grad(policy):
     layer = block if policy is None else remat(block, policy)
     return jax.jit(jax.value_and_grad(lambda p, x, y: mse(layer(p, x), y)))

@@ -4,11 +4,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from residual_blocks import (
+    ALL_POLICIES,
+    LAYERS,
+    PARAMS,
+    STACKED,
+    B,
+    D,
+    H,
+    L,
+    X,
+    block,
+    loop_stack,
+    scan_stack,
+)
 
 from leanstep.rematerialization import REMAT_POLICIES, remat
-from leanstep.residuals import RESIDUAL_KINDS, ResidualReport, saved_residuals_report, short_dtype_name
-
-from residual_blocks import B, D, H, L, ALL_POLICIES, LAYERS, PARAMS, STACKED, X, block, loop_stack, scan_stack
+from leanstep.residuals import (
+    RESIDUAL_KINDS,
+    ResidualReport,
+    saved_residuals_report,
+    short_dtype_name,
+)
 
 
 def report(policy, fn=block, *args):

@@ -8,12 +8,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from bits import count_differences, leaves_bit_equal
 from jax import lax
 from jax._src.ad_checkpoint import saved_residuals
 
 from leanstep.rounding import strict_precision
-
-from bits import count_differences, leaves_bit_equal
 
 BF16 = jnp.bfloat16
 F32 = jnp.dtype(jnp.float32)

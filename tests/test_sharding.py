@@ -116,9 +116,10 @@ def _start(num_devices: int) -> None:
 
 def worker8(out: Path) -> None:
     _start(8)
-    from leanstep.checkpoint import Checkpointer
-    from leanstep.accumulation import microbatched_value_and_grad
     from jax.sharding import NamedSharding
+
+    from leanstep.accumulation import microbatched_value_and_grad
+    from leanstep.checkpoint import Checkpointer
 
     mesh = data_mesh()
     results: dict = {"devices": jax.device_count()}

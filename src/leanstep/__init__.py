@@ -14,6 +14,7 @@ from leanstep.clipping import (
     clip_by_global_norm_transform,
     global_norm,
 )
+from leanstep.compute_dtype_check import PrecisionWarning
 from leanstep.gradients import Gradients, gradient_stage
 from leanstep.loss_scale import (
     DynamicLossScale,
@@ -72,6 +73,7 @@ __all__ = [
     "NoOpLossScale",
     "Plan",
     "Precision",
+    "PrecisionWarning",
     "REMAT_POLICIES",
     "ResidualReport",
     "RestoreResult",

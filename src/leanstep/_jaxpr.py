@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["is_remat_primitive", "is_sub_jaxpr", "map_sub_jaxprs", "sub_jaxprs"]
+__all__ = ["equations", "is_remat_primitive", "is_sub_jaxpr", "map_sub_jaxprs", "sub_jaxprs"]
 
 
 def is_sub_jaxpr(value: Any) -> bool:
@@ -71,3 +71,18 @@ def map_sub_jaxprs(params: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[
 def is_remat_primitive(name: str) -> bool:
     """Whether a primitive name is a ``jax.checkpoint`` region (``remat2``, its relatives, ``checkpoint``)."""
     return name.startswith("remat") or name == "checkpoint"
+
+
+def equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of a (closed) jaxpr and of its sub-programs, depth first.
+
+    Example:
+      >>> import jax
+      >>> jaxpr = jax.make_jaxpr(lambda x: jax.lax.cond(x > 0, jax.numpy.sin, jax.numpy.cos, x))(1.0)
+      >>> [eqn.primitive.name for eqn in equations(jaxpr)]
+      ['gt', 'convert_element_type', 'cond', 'cos', 'sin']
+    """
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for _, sub in sub_jaxprs(eqn):
+            yield from equations(sub)

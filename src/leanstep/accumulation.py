@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from leanstep._checks import check_bool
+from leanstep._checks import check_bool, is_int
 from leanstep.microbatches import Splitter, check_num_microbatches, get_splitter
 
 __all__ = ["init_grad_accumulator", "microbatched_value_and_grad"]
@@ -56,6 +56,14 @@ def _check_accum_dtype(accum_dtype: DTypeLike) -> jnp.dtype:
     return dtype
 
 
+def _keep_state_types(new: Any, old: Any) -> Any:
+    """``new`` state in ``old``'s structure and dtypes: a scan carry must keep its type."""
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise TypeError("has_state=True: loss_fn must return a new model state of the structure it was given; "
+                        f"got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}")
+    return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)), new, old)
+
+
 def microbatched_value_and_grad(
     loss_fn: Callable[..., Any],
     num_microbatches: int,
@@ -65,15 +73,19 @@ def microbatched_value_and_grad(
     token_weighted: bool = False,
     split: str | Splitter = "contiguous",
     with_index: bool = False,
-) -> Callable[[Any, Any], tuple[Any, Any]]:
+    has_state: bool = False,
+    unroll: int | bool = 1,
+    scan_single: bool = True,
+) -> Callable[..., tuple[Any, Any]]:
     r"""Like ``jax.value_and_grad(loss_fn)``, with the batch processed in microbatches.
 
     The returned function ``(params, batch) -> (loss, grads)`` splits ``batch`` with
-    ``split`` (see :mod:`leanstep.microbatches`; contiguous by default) and runs **one** ``lax.scan`` of length
-    ``num_microbatches``; its body calls ``jax.value_and_grad(loss_fn)`` on one
-    microbatch of S rows and adds the result into the carry (a Python loop never unrolls
-    the microbatches, and nothing differentiates through the scan).
-    ``num_microbatches=1`` runs the same scan, so the traced program has one shape.
+    ``split`` (see :mod:`leanstep.microbatches`; contiguous by default) and runs **one**
+    ``lax.scan`` of length ``num_microbatches``; its body calls
+    ``jax.value_and_grad(loss_fn)`` on one microbatch of S rows and adds the result into
+    the carry (a Python loop never unrolls the microbatches, and nothing differentiates
+    through the scan). ``num_microbatches=1`` runs the same scan, so the traced program
+    has one shape, unless ``scan_single=False``.
 
     Mean mode (default), ``loss_fn(params, mb) -> loss``:
 
@@ -95,6 +107,11 @@ def microbatched_value_and_grad(
     the full-batch sum over the full-batch count (e.g. valid tokens under a padding
     mask), not the mean of per-microbatch ratios :math:`s_j / n_j`. ``count`` is not
     differentiated. A total count of 0 gives NaN/inf, visibly.
+
+    Model state (``has_state``): ``loss_fn(params, state, mb) -> (out, new_state)`` with
+    ``out`` as above; the state (batch statistics, counters) is carried through the scan in
+    order, microbatch ``j`` seeing the state microbatch ``j - 1`` left, and is not
+    differentiated.
 
     Precision: gradients are accumulated in ``accum_dtype`` whatever their own dtype
     (bfloat16 params give bfloat16 microbatch gradients, summed in float32), and the
@@ -119,6 +136,13 @@ def microbatched_value_and_grad(
         loss do not depend on it; per-microbatch ``aux`` follows the split's rows.
       with_index: call ``loss_fn(params, microbatch, index)`` with the microbatch's int32
         index ``0 <= index < num_microbatches`` (for a per-microbatch PRNG key, say).
+      has_state: ``loss_fn`` takes and returns a model state (see above); the result is
+        then ``(params, batch, state) -> ((value, new_state), grads)``.
+      unroll: forwarded to ``lax.scan``: ``True`` unrolls every microbatch into straight
+        code. On XLA:CPU a loop makes convolutions several times slower, and unrolling
+        removes that cost, but XLA then schedules the microbatches' activations together,
+        which spends the memory accumulation saves (see README).
+      scan_single: ``False``: one microbatch runs without a scan (``value_and_grad`` once).
 
     Returns:
       A function ``(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
@@ -126,8 +150,8 @@ def microbatched_value_and_grad(
 
     Raises:
       TypeError: ``num_microbatches`` is not an int, ``accum_dtype`` not floating or
-        ``split`` not a splitter (now); the batch errors of the splitter (at call or
-        trace time).
+        ``split`` not a splitter (now); the batch errors of the splitter, or a new state
+        of another structure (at call or trace time).
       ValueError: ``num_microbatches < 1`` or an unknown ``split`` name (now).
 
     Example:
@@ -144,41 +168,51 @@ def microbatched_value_and_grad(
     num_microbatches = check_num_microbatches(num_microbatches)
     dtype = _check_accum_dtype(accum_dtype)
     splitter = get_splitter(split)
-    with_index = check_bool("with_index", with_index)
+    with_index, has_state, scan_single = (check_bool(name, value) for name, value in (
+        ("with_index", with_index), ("has_state", has_state), ("scan_single", scan_single)))
+    if not (isinstance(unroll, bool) or is_int(unroll) and unroll >= 1):
+        raise TypeError(f"unroll must be a bool or an int >= 1, got {unroll!r}")
 
-    def objective(params: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, tuple[Any, Any]]:
-        # value_and_grad differentiates the first output only; count and aux ride along.
-        out = loss_fn(params, microbatch, *index)
+    def objective(params: Any, state: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, tuple]:
+        # value_and_grad differentiates the first output only; count, aux and the state ride along.
+        out = loss_fn(params, state, microbatch, *index) if has_state else loss_fn(params, microbatch, *index)
+        out, new_state = out if has_state else (out, None)
         value, aux = out if has_aux else (out, None)
         if token_weighted:
             loss_sum, count = value
         else:
             loss_sum, count = value, None
-        return loss_sum, (count, aux)
+        if has_state:
+            new_state = _keep_state_types(new_state, state)
+        return loss_sum, (count, aux, new_state)
 
     grad_fn = jax.value_and_grad(objective, has_aux=True)
 
-    def accumulate(params: Any, batch: Any) -> tuple[Any, Any]:
+    def accumulate(params: Any, batch: Any, state: Any = None) -> tuple[Any, Any]:
         microbatches = splitter(batch, num_microbatches)
         if with_index:  # the index rides along the scanned inputs, never inside the batch
             microbatches = (microbatches, jnp.arange(num_microbatches, dtype=jnp.int32))
         zero = jnp.zeros((), jnp.float32)
-        init = (zero, zero, init_grad_accumulator(params, dtype))
+        init = (zero, zero, init_grad_accumulator(params, dtype), state)
 
         def body(carry: tuple, inputs: Any) -> tuple[tuple, Any]:
-            loss_total, count_total, grads_total = carry
-            (loss, (count, aux)), grads = grad_fn(params, *(inputs if with_index else (inputs,)))
+            loss_total, count_total, grads_total, state = carry
+            (loss, (count, aux, state)), grads = grad_fn(params, state, *(inputs if with_index else (inputs,)))
             if token_weighted:
                 count_total = count_total + jnp.asarray(count).astype(jnp.float32)
             grads_total = jax.tree.map(lambda a, g: a + g.astype(dtype), grads_total, grads)
-            return (loss_total + loss.astype(jnp.float32), count_total, grads_total), aux
+            return (loss_total + loss.astype(jnp.float32), count_total, grads_total, state), aux
 
-        (loss_total, count_total, grads_total), auxes = jax.lax.scan(
-            body, init, microbatches, length=num_microbatches
-        )
+        if num_microbatches == 1 and not scan_single:
+            carry, aux = body(init, jax.tree.map(lambda leaf: leaf[0], microbatches))
+            (loss_total, count_total, grads_total, state), auxes = carry, jax.tree.map(lambda a: a[None], aux)
+        else:
+            (loss_total, count_total, grads_total, state), auxes = jax.lax.scan(
+                body, init, microbatches, length=num_microbatches, unroll=unroll)
         denominator = count_total if token_weighted else jnp.float32(num_microbatches)
         loss = loss_total / denominator
         grads = jax.tree.map(lambda g: g / denominator.astype(dtype), grads_total)
-        return ((loss, auxes) if has_aux else loss), grads
+        value = (loss, auxes) if has_aux else loss
+        return ((value, state) if has_state else value), grads
 
     return accumulate

@@ -187,9 +187,16 @@ class AuditReport:
             2. value_and_grad in its body: the body has matmuls and the carry holds a
                gradient accumulator (with ``params``: an array shaped like every leaf)
             3. no dot_general outside a scan (no full-batch forward or backward pass)
+
+        With ``num_microbatches=1`` the step has no microbatch loop (a one-step scan only
+        costs time), so the rules are about the scans the program does have: none of
+        them may run in reverse at the top level (a gradient taken through a scan).
         """
         problems = []
         top = self.top_level_scans
+        if num_microbatches == 1:
+            return [f"a top-level lax.scan of length {s.length} runs in reverse: the gradient was taken through "
+                    "the scan instead of inside its body" for s in top if s.reverse]
         if len(top) != 1:
             lengths = [s.length for s in top]
             problems.append(f"expected exactly one top-level lax.scan over the microbatches, found {len(top)}"

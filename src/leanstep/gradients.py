@@ -4,18 +4,24 @@ r"""The gradient stage: from float32 masters and a batch to the scaled, accumula
 
     p_c = cast(params, compute_dtype)                 # once; masters stay float32
     microbatches = split(cast(batch), M)              # contiguous, strided or presplit
-    for j, m_j in enumerate(microbatches):            # one lax.scan, value_and_grad inside
-        l_j, g_j = value_and_grad(S * loss_fn)(p_c, m_j[, fold_in(key, j)])
+    for j, m_j in enumerate(microbatches):            # one lax.scan (none for M = 1)
+        (l_j, s), g_j = value_and_grad(S * loss_fn)(p_c, [s,] m_j[, fold_in(key, j)])
         G += float32(g_j)                             # float32 accumulator
     G /= M            (mean)    or    G /= sum_j n_j  (token-weighted: loss_fn gives (s_j, n_j))
 
 It returns :class:`Gradients`: the whole batch's loss (unscaled), the gradient of the
 *scaled* loss (unscaling, the finiteness check and clipping are the guarded update's job,
-:func:`leanstep.guarded_update`) and the aux outputs stacked over microbatches.
+:func:`leanstep.guarded_update`), the aux outputs stacked over microbatches (in the policy's
+output dtype) and, with ``has_state``, the model state ``s`` after the last microbatch (its
+own dtypes: never cast to the compute dtype, never differentiated).
+
+With a compute dtype below float32 the loss is traced once more, on abstract values, and a
+:class:`leanstep.PrecisionWarning` says so when none of its matmuls runs in that dtype.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 
 from leanstep._checks import check_bool, check_callable
 from leanstep.accumulation import microbatched_value_and_grad
+from leanstep.compute_dtype_check import PrecisionWarning, unused_compute_dtype
 from leanstep.loss_scale import LossScale, NoOpLossScale
 from leanstep.microbatches import Splitter, check_num_microbatches, get_splitter
 from leanstep.precision import Precision, get_precision
@@ -40,11 +47,13 @@ class Gradients(NamedTuple):
       grads: float32 tree shaped like the params: the accumulated gradient of the
         **scaled** loss, ``S * dL/dparams``.
       aux: the loss's aux output stacked over microbatches (``has_aux``), or None.
+      model_state: the model state after the last microbatch (``has_state``), or None.
     """
 
     loss: jax.Array
     grads: Any
     aux: Any = None
+    model_state: Any = None
 
 
 def _check_loss(value: Any, name: str) -> jax.Array:
@@ -83,9 +92,11 @@ def gradient_stage(
     token_weighted: bool = False,
     uses_rng: bool = False,
     cast_batch: bool = True,
+    has_state: bool = False,
+    unroll: int | bool = 1,
     params_layout: Callable[[Any], Any] | None = None,
 ) -> Callable[..., Gradients]:
-    r"""Builds ``gradients(params, batch, loss_scale=None, key=None) -> Gradients``.
+    r"""Builds ``gradients(params, batch, loss_scale=None, key=None, model_state=None) -> Gradients``.
 
     See the module doc for the computation. ``loss_scale`` (a :class:`LossScale`; None: no
     scaling) multiplies each microbatch loss in float32 before differentiation; ``key`` (a
@@ -96,9 +107,10 @@ def gradient_stage(
     Args:
       loss_fn: ``loss_fn(params, microbatch[, key])`` returning a scalar ``loss``, or
         ``(loss_sum, count)`` with ``token_weighted``; with ``has_aux``, that paired with
-        an ``aux`` output: ``(loss, aux)`` or ``((loss_sum, count), aux)``. It receives
-        the params (and, with ``cast_batch``, the batch's floating leaves) in the compute
-        dtype.
+        an ``aux`` output: ``(loss, aux)`` or ``((loss_sum, count), aux)``. With
+        ``has_state`` it is ``loss_fn(params, model_state, microbatch[, key])`` and returns
+        ``(that, new_model_state)``. It receives the params (and, with ``cast_batch``, the
+        batch's floating leaves) in the compute dtype.
       precision: a :class:`Precision` or its string form; with ``strict`` the loss runs
         under :func:`strict_precision`.
       num_microbatches: static number of equal microbatches.
@@ -112,6 +124,10 @@ def gradient_stage(
       cast_batch: cast the batch's floating leaves to the compute dtype (integer leaves
         such as token ids stay): a float32 input would otherwise promote a bf16 matmul
         back to float32.
+      has_state: thread a model state (batch statistics, counters) through the
+        microbatches in order; ``model_state=`` then holds its value before the step.
+      unroll: forwarded to the microbatch ``lax.scan`` (see
+        :func:`leanstep.microbatched_value_and_grad`: faster convolutions on CPU, more memory).
       params_layout: applied to the compute-dtype params before the loss sees them (the
         sharding layer's constraint, :class:`leanstep.ShardingLayer`); None: nothing.
 
@@ -130,43 +146,62 @@ def gradient_stage(
       >>> batch = {"x": jnp.array([1.0, 2.0, 3.0, 4.0]), "y": jnp.array([2.0, 4.0, 6.0, 9.0])}
       >>> gradients = gradient_stage(loss_fn, num_microbatches=2)
       >>> gradients(jnp.float32(2.0), batch, StaticLossScale.create(8.0))
-      Gradients(loss=Array(0.25, dtype=float32), grads=Array(-16., dtype=float32), aux=None)
+      Gradients(loss=Array(0.25, dtype=float32), grads=Array(-16., dtype=float32), aux=None, model_state=None)
     """
     check_callable("loss_fn", loss_fn)
     policy = get_precision(precision)
     num_microbatches = check_num_microbatches(num_microbatches)
     splitter = get_splitter(split)
-    has_aux, token_weighted, uses_rng, cast_batch = (
+    has_aux, token_weighted, uses_rng, cast_batch, has_state = (
         check_bool(name, value) for name, value in (("has_aux", has_aux), ("token_weighted", token_weighted),
-                                                    ("uses_rng", uses_rng), ("cast_batch", cast_batch)))
+                                                    ("uses_rng", uses_rng), ("cast_batch", cast_batch),
+                                                    ("has_state", has_state)))
     if params_layout is not None:
         check_callable("params_layout", params_layout)
     model_loss = policy.wrap(loss_fn)
+    checked = []  # the compute-dtype check runs on the first trace only
 
     def gradients(params: Any, batch: Any, loss_scale: LossScale | None = None,
-                  key: jax.Array | None = None) -> Gradients:
+                  key: jax.Array | None = None, model_state: Any = None) -> Gradients:
         scale = NoOpLossScale() if loss_scale is None else loss_scale
         if uses_rng and key is None:
             raise ValueError("uses_rng=True: pass the step's PRNG key as key=")
+        if has_state and model_state is None:
+            raise ValueError("has_state=True: pass the model state before the step as model_state=")
 
-        def scaled_loss(params_c: Any, microbatch: Any, *index: jax.Array) -> tuple[Any, Any]:
-            extra = (jax.random.fold_in(key, index[0]),) if uses_rng else ()
-            value, aux = _unpack(model_loss(params_c, microbatch, *extra),
-                                 has_aux=has_aux, token_weighted=token_weighted)
+        def scaled_loss(params_c: Any, *args: Any) -> tuple[Any, Any]:
+            *state, microbatch, index = args if uses_rng else (*args, None)
+            extra = (jax.random.fold_in(key, index),) if uses_rng else ()
+            out = model_loss(params_c, *state, microbatch, *extra)
+            if has_state:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise TypeError(f"has_state=True: loss_fn must return (out, new_model_state), got "
+                                    f"{type(out).__name__}")
+                out, new_state = out
+            value, aux = _unpack(out, has_aux=has_aux, token_weighted=token_weighted)
+            aux = policy.cast_to_output(aux)
             if token_weighted:
                 loss_sum, count = value
                 loss_sum = _check_loss(loss_sum, "loss_sum")
-                return (scale.scale(loss_sum), count), (loss_sum, jnp.asarray(count, jnp.float32), aux)
-            loss = _check_loss(value, "loss")
-            return scale.scale(loss), (loss, aux)
+                result = (scale.scale(loss_sum), count), (loss_sum, jnp.asarray(count, jnp.float32), aux)
+            else:
+                loss = _check_loss(value, "loss")
+                result = scale.scale(loss), (loss, aux)
+            return (result, new_state) if has_state else result
 
-        accumulate = microbatched_value_and_grad(scaled_loss, num_microbatches, has_aux=True,
-                                                 token_weighted=token_weighted, split=splitter, with_index=uses_rng)
+        accumulate = microbatched_value_and_grad(
+            scaled_loss, num_microbatches, has_aux=True, token_weighted=token_weighted, split=splitter,
+            with_index=uses_rng, has_state=has_state, unroll=unroll, scan_single=False)
         data = policy.cast_to_compute(batch) if cast_batch else batch
         params_c = policy.cast_to_compute(params)
         if params_layout is not None:
             params_c = params_layout(params_c)
-        (_, per_microbatch), scaled_grads = accumulate(params_c, data)
+        if not checked:
+            checked.append(True)
+            _warn_if_compute_dtype_unused(model_loss, params_c, model_state if has_state else None, data,
+                                          splitter, num_microbatches, uses_rng, policy.compute_dtype)
+        (value, scaled_grads) = accumulate(params_c, data, model_state) if has_state else accumulate(params_c, data)
+        (_, per_microbatch), new_state = value if has_state else (value, None)
         if token_weighted:
             loss_sums, counts, aux = per_microbatch
             loss = jnp.sum(loss_sums) / jnp.sum(counts)
@@ -175,6 +210,23 @@ def gradient_stage(
             losses, aux = per_microbatch
             loss = jnp.mean(losses)
         # Gradients w.r.t. the compute-dtype copy come back float32 (the accumulator's dtype).
-        return Gradients(loss=loss, grads=scaled_grads, aux=aux)
+        return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state)
 
     return gradients
+
+
+def _warn_if_compute_dtype_unused(loss_fn: Callable[..., Any], params_c: Any, model_state: Any, batch: Any,
+                                  splitter: Splitter, num_microbatches: int, uses_rng: bool,
+                                  compute_dtype: Any) -> None:
+    """One :class:`PrecisionWarning` if the traced loss runs no matmul in the (low) compute dtype."""
+    if jnp.dtype(compute_dtype).itemsize >= 4:
+        return
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)  # noqa: E731
+    microbatches = jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)
+    microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatches)
+    args = (abstract(params_c), *(() if model_state is None else (abstract(model_state),)), microbatch)
+    if uses_rng:
+        args += (jax.eval_shape(lambda: jax.random.key(0)),)
+    message = unused_compute_dtype(loss_fn, args, compute_dtype)
+    if message is not None:
+        warnings.warn(message, PrecisionWarning, stacklevel=4)

@@ -78,8 +78,13 @@ class Plan:
     chosen: Candidate
     seconds: float
 
+    @property
+    def compiles(self) -> int:
+        """How many candidates planning compiled (the others were ruled out without compiling)."""
+        return sum(c.compiled for c in self.candidates)
+
     def to_json(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget_bytes, "seconds": self.seconds,
+        return {"budget_bytes": self.budget_bytes, "seconds": self.seconds, "compiles": self.compiles,
                 "chosen": self.chosen.to_json(), "candidates": [c.to_json() for c in self.candidates]}
 
     def __str__(self) -> str:
@@ -92,7 +97,8 @@ class Plan:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(f"{v:<{w}}" for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.append(f"budget {format_bytes(self.budget_bytes)}; chosen (*): {self.chosen.setting.num_microbatches} "
-                     f"microbatches, remat {self.chosen.setting.remat}; planned in {self.seconds:.1f} s")
+                     f"microbatches, remat {self.chosen.setting.remat}; planned in {self.seconds:.1f} s, "
+                     f"{self.compiles} compile{'s' * (self.compiles != 1)}")
         return "\n".join(lines)
 
 

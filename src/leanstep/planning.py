@@ -103,7 +103,9 @@ def _check_setting(setting: Any, batch_size: int) -> Setting:
 def _abstract(tree: Any) -> Any:
     def leaf(x: Any) -> jax.ShapeDtypeStruct:
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-        return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype))
+        # PRNG keys (a model's own RNG state) keep their extended dtype.
+        extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+        return jax.ShapeDtypeStruct(np.shape(x), dtype if extended else jax.dtypes.canonicalize_dtype(dtype))
 
     return jax.tree.map(leaf, tree)
 
@@ -135,6 +137,7 @@ def plan(
     loss_scale: str | LossScale = "none",
     flops_rtol: float = 0.02,
     exhaustive: bool = False,
+    model_state: Any = None,
     compiler_options: dict[str, Any] | str | None = "auto",
     **step_kwargs: Any,
 ) -> Plan:
@@ -161,7 +164,10 @@ def plan(
         XLA's buffer assignment, hence every memory number, unchanged (it only changes
         code generation, after buffer assignment); elsewhere XLA's defaults. Executables
         planned with it run slower: recompile the chosen setting to train.
-      **step_kwargs: further :func:`make_train_step` arguments (``has_aux``, ``token_weighted``, ...).
+      model_state: the model's state for a stateful loss (arrays or ``ShapeDtypeStruct``;
+        pass ``has_state=True`` too), or None.
+      **step_kwargs: further :func:`make_train_step` arguments (``has_aux``, ``token_weighted``,
+        ``has_state``, ...).
 
     Returns:
       A :class:`Plan`.
@@ -202,7 +208,8 @@ def plan(
     elif compiler_options is not None and not isinstance(compiler_options, dict):
         raise TypeError(f"compiler_options must be a dict, 'auto' or None, got {compiler_options!r}")
     scale = get_loss_scale(loss_scale)
-    state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, loss_scale=scale), _abstract(params))
+    state = jax.eval_shape(lambda p, m: TrainState.create(p, optimizer, loss_scale=scale, model_state=m),
+                           _abstract(params), _abstract(model_state))
     batch = _abstract(batch)
 
     loss_fns: dict[str, Callable[..., Any]] = {}

@@ -29,6 +29,8 @@ recomputed; the report (and the gradient jaxpr) can.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -150,6 +152,15 @@ def remat(
     and the backward pass changes (see :func:`leanstep.residuals.saved_residuals_report`). The policy is
     resolved and validated here, at wrap time.
 
+    Framework modules get their framework's own checkpoint, with the same policies:
+
+    .. code-block:: text
+
+        remat(LinenModuleClass, p)  == flax.linen.remat(LinenModuleClass, policy=..., prevent_cse=...)
+        remat(nnx_module, p)        == a function of the module's call arguments, under nnx.remat
+                                       (a bound method of an NNX module likewise)
+        remat(equinox_module, p)    == equinox.filter_checkpoint(equinox_module, policy=..., prevent_cse=...)
+
     Use it as a decorator with ``functools.partial(remat, policy="dots")``. For the
     body of a ``lax.scan`` over layers pass ``prevent_cse=False``: the scan already
     keeps XLA from merging the recomputation with the forward pass, and the extra
@@ -157,7 +168,8 @@ def remat(
     the ``jax.checkpoint`` docs recommend).
 
     Args:
-      fn: the function to rematerialize.
+      fn: the function to rematerialize, or a Flax Linen module class, a Flax NNX module
+        or an Equinox module.
       policy: see :func:`get_remat_policy`. Default ``"full"`` (save only inputs).
       prevent_cse: forwarded to ``jax.checkpoint``; ``False`` inside ``lax.scan``.
       static_argnums: positions of arguments that are static Python values (used in
@@ -192,4 +204,33 @@ def remat(
         raise TypeError(f"static_argnums must be an int or a tuple of ints, got {static_argnums!r}")
     if jax_policy is None:
         return fn
+    framework = _framework_remat(fn, jax_policy, prevent_cse, argnums)
+    if framework is not None:
+        return framework
     return jax.checkpoint(fn, policy=jax_policy, prevent_cse=prevent_cse, static_argnums=argnums)
+
+
+def _framework_remat(fn: Any, policy: Callable[..., Any], prevent_cse: bool,
+                     static_argnums: tuple[int, ...]) -> Callable[..., Any] | None:
+    """The framework's own checkpoint of a module, or None for a plain function.
+
+    ``jax.checkpoint`` cannot take a module: it hashes a Linen class's variables and an
+    Equinox module's arrays. A framework that was never imported cannot have made ``fn``.
+    """
+    linen = sys.modules.get("flax.linen")
+    if linen is not None and isinstance(fn, type) and issubclass(fn, linen.Module):
+        return linen.remat(fn, policy=policy, prevent_cse=prevent_cse, static_argnums=static_argnums)
+    nnx = sys.modules.get("flax.nnx")
+    owner = getattr(fn, "__self__", None)  # a bound method of an NNX module updates its state too
+    if nnx is not None and (isinstance(fn, nnx.Module) or isinstance(owner, nnx.Module)):
+        module, name = (fn, "__call__") if isinstance(fn, nnx.Module) else (owner, fn.__name__)
+        call = nnx.remat(lambda module, *args, **kwargs: getattr(module, name)(*args, **kwargs), policy=policy,
+                         prevent_cse=prevent_cse, static_argnums=tuple(i + 1 for i in static_argnums))
+        return functools.partial(call, module)
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and isinstance(fn, eqx.Module):
+        if static_argnums:
+            raise TypeError("static_argnums does not apply to an Equinox module: equinox.filter_checkpoint "
+                            "already treats every argument that is not an array as static")
+        return eqx.filter_checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+    return None

@@ -15,16 +15,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from leanstep._checks import check_floating_tree, check_optimizer, is_int
+from leanstep._checks import check_optimizer, is_int
 from leanstep.loss_scale import LossScale
 from leanstep.loss_scale_registry import get_loss_scale
+from leanstep.param_checks import check_params
 
 __all__ = ["StepMetrics", "TrainState"]
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["step", "params", "opt_state", "loss_scale", "rng", "consecutive_skips"],
+    data_fields=["step", "params", "opt_state", "loss_scale", "rng", "consecutive_skips", "model_state"],
     meta_fields=["optimizer"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,9 @@ class TrainState:
       rng: a ``uint32[2]`` PRNG key; microbatch ``j`` of step ``t`` gets
         ``fold_in(fold_in(rng, t), j)`` (with ``uses_rng``).
       consecutive_skips: int32 count of non-finite steps in a row (saturating).
+      model_state: the model's non-trainable state (batch statistics, counters, a model's own
+        RNG state), or None. The optimizer never sees it, it is never cast to the compute
+        dtype, and a skipped step leaves it unchanged (``make_train_step(has_state=True)``).
       optimizer: the ``optax.GradientTransformation`` (static).
     """
 
@@ -53,6 +57,7 @@ class TrainState:
     loss_scale: LossScale
     rng: jax.Array
     consecutive_skips: jax.Array
+    model_state: Any
     optimizer: optax.GradientTransformation
 
     @classmethod
@@ -63,6 +68,7 @@ class TrainState:
         *,
         loss_scale: str | LossScale = "none",
         seed: int = 0,
+        model_state: Any = None,
     ) -> TrainState:
         """Builds the state at step 0.
 
@@ -72,10 +78,14 @@ class TrainState:
             and the train step applies it.
           loss_scale: ``"dynamic"``, ``"static"``, ``"none"`` or a loss-scale instance.
           seed: the seed of ``rng``.
+          model_state: a pytree of arrays the model carries besides its parameters (kept in
+            its own dtypes), or None.
 
         Raises:
-          TypeError: a parameter leaf is not a floating-point array, ``optimizer`` is not
-            a hashable ``GradientTransformation``, or ``seed`` is not an int.
+          TypeError: a parameter leaf is not a floating-point array (a framework's
+            non-parameter variables among them are named, with the split to use),
+            ``optimizer`` is not a hashable ``GradientTransformation``, ``seed`` is not an
+            int, or a ``model_state`` leaf is not an array.
           ValueError: ``params`` has no leaves.
 
         Example:
@@ -92,9 +102,11 @@ class TrainState:
                             "tell two optimizers apart; build it from optax transformations") from None
         if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-        if not jax.tree.leaves(params):
-            raise ValueError("params must have at least one array leaf, got an empty tree")
-        check_floating_tree(params, "params", what="floating-point parameters")
+        check_params(params)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
+            if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+                raise TypeError(f"model_state{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; "
+                                "the model state must be a pytree of arrays")
         params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
         state = cls(
             step=jnp.zeros((), jnp.int32),
@@ -103,6 +115,7 @@ class TrainState:
             loss_scale=get_loss_scale(loss_scale),
             rng=jax.random.key_data(jax.random.key(seed)),
             consecutive_skips=jnp.zeros((), jnp.int32),
+            model_state=jax.tree.map(jnp.asarray, model_state),
             optimizer=optimizer,
         )
         # One buffer per leaf: the step donates the state, and XLA refuses to donate a buffer

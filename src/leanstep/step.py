@@ -33,7 +33,9 @@ def make_train_step(
     token_weighted: bool = False,
     uses_rng: bool = False,
     cast_batch: bool = True,
+    has_state: bool = False,
     split: str | Splitter | None = None,
+    unroll: int | bool = 1,
     jit: bool = True,
     donate: bool = True,
     mesh: Mesh | None = None,
@@ -81,10 +83,17 @@ def make_train_step(
       cast_batch: cast the batch's floating leaves to the compute dtype (integer
         leaves such as token ids are left alone). Without it a float32 input would
         silently promote a bf16 matmul back to float32.
+      has_state: the model carries ``state.model_state`` (batch statistics, counters):
+        ``loss_fn(params, model_state, batch[, key])`` returns ``(out, new_model_state)``
+        with ``out`` as above; the state is threaded through the microbatches in order and
+        kept only if the step is applied.
       split: how the batch becomes microbatches (see :mod:`leanstep.microbatches`);
         None: ``"contiguous"``, or ``"strided"`` with a mesh (so no row moves between
         devices: the full-batch loss and gradient are the same, per-microbatch ``aux``
         and keys follow the strided rows, the same on any device count).
+      unroll: forwarded to the microbatch ``lax.scan``; ``True`` unrolls it (on XLA:CPU
+        convolutions in a loop run several times slower; unrolled microbatches cost memory).
+        One microbatch never runs in a scan.
       jit: compile the step with ``jax.jit``.
       donate: donate the state's buffers to the step (only with ``jit``); the
         state passed in must not be used again.
@@ -138,15 +147,16 @@ def make_train_step(
     splitter = get_splitter(split or ("contiguous" if layer is None else "strided"))
     gradients = gradient_stage(
         loss_fn, precision=precision, num_microbatches=num_microbatches, has_aux=has_aux,
-        token_weighted=token_weighted, uses_rng=uses_rng, cast_batch=cast_batch,
+        token_weighted=token_weighted, uses_rng=uses_rng, cast_batch=cast_batch, has_state=has_state, unroll=unroll,
         split=splitter if layer is None else layer.split(splitter),
         params_layout=None if layer is None else layer.model_params)
 
     def core(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if uses_rng else None
-        grads = gradients(state.params, batch, state.loss_scale, key)
+        grads = gradients(state.params, batch, state.loss_scale, key, state.model_state)
         run = state if optimizer is None else state.replace(optimizer=optimizer)
-        new_state, info = guarded_update(run, grads.grads, loss=grads.loss, max_grad_norm=max_grad_norm)
+        new_state, info = guarded_update(run, grads.grads, loss=grads.loss, max_grad_norm=max_grad_norm,
+                                         model_state=grads.model_state)
         new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1, optimizer=state.optimizer)
         return new_state, StepMetrics(
             loss=grads.loss, grad_norm=info.grad_norm, loss_scale=jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
@@ -157,6 +167,10 @@ def make_train_step(
     def step(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         if not isinstance(state, TrainState):
             raise TypeError(f"state must be a TrainState (see TrainState.create), got {type(state).__name__}")
+        if has_state != (state.model_state is not None):
+            raise ValueError("has_state=True needs TrainState.create(..., model_state=...)" if has_state else
+                             "the state holds a model_state: pass has_state=True, and loss_fn(params, model_state, "
+                             "batch) returning (loss, new_model_state)")
         jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)  # the batch's errors, at trace time
         return sharded(state, batch)
 

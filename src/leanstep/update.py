@@ -78,19 +78,23 @@ def _checked_update(
 
 
 def guarded_update(
-    state: TrainState, scaled_grads: Any, *, loss: jax.Array | None = None, max_grad_norm: float | None = None
+    state: TrainState, scaled_grads: Any, *, loss: jax.Array | None = None, max_grad_norm: float | None = None,
+    model_state: Any = None,
 ) -> tuple[TrainState, UpdateInfo]:
     """Applies ``state.optimizer`` to the scaled gradient if it is finite (see the module doc).
 
-    ``params``, ``opt_state``, ``loss_scale`` and ``consecutive_skips`` advance; ``step``
-    and ``rng`` are the caller's. On a skipped step params and optimizer state come back
-    bit-identical (a ``jnp.where`` on every leaf, not a zero update).
+    ``params``, ``opt_state``, ``loss_scale``, ``consecutive_skips`` and (given the new one)
+    ``model_state`` advance; ``step`` and ``rng`` are the caller's. On a skipped step params,
+    optimizer state and model state come back bit-identical (a ``jnp.where`` on every leaf,
+    not a zero update).
 
     Args:
       state: the :class:`TrainState` before the step.
       scaled_grads: the gradient of ``loss_scale * loss`` (float32), shaped like the params.
       loss: the step's loss; a non-finite one skips the step too. None: not checked.
       max_grad_norm: clip to this global norm; None: no clipping.
+      model_state: the model state the step computed, kept only if the step is applied;
+        None: ``state.model_state`` is left as it is.
 
     Returns:
       ``(state, info)``: the new state and an :class:`UpdateInfo`.
@@ -119,6 +123,8 @@ def guarded_update(
         opt_state=opt_state,
         loss_scale=state.loss_scale.adjust(info.finite),
         consecutive_skips=skips.astype(jnp.int32),
+        model_state=state.model_state if model_state is None else _where_tree(info.finite, model_state,
+                                                                                  state.model_state),
     ), info
 
 

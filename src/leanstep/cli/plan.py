@@ -131,7 +131,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     console.print(_table(result.candidates, budget, result.chosen, config.precision))
     s = result.chosen.setting
-    console.print(f"chosen: --microbatches {s.num_microbatches} --remat {s.remat}  (planned in {result.seconds:.1f} s)")
+    console.print(f"chosen: --microbatches {s.num_microbatches} --remat {s.remat}  (planned in {result.seconds:.1f} s, {result.compiles} compiles)")
     _write_json(args.json_path, result.to_json())
     return 0
 
@@ -153,8 +153,9 @@ def run_audit(args: argparse.Namespace) -> int:
     problems = report.accumulation_violations(config.microbatches)
     if config.remat != "none":
         problems += report.remat_violations(config.remat)
-    print("rules (one scan over the microbatches, value_and_grad in its body, no matmul outside a scan"
-          + (f", remat policy {config.remat}" if config.remat != "none" else "") + "): "
+    loop = ("one microbatch: no microbatch loop, no gradient through a scan" if config.microbatches == 1 else
+            "one scan over the microbatches, value_and_grad in its body, no matmul outside a scan")
+    print(f"rules ({loop}" + (f", remat policy {config.remat}" if config.remat != "none" else "") + "): "
           + ("ok" if not problems else "BROKEN"))
     for problem in problems:
         print(f"  - {problem}")
