@@ -108,7 +108,9 @@ def np_transformer_logits(params, tokens, c):
         q = {k: v[i] for k, v in p["blocks"].items()}
         h = np_layer_norm(x, q["ln1_scale"], q["ln1_bias"])
         qkv = np.einsum("btd,de->bte", h, q["qkv_w"]) + q["qkv_b"]
-        qh, kh, vh = (a.reshape(b_, t, c.n_heads, hd) for a in np.split(qkv, 3, axis=-1))
+        # Head-major columns: (head, q|k|v, head_dim), so tensor-parallel blocks hold whole heads.
+        qkv = qkv.reshape(b_, t, c.n_heads, 3, hd)
+        qh, kh, vh = qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2]
         scores = np.einsum("bqhd,bkhd->bhqk", qh, kh) / np.sqrt(hd)
         scores = np.where(np.tril(np.ones((t, t), bool)), scores, -np.inf)
         ctx = np.einsum("bhqk,bkhd->bqhd", np_softmax(scores), vh).reshape(b_, t, c.d_model)

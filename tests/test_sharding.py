@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +39,6 @@ from leanstep.step import make_train_step
 
 SIZES = (3, 24, 5)  # d_in, hidden, d_out: no parameter shape (or shard of one) looks like a batch slice
 BATCH = 64  # 8 devices x 4 microbatches x 2 rows
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-               "collective-broadcast", "ragged-all-to-all")
 STEP_KW = dict(precision="float32", max_grad_norm=0.5)
 
 
@@ -77,30 +74,31 @@ def flat(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(p): np.array(v, copy=True) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
-    """Every collective of an HLO module with the shapes of its result(s)."""
-    found = []
-    pattern = r"= (\([^=]*?\)|\S+) (" + "|".join(COLLECTIVES) + r")(?:-start)?\("
-    for type_text, op in re.findall(pattern, hlo):
-        shapes = [tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", type_text)]
-        found.append((op, shapes))
-    return found
+def report_rows(compiled, mesh, params) -> list[dict]:
+    """The collectives report as plain rows (JSON for the judging process)."""
+    from leanstep.collectives import collectives_report
+
+    return [{"kind": c.kind, "name": c.name, "bytes": c.bytes, "trips": c.trips, "moves_batch": c.moves_batch,
+             "scalar": all(not dims for _, dims in c.shapes), "axes": list(c.axes)}
+            for c in collectives_report(compiled, mesh, params=params).collectives]
 
 
-def row_moving(found, params: dict, num_shards: int) -> list:
-    """Collectives that could move batch rows: any all-to-all/permute/broadcast, or a reduction or
-    gather whose result is not shaped like a parameter (any layout), one of its shards, or a scalar."""
-    allowed = {()}
-    for value in params.values():
-        shape = tuple(np.shape(value))
-        allowed.add(tuple(sorted(shape)))
-        spec = fsdp_partition_spec(shape, num_shards)
-        allowed.add(tuple(sorted(s // num_shards if a == "data" else s for s, a in zip(shape, tuple(spec) + (None,) * len(shape)))))
-    bad = []
-    for op, shapes in found:
-        if op not in ("all-reduce", "all-gather", "reduce-scatter") or any(tuple(sorted(s)) not in allowed for s in shapes):
-            bad.append((op, shapes))
-    return bad
+#: name -> (mesh shape, make_train_step options); every layout the sharding layer has.
+LAYOUTS = {
+    "dp": ({"data": 8}, {}),
+    "fsdp": ({"data": 8}, {"fsdp": True}),
+    "hybrid": ({"data": 2, "fsdp": 4}, {}),
+    "tensor": ({"data": 2, "fsdp": 2, "tensor": 2},
+               {"rules": (("w1", (None, "tensor")), ("b1", ("tensor",)), ("w2", ("tensor", None)))}),
+    "fsdpstep": ({"fsdp": 8}, {"reduce": "step"}),
+}
+
+
+def layout_mesh(shape: dict):
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:int(np.prod(list(shape.values())))]).reshape(tuple(shape.values())),
+                tuple(shape))
 
 
 # --- subprocess workers ------------------------------------------------------------------------
@@ -121,10 +119,9 @@ def worker8(out: Path) -> None:
     from leanstep.accumulation import microbatched_value_and_grad
     from leanstep.checkpoint import Checkpointer
 
-    mesh = data_mesh()
     results: dict = {"devices": jax.device_count()}
     arrays: dict[str, np.ndarray] = {}
-    # NaN in row 21: device 2's rows are 16..23; strided microbatch 21 % 4 = 1.
+    # NaN in row 21: the third of eight row blocks (8 rows each); strided microbatch 21 % 4 = 1.
     data = [batch_at(0), batch_at(1, nan_row=21), batch_at(2)]
     for num_mb in (1, 4):
         reference = make_train_step(mlp_loss, num_microbatches=num_mb, **STEP_KW)
@@ -132,17 +129,18 @@ def worker8(out: Path) -> None:
         for t, batch in enumerate(data):
             state, metrics = reference(state, batch)
             arrays.update({f"ref{num_mb}/{t}{k}": v for k, v in flat((state, metrics._replace(aux=None))).items()})
-        for fsdp in (False, True):
-            tag = f"{'fsdp' if fsdp else 'dp'}{num_mb}"
-            step = make_train_step(mlp_loss, num_microbatches=num_mb, mesh=mesh, fsdp=fsdp, **STEP_KW)
-            state = shard_train_state(new_state(), mesh, fsdp=fsdp)
+        for layout, (shape, options) in LAYOUTS.items():
+            mesh, tag = layout_mesh(shape), f"{layout}{num_mb}"
+            place = {k: v for k, v in options.items() if k in ("fsdp", "rules")}
+            step = make_train_step(mlp_loss, num_microbatches=num_mb, mesh=mesh, **options, **STEP_KW)
+            state = shard_train_state(new_state(), mesh, **place)
             results[f"{tag}/specs"] = {k: str(s.spec) for k, s in flat_shardings(state).items()}
             run = step
             if num_mb == 4:
                 # Run the very executable whose HLO is checked; a Compiled object also refuses
                 # (rather than recompiles for) inputs laid out unlike its first ones.
                 run = step.lower(state, shard_batch(data[0], mesh)).compile()
-                results[f"{tag}/collectives"] = collectives(run.as_text())
+                results[f"{tag}/collectives"] = report_rows(run, mesh, init_params())
             for t, batch in enumerate(data):
                 before = state.params
                 if t == 1:  # the NaN step: every device's shard of params must be unchanged
@@ -158,17 +156,35 @@ def worker8(out: Path) -> None:
             results[f"{tag}/out_specs"] = {k: str(s.spec) for k, s in flat_shardings(state).items()}
             if run is step:
                 results[f"{tag}/compiles"] = step._cache_size()
-            if tag == "fsdp4":  # checkpoint it, then run two more steps for worker4 to match
+            if tag == "fsdp4":  # checkpoint it, then run two more steps for the restores to match
                 with Checkpointer(out / "ckpt") as checkpointer:
                     checkpointer.save(3, state, extra={})
                 arrays.update({f"saved{k}": v for k, v in flat(state).items()})
                 for t in (3, 4):
                     state, _ = run(state, shard_batch(batch_at(t), mesh))
                 arrays.update({f"continued{k}": v for k, v in flat(state).items()})
+    # The FSDP checkpoint restores onto every other 8-device layout and continues there.
+    with Checkpointer(out / "ckpt") as checkpointer:
+        for layout in ("dp", "hybrid", "tensor"):
+            shape, options = LAYOUTS[layout]
+            mesh = layout_mesh(shape)
+            place = {k: v for k, v in options.items() if k in ("fsdp", "rules")}
+            state = checkpointer.restore(shard_train_state(new_state(), mesh, **place)).state
+            arrays.update({f"{layout}/restored{k}": v for k, v in flat(state).items()})
+            step = make_train_step(mlp_loss, num_microbatches=4, mesh=mesh, **options, **STEP_KW)
+            for t in (3, 4):
+                state, _ = step(state, shard_batch(batch_at(t), mesh))
+            arrays.update({f"{layout}/continued{k}": v for k, v in flat(state).items()})
+    # Data parallel: one gradient reduction per step whatever the number of microbatches.
+    mesh = layout_mesh(LAYOUTS["dp"][0])
+    for num_mb in (1, 2, 8):
+        step = make_train_step(mlp_loss, num_microbatches=num_mb, mesh=mesh, **STEP_KW)
+        compiled = step.lower(shard_train_state(new_state(), mesh), shard_batch(data[0], mesh)).compile()
+        results[f"dp{num_mb}/collectives"] = report_rows(compiled, mesh, init_params())
     # The control: the naive contiguous split of a row-sharded batch. It must move rows.
     naive = jax.jit(microbatched_value_and_grad(mlp_loss, 4),
                     in_shardings=(NamedSharding(mesh, PartitionSpec()), batch_sharding(mesh)))
-    results["naive/collectives"] = collectives(naive.lower(init_params(), data[0]).compile().as_text())
+    results["naive/collectives"] = report_rows(naive.lower(init_params(), data[0]).compile(), mesh, init_params())
     try:
         make_train_step(mlp_loss, num_microbatches=4, mesh=mesh)(
             new_state(), jax.tree.map(lambda v: v[:16], batch_at(0)))
@@ -242,11 +258,11 @@ def assert_close(actual: dict, expected: dict, rtol: float = 2e-5, atol: float =
 # --- multi-device tests (judging the workers' output) -------------------------------------------
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["dp", "fsdp"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("num_mb", [1, 4])
-def test_sharded_steps_equal_single_device_steps(multi_device, fsdp, num_mb):
+def test_sharded_steps_equal_single_device_steps(multi_device, layout, num_mb):
     assert multi_device["r8"]["devices"] == 8
-    tag = f"{'fsdp' if fsdp else 'dp'}{num_mb}"
+    tag = f"{layout}{num_mb}"
     a8 = multi_device["a8"]
     for t in range(3):  # step 1 holds the NaN row: both skip, so states still agree
         assert_close(_prefixed(a8, f"{tag}/{t}"), _prefixed(a8, f"ref{num_mb}/{t}"))
@@ -254,7 +270,7 @@ def test_sharded_steps_equal_single_device_steps(multi_device, fsdp, num_mb):
     assert not bool(a8[f"{tag}/2[1].skipped"])
 
 
-@pytest.mark.parametrize("tag", ["dp1", "dp4", "fsdp1", "fsdp4"])
+@pytest.mark.parametrize("tag", [f"{layout}{m}" for layout in LAYOUTS for m in (1, 4)])
 def test_nan_on_one_device_skips_on_every_device(multi_device, tag):
     results = multi_device["r8"]
     shards_unchanged = results[f"{tag}/nan_shards_unchanged"]
@@ -267,24 +283,65 @@ def test_state_layouts(multi_device):
     results = multi_device["r8"]
     for tag in ("dp1", "dp4"):
         assert set(results[f"{tag}/out_specs"].values()) == {"P()"}
+    for layout in LAYOUTS:  # the step keeps the layout it was given (so it compiles once)...
+        assert results[f"{layout}4/out_specs"] == results[f"{layout}4/specs"], layout
+    # ...and M=1 steps ran as jitted functions: one compile each.
+    assert all(results[f"{layout}1/compiles"] == 1 for layout in LAYOUTS)
     specs = results["fsdp4/out_specs"]
-    assert specs == results["fsdp4/specs"]  # the step keeps the layout it was given...
-    # ...so it compiles once (dp4/fsdp4 ran as Compiled objects, which would have raised instead).
-    assert results["dp1/compiles"] == results["fsdp1/compiles"] == 1
     for key in (".params['w1']", ".opt_state[0].mu['w1']", ".opt_state[0].nu['w1']"):
         assert specs[key] == "P(None, 'data')", key
     assert specs[".params['w2']"] == "P('data',)" and specs[".params['b1']"] == "P('data',)"
     assert specs[".params['b2']"] == "P()" and specs[".step"] == "P()" and specs[".rng"] == "P()"
+    hybrid, tensor = results["hybrid4/specs"], results["tensor4/specs"]
+    assert hybrid[".params['w1']"] == hybrid[".opt_state[0].mu['w1']"] == "P(None, 'fsdp')"
+    assert tensor[".params['w1']"] == tensor[".opt_state[0].nu['w1']"] == "P(None, 'tensor')"
+    assert tensor[".params['w2']"] == "P('tensor',)" and tensor[".params['b2']"] == "P()"
 
 
-@pytest.mark.parametrize("tag", ["dp4", "fsdp4"])
-def test_microbatched_sharded_step_moves_no_batch_rows(multi_device, tag):
-    params = init_params()
-    found = multi_device["r8"][f"{tag}/collectives"]
-    assert found and any(op == "all-reduce" for op, _ in found)  # the gradient is reduced by XLA
-    assert row_moving(found, params, 8) == []
+def _reductions(rows: list[dict]) -> dict[str, list[dict]]:
+    """Non-scalar all-reduces and reduce-scatters, grouped by HLO instruction."""
+    found: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["kind"] in ("all-reduce", "reduce-scatter") and not row["scalar"]:
+            found.setdefault(row["name"].split("#")[0], []).append(row)
+    return found
+
+
+@pytest.mark.parametrize("num_mb", [1, 2, 4, 8])
+def test_data_parallel_reduces_the_gradient_once_per_step(multi_device, num_mb):
+    rows = multi_device["r8"][f"dp{num_mb}/collectives"]
+    reductions = _reductions(rows)
+    assert len(reductions) == 1, reductions  # one instruction...
+    (parts,) = reductions.values()
+    assert {p["trips"] for p in parts} == {1}  # ...run once per step...
+    grad_bytes = 4 * sum(v.size for v in init_params().values())
+    assert sum(p["bytes"] for p in parts) == grad_bytes  # ...of exactly the gradient
+    assert all(r["kind"] == "all-reduce" for r in rows)  # nothing else but scalars
+
+
+def test_fsdp_reduce_scatters_and_never_all_reduces_the_gradient(multi_device):
+    rows = multi_device["r8"]["fsdp4/collectives"]
+    big = [r for r in rows if not r["scalar"]]
+    assert {r["kind"] for r in big} == {"all-gather", "reduce-scatter", "all-reduce"}
+    # The only non-scalar all-reduce is of b2 (5 floats), which 8 devices cannot split.
+    assert all(r["bytes"] == 20 for r in big if r["kind"] == "all-reduce")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_microbatched_sharded_step_moves_no_batch_rows(multi_device, layout):
+    rows = multi_device["r8"][f"{layout}4/collectives"]
+    assert rows and [r for r in rows if r["moves_batch"]] == []
     # The detector is not vacuous: the naive contiguous split is caught gathering rows.
-    assert row_moving(multi_device["r8"]["naive/collectives"], params, 8)
+    assert [r for r in multi_device["r8"]["naive/collectives"] if r["moves_batch"]]
+
+
+@pytest.mark.parametrize("layout", ["dp", "hybrid", "tensor"])
+def test_fsdp_checkpoint_restores_onto_other_layouts(multi_device, layout):
+    a8 = multi_device["a8"]
+    restored, saved = _prefixed(a8, f"{layout}/restored"), _prefixed(a8, "saved")
+    assert restored.keys() == saved.keys()
+    assert all(restored[k].tobytes() == saved[k].tobytes() for k in saved)
+    assert_close(_prefixed(a8, f"{layout}/continued"), _prefixed(a8, "continued"))
 
 
 def test_batch_indivisible_by_devices_times_microbatches(multi_device):

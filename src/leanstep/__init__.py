@@ -14,6 +14,7 @@ from leanstep.clipping import (
     clip_by_global_norm_transform,
     global_norm,
 )
+from leanstep.collectives import Collective, CollectivesReport, collectives_report
 from leanstep.compute_dtype_check import PrecisionWarning
 from leanstep.gradients import Gradients, gradient_stage
 from leanstep.loss_scale import (
@@ -31,6 +32,8 @@ from leanstep.microbatches import (
     split_microbatches,
     split_strided_microbatches,
 )
+from leanstep.model_sharding import constrain, gathered, sharding_context
+from leanstep.partition_rules import MeshAxes, param_specs
 from leanstep.planning import BudgetError, Plan, plan
 from leanstep.precision import Precision, get_precision
 from leanstep.rematerialization import (
@@ -42,14 +45,15 @@ from leanstep.rematerialization import (
 from leanstep.residuals import ResidualReport, saved_residuals_report
 from leanstep.rounding import strict_precision
 from leanstep.sharding import (
-    ShardingLayer,
     batch_sharding,
     data_mesh,
     fsdp_partition_spec,
+    mesh_axes,
     shard_batch,
     shard_train_state,
     state_shardings,
 )
+from leanstep.sharding_layer import REDUCTIONS, ShardingLayer
 from leanstep.state import StepMetrics, TrainState
 from leanstep.step import make_train_step
 from leanstep.update import (
@@ -66,14 +70,18 @@ __all__ = [
     "BudgetError",
     "CheckpointError",
     "Checkpointer",
+    "Collective",
+    "CollectivesReport",
     "DynamicLossScale",
     "Gradients",
     "GuardedState",
     "LossScale",
+    "MeshAxes",
     "NoOpLossScale",
     "Plan",
     "Precision",
     "PrecisionWarning",
+    "REDUCTIONS",
     "REMAT_POLICIES",
     "ResidualReport",
     "RestoreResult",
@@ -89,8 +97,11 @@ __all__ = [
     "checkpoint_name",
     "clip_by_global_norm",
     "clip_by_global_norm_transform",
+    "collectives_report",
+    "constrain",
     "data_mesh",
     "fsdp_partition_spec",
+    "gathered",
     "get_loss_scale",
     "get_precision",
     "get_remat_policy",
@@ -100,13 +111,16 @@ __all__ = [
     "guarded_update",
     "guarded_update_transform",
     "make_train_step",
+    "mesh_axes",
     "microbatched_value_and_grad",
+    "param_specs",
     "plan",
     "presplit_microbatches",
     "remat",
     "saved_residuals_report",
     "shard_batch",
     "shard_train_state",
+    "sharding_context",
     "split_microbatches",
     "split_strided_microbatches",
     "state_shardings",

@@ -16,7 +16,34 @@ from jax.sharding import Mesh
 
 from leanstep._checks import is_int
 
-__all__ = ["configure_devices", "device_mesh"]
+__all__ = ["configure_devices", "device_mesh", "parse_mesh"]
+
+#: Mesh axis names ``parse_mesh`` accepts (roles by name: see ``leanstep.mesh_axes``).
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"data=2,fsdp=2,tensor=2"`` as ``{"data": 2, "fsdp": 2, "tensor": 2}`` (axes in the order given).
+
+    The first axis varies slowest over the devices, which are ordered by process: put the
+    data axis first to keep FSDP and tensor traffic inside a host (hybrid sharding).
+
+    Raises:
+      ValueError: not ``name=size`` pairs of the axes data, fsdp, tensor, each at most once,
+        with positive sizes.
+
+    Example:
+      >>> parse_mesh("data=2,fsdp=4")
+      {'data': 2, 'fsdp': 4}
+    """
+    shape: dict[str, int] = {}
+    for part in str(text).split(","):
+        name, _, size = part.strip().partition("=")
+        if name not in MESH_AXES or name in shape or not size.isdigit() or int(size) < 1 or int(size) > 2**20:
+            raise ValueError(f"--mesh must be name=size pairs of the axes {', '.join(MESH_AXES)} (each once, sizes "
+                             f"1..2**20), e.g. data=2,fsdp=2,tensor=2; got {text!r}")
+        shape[name] = int(size)
+    return shape
 
 _ADDRESS = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})$")
 
@@ -102,12 +129,15 @@ def configure_devices(
         )
 
 
-def device_mesh(num_devices: int | None = None, data_axis: str = "data") -> Mesh:
+def device_mesh(num_devices: int | None = None, data_axis: str = "data", *,
+                shape: dict[str, int] | None = None) -> Mesh:
     """A one-dimensional data mesh over the first ``num_devices`` local devices of every process.
 
     Args:
       num_devices: devices per process; None: all of them.
       data_axis: the name of the mesh axis.
+      shape: ``{axis: size}`` for a mesh of several axes (:func:`parse_mesh`) over the chosen
+        devices, in process order (the first axis slowest); its sizes must multiply to their count.
 
     Returns:
       ``Mesh(devices, (data_axis,))``, devices ordered by process, then id.
@@ -119,11 +149,23 @@ def device_mesh(num_devices: int | None = None, data_axis: str = "data") -> Mesh
       >>> dict(device_mesh(1).shape)
       {'data': 1}
     """
+    import math
+
+    import numpy as np
+
     from leanstep.sharding import data_mesh
+
+    def shaped(mesh: Mesh) -> Mesh:
+        if shape is None:
+            return mesh
+        if math.prod(shape.values()) != mesh.size:
+            raise ValueError(f"--mesh {','.join(f'{k}={v}' for k, v in shape.items())} needs "
+                             f"{math.prod(shape.values())} devices; the run has {mesh.size}")
+        return Mesh(np.asarray(mesh.devices).reshape(tuple(shape.values())), tuple(shape))
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if num_devices is None:
-        return data_mesh(devices, data_axis)
+        return shaped(data_mesh(devices, data_axis))
     num_devices = _check_count("num_devices", num_devices, 1)
     available = jax.local_device_count()
     if num_devices > available:
@@ -136,4 +178,4 @@ def device_mesh(num_devices: int | None = None, data_axis: str = "data") -> Mesh
         if taken.get(device.process_index, 0) < num_devices:
             chosen.append(device)
             taken[device.process_index] = taken.get(device.process_index, 0) + 1
-    return data_mesh(chosen, data_axis)
+    return shaped(data_mesh(chosen, data_axis))

@@ -48,12 +48,15 @@ class Gradients(NamedTuple):
         **scaled** loss, ``S * dL/dparams``.
       aux: the loss's aux output stacked over microbatches (``has_aux``), or None.
       model_state: the model state after the last microbatch (``has_state``), or None.
+      count: float32 scalar, the total ``count`` the loss and gradient are divided by
+        (``token_weighted``), or None.
     """
 
     loss: jax.Array
     grads: Any
     aux: Any = None
     model_state: Any = None
+    count: jax.Array | None = None
 
 
 def _check_loss(value: Any, name: str) -> jax.Array:
@@ -128,8 +131,9 @@ def gradient_stage(
         microbatches in order; ``model_state=`` then holds its value before the step.
       unroll: forwarded to the microbatch ``lax.scan`` (see
         :func:`leanstep.microbatched_value_and_grad`: faster convolutions on CPU, more memory).
-      params_layout: applied to the compute-dtype params before the loss sees them (the
-        sharding layer's constraint, :class:`leanstep.ShardingLayer`); None: nothing.
+      params_layout: ``params_layout(params_c, probe)`` lays out the compute-dtype params
+        before the loss sees them (the sharding layer, :class:`leanstep.ShardingLayer`);
+        ``probe(params_c)`` traces the loss once on abstract values. None: nothing.
 
     Returns:
       The gradient function, traceable under ``jax.jit``.
@@ -146,7 +150,7 @@ def gradient_stage(
       >>> batch = {"x": jnp.array([1.0, 2.0, 3.0, 4.0]), "y": jnp.array([2.0, 4.0, 6.0, 9.0])}
       >>> gradients = gradient_stage(loss_fn, num_microbatches=2)
       >>> gradients(jnp.float32(2.0), batch, StaticLossScale.create(8.0))
-      Gradients(loss=Array(0.25, dtype=float32), grads=Array(-16., dtype=float32), aux=None, model_state=None)
+      Gradients(loss=Array(0.25, dtype=float32), grads=Array(-16., dtype=float32), aux=None, model_state=None, count=None)
     """
     check_callable("loss_fn", loss_fn)
     policy = get_precision(precision)
@@ -194,25 +198,43 @@ def gradient_stage(
             with_index=uses_rng, has_state=has_state, unroll=unroll, scan_single=False)
         data = policy.cast_to_compute(batch) if cast_batch else batch
         params_c = policy.cast_to_compute(params)
+        state_in = model_state if has_state else None
         if params_layout is not None:
-            params_c = params_layout(params_c)
+            def probe(p: Any) -> None:  # the loss on abstract values, for the layer to see what it gathers
+                jax.eval_shape(model_loss, *_abstract_loss_args(p, state_in, data, splitter, num_microbatches,
+                                                                uses_rng))
+            params_c = params_layout(params_c, probe)
         if not checked:
             checked.append(True)
-            _warn_if_compute_dtype_unused(model_loss, params_c, model_state if has_state else None, data,
-                                          splitter, num_microbatches, uses_rng, policy.compute_dtype)
+            _warn_if_compute_dtype_unused(model_loss, params_c, state_in, data, splitter, num_microbatches, uses_rng,
+                                          policy.compute_dtype)
         (value, scaled_grads) = accumulate(params_c, data, model_state) if has_state else accumulate(params_c, data)
         (_, per_microbatch), new_state = value if has_state else (value, None)
+        count = None
         if token_weighted:
             loss_sums, counts, aux = per_microbatch
-            loss = jnp.sum(loss_sums) / jnp.sum(counts)
+            count = jnp.sum(counts)
+            loss = jnp.sum(loss_sums) / count
             aux = (loss_sums, counts, aux) if has_aux else None
         else:
             losses, aux = per_microbatch
             loss = jnp.mean(losses)
         # Gradients w.r.t. the compute-dtype copy come back float32 (the accumulator's dtype).
-        return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state)
+        return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state, count=count)
 
     return gradients
+
+
+def _abstract_loss_args(params_c: Any, model_state: Any, batch: Any, splitter: Splitter, num_microbatches: int,
+                        uses_rng: bool) -> tuple[Any, ...]:
+    """The loss's arguments for one microbatch, as ``jax.ShapeDtypeStruct`` s."""
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)  # noqa: E731
+    microbatches = jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)
+    microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatches)
+    args = (abstract(params_c), *(() if model_state is None else (abstract(model_state),)), microbatch)
+    if uses_rng:
+        args += (jax.eval_shape(lambda: jax.random.key(0)),)
+    return args
 
 
 def _warn_if_compute_dtype_unused(loss_fn: Callable[..., Any], params_c: Any, model_state: Any, batch: Any,
@@ -221,12 +243,7 @@ def _warn_if_compute_dtype_unused(loss_fn: Callable[..., Any], params_c: Any, mo
     """One :class:`PrecisionWarning` if the traced loss runs no matmul in the (low) compute dtype."""
     if jnp.dtype(compute_dtype).itemsize >= 4:
         return
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)  # noqa: E731
-    microbatches = jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)
-    microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatches)
-    args = (abstract(params_c), *(() if model_state is None else (abstract(model_state),)), microbatch)
-    if uses_rng:
-        args += (jax.eval_shape(lambda: jax.random.key(0)),)
+    args = _abstract_loss_args(params_c, model_state, batch, splitter, num_microbatches, uses_rng)
     message = unused_compute_dtype(loss_fn, args, compute_dtype)
     if message is not None:
         warnings.warn(message, PrecisionWarning, stacklevel=4)

@@ -28,7 +28,6 @@ it wraps the composed step and constrains values at three boundaries only, the s
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -37,15 +36,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep._checks import check_bool
-from leanstep.microbatches import Splitter, get_splitter
-from leanstep.state import StepMetrics, TrainState
+from leanstep.partition_rules import MeshAxes, fallback_spec, param_specs
+from leanstep.state import TrainState
 
 __all__ = [
-    "ShardingLayer",
     "batch_sharding",
     "check_mesh",
     "data_mesh",
     "fsdp_partition_spec",
+    "mesh_axes",
     "shard_batch",
     "shard_train_state",
     "state_shardings",
@@ -61,6 +60,36 @@ def check_mesh(mesh: Any, data_axis: Any) -> int:
     if not isinstance(data_axis, str) or data_axis not in mesh.axis_names:
         raise ValueError(f"data_axis={data_axis!r} is not an axis of the mesh; its axes are {mesh.axis_names}")
     return int(mesh.shape[data_axis])
+
+
+def mesh_axes(mesh: Any, data_axis: str = "data", *, fsdp: bool = False, fsdp_axis: str = "fsdp",
+              tensor_axis: str = "tensor") -> MeshAxes:
+    """The roles of ``mesh``'s axes, by name.
+
+    An axis named ``fsdp_axis`` splits the parameters (and batch rows), one named
+    ``tensor_axis`` is tensor parallel, and every other axis is data parallel (a replica
+    axis). ``fsdp=True`` on a mesh without an FSDP axis makes ``data_axis`` the FSDP axis
+    (the one-axis FSDP of ``make_train_step(mesh=data_mesh(), fsdp=True)``).
+
+    Raises:
+      TypeError: ``mesh`` is not a Mesh or ``fsdp`` not a bool.
+      ValueError: ``data_axis`` is not an axis of a mesh that has no FSDP axis.
+
+    Example:
+      >>> axes = mesh_axes(data_mesh(jax.devices()[:1]), fsdp=True)
+      >>> axes.replica, axes.fsdp, axes.tensor, axes.batch
+      ((), 'data', None, ('data',))
+    """
+    check_bool("fsdp", fsdp)
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = mesh.axis_names
+    if fsdp_axis not in names:
+        check_mesh(mesh, data_axis)
+    fsdp_name = fsdp_axis if fsdp_axis in names else (data_axis if fsdp else None)
+    tensor = tensor_axis if tensor_axis in names else None
+    replica = tuple(a for a in names if a not in (fsdp_name, tensor))
+    return MeshAxes(mesh, replica, fsdp_name, tensor)
 
 
 def data_mesh(devices: Sequence[jax.Device] | None = None, data_axis: str = "data") -> Mesh:
@@ -89,62 +118,68 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, data_axis: str = "dat
     return Mesh(np.array(devices), (data_axis,))
 
 
-def batch_sharding(mesh: Mesh, data_axis: str = "data") -> NamedSharding:
-    """Rows split contiguously along ``data_axis``; every other dimension whole.
+def _batch_spec(axes: MeshAxes) -> PartitionSpec:
+    batch = axes.batch
+    return PartitionSpec(batch[0] if len(batch) == 1 else batch) if batch else PartitionSpec()
 
-    Device ``d`` of ``D`` holds rows ``[d B/D, (d+1) B/D)`` of a batch of ``B`` rows (a
-    single :class:`NamedSharding` is a valid sharding for every leaf of a batch pytree).
+
+def batch_sharding(mesh: Mesh, data_axis: str = "data", *, tensor_axis: str = "tensor") -> NamedSharding:
+    """Rows split contiguously over every batch axis (all but the tensor axis); other dimensions whole.
+
+    Device ``d`` of the ``D`` devices along the batch axes holds rows ``[d B/D, (d+1) B/D)``
+    of a batch of ``B`` rows (one :class:`NamedSharding` serves every leaf of a batch pytree).
 
     Raises:
       TypeError: ``mesh`` is not a Mesh.
-      ValueError: ``data_axis`` is not one of its axes.
+      ValueError: ``data_axis`` is not one of its axes (on a mesh without an FSDP axis).
 
     Example:
       >>> batch_sharding(data_mesh()).spec
       P('data',)
     """
-    check_mesh(mesh, data_axis)
-    return NamedSharding(mesh, PartitionSpec(data_axis))
+    return NamedSharding(mesh, _batch_spec(mesh_axes(mesh, data_axis, tensor_axis=tensor_axis)))
 
 
 def fsdp_partition_spec(shape: Sequence[int], num_shards: int, data_axis: str = "data") -> PartitionSpec:
-    """The FSDP split of one array: its largest dimension divisible by ``num_shards``.
+    """The fallback FSDP split of one array: its largest dimension divisible by ``num_shards``.
 
     Ties go to the earliest such dimension; an array with none (or a scalar) is replicated.
+    Partition rules (:mod:`leanstep.partition_rules`) decide before it.
 
     Example:
       >>> fsdp_partition_spec((3, 16, 16), 8), fsdp_partition_spec((6,), 4)
       (P(None, 'data'), P())
     """
-    candidates = [(size, -axis) for axis, size in enumerate(shape) if size >= num_shards and size % num_shards == 0]
-    if num_shards <= 1 or not candidates:
-        return PartitionSpec()
-    _, neg_axis = max(candidates)
     # No trailing Nones: XLA hands outputs back in that canonical form, and a spec that differs
     # only in them would make the next step's inputs look resharded (and recompile).
-    return PartitionSpec(*([None] * -neg_axis), data_axis)
+    return PartitionSpec(*fallback_spec(tuple(shape), data_axis, num_shards))
 
 
-def state_shardings(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: str = "data") -> Tree:
+def state_shardings(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: str = "data", rules: Any = None,
+                    fsdp_axis: str = "fsdp", tensor_axis: str = "tensor") -> Tree:
     """The :class:`NamedSharding` of every leaf of a train state (concrete or abstract).
 
-    Replicated everywhere for data parallelism. With ``fsdp``, the leaves of
-    ``state.params`` and ``state.opt_state`` (every leaf, for a state that is not a
-    :class:`leanstep.TrainState`) follow :func:`fsdp_partition_spec`; the step counter, loss
-    scale and PRNG key stay replicated.
+    The leaves of ``state.params`` and ``state.opt_state`` (every leaf, for a state that is
+    not a :class:`leanstep.TrainState`) follow :func:`leanstep.param_specs` for the mesh's
+    roles (:func:`mesh_axes`): split over the FSDP and tensor axes by ``rules``, the
+    largest divisible dimension over the FSDP axis otherwise, replicated over data-parallel
+    axes. The step counter, loss scale, PRNG key and model state are replicated. An
+    optimizer-state leaf shaped like no parameter (a count, a scalar) is replicated too.
 
     Args:
       state: a :class:`leanstep.TrainState`, any pytree of arrays, or of ``jax.ShapeDtypeStruct``.
       mesh: the device mesh.
-      fsdp: shard parameters and optimizer state instead of replicating them.
-      data_axis: the mesh axis the batch (and, with ``fsdp``, the state) is split along.
+      fsdp: on a mesh without an FSDP axis, make ``data_axis`` the FSDP axis.
+      data_axis: the data-parallel axis of a one-axis mesh.
+      rules: partition rules (:mod:`leanstep.partition_rules`); None: the fallback only.
+      fsdp_axis, tensor_axis: the names of the FSDP and tensor axes, if the mesh has them.
 
     Returns:
       A pytree of the structure of ``state`` with a ``NamedSharding`` per leaf.
 
     Raises:
       TypeError: ``mesh`` is not a Mesh.
-      ValueError: ``data_axis`` is not one of its axes.
+      ValueError: ``data_axis`` is not one of its axes, or a rule does not fit a parameter.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -153,22 +188,35 @@ def state_shardings(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: s
       >>> state_shardings(state, mesh, fsdp=True).params["w"].spec
       P()
     """
-    num_shards = check_mesh(mesh, data_axis)
+    axes = mesh_axes(mesh, data_axis, fsdp=fsdp, fsdp_axis=fsdp_axis, tensor_axis=tensor_axis)
     replicated = NamedSharding(mesh, PartitionSpec())
-
-    def split(leaf: Any) -> NamedSharding:
-        return NamedSharding(mesh, fsdp_partition_spec(np.shape(leaf), num_shards, data_axis))
-
-    def sharded(tree: Any) -> Any:
-        return jax.tree.map(split if fsdp else (lambda _: replicated), tree)
-
+    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
     if not isinstance(state, TrainState):
-        return sharded(state)
-    everything = jax.tree.map(lambda _: replicated, state)
-    return everything.replace(params=sharded(state.params), opt_state=sharded(state.opt_state))
+        return jax.tree.map(named, param_specs(state, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    params = jax.tree.map(named, param_specs(state.params, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    fallback = lambda leaf: named(param_specs(leaf, axes))  # noqa: E731
+    return jax.tree.map(lambda _: replicated, state).replace(
+        params=params, opt_state=_like_params(state.opt_state, state.params, params, fallback))
 
 
-def shard_train_state(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: str = "data") -> Tree:
+def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable[[Any], NamedSharding]) -> Any:
+    """Optimizer-state subtrees shaped like the params (Adam's mu, nu) laid out like them; other
+    leaves (counts, factored statistics) by the fallback."""
+    structure, shapes = jax.tree.structure(params), [np.shape(p) for p in jax.tree.leaves(params)]
+
+    def is_params_like(node: Any) -> bool:
+        return jax.tree.structure(node) == structure and [np.shape(x) for x in jax.tree.leaves(node)] == shapes
+
+    def place(node: Any) -> Any:
+        if is_params_like(node):
+            return jax.tree.unflatten(jax.tree.structure(node), jax.tree.leaves(shardings))
+        return jax.tree.map(fallback, node)
+
+    return jax.tree.map(place, opt_state, is_leaf=is_params_like)
+
+
+def shard_train_state(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: str = "data", rules: Any = None,
+                      fsdp_axis: str = "fsdp", tensor_axis: str = "tensor") -> Tree:
     """Places ``state`` on ``mesh`` with :func:`state_shardings` (every process passes the same state).
 
     Args and Raises: as :func:`state_shardings`.
@@ -182,7 +230,8 @@ def shard_train_state(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis:
       >>> shard_train_state(state, data_mesh()).params["w"].sharding.is_fully_replicated
       True
     """
-    shardings = state_shardings(state, mesh, fsdp=fsdp, data_axis=data_axis)
+    shardings = state_shardings(state, mesh, fsdp=fsdp, data_axis=data_axis, rules=rules, fsdp_axis=fsdp_axis,
+                                tensor_axis=tensor_axis)
     return jax.tree.map(_place, state, shardings)
 
 
@@ -195,22 +244,25 @@ def _place(value: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def shard_batch(batch: Tree, mesh: Mesh, data_axis: str = "data") -> Tree:
-    """Places a whole batch (the same on every process) on ``mesh``, rows split along ``data_axis``.
+def shard_batch(batch: Tree, mesh: Mesh, data_axis: str = "data", *, tensor_axis: str = "tensor") -> Tree:
+    """Places a whole batch (the same on every process) on ``mesh``, rows split over the batch axes.
 
-    Each process copies only the rows its own devices hold, so a multi-process run feeds the
-    global batch without any cross-process transfer.
+    The batch axes are every axis but the tensor axis (:func:`batch_sharding`). Each process
+    copies only the rows its own devices hold, so a multi-process run feeds the global
+    batch without any cross-process transfer.
 
     Args:
       batch: a pytree of host arrays sharing a leading batch axis.
       mesh: the device mesh.
-      data_axis: the mesh axis the rows are split along.
+      data_axis: the data axis of a one-axis mesh (checked).
+      tensor_axis: the tensor axis, if the mesh has one (rows are whole along it).
 
     Returns:
       ``batch`` as global ``jax.Array`` s with :func:`batch_sharding`.
 
     Raises:
-      ValueError: the batch size is not divisible by the data axis's size (or a leaf is a scalar).
+      ValueError: the batch size is not divisible by the devices along the batch axes (or a
+        leaf is a scalar).
 
     Example:
       >>> import numpy as np
@@ -218,100 +270,17 @@ def shard_batch(batch: Tree, mesh: Mesh, data_axis: str = "data") -> Tree:
       >>> batch["x"].shape, batch["x"].sharding.spec
       ((8, 3), P('data',))
     """
-    num_shards = check_mesh(mesh, data_axis)
-    sharding = NamedSharding(mesh, PartitionSpec(data_axis))
+    axes = mesh_axes(mesh, data_axis, tensor_axis=tensor_axis)
+    num_shards = axes.size(axes.batch)
+    sharding = NamedSharding(mesh, _batch_spec(axes))
 
     def place(path: Any, leaf: Any) -> jax.Array:
         shape = np.shape(leaf)
         if not shape or shape[0] % num_shards:
             raise ValueError(
                 f"batch{jax.tree_util.keystr(path)} has shape {shape}; its leading (batch) size must be "
-                f"divisible by the {num_shards} devices of mesh axis {data_axis!r}"
+                f"divisible by the {num_shards} devices of mesh axes {axes.batch}"
             )
         return _place(leaf, sharding)
 
     return jax.tree_util.tree_map_with_path(place, batch)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingLayer:
-    """The sharding layer around a composed train step: constraints at its boundaries only.
-
-    .. code-block:: text
-
-        step inputs    state -> state_shardings(state)     batch -> rows on data_axis
-        model inputs   compute params -> replicated         microbatches -> (None, data_axis)
-        step outputs   state -> state_shardings(state)     metrics -> replicated (aux as XLA likes)
-
-    XLA's SPMD partitioner inserts every collective from these; nothing else in the step
-    knows about the mesh.
-
-    Attributes:
-      mesh: the device mesh.
-      data_axis: the mesh axis the batch rows (and, with ``fsdp``, the state) are split along.
-      fsdp: shard parameters and optimizer state along ``data_axis`` instead of replicating them.
-
-    Raises:
-      TypeError: ``mesh`` is not a Mesh or ``fsdp`` not a bool.
-      ValueError: ``data_axis`` is not one of the mesh's axes.
-
-    Example:
-      >>> layer = ShardingLayer(data_mesh(jax.devices()[:1]))
-      >>> layer.num_shards, layer.split("strided") is not None
-      (1, True)
-    """
-
-    mesh: Mesh
-    data_axis: str = "data"
-    fsdp: bool = False
-
-    def __post_init__(self) -> None:
-        check_mesh(self.mesh, self.data_axis)
-        object.__setattr__(self, "fsdp", check_bool("fsdp", self.fsdp))
-
-    @property
-    def num_shards(self) -> int:
-        """The size of the data axis."""
-        return int(self.mesh.shape[self.data_axis])
-
-    def _constrain(self, tree: Any, spec: PartitionSpec) -> Any:
-        return jax.lax.with_sharding_constraint(tree, NamedSharding(self.mesh, spec))
-
-    def split(self, split: str | Splitter) -> Splitter:
-        """``split`` followed by the microbatch constraint: axis 1 (the rows) on the data axis."""
-        splitter = get_splitter(split)
-        return lambda batch, num_microbatches: self._constrain(splitter(batch, num_microbatches),
-                                                              PartitionSpec(None, self.data_axis))
-
-    def model_params(self, params: Any) -> Any:
-        """Whole parameters for the forward and backward pass (FSDP gathers them here, once per step).
-
-        Left to itself XLA may split the matmuls by weight columns instead and move activations,
-        i.e. batch rows, between devices.
-        """
-        return self._constrain(params, PartitionSpec())
-
-    def around(
-        self, step: Callable[[TrainState, Any], tuple[TrainState, StepMetrics]], num_microbatches: int
-    ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
-        """``step`` with its inputs and outputs constrained; the batch must divide by ``M * D``.
-
-        Raises (at trace time):
-          ValueError: the batch size is not divisible by ``num_microbatches`` times the
-            data-axis size.
-        """
-        def sharded(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
-            batch_size = jax.tree.leaves(batch)[0].shape[0]
-            if batch_size % (num_microbatches * self.num_shards):
-                raise ValueError(
-                    f"batch size {batch_size} is not divisible by num_microbatches={num_microbatches} times "
-                    f"the {self.num_shards} devices of mesh axis {self.data_axis!r}"
-                )
-            shardings = state_shardings(state, self.mesh, fsdp=self.fsdp, data_axis=self.data_axis)
-            state = jax.lax.with_sharding_constraint(state, shardings)
-            new_state, metrics = step(state, self._constrain(batch, PartitionSpec(self.data_axis)))
-            replicated = {name: self._constrain(getattr(metrics, name), PartitionSpec())
-                          for name in StepMetrics._fields if name != "aux"}
-            return jax.lax.with_sharding_constraint(new_state, shardings), metrics._replace(**replicated)
-
-        return sharded

@@ -15,7 +15,7 @@ from leanstep._checks import INT32_MAX, check_bool, check_optimizer, check_posit
 from leanstep.gradients import gradient_stage
 from leanstep.microbatches import Splitter, check_num_microbatches, get_splitter
 from leanstep.precision import Precision
-from leanstep.sharding import ShardingLayer
+from leanstep.sharding_layer import ShardingLayer
 from leanstep.state import StepMetrics, TrainState
 from leanstep.update import guarded_update
 
@@ -38,9 +38,11 @@ def make_train_step(
     unroll: int | bool = 1,
     jit: bool = True,
     donate: bool = True,
-    mesh: Mesh | None = None,
+    mesh: Mesh | ShardingLayer | None = None,
     data_axis: str = "data",
     fsdp: bool = False,
+    rules: Any = None,
+    reduce: str = "auto",
 ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
 
@@ -97,16 +99,26 @@ def make_train_step(
       jit: compile the step with ``jax.jit``.
       donate: donate the state's buffers to the step (only with ``jit``); the
         state passed in must not be used again.
-      mesh: run sharded on this device mesh through :class:`leanstep.ShardingLayer`: the
-        batch's rows are split along ``data_axis``, the state is laid out by
-        :func:`leanstep.state_shardings` (inputs laid out differently are resharded; lay
-        them out once with :func:`leanstep.shard_train_state` and
-        :func:`leanstep.shard_batch`) and XLA inserts the collectives; finiteness is
+      mesh: run sharded on this device mesh through :class:`leanstep.ShardingLayer` (or
+        through the layer given): the axes have roles by name (an ``"fsdp"`` axis splits
+        the parameters, a ``"tensor"`` axis is tensor parallel, every other axis is data
+        parallel; see :func:`leanstep.mesh_axes`); the batch's rows are split over the
+        batch axes, the state is laid out by :func:`leanstep.state_shardings` (inputs laid
+        out differently are resharded; lay them out once with
+        :func:`leanstep.shard_train_state` and :func:`leanstep.shard_batch`); finiteness is
         decided on the reduced gradient, so every device skips the same steps. None: one
         device.
-      data_axis: the mesh axis the batch (and, with ``fsdp``, the state) is split along.
-      fsdp: shard parameters and optimizer state along ``data_axis`` (ZeRO-3 style)
-        instead of replicating them.
+      data_axis: the data axis of a one-axis mesh.
+      fsdp: on a mesh without an ``"fsdp"`` axis, split parameters and optimizer state
+        over ``data_axis`` (ZeRO-3) instead of replicating them.
+      rules: partition rules, ``((pattern, roles), ...)`` (see
+        :mod:`leanstep.partition_rules`); None: the largest divisible dimension over the
+        FSDP axis.
+      reduce: where the gradient is reduced: ``"auto"`` (data-parallel axes once per step,
+        after the microbatch scan; the FSDP axis per layer, ZeRO-3; with ``has_state``,
+        as ``"microbatch"``), ``"step"`` (every axis once per step) or ``"microbatch"``
+        (XLA reduces every microbatch; the loss sees whole microbatches). See
+        :mod:`leanstep.sharding_layer`.
 
     Returns:
       The step function.
@@ -140,7 +152,14 @@ def make_train_step(
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     if check_bool("fsdp", fsdp) and mesh is None:
         raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
-    layer = None if mesh is None else ShardingLayer(mesh, data_axis, fsdp=fsdp)
+    if isinstance(mesh, ShardingLayer):
+        if (data_axis, fsdp, rules, reduce) != ("data", False, None, "auto"):
+            raise ValueError("mesh= is a ShardingLayer: give data_axis, fsdp, rules and reduce to it, not here")
+        layer = mesh
+    else:
+        if has_state and reduce == "auto":
+            reduce = "microbatch"  # batch statistics must see whole microbatches, as on one device
+        layer = None if mesh is None else ShardingLayer(mesh, data_axis, fsdp=fsdp, rules=rules, reduce=reduce)
     if layer is not None and split == "presplit":
         raise ValueError("split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
                          f"{data_axis!r}, and the sharding layer splits it into strided microbatches")
@@ -150,6 +169,8 @@ def make_train_step(
         token_weighted=token_weighted, uses_rng=uses_rng, cast_batch=cast_batch, has_state=has_state, unroll=unroll,
         split=splitter if layer is None else layer.split(splitter),
         params_layout=None if layer is None else layer.model_params)
+    if layer is not None:
+        gradients = layer.gradients(gradients, token_weighted=token_weighted)
 
     def core(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if uses_rng else None

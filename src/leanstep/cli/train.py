@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -63,6 +64,10 @@ def add_parser(subparsers: Any) -> None:
                             "(default: one device, unsharded)")
     scale.add_argument("--fsdp", action="store_true",
                        help="also shard parameters and optimizer state over the devices (ZeRO-3 style)")
+    scale.add_argument("--mesh", default=None, metavar="AXES",
+                       help="a mesh of several axes over every device of every process, e.g. data=2,fsdp=2,tensor=2: "
+                            "data parallel, FSDP (ZeRO-3) and tensor parallel, the first axis across processes; on "
+                            "CPU it simulates the devices it needs")
     scale.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="process 0's address for a multi-process run (jax.distributed; gloo on CPU)")
     scale.add_argument("--num-processes", type=int, default=None, help="processes in a multi-process run")
@@ -80,7 +85,12 @@ def run_train(args: argparse.Namespace) -> int:
     from leanstep.training import RunConfig, RunStopped, train
 
     try:  # first: the device count and the processes are fixed once JAX makes its first array
-        configure_devices(args.devices, args.coordinator, args.num_processes, args.process_id)
+        devices = args.devices
+        if args.mesh is not None and devices is None:  # every device the mesh needs, split over the processes
+            from leanstep.distributed import parse_mesh
+
+            devices = max(1, math.prod(parse_mesh(args.mesh).values()) // (args.num_processes or 1))
+        configure_devices(devices, args.coordinator, args.num_processes, args.process_id)
     except ValueError as error:
         flags = {"num_devices": "--devices", "num_processes": "--num-processes", "process_id": "--process-id",
                  "coordinator": "--coordinator"}

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
 from leanstep._checks import is_int
+from leanstep.model_sharding import sharding_active
 
 
 def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:
@@ -95,6 +96,24 @@ def dense(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
       Array([[2., 3., 4.]], dtype=float32)
     """
     return x @ w + b[None, :]
+
+
+def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows ``table[ids]``; sharded (:func:`leanstep.sharding_context`), a one-hot matmul.
+
+    The gradient of a gather is a scatter-add, which XLA's SPMD partitioner serves by
+    gathering every device's token ids and activations (batch rows); the gradient of a
+    one-hot matmul is a matmul over the rows, reduced like any weight gradient. One device
+    keeps the cheaper gather.
+
+    Example:
+      >>> embedding_lookup(jnp.arange(6.0).reshape(3, 2), jnp.array([2, 0]))
+      Array([[4., 5.],
+             [0., 1.]], dtype=float32)
+    """
+    if not sharding_active():
+        return jnp.take(table, ids, axis=0)
+    return jax.nn.one_hot(ids, table.shape[0], dtype=table.dtype) @ table
 
 
 def split_tokens(

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 
 from leanstep.models.residual_mlp import (
+    MLP_RULES,
     MLPConfig,
     init_residual_mlp,
     residual_mlp_flops_per_token,
@@ -17,6 +18,7 @@ from leanstep.models.residual_mlp import (
     residual_mlp_loss_sum,
 )
 from leanstep.models.transformer import (
+    TRANSFORMER_RULES,
     TransformerConfig,
     init_transformer,
     transformer_flops_per_token,
@@ -36,6 +38,7 @@ class Model(NamedTuple):
       loss: ``loss(params, batch, *, remat_policy="none", compute_dtype=None) -> scalar``, mean nats.
       loss_sum: same arguments, ``-> (loss_sum, count)`` for token-weighted accumulation.
       flops_per_token: analytic training FLOPs per predicted token.
+      rules: its partition rules (:mod:`leanstep.partition_rules`) for sharded training.
     """
 
     name: str
@@ -45,6 +48,7 @@ class Model(NamedTuple):
     loss: Callable[..., jax.Array]
     loss_sum: Callable[..., tuple[jax.Array, jax.Array]]
     flops_per_token: int
+    rules: tuple[tuple[str, tuple[Any, ...]], ...] = ()
 
 
 #: ``name -> (config class, init, loss, loss_sum, flops_per_token, {preset: config fields})``.
@@ -68,6 +72,9 @@ MODELS: Mapping[str, tuple[Any, ...]] = {
     ),
 }  # fmt: skip
 
+
+#: Partition rules of each model (:mod:`leanstep.partition_rules`).
+RULES: Mapping[str, tuple[Any, ...]] = {"transformer": TRANSFORMER_RULES, "mlp": MLP_RULES}
 
 #: Every size preset some model has, in the order of the first model's presets.
 SIZES: tuple[str, ...] = tuple(dict.fromkeys(size for *_, presets in MODELS.values() for size in presets))
@@ -117,4 +124,5 @@ def build_model(name: str, size: str = "small", **overrides: int) -> Model:
         loss=functools.partial(loss, config=config),
         loss_sum=functools.partial(loss_sum, config=config),
         flops_per_token=flops(config),
+        rules=RULES[name],
     )

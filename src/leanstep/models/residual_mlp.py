@@ -24,11 +24,13 @@ from leanstep.models.layers import (
     cast_floating,
     check_positive_ints,
     dense,
+    embedding_lookup,
     normal_arrays,
     split_tokens,
     token_nll,
     weighted_sum,
 )
+from leanstep.model_sharding import constrain, gathered
 from leanstep.rematerialization import checkpoint_name, remat
 
 Params = dict[str, Any]
@@ -86,6 +88,19 @@ def init_residual_mlp(key: jax.Array, config: MLPConfig) -> Params:
     }
 
 
+#: Partition rules (:mod:`leanstep.partition_rules`): embedding and head split on the
+#: vocabulary, the blocks' first matmul column parallel and the second row parallel.
+MLP_RULES = (
+    ("^embed$", ("fsdp", None)),
+    ("^head_w$", (None, "fsdp")),
+    ("^head_b$", ("fsdp",)),
+    ("^blocks/w1$", (None, "fsdp", "tensor")),
+    ("^blocks/b1$", (None, ("tensor", "fsdp"))),
+    ("^blocks/w2$", (None, "tensor", "fsdp")),
+    ("^blocks/", (None, "fsdp")),
+)
+
+
 def residual_block(x: jax.Array, p: Params) -> jax.Array:
     """The seed block ``x + tanh(x @ w1 + b1) @ w2 + b2`` for ``x`` of shape ``(N, D)``.
 
@@ -115,13 +130,21 @@ def residual_mlp_loss_sum(
 
     Raises:
       TypeError, ValueError: malformed ``batch``.
+    Sharded (:class:`leanstep.ShardingLayer`), each block's parameters are gathered inside
+    the rematerialized block (:func:`leanstep.gathered`) and the residual stream's rows stay
+    on their devices (:func:`leanstep.constrain`).
     """
     inputs, targets = split_tokens(batch)
     params = cast_floating(params, compute_dtype)
-    x = jnp.take(params["embed"], inputs.reshape(-1), axis=0)
-    block = remat(residual_block, remat_policy, prevent_cse=False)
+    top = gathered({k: v for k, v in params.items() if k != "blocks"})
+    x = constrain(embedding_lookup(top["embed"], inputs.reshape(-1)), "batch", None)
+
+    def sharded_block(x: jax.Array, layer: Params) -> jax.Array:  # each layer gathered just before use
+        return constrain(residual_block(x, gathered(layer, "blocks")), "batch", None)
+
+    block = remat(sharded_block, remat_policy, prevent_cse=False)
     x, _ = jax.lax.scan(lambda carry, layer: (block(carry, layer), None), x, params["blocks"])
-    logits = dense(x, params["head_w"], params["head_b"])
+    logits = dense(x, top["head_w"], top["head_b"])
     nll = token_nll(logits, targets.reshape(-1))
     return weighted_sum(nll.reshape(targets.shape), batch)
 

@@ -23,12 +23,14 @@ from leanstep.models.layers import (
     cast_floating,
     check_positive_ints,
     dense,
+    embedding_lookup,
     layer_norm,
     normal_arrays,
     split_tokens,
     token_nll,
     weighted_sum,
 )
+from leanstep.model_sharding import constrain, gathered
 from leanstep.rematerialization import checkpoint_name, remat
 
 Params = dict[str, Any]
@@ -112,30 +114,58 @@ def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
     }
 
 
+#: The order of the QKV weights' columns, recorded in a run's config.json: (head, q|k|v, head_dim).
+QKV_LAYOUT = "head-major"
+
+#: Partition rules (:mod:`leanstep.partition_rules`): embeddings split on the vocabulary, the
+#: QKV and MLP input matmuls column parallel, their output matmuls row parallel (Megatron), the
+#: model dimension of everything over the FSDP axis.
+TRANSFORMER_RULES = (
+    ("^embed$", ("fsdp", None)),
+    ("^pos$", (None, "fsdp")),
+    ("^blocks/(qkv_w|fc_w)$", (None, "fsdp", "tensor")),
+    ("^blocks/(qkv_b|fc_b)$", (None, ("tensor", "fsdp"))),
+    ("^blocks/(proj_w|out_w)$", (None, "tensor", "fsdp")),
+    ("^blocks/", (None, "fsdp")),
+    ("^ln_f_", ("fsdp",)),
+)
+
+
 def _attention(h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) -> jax.Array:
-    """Causal multi-head self-attention on flattened ``h`` of shape ``(batch * time, d)``."""
+    """Causal multi-head self-attention on flattened ``h`` of shape ``(batch * time, d)``.
+
+    The QKV columns are head-major, ``(head, q|k|v, head_dim)``, so a tensor-parallel split
+    of them in contiguous blocks gives each device whole heads.
+    """
     d = h.shape[-1]
     head_dim = d // n_heads
-    qkv = dense(h, p["qkv_w"], p["qkv_b"]).reshape(batch, time, 3, n_heads, head_dim)
-    q = qkv[:, :, 0] * jnp.asarray(1.0 / math.sqrt(head_dim), h.dtype)
-    k, v = qkv[:, :, 1], qkv[:, :, 2]
+    qkv = constrain(dense(h, p["qkv_w"], p["qkv_b"]), "batch", "tensor")
+    qkv = qkv.reshape(batch, time, n_heads, 3, head_dim)
+    q = qkv[:, :, :, 0] * jnp.asarray(1.0 / math.sqrt(head_dim), h.dtype)
+    k, v = qkv[:, :, :, 1], qkv[:, :, :, 2]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
     causal = jnp.tril(jnp.ones((time, time), jnp.bool_))
     scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
     # Softmax in float32: bf16 exponentials of large scores lose the small probabilities.
     probs = jax.nn.softmax(scores, axis=-1).astype(h.dtype)
     context = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch * time, d)
-    context = checkpoint_name(context, "attn_out")
-    return dense(context, p["proj_w"], p["proj_b"])
+    context = checkpoint_name(constrain(context, "batch", "tensor"), "attn_out")
+    return constrain(dense(context, p["proj_w"], p["proj_b"]), "batch", None)
 
 
 def _block(x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) -> jax.Array:
-    """One pre-norm block on the flattened residual stream ``x`` of shape ``(batch * time, d)``."""
+    """One pre-norm block on the flattened residual stream ``x`` of shape ``(batch * time, d)``.
+
+    Sharded, its parameters are gathered here, inside the rematerialized block, so the
+    gathered copy is recomputed for the backward pass rather than saved.
+    """
+    p = gathered(p, "blocks")
     h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
     x = x + _attention(h, p, batch=batch, time=time, n_heads=n_heads)
     h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-    hidden = checkpoint_name(jax.nn.gelu(dense(h, p["fc_w"], p["fc_b"])), "mlp_hidden")
-    return x + dense(hidden, p["out_w"], p["out_b"])
+    hidden = constrain(jax.nn.gelu(dense(h, p["fc_w"], p["fc_b"])), "batch", "tensor")
+    hidden = checkpoint_name(hidden, "mlp_hidden")
+    return constrain(x + dense(hidden, p["out_w"], p["out_b"]), "batch", None)
 
 
 def transformer_logits(
@@ -172,14 +202,15 @@ def transformer_logits(
             f"tokens must have shape (B, T) with 1 <= T <= seq_len={config.seq_len}; got shape {tokens.shape}"
         )
     params = cast_floating(params, compute_dtype)
+    top = gathered({k: v for k, v in params.items() if k != "blocks"})
     batch, time = tokens.shape
-    x = jnp.take(params["embed"], tokens, axis=0) + params["pos"][None, :time]
-    x = x.reshape(batch * time, config.d_model)
+    x = embedding_lookup(top["embed"], tokens) + top["pos"][None, :time]
+    x = constrain(x.reshape(batch * time, config.d_model), "batch", None)
     block = functools.partial(_block, batch=batch, time=time, n_heads=config.n_heads)
     block = remat(block, remat_policy, prevent_cse=False)
     x, _ = jax.lax.scan(lambda carry, layer: (block(carry, layer), None), x, params["blocks"])
-    x = layer_norm(x, params["ln_f_scale"], params["ln_f_bias"])
-    logits = x @ params["embed"].T
+    x = layer_norm(x, top["ln_f_scale"], top["ln_f_bias"])
+    logits = x @ top["embed"].T
     return logits.reshape(batch, time, config.vocab_size)
 
 

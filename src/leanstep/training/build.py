@@ -99,7 +99,7 @@ class Run:
         config = dataclasses.replace(self.config, **changes)
         return make_train_step(self.loss_fn(config.remat), precision=config.precision,
                                num_microbatches=config.microbatches, max_grad_norm=config.max_grad_norm,
-                               mesh=mesh, fsdp=config.fsdp)
+                               mesh=mesh, fsdp=config.fsdp, rules=None if mesh is None else self.model.rules)
 
 
 def build_run(config: RunConfig) -> Run:

@@ -29,7 +29,7 @@ SCHEDULES = ("constant", "cosine", "warmup-cosine")
 #: replay; ``devices`` and ``fsdp`` only lay the same state out differently: a checkpoint
 #: restores into whatever layout the resumed run asks for.)
 RESUMABLE_FIELDS = frozenset({"steps", "stop_at", "eval_every", "checkpoint_every", "keep_checkpoints", "out",
-                              "max_consecutive_skips", "progress", "devices", "fsdp"})
+                              "max_consecutive_skips", "progress", "devices", "fsdp", "mesh"})
 
 #: ``(flag, field)`` of the model-size overrides.
 MODEL_FLAGS = (("--d-model", "d_model"), ("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-ff", "d_ff"))
@@ -87,6 +87,7 @@ class RunConfig:
     progress: bool = True
     devices: int | None = None
     fsdp: bool = False
+    mesh: str | None = None
 
     def validate(self) -> RunConfig:
         """Checks every field, naming its flag; returns self.
@@ -109,7 +110,13 @@ class RunConfig:
                 check_int(name)
         if self.batch_size % self.microbatches:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches {self.microbatches}")
-        if self.devices is not None and self.batch_size % (self.microbatches * self.devices):
+        if self.mesh is not None:
+            from leanstep.distributed import parse_mesh
+
+            parse_mesh(self.mesh)
+            if self.fsdp:
+                raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
+        if self.devices is not None and self.mesh is None and self.batch_size % (self.microbatches * self.devices):
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches "
                              f"{self.microbatches} times --devices {self.devices}")
         for name in ("lr", "initial_loss_scale"):

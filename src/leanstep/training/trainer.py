@@ -39,8 +39,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.checkpoint import Checkpointer, CheckpointError
-from leanstep.distributed import device_mesh
-from leanstep.sharding import shard_batch, shard_train_state
+from leanstep.distributed import device_mesh, parse_mesh
+from leanstep.models.transformer import QKV_LAYOUT
+from leanstep.sharding import mesh_axes, shard_batch, shard_train_state
 from leanstep.state import TrainState
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig, config_hash
@@ -97,6 +98,10 @@ def train(config: RunConfig, *, resume: bool = False,
     if not resume and any(p.exists() for p in (config_path, metrics_path, ckpt_dir)):
         raise ValueError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out")
 
+    if saved is not None and config.model == "transformer" and saved.get("qkv_layout") != QKV_LAYOUT:
+        raise ValueError(f"--resume: {str(out)!r} was written by leanstep < 0.3, whose transformer ordered the attention "
+                         "weights' columns q|k|v-major (now head-major, for tensor parallelism); its checkpoints "
+                         "would load into the wrong attention: continue it with leanstep 0.2")
     corpus = load_corpus(config.data, seq_len=config.seq_len)
     described = corpus.describe()
     saved_corpus = (saved or {}).get("corpus")
@@ -106,22 +111,27 @@ def train(config: RunConfig, *, resume: bool = False,
                          f"(sha256 {saved_sha[:12]}… then, {described['data_sha256'][:12]}… now); "
                          "resuming would not replay the run")
     # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
-    mesh = device_mesh(config.devices) if config.devices is not None or jax.process_count() > 1 else None
-    if mesh is not None and config.batch_size % (config.microbatches * mesh.size):
+    sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
+    mesh = device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh)) \
+        if sharded else None
+    rows = 1 if mesh is None else mesh_axes(mesh, fsdp=config.fsdp).size(mesh_axes(mesh, fsdp=config.fsdp).batch)
+    if mesh is not None and config.batch_size % (config.microbatches * rows):
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches {config.microbatches} "
-                         f"times the {mesh.size} devices of the run's {jax.process_count()} process(es)")
+                         f"times the {rows} devices the batch rows are split over ({jax.process_count()} "
+                         "process(es))")
     if config.fsdp and mesh is None:
         raise ValueError("--fsdp shards the state over devices; add --devices N")
     primary = jax.process_index() == 0  # one process writes config, metrics and summary
     many = jax.process_count() > 1
     template = run.init_state()
     if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
-        template = shard_train_state(template, mesh, fsdp=config.fsdp)
+        template = shard_train_state(template, mesh, fsdp=config.fsdp, rules=run.model.rules)
     run_info = {"run": config.to_json(), "corpus": described, "model_config": dataclasses.asdict(run.model.config),
                 "parameters": int(sum(x.size for x in jax.tree.leaves(template.params))),
                 "flops_per_token": run.model.flops_per_token, "jax_version": jax.__version__,
                 "backend": jax.default_backend(), "max_grad_norm": config.max_grad_norm,
-                "devices": 1 if mesh is None else mesh.size, "processes": jax.process_count()}
+                "devices": 1 if mesh is None else mesh.size, "processes": jax.process_count(),
+                "qkv_layout": QKV_LAYOUT}
     if many:  # every process has checked --out before process 0 writes to it
         multihost_utils.sync_global_devices("leanstep: run directory checked")
     try:
