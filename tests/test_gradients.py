@@ -100,8 +100,9 @@ def test_the_loss_sees_compute_dtype_params_and_batch_and_the_layout_hook():
         seen.update(w=params["w"].dtype, x=batch["x"].dtype)
         return mean_loss(params, batch)
 
-    def layout(params_c):
+    def layout(params_c, probe):
         seen["layout"] = params_c["w"].dtype
+        assert probe(params_c) is None  # the loss traced on abstract values, nothing computed
         return params_c
 
     result = gradient_stage(loss_fn, precision="compute=bfloat16", params_layout=layout)(params0(), batch0())

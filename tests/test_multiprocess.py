@@ -62,7 +62,9 @@ def worker(mode: str, args: list[str]) -> None:
     params = {"w1": rng.normal(size=SIZES[:2]).astype(np.float32), "w2": rng.normal(size=SIZES[1:]).astype(np.float32)}
     opt = optax.adam(1e-2)
     mesh = device_mesh()
-    runs = {"dp": (mesh, False), "fsdp": (mesh, True)}
+    # replica x fsdp: the data axis across the two processes, FSDP within each (hybrid sharding).
+    hybrid = device_mesh(shape={"data": 2, "fsdp": 2})
+    runs = {"dp": (mesh, False), "fsdp": (mesh, True), "hybrid": (hybrid, False)}
     if mode == "single":
         runs["unsharded"] = (None, False)
     result = {"process_count": jax.process_count(), "device_count": jax.device_count(),
@@ -132,13 +134,14 @@ def test_two_processes_train_like_one(tmp_path):
     assert (r0["process_count"], r0["device_count"], r0["local_device_count"]) == (2, 4, 2)
     assert (rs["process_count"], rs["device_count"]) == (1, 4)
     assert r0 == r1  # both processes saw the same replicated metrics
-    for name in ("dp", "fsdp"):
+    for name in ("dp", "fsdp", "hybrid"):
         # Every process skipped the step whose NaN only process 1 held, and only that one.
         assert r0[name]["skipped"] == [t == NAN_STEP for t in range(STEPS)]
         assert r0[name]["skipped"] == rs[name]["skipped"] == rs["unsharded"]["skipped"]
         assert r0[name]["loss_scale"] == rs[name]["loss_scale"] == 2.0**14
         np.testing.assert_allclose(r0[name]["losses"], rs[name]["losses"], rtol=1e-6)
     assert r0["fsdp"]["w1_spec"] == "P(None, 'data')" and r0["dp"]["w1_spec"] == "P()"
+    assert r0["hybrid"]["w1_spec"] == "P(None, 'fsdp')"
     assert a0.keys() == a1.keys() == {k for k in a_single if not k.startswith("unsharded/")}
     for key in a0:
         assert a0[key].tobytes() == a1[key].tobytes(), key  # one global state, identical on both

@@ -310,12 +310,10 @@ def _reductions(rows: list[dict]) -> dict[str, list[dict]]:
 @pytest.mark.parametrize("num_mb", [1, 2, 4, 8])
 def test_data_parallel_reduces_the_gradient_once_per_step(multi_device, num_mb):
     rows = multi_device["r8"][f"dp{num_mb}/collectives"]
-    reductions = _reductions(rows)
-    assert len(reductions) == 1, reductions  # one instruction...
-    (parts,) = reductions.values()
-    assert {p["trips"] for p in parts} == {1}  # ...run once per step...
+    parts = [p for parts in _reductions(rows).values() for p in parts]
+    assert {p["trips"] for p in parts} == {1}  # after the microbatch scan, once per step...
     grad_bytes = 4 * sum(v.size for v in init_params().values())
-    assert sum(p["bytes"] for p in parts) == grad_bytes  # ...of exactly the gradient
+    assert sum(p["bytes"] for p in parts) == grad_bytes  # ...every byte of the gradient once
     assert all(r["kind"] == "all-reduce" for r in rows)  # nothing else but scalars
 
 

@@ -99,6 +99,7 @@ def test_report_rerenders_chart_and_summary(straight_run, capsys):
         (["--precision", "compute=bf17"], "--precision"),
         (["--lr", "-1"], "--lr must be a positive finite number"),
         (["--steps", "0"], "--steps must be an integer >= 1"),
+        (["--mesh", "data=2,pipe=2"], "--mesh must be name=size pairs of the axes data, fsdp, tensor"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_before_training(tmp_path, corpus, capsys, args, message):
@@ -133,3 +134,25 @@ def test_budget_picks_a_setting_or_says_nothing_fits(tmp_path, corpus, capsys):
     assert err.count("\n") == 1 and "--budget: no setting fits the budget of 1.0 KiB" in err
     assert main([*argv, "--out", str(tmp_path / "ok"), "--budget", "64MiB"]) == 0
     assert "--budget 64MiB: chose --microbatches" in capsys.readouterr().err
+
+
+def test_mesh_of_three_axes_trains_like_one_device(tmp_path, corpus, straight_run):
+    """``--mesh data=2,fsdp=2,tensor=2`` on 8 simulated devices (a fresh process): the same losses."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "mesh"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "leanstep.cli.main", "train", *TINY, "--data", str(corpus), "--out", str(out),
+                           "--steps", "30", "--mesh", "data=2,fsdp=2,tensor=2"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def losses(run: Path) -> list[float]:
+        lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in lines if r["kind"] == "train"]
+
+    assert json.loads((out / "config.json").read_text())["devices"] == 8
+    np.testing.assert_allclose(losses(out), losses(straight_run), rtol=2e-3)

@@ -63,7 +63,7 @@ from leanstep.update import (
     guarded_update_transform,
 )
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AuditReport",

@@ -189,8 +189,12 @@ def measure(work: Workload, layout: str, num_microbatches: int, precision: str =
         "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
         "bytes_per_step": report.bytes_per_step(), "minimum_bytes": minimum_bytes(work, layout, num_microbatches,
                                                                                    precision),
+        "all_reduce_bytes": report.bytes_per_step("all-reduce"),
         "executions": {kind: report.executions(kind) for kind in ("all-reduce", "all-gather", "reduce-scatter")},
-        "gradient_reductions": sum(c.trips for c in report.collectives if c.kind in gradient_kinds and c.bytes > 64),
+        # Executions per step of the most-run gradient reduction (1: once per step, after the scan).
+        "reduction_trips": max((c.trips for c in report.collectives if c.kind in gradient_kinds and c.bytes > 64),
+                               default=0),
+        "reduced_bytes": sum(c.bytes_per_step for c in report.collectives if c.kind in gradient_kinds),
         "moves_batch": len(report.moving_batch), "params": sum(int(p.size) for p in jax.tree.leaves(work.params)),
     }
 
