@@ -98,10 +98,6 @@ def train(config: RunConfig, *, resume: bool = False,
     if not resume and any(p.exists() for p in (config_path, metrics_path, ckpt_dir)):
         raise ValueError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out")
 
-    if saved is not None and config.model == "transformer" and saved.get("qkv_layout") != QKV_LAYOUT:
-        raise ValueError(f"--resume: {str(out)!r} was written by leanstep < 0.3, whose transformer ordered the attention "
-                         "weights' columns q|k|v-major (now head-major, for tensor parallelism); its checkpoints "
-                         "would load into the wrong attention: continue it with leanstep 0.2")
     corpus = load_corpus(config.data, seq_len=config.seq_len)
     described = corpus.describe()
     saved_corpus = (saved or {}).get("corpus")
@@ -110,6 +106,10 @@ def train(config: RunConfig, *, resume: bool = False,
         raise ValueError(f"--resume: the data behind --data {config.data!r} changed since the run started "
                          f"(sha256 {saved_sha[:12]}… then, {described['data_sha256'][:12]}… now); "
                          "resuming would not replay the run")
+    if saved is not None and config.model == "transformer" and saved.get("qkv_layout") != QKV_LAYOUT:
+        raise ValueError(f"--resume: {str(out)!r} was written by leanstep < 0.3, whose transformer ordered the attention "
+                         "weights' columns q|k|v-major (now head-major, for tensor parallelism); its checkpoints "
+                         "would load into the wrong attention: continue it with leanstep 0.2")
     # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
     sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
     mesh = device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh)) \
