@@ -306,6 +306,7 @@ def test_cli_plan_rejects_bad_flags(argv, match):
         _cli(argv)
 
 
-def test_plan_run_refuses_a_multi_device_run():
-    with pytest.raises(ValueError, match="planned for a one-device run; drop --devices and --fsdp"):
-        analysis.plan_run(RunConfig(devices=2), "1GiB")
+@pytest.mark.parametrize("config", [RunConfig(devices=2), RunConfig(mesh="data=2,fsdp=2")])
+def test_plan_run_refuses_a_multi_device_run(config):
+    with pytest.raises(ValueError, match="planned for a one-device run; drop --devices, --fsdp and --mesh"):
+        analysis.plan_run(config, "1GiB")

@@ -23,10 +23,11 @@ def worker(out: Path) -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     from leanstep.bench import scaling
+    from leanstep.distributed import device_mesh
 
     results = {}
     for work in (scaling.mlp_stack(), scaling.transformer()):
-        reference = scaling.reference_fsdp_step(work, scaling.make_mesh(scaling.LAYOUTS["fsdp"]), 4)
+        reference = scaling.reference_fsdp_step(work, device_mesh(shape=scaling.LAYOUTS["fsdp"]), 4)
         results[f"{work.name}/reference"] = int(reference.memory_analysis().temp_size_in_bytes)
         for layout in ("dp", "fsdp"):
             results[f"{work.name}/{layout}"] = scaling.measure(work, layout, 4)

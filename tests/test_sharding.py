@@ -95,10 +95,9 @@ LAYOUTS = {
 
 
 def layout_mesh(shape: dict):
-    from jax.sharding import Mesh
+    from leanstep.distributed import device_mesh
 
-    return Mesh(np.array(jax.devices()[:int(np.prod(list(shape.values())))]).reshape(tuple(shape.values())),
-                tuple(shape))
+    return device_mesh(shape=shape)
 
 
 # --- subprocess workers ------------------------------------------------------------------------
@@ -399,6 +398,14 @@ def test_bad_mesh_and_axis():
         make_train_step(mlp_loss, mesh=mesh, data_axis="batch")
     with pytest.raises(ValueError, match="fsdp=True shards the state over a mesh"):
         make_train_step(mlp_loss, fsdp=True)
+    with pytest.raises(ValueError, match="rules= and reduce= lay the step out over a mesh"):
+        make_train_step(mlp_loss, reduce="step")
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        make_train_step(mlp_loss, mesh=mesh, reduce="sometimes")
+    with pytest.raises(ValueError, match="has_state=True with reduce='step'"):
+        make_train_step(mlp_loss, mesh=mesh, reduce="step", has_state=True)
+    with pytest.raises(ValueError, match="partition rule 'w1' names 3 dimensions"):
+        state_shardings(new_state(), mesh, rules=(("w1", ("fsdp", None, None)),))
     with pytest.raises(TypeError, match="fsdp must be a bool, got str 'yes'"):
         make_train_step(mlp_loss, mesh=mesh, fsdp="yes")
     with pytest.raises(ValueError, match=r"batch\['s'\] has shape \(\); its leading"):

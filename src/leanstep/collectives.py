@@ -226,14 +226,11 @@ def _groups(inst: _Instruction, num_devices: int) -> list[list[int]]:
 
 
 def _axes_of(group: Sequence[int], mesh: Mesh | None) -> tuple[str, ...]:
+    """The mesh axes along which a group's members differ. Replica-group ids are positions in
+    the executable's device assignment, which is the mesh's devices in row-major order."""
     if mesh is None or len(group) < 2:
         return ()
-    ids = np.vectorize(lambda d: d.id)(mesh.devices)
-    coords = [np.argwhere(ids == int(device_id)) for device_id in group]
-    if any(len(c) == 0 for c in coords):  # ids are positions in the device assignment
-        position = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
-        coords = [np.argwhere(position == int(device_id)) for device_id in group]
-    points = np.array([c[0] for c in coords])
+    points = np.array(np.unravel_index(np.asarray(group, int), mesh.devices.shape)).T
     return tuple(name for i, name in enumerate(mesh.axis_names) if len(set(points[:, i])) > 1)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from leanstep.partition_rules import MeshAxes, param_path
+from leanstep.partition_rules import MeshAxes, make_spec, param_path
 
 __all__ = ["constrain", "gathered", "sharding_active", "sharding_context"]
 
@@ -69,19 +69,11 @@ def sharding_context(axes: MeshAxes, specs: Any, params: Any, *, manual: Any = (
         _CONTEXT.reset(token)
 
 
-def _constraint(context: _Context, x: Any, entries: tuple[Any, ...]) -> Any:
-    def keep(entry: Any) -> Any:
-        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
-                      if a is not None and a not in context.manual)
-        return None if not names else names[0] if len(names) == 1 else names
-
-    entries = [keep(e) for e in entries]
-    while entries and entries[-1] is None:
-        entries.pop()
-    spec = PartitionSpec(*entries)
-    # Inside a shard_map the context mesh names the manual axes; a bare spec refers to it.
-    sharding = spec if context.manual else NamedSharding(context.axes.mesh, spec)
-    return jax.lax.with_sharding_constraint(x, sharding)
+def constrain_spec(x: Any, mesh: Any, entries: Any, manual: Any = ()) -> Any:
+    """``x`` constrained to ``entries`` on ``mesh`` (manual axes dropped: inside a ``shard_map``
+    over them the context mesh marks them, and a bare spec refers to it)."""
+    spec = make_spec(entries, drop=set(manual))
+    return jax.lax.with_sharding_constraint(x, spec if manual else NamedSharding(mesh, spec))
 
 
 def sharding_active() -> bool:
@@ -129,9 +121,7 @@ def gathered(tree: Any, path: str = "") -> Any:
             raise ValueError(f"gathered: {name!r} has rank {rank} but the value given has shape {leaf.shape}: pass "
                              "the parameter or one layer of it")
         context.record.add(name)
-        without_fsdp = tuple(tuple(a for a in e if a != fsdp) if isinstance(e, tuple) else (None if e == fsdp else e)
-                             for e in entries)
-        return _constraint(context, leaf, without_fsdp)
+        return constrain_spec(leaf, context.axes.mesh, make_spec(entries, drop={fsdp}), context.manual)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
@@ -157,4 +147,4 @@ def constrain(x: Any, *roles: str | None) -> Any:
     axes = context.axes
     tensor = axes.axis_of("tensor")
     entries = tuple(axes.batch if role == "batch" else tensor if role == "tensor" else None for role in roles)
-    return _constraint(context, x, entries)
+    return constrain_spec(x, axes.mesh, entries, context.manual)

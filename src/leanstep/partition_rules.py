@@ -36,10 +36,30 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-__all__ = ["MeshAxes", "PartitionRules", "check_rules", "fallback_spec", "param_path", "param_specs"]
+__all__ = ["MeshAxes", "PartitionRules", "check_rules", "fallback_spec", "make_spec", "param_path", "param_specs"]
 
 ROLES = ("fsdp", "tensor")
 PartitionRules = tuple[tuple[str, tuple[Any, ...]], ...]
+
+
+def make_spec(entries: Sequence[Any], keep: Any = None, drop: Any = ()) -> PartitionSpec:
+    """A :class:`PartitionSpec` of ``entries`` (an axis name, a tuple of them or None per
+    dimension), naming only axes in ``keep`` (None: any) and none in ``drop``, in XLA's
+    canonical form: a one-name tuple as the name, no trailing Nones (a spec that differed only
+    in those would make the next step's inputs look resharded, and recompile).
+
+    Example:
+      >>> make_spec([("data", "fsdp"), "tensor", None], drop={"fsdp"})
+      P('data', 'tensor')
+    """
+    out = []
+    for entry in entries:
+        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
+                      if a is not None and (keep is None or a in keep) and a not in drop)
+        out.append(None if not names else names[0] if len(names) == 1 else names)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
 
 
 def param_path(path: Sequence[Any]) -> str:
@@ -67,6 +87,10 @@ class MeshAxes:
     def batch(self) -> tuple[str, ...]:
         """Every axis the batch rows are split over, in mesh order."""
         return tuple(a for a in self.mesh.axis_names if a in self.replica or a == self.fsdp)
+
+    def rows(self, dim: int = 0) -> PartitionSpec:
+        """Dimension ``dim`` (the rows) split over the batch axes, every other dimension whole."""
+        return make_spec([None] * dim + [self.batch])
 
     def size(self, axes: Sequence[str]) -> int:
         """The number of devices along ``axes`` together."""
@@ -136,13 +160,11 @@ def _leaf_spec(path: str, shape: tuple[int, ...], rules: PartitionRules, axes: M
                 raise ValueError(f"partition rule {pattern!r} splits dimension {dim} of parameter {path!r} (size "
                                  f"{shape[dim]}) over mesh axes {names} of {axes.size(names)} devices, which does "
                                  "not divide it")
-            entries.append(None if not names else names[0] if len(names) == 1 else names)
+            entries.append(names)
         break
     else:
         entries = list(fallback_spec(shape, fsdp, int(axes.mesh.shape[fsdp]) if fsdp else 1))
-    while entries and entries[-1] is None:  # XLA's canonical form: no trailing Nones
-        entries.pop()
-    return PartitionSpec(*entries)
+    return make_spec(entries)
 
 
 def param_specs(params: Any, axes: MeshAxes, rules: Any = None) -> Any:

@@ -1,29 +1,19 @@
-"""Shardings for data-parallel and fully sharded (FSDP) training on a ``jax.sharding.Mesh``.
+"""Where every leaf lives on a ``jax.sharding.Mesh``: the roles of its axes, the state, the batch.
 
 leanstep builds no distribution of its own: it names where each array lives
-(:class:`jax.sharding.NamedSharding`) and XLA's SPMD partitioner inserts the collectives.
+(:class:`jax.sharding.NamedSharding`); XLA's SPMD partitioner and ``jax.shard_map`` (in
+:mod:`leanstep.sharding_layer`) do the rest.
 
-* The batch is split by rows along the mesh's data axis (:func:`batch_sharding`).
-* Data parallel: parameters and optimizer state are replicated; XLA all-reduces the gradient.
-* FSDP (ZeRO-3 style): every parameter and optimizer-state leaf is split along its largest
-  dimension divisible by the data-axis size (leaves with no such dimension, scalars and the
-  rest of the state are replicated). The state is sharded at rest and in the optimizer update;
-  the step all-gathers the compute-dtype parameters once for the forward and backward pass
-  (so a whole copy of them is alive during the step) and XLA reduces the gradient to each
-  device's shard (on CPU as an all-reduce followed by a local slice).
-* With microbatches, XLA reduces each microbatch's gradient inside the scan (one fused
-  all-reduce per microbatch, not one per step): GSPMD keeps the loss function's global
-  semantics (it sees the whole microbatch, whatever it computes across rows), and a per-device
-  accumulation with one reduction per step would need ``shard_map`` and a loss that is a
-  mean over rows.
-* Microbatches under sharding are *strided* (:func:`leanstep.split_strided_microbatches`):
-  microbatch ``j`` takes rows ``j, j+M, j+2M, ...``, so each device's share of every
-  microbatch is made of its own rows and no row ever moves between devices.
-
-:class:`ShardingLayer` is the one place :func:`leanstep.make_train_step` learns about the mesh:
-it wraps the composed step and constrains values at three boundaries only, the step's inputs
-(state, batch), the model's inputs (compute-dtype params, microbatches) and the step's outputs
-(state, metrics).
+* The mesh's axes have roles by name (:func:`mesh_axes`): an ``"fsdp"`` axis splits the
+  parameters and the batch rows, a ``"tensor"`` axis splits the parameters only, every other
+  axis is data parallel (the batch rows split, the parameters replicated).
+* The batch is split by rows over every axis but the tensor axis (:func:`batch_sharding`,
+  :func:`shard_batch`).
+* Parameters and the optimizer-state leaves that mirror them follow the partition rules
+  (:mod:`leanstep.partition_rules`), with the largest dimension divisible by the FSDP axis as
+  the fallback (:func:`fsdp_partition_spec`); the step counter, loss scale, PRNG key and model
+  state are replicated (:func:`state_shardings`, :func:`shard_train_state`).
+* In a multi-process run each process builds only its own shards from the same host value.
 """
 
 from __future__ import annotations
@@ -118,11 +108,6 @@ def data_mesh(devices: Sequence[jax.Device] | None = None, data_axis: str = "dat
     return Mesh(np.array(devices), (data_axis,))
 
 
-def _batch_spec(axes: MeshAxes) -> PartitionSpec:
-    batch = axes.batch
-    return PartitionSpec(batch[0] if len(batch) == 1 else batch) if batch else PartitionSpec()
-
-
 def batch_sharding(mesh: Mesh, data_axis: str = "data", *, tensor_axis: str = "tensor") -> NamedSharding:
     """Rows split contiguously over every batch axis (all but the tensor axis); other dimensions whole.
 
@@ -137,7 +122,7 @@ def batch_sharding(mesh: Mesh, data_axis: str = "data", *, tensor_axis: str = "t
       >>> batch_sharding(data_mesh()).spec
       P('data',)
     """
-    return NamedSharding(mesh, _batch_spec(mesh_axes(mesh, data_axis, tensor_axis=tensor_axis)))
+    return NamedSharding(mesh, mesh_axes(mesh, data_axis, tensor_axis=tensor_axis).rows())
 
 
 def fsdp_partition_spec(shape: Sequence[int], num_shards: int, data_axis: str = "data") -> PartitionSpec:
@@ -272,7 +257,7 @@ def shard_batch(batch: Tree, mesh: Mesh, data_axis: str = "data", *, tensor_axis
     """
     axes = mesh_axes(mesh, data_axis, tensor_axis=tensor_axis)
     num_shards = axes.size(axes.batch)
-    sharding = NamedSharding(mesh, _batch_spec(axes))
+    sharding = NamedSharding(mesh, axes.rows())
 
     def place(path: Any, leaf: Any) -> jax.Array:
         shape = np.shape(leaf)

@@ -42,8 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from leanstep._checks import check_bool
 from leanstep.gradients import Gradients
 from leanstep.microbatches import Splitter, get_splitter
-from leanstep.model_sharding import sharding_context
-from leanstep.partition_rules import MeshAxes, check_rules, param_path, param_specs
+from leanstep.model_sharding import constrain_spec, sharding_context
+from leanstep.partition_rules import MeshAxes, check_rules, make_spec, param_path, param_specs
 from leanstep.sharding import mesh_axes, state_shardings
 from leanstep.state import StepMetrics, TrainState
 
@@ -55,18 +55,6 @@ REDUCTIONS = ("auto", "step", "microbatch")
 # The parameters' specs, from their global shapes, while a step is traced (inside the
 # shard_map the parameters have local shapes, from which the specs cannot be told).
 _SPECS: contextvars.ContextVar[Any] = contextvars.ContextVar("leanstep_param_specs", default=None)
-
-
-def _only(spec: PartitionSpec, keep: frozenset[str] | set[str], drop: Any = ()) -> PartitionSpec:
-    """``spec`` naming only the axes in ``keep`` (and none in ``drop``), without trailing Nones."""
-    entries = []
-    for entry in spec:
-        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
-                      if a is not None and a in keep and a not in drop)
-        entries.append(None if not names else names[0] if len(names) == 1 else names)
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
 
 
 def _map_specs(fn: Callable[..., Any], params: Any, specs: Any) -> Any:
@@ -122,19 +110,16 @@ class ShardingLayer:
     reduce: str = "auto"
     fsdp_axis: str = "fsdp"
     tensor_axis: str = "tensor"
+    #: The roles of the mesh's axes (:func:`leanstep.mesh_axes`), derived from the fields above.
+    axes: MeshAxes = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fsdp", check_bool("fsdp", self.fsdp))
         object.__setattr__(self, "rules", check_rules(self.rules))
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {self.reduce!r}")
-        mesh_axes(self.mesh, self.data_axis, fsdp=self.fsdp, fsdp_axis=self.fsdp_axis, tensor_axis=self.tensor_axis)
-
-    @property
-    def axes(self) -> MeshAxes:
-        """The roles of the mesh's axes."""
-        return mesh_axes(self.mesh, self.data_axis, fsdp=self.fsdp, fsdp_axis=self.fsdp_axis,
-                         tensor_axis=self.tensor_axis)
+        object.__setattr__(self, "axes", mesh_axes(self.mesh, self.data_axis, fsdp=self.fsdp,
+                                                   fsdp_axis=self.fsdp_axis, tensor_axis=self.tensor_axis))
 
     @property
     def num_shards(self) -> int:
@@ -158,15 +143,12 @@ class ShardingLayer:
         return param_specs(params, self.axes, self.rules)
 
     def _constrain(self, tree: Any, spec: PartitionSpec) -> Any:
-        spec = _only(spec, set(self.mesh.axis_names) - set(self.manual_axes))
-        # Inside the shard_map the context mesh marks the manual axes; a bare spec refers to it.
-        return jax.lax.with_sharding_constraint(tree, spec if self.manual_axes else NamedSharding(self.mesh, spec))
+        return constrain_spec(tree, self.mesh, spec, self.manual_axes)
 
     def split(self, split: str | Splitter) -> Splitter:
         """``split`` followed by the microbatch constraint: axis 1 (the rows) over the batch axes."""
         splitter = get_splitter(split)
-        batch = self.axes.batch
-        spec = PartitionSpec(None, batch[0] if len(batch) == 1 else batch) if batch else PartitionSpec()
+        spec = self.axes.rows(1)
         return lambda tree, num_microbatches: self._constrain(splitter(tree, num_microbatches), spec)
 
     def model_params(self, params: Any, probe: Callable[[Any], Any] | None = None) -> Any:
@@ -194,7 +176,7 @@ class ShardingLayer:
 
         def layout(path: Any, leaf: Any, spec: PartitionSpec) -> Any:
             keep_split = param_path(path) in gathered_by_model
-            return self._constrain(leaf, spec if keep_split else _only(spec, set(self.mesh.axis_names), {fsdp}))
+            return self._constrain(leaf, spec if keep_split else make_spec(spec, drop={fsdp}))
 
         return _map_specs(layout, params, specs)
 
@@ -225,11 +207,11 @@ class ShardingLayer:
 
         def reduced(params: Any, batch: Any, loss_scale: Any = None, key: Any = None,
                     model_state: Any = None) -> Gradients:
-            if model_state is not None:
+            if model_state is not None:  # make_train_step refuses this combination; a direct caller learns here
                 raise ValueError("a model state (has_state=True) would differ between devices that reduce their "
                                  "gradient once per step: use reduce='microbatch'")
             specs = _SPECS.get()
-            in_params = jax.tree.map(lambda s: _only(s, set(manual)), specs,
+            in_params = jax.tree.map(lambda s: make_spec(s, keep=set(manual)), specs,
                                      is_leaf=lambda x: isinstance(x, PartitionSpec))
 
             def local(params: Any, batch: Any, loss_scale: Any, key: Any) -> Gradients:
@@ -238,10 +220,10 @@ class ShardingLayer:
                 out = traced(params, batch, loss_scale, key, None)
                 weight = out.count if token_weighted else jnp.float32(1.0)
                 total = jax.lax.psum(weight, manual)
+                fsdp = axes.fsdp if axes.fsdp in manual else None
 
                 def reduce_leaf(_: Any, grad: Any, spec: PartitionSpec) -> Any:
                     grad = grad * weight if token_weighted else grad
-                    fsdp = axes.fsdp if axes.fsdp in manual else None
                     dim = None if fsdp is None else _dim_of(spec, fsdp)
                     rest = tuple(a for a in manual if a != fsdp or dim is None)
                     if dim is not None:
@@ -260,7 +242,7 @@ class ShardingLayer:
                     aux = mean(out.aux)
                 return Gradients(loss=loss, grads=grads, aux=aux, model_state=None, count=total)
 
-            rows = PartitionSpec(batch_manual[0] if len(batch_manual) == 1 else batch_manual)
+            rows = make_spec([batch_manual])
             return jax.shard_map(
                 local, mesh=self.mesh, axis_names=set(manual), check_vma=False,
                 in_specs=(in_params, jax.tree.map(lambda _: rows, batch), PartitionSpec(), PartitionSpec()),
@@ -280,8 +262,7 @@ class ShardingLayer:
             number of devices along the batch axes.
         """
         batch_axes = self.axes.batch
-        batch_spec = PartitionSpec(batch_axes[0] if len(batch_axes) == 1 else batch_axes) if batch_axes else \
-            PartitionSpec()
+        batch_spec = self.axes.rows()
 
         def sharded(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
             batch_size = jax.tree.leaves(batch)[0].shape[0]

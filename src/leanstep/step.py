@@ -152,6 +152,8 @@ def make_train_step(
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     if check_bool("fsdp", fsdp) and mesh is None:
         raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
+    if mesh is None and (rules is not None or reduce != "auto"):
+        raise ValueError("rules= and reduce= lay the step out over a mesh; pass mesh= too")
     if isinstance(mesh, ShardingLayer):
         if (data_axis, fsdp, rules, reduce) != ("data", False, None, "auto"):
             raise ValueError("mesh= is a ShardingLayer: give data_axis, fsdp, rules and reduce to it, not here")
@@ -160,6 +162,10 @@ def make_train_step(
         if has_state and reduce == "auto":
             reduce = "microbatch"  # batch statistics must see whole microbatches, as on one device
         layer = None if mesh is None else ShardingLayer(mesh, data_axis, fsdp=fsdp, rules=rules, reduce=reduce)
+    if layer is not None and has_state and layer.manual_axes:
+        raise ValueError(f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
+                         "device would differ between devices that reduce their gradient once per step; use "
+                         "reduce='microbatch' (the default with has_state)")
     if layer is not None and split == "presplit":
         raise ValueError("split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
                          f"{data_axis!r}, and the sharding layer splits it into strided microbatches")

@@ -81,16 +81,6 @@ def transformer(d_model: int = 1024, layers: int = 8, d_ff: int = 4096, heads: i
                     {"tokens": jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)}, model.rules, "full")
 
 
-def make_mesh(shape: dict[str, int]) -> Any:
-    """A mesh of Auto axes over the first devices."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
-    count = int(np.prod(list(shape.values())))
-    return Mesh(np.array(jax.devices()[:count]).reshape(tuple(shape.values())), tuple(shape))
-
-
 def compile_leanstep(work: Workload, mesh: Any, num_microbatches: int, precision: str = "float32",
                      reduce: str = "auto") -> Any:
     """leanstep's step (Adam, dynamic loss scale, clipping at 1) compiled for ``mesh``."""
@@ -98,6 +88,7 @@ def compile_leanstep(work: Workload, mesh: Any, num_microbatches: int, precision
     import optax
 
     from leanstep.loss_scale_registry import get_loss_scale
+    from leanstep.sharding import batch_sharding
     from leanstep.sharding_layer import ShardingLayer
     from leanstep.state import TrainState
     from leanstep.step import make_train_step
@@ -109,8 +100,6 @@ def compile_leanstep(work: Workload, mesh: Any, num_microbatches: int, precision
     state = jax.eval_shape(lambda p: TrainState.create(p, optax.adam(1e-3), loss_scale=scale), work.params)
     shardings = layer.state_shardings(state)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
-    from leanstep.sharding import batch_sharding
-
     rows = batch_sharding(mesh)
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows), work.batch)
     return step.lower(state, batch).compile()
@@ -178,8 +167,9 @@ def measure(work: Workload, layout: str, num_microbatches: int, precision: str =
     import jax
 
     from leanstep.collectives import collectives_report
+    from leanstep.distributed import device_mesh
 
-    mesh = make_mesh(LAYOUTS[layout])
+    mesh = device_mesh(shape=LAYOUTS[layout])
     compiled = compile_leanstep(work, mesh, num_microbatches, precision)
     memory = compiled.memory_analysis()
     report = collectives_report(compiled, mesh, params=work.params)
@@ -226,12 +216,14 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "LEANSTEP_SCALING_CHILD": "1", "JAX_PLATFORMS": "cpu",
                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"}
         return subprocess.call([sys.executable, "-m", "leanstep.bench.scaling", *(argv or sys.argv[1:])], env=env)
+    from leanstep.distributed import device_mesh
+
     works = {"mlp-stack": mlp_stack, "transformer": transformer}
     rows, references = [], {}
     for name in args.models.split(","):
         work = works[name]()
         for m in (1, 4):
-            ref = reference_fsdp_step(work, make_mesh(LAYOUTS["fsdp"]), m)
+            ref = reference_fsdp_step(work, device_mesh(shape=LAYOUTS["fsdp"]), m)
             references[f"{work.name}/{m}"] = int(ref.memory_analysis().temp_size_in_bytes)
             for layout in LAYOUTS:
                 rows.append(measure(work, layout, m))

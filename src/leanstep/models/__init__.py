@@ -2,6 +2,7 @@
 
 from leanstep.models.registry import MODELS, SIZES, Model, build_model
 from leanstep.models.residual_mlp import (
+    MLP_RULES,
     MLPConfig,
     init_residual_mlp,
     residual_block,
@@ -10,6 +11,7 @@ from leanstep.models.residual_mlp import (
     residual_mlp_loss_sum,
 )
 from leanstep.models.transformer import (
+    TRANSFORMER_RULES,
     TransformerConfig,
     count_params,
     init_transformer,
@@ -20,8 +22,10 @@ from leanstep.models.transformer import (
 )
 
 __all__ = [
+    "MLP_RULES",
     "MODELS",
     "SIZES",
+    "TRANSFORMER_RULES",
     "MLPConfig",
     "Model",
     "TransformerConfig",

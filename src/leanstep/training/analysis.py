@@ -33,9 +33,9 @@ def plan_run(config: RunConfig, budget_bytes: int | str, **options: Any) -> Plan
       ValueError: an invalid config or budget, or a multi-device config (``devices``, ``fsdp``).
     """
     run = build_run(dataclasses.replace(config, microbatches=1, remat="none"))  # both are planned here
-    if config.devices is not None or config.fsdp:
-        raise ValueError("a memory budget is planned for a one-device run; drop --devices and --fsdp "
-                         f"(got devices={config.devices!r}, fsdp={config.fsdp!r})")
+    if config.devices is not None or config.fsdp or config.mesh is not None:
+        raise ValueError("a memory budget is planned for a one-device run; drop --devices, --fsdp and --mesh "
+                         f"(got devices={config.devices!r}, fsdp={config.fsdp!r}, mesh={config.mesh!r})")
     options.setdefault("precision", config.precision)
     return plan(run.loss_fn, run.abstract_params(), run.batch_spec(), run.optimizer, budget_bytes=budget_bytes,
                 max_grad_norm=config.max_grad_norm, loss_scale=run.loss_scale, **options)

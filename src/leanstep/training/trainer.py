@@ -114,7 +114,8 @@ def train(config: RunConfig, *, resume: bool = False,
     sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
     mesh = device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh)) \
         if sharded else None
-    rows = 1 if mesh is None else mesh_axes(mesh, fsdp=config.fsdp).size(mesh_axes(mesh, fsdp=config.fsdp).batch)
+    axes = None if mesh is None else mesh_axes(mesh, fsdp=config.fsdp)
+    rows = 1 if axes is None else axes.size(axes.batch)
     if mesh is not None and config.batch_size % (config.microbatches * rows):
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches {config.microbatches} "
                          f"times the {rows} devices the batch rows are split over ({jax.process_count()} "
