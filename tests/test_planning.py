@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leanstep import planning
+from leanstep.plan_compile import first_fit
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
 from leanstep.memory_sizes import format_bytes
@@ -181,7 +182,7 @@ def test_the_lazy_search_matches_brute_force_when_peaks_fall_with_microbatches(c
 @given(st.lists(st.booleans(), min_size=1, max_size=40).map(sorted))
 def test_first_fit_bisects_a_monotone_sequence(flags):
     probes = []
-    found = planning._first_fit(list(range(len(flags))), lambda i: probes.append(i) or flags[i])
+    found = first_fit(list(range(len(flags))), lambda i: probes.append(i) or flags[i])
     assert found == (flags.index(True) if True in flags else None)
     assert len(set(probes)) <= 2 + math.ceil(math.log2(len(flags)))
 
@@ -306,7 +307,6 @@ def test_cli_plan_rejects_bad_flags(argv, match):
         _cli(argv)
 
 
-@pytest.mark.parametrize("config", [RunConfig(devices=2), RunConfig(mesh="data=2,fsdp=2")])
-def test_plan_run_refuses_a_multi_device_run(config):
-    with pytest.raises(ValueError, match="planned for a one-device run; drop --devices, --fsdp and --mesh"):
-        analysis.plan_run(config, "1GiB")
+def test_plan_run_refuses_fsdp_and_asks_for_a_mesh():
+    with pytest.raises(ValueError, match="--budget plans --mesh, not --fsdp: use --mesh auto"):
+        analysis.plan_run(RunConfig(devices=2, fsdp=True), "1GiB")

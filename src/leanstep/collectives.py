@@ -30,22 +30,23 @@ import dataclasses
 import itertools
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from leanstep.hlo_text import Instruction as _Instruction
+from leanstep.hlo_text import nbytes as _nbytes
+from leanstep.hlo_text import parse_hlo as _parse
+from leanstep.hlo_text import shapes_of as _shapes
+from leanstep.hlo_text import trip_counts as _trips
+
 __all__ = ["Collective", "CollectivesReport", "collectives_report"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast",
          "ragged-all-to-all")
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-             "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
-_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s*\(.*\{\s*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,84 +109,6 @@ class CollectivesReport:
         for kind in dict.fromkeys(c.kind for c in self.collectives):
             rows.append(f"total {kind}: {self.executions(kind)} per step, {self.bytes_per_step(kind) / 1e6:.3f} MB")
         return "\n".join(rows)
-
-
-def _shapes(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    return tuple((dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(type_text)
-                 if dtype in _ITEMSIZE)
-
-
-def _nbytes(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
-    return sum(_ITEMSIZE[dtype] * math.prod(dims) for dtype, dims in shapes)
-
-
-@dataclasses.dataclass
-class _Instruction:
-    name: str
-    type_text: str
-    op: str
-    rest: str
-    computation: str
-
-    @property
-    def operands(self) -> list[str]:
-        depth, end = 1, 0
-        for end, char in enumerate(self.rest):
-            depth += char == "("
-            depth -= char == ")"
-            if depth == 0:
-                break
-        return re.findall(r"%([^\s,()]+)", self.rest[:end])
-
-    def attribute(self, key: str) -> str | None:
-        match = re.search(key + r"=(%[^\s,]+|\{[^}]*\}[^,]*|[^\s,]+)", self.rest)
-        return match.group(1) if match else None
-
-
-def _parse(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
-    computations: dict[str, list[_Instruction]] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        header = _HEADER.match(line)
-        if header:
-            current = header.group(1)
-            computations[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        if current is None:
-            continue
-        match = _INSTRUCTION.match(line)
-        if match:
-            computations[current].append(_Instruction(*match.groups(), computation=current))
-    return computations, entry
-
-
-def _trips(computations: dict[str, list[_Instruction]], entry: str) -> dict[str, int]:
-    """Executions per step of every computation reachable from the entry."""
-    trips: dict[str, int] = {entry: 1}
-    order = [entry]
-    for name in order:  # breadth first over the call graph (a DAG)
-        for inst in computations.get(name, []):
-            callees: list[tuple[str, int]] = []
-            if inst.op == "while":
-                count = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.rest)
-                n = int(count.group(1)) if count else 1
-                for key in ("body", "condition"):
-                    target = inst.attribute(key)
-                    if target:
-                        callees.append((target.lstrip("%"), n))
-            else:
-                for key in ("calls", "to_apply", "branch_computations"):
-                    target = inst.attribute(key)
-                    if target:
-                        callees += [(t, 1) for t in re.findall(r"%([^\s,{}]+)", target)]
-            for callee, n in callees:
-                if callee in computations:
-                    if callee not in trips:
-                        order.append(callee)
-                    trips[callee] = trips.get(callee, 0) + trips[name] * n
-    return trips
 
 
 def _braced(text: str) -> str:

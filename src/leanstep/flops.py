@@ -65,29 +65,30 @@ def equation_flops(eqn: Any) -> float:
     return 0.0
 
 
-def _jaxpr_flops(jaxpr: Any) -> float:
+def _jaxpr_flops(jaxpr: Any, dots_only: bool = False) -> float:
     flops = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        flops += equation_flops(eqn)
+        flops += equation_flops(eqn) if not dots_only or name == "dot_general" else 0.0
         subs = [sub for _, sub in sub_jaxprs(eqn)]
         if name == "scan":
-            flops += eqn.params["length"] * _jaxpr_flops(subs[0])
+            flops += eqn.params["length"] * _jaxpr_flops(subs[0], dots_only)
         elif name == "cond":
-            flops += max(_jaxpr_flops(sub) for sub in subs)
+            flops += max(_jaxpr_flops(sub, dots_only) for sub in subs)
         elif is_remat_primitive(name):
-            flops += _jaxpr_flops(subs[0])
+            flops += _jaxpr_flops(subs[0], dots_only)
         else:
             for sub in subs:
-                flops += _jaxpr_flops(sub)
+                flops += _jaxpr_flops(sub, dots_only)
     return flops
 
 
-def count_flops(closed_jaxpr: Any) -> float:
+def count_flops(closed_jaxpr: Any, *, dots_only: bool = False) -> float:
     """FLOPs of a traced program, each loop body counted times its trip count (see the module doc).
 
     Args:
       closed_jaxpr: a ``ClosedJaxpr`` or ``Jaxpr`` (``jax.make_jaxpr(f)(*args)``).
+      dots_only: count matrix multiplies (``dot_general``) only.
 
     Returns:
       The FLOP count, a float.
@@ -99,4 +100,4 @@ def count_flops(closed_jaxpr: Any) -> float:
       >>> count_flops(jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 4))))  # 3 * (2*2*4*4 + 2*4)
       216.0
     """
-    return _jaxpr_flops(getattr(closed_jaxpr, "jaxpr", closed_jaxpr))
+    return _jaxpr_flops(getattr(closed_jaxpr, "jaxpr", closed_jaxpr), dots_only)

@@ -55,6 +55,12 @@ from leanstep.flops import count_flops
 from leanstep.loss_scale import LossScale
 from leanstep.loss_scale_registry import get_loss_scale
 from leanstep.memory_sizes import parse_bytes
+from leanstep.plan_compile import (
+    FAST_CPU_OPTIONS,
+    abstract_tree,
+    compile_candidate,
+    first_fit,
+)
 from leanstep.plan_records import BudgetError, Candidate, Plan, Setting
 from leanstep.precision import Precision, get_precision
 from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
@@ -63,8 +69,6 @@ from leanstep.step import make_train_step
 
 __all__ = ["BudgetError", "Candidate", "Plan", "Setting", "plan", "settings_grid"]
 
-# LLVM's optimization level only: buffer assignment (every memory number) comes before it.
-_FAST_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def settings_grid(
@@ -77,7 +81,7 @@ def settings_grid(
     """Every combination of microbatch count (default: the divisors of ``batch_size``), policy and precision.
 
     Example:
-      >>> [tuple(s) for s in settings_grid(4, remat_policies=("none", "dots"))][:3]
+      >>> [s[:3] for s in settings_grid(4, remat_policies=("none", "dots"))][:3]
       [(1, 'none', 'float32'), (1, 'dots', 'float32'), (2, 'none', 'float32')]
     """
     if not is_int(batch_size) or batch_size < 1:
@@ -100,30 +104,6 @@ def _check_setting(setting: Any, batch_size: int) -> Setting:
     return Setting(int(m), setting.remat, setting.precision)
 
 
-def _abstract(tree: Any) -> Any:
-    def leaf(x: Any) -> jax.ShapeDtypeStruct:
-        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-        # PRNG keys (a model's own RNG state) keep their extended dtype.
-        extended = jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
-        return jax.ShapeDtypeStruct(np.shape(x), dtype if extended else jax.dtypes.canonicalize_dtype(dtype))
-
-    return jax.tree.map(leaf, tree)
-
-
-def _compile(candidate: Candidate, traced: Any, budget: int, options: dict[str, Any] | None) -> Candidate:
-    start = time.perf_counter()
-    executable = traced.lower().compile(options) if options else traced.lower().compile()
-    memory, cost = executable.memory_analysis(), executable.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    arguments, outputs = memory.argument_size_in_bytes, memory.output_size_in_bytes
-    alias, temp = memory.alias_size_in_bytes, memory.temp_size_in_bytes
-    peak = arguments + outputs - alias + temp
-    return dataclasses.replace(
-        candidate, argument_bytes=arguments, output_bytes=outputs, alias_bytes=alias, temp_bytes=temp,
-        peak_bytes=peak, xla_flops=(cost or {}).get("flops"), xla_peak_bytes=getattr(memory, "peak_memory_in_bytes", None),
-        fits=peak <= budget, compile_seconds=time.perf_counter() - start, executable=executable)
-
-
 def plan(
     make_loss_fn: Callable[[str], Callable[..., Any]],
     params: Any,
@@ -139,9 +119,17 @@ def plan(
     exhaustive: bool = False,
     model_state: Any = None,
     compiler_options: dict[str, Any] | str | None = "auto",
+    num_devices: int | None = None,
+    accelerator: Any = "h100",
+    rules: Any = None,
     **step_kwargs: Any,
 ) -> Plan:
     """Compiles (never runs) the train step for each candidate and picks the fastest that fits.
+
+    With ``num_devices`` it plans a cluster instead: mesh, microbatches, remat and reduction
+    per device, priced on ``accelerator`` (:func:`leanstep.cluster_planning.plan_cluster`, to
+    which ``rules`` and the grid options ``meshes``, ``remat_policies``, ``reductions``,
+    ``microbatches`` go; ``flops_rtol`` is its ``rtol``).
 
     See the module doc for the peak formula and the choice. Steps are built with
     :func:`leanstep.make_train_step` (jitted, state donated) exactly as a run builds them.
@@ -185,9 +173,22 @@ def plan(
       >>> params, batch = {"w": jnp.ones((8, 8))}, {"x": jnp.ones((4, 8))}
       >>> p = plan(make_loss_fn, params, batch, optax.sgd(0.1), budget_bytes="1MiB",
       ...          candidates=[(1, "none", "float32"), (2, "none", "float32")])
-      >>> p.chosen.setting, p.chosen.fits
-      (Setting(num_microbatches=1, remat='none', precision='float32'), True)
+      >>> p.chosen.setting[:3], p.chosen.fits
+      ((1, 'none', 'float32'), True)
     """
+    if num_devices is not None:
+        from leanstep.cluster_planning import plan_cluster
+
+        if candidates is not None or model_state is not None:
+            raise ValueError("candidates= and model_state= plan one device; for num_devices= give meshes=, "
+                             "remat_policies=, reductions= or microbatches=")
+        return plan_cluster(make_loss_fn, params, batch, optimizer, num_devices=num_devices,
+                            budget_bytes=budget_bytes, accelerator=accelerator, rules=rules,
+                            precision=precision if isinstance(precision, str) else str(precision),
+                            max_grad_norm=max_grad_norm, loss_scale=loss_scale, rtol=flops_rtol,
+                            exhaustive=exhaustive, compiler_options=compiler_options, **step_kwargs)
+    if rules is not None:
+        raise ValueError("rules= lay parameters out over a cluster; give num_devices= too")
     start = time.perf_counter()
     budget = parse_bytes(budget_bytes)
     if not callable(make_loss_fn):
@@ -204,13 +205,13 @@ def plan(
     if not settings:
         raise ValueError("candidates is empty; give at least one (num_microbatches, remat, precision)")
     if compiler_options == "auto":
-        compiler_options = _FAST_CPU_OPTIONS if jax.default_backend() == "cpu" else None
+        compiler_options = FAST_CPU_OPTIONS if jax.default_backend() == "cpu" else None
     elif compiler_options is not None and not isinstance(compiler_options, dict):
         raise TypeError(f"compiler_options must be a dict, 'auto' or None, got {compiler_options!r}")
     scale = get_loss_scale(loss_scale)
     state = jax.eval_shape(lambda p, m: TrainState.create(p, optimizer, loss_scale=scale, model_state=m),
-                           _abstract(params), _abstract(model_state))
-    batch = _abstract(batch)
+                           abstract_tree(params), abstract_tree(model_state))
+    batch = abstract_tree(batch)
 
     loss_fns: dict[str, Callable[..., Any]] = {}
     traced: dict[Setting, Any] = {}
@@ -227,7 +228,7 @@ def plan(
 
     def compile_at(i: int, candidate: Candidate) -> Candidate:
         candidate = candidate if candidate.setting in traced else trace(candidate)
-        return _compile(candidate, traced[candidate.setting], budget, compiler_options)
+        return compile_candidate(candidate, traced[candidate.setting], budget, compiler_options)
 
     initial = [Candidate(s) for s in dict.fromkeys(settings)]  # duplicates dropped
     # A family's FLOPs are its fewest-microbatch member's (more microbatches add <0.1%):
@@ -288,7 +289,7 @@ def _search(candidates: list[Candidate], compile_at: Callable[[int, Candidate], 
         least, best_m = _best(found, rtol)
         if family_flops(members) > (1 + rtol) * least:
             break  # families come in FLOPs order: none after this one can be chosen
-        _first_fit([i for i in members if found[i].setting.num_microbatches < best_m], fits)
+        first_fit([i for i in members if found[i].setting.num_microbatches < best_m], fits)
     return tuple(found[i] for members in family_order for i in members)
 
 
@@ -299,20 +300,3 @@ def _best(candidates: Sequence[Candidate], rtol: float) -> tuple[float, float]:
         return float("inf"), float("inf")
     least = min(c.flops for c in fitting)
     return least, min(c.setting.num_microbatches for c in fitting if c.flops <= (1 + rtol) * least)
-
-
-def _first_fit(members: list[int], fits: Callable[[int], bool]) -> int | None:
-    """The first of ``members`` (by microbatch count) that fits, assuming the peak falls with the count.
-
-    Tries the fewest microbatches (the usual winner), then the most (if that does not fit,
-    nothing does), then bisects between them: at most ``2 + log2(len)`` compiles.
-    """
-    if not members or fits(members[0]):
-        return members[0] if members else None
-    lo, hi = 0, len(members) - 1
-    if not fits(members[hi]):
-        return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(members[mid]) else (mid, hi)
-    return members[hi]

@@ -99,8 +99,8 @@ class ShardingLayer:
     Example:
       >>> from leanstep.sharding import data_mesh
       >>> layer = ShardingLayer(data_mesh(jax.devices()[:1]))
-      >>> layer.num_shards, layer.manual_axes
-      (1, ('data',))
+      >>> layer.num_shards, layer.manual_axes  # one device: nothing to reduce
+      (1, ())
     """
 
     mesh: Mesh
@@ -128,10 +128,13 @@ class ShardingLayer:
 
     @property
     def manual_axes(self) -> tuple[str, ...]:
-        """The axes whose gradient is reduced once per step (the ``shard_map`` axes), in mesh order."""
+        """The axes whose gradient is reduced once per step (the ``shard_map`` axes), in mesh order.
+
+        Axes of size 1 are left out: there is nothing to reduce over them (and XLA refuses a
+        reduction over a manual axis of one device next to automatic ones)."""
         axes = self.axes
         manual = {"auto": axes.replica, "step": axes.batch, "microbatch": ()}[self.reduce]
-        return tuple(a for a in self.mesh.axis_names if a in manual)
+        return tuple(a for a in self.mesh.axis_names if a in manual and self.mesh.shape[a] > 1)
 
     def state_shardings(self, state: Any) -> Any:
         """:func:`leanstep.state_shardings` for this mesh and these rules."""

@@ -162,7 +162,7 @@ def make_train_step(
         if has_state and reduce == "auto":
             reduce = "microbatch"  # batch statistics must see whole microbatches, as on one device
         layer = None if mesh is None else ShardingLayer(mesh, data_axis, fsdp=fsdp, rules=rules, reduce=reduce)
-    if layer is not None and has_state and layer.manual_axes:
+    if layer is not None and has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
         raise ValueError(f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
                          "device would differ between devices that reduce their gradient once per step; use "
                          "reduce='microbatch' (the default with has_state)")

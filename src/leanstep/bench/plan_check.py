@@ -23,10 +23,19 @@ __all__ = ["time_candidates", "validate_plan"]
 
 
 def _run_inputs(config: RunConfig) -> tuple[Callable[..., Any], Any, Any]:
-    """The jitted step, a materialized state and a device batch for ``config`` (as a run builds them)."""
+    """The jitted step, a materialized state and a device batch for ``config`` (as a run builds them;
+    with ``config.mesh``, sharded over it, as ``leanstep train --mesh`` shards them)."""
     run = build_run(config)
     tokens = np.random.default_rng(config.seed).integers(0, 256, (config.batch_size, config.seq_len + 1))
-    return run.make_step(), run.init_state(), {"tokens": jax.device_put(tokens.astype(np.int32))}
+    batch = {"tokens": tokens.astype(np.int32)}
+    if config.mesh is None:
+        return run.make_step(), run.init_state(), {"tokens": jax.device_put(batch["tokens"])}
+    from leanstep.distributed import device_mesh, parse_mesh
+    from leanstep.sharding import shard_batch, shard_train_state
+
+    mesh = device_mesh(shape=parse_mesh(config.mesh))
+    state = shard_train_state(run.init_state(), mesh, rules=run.model.rules)
+    return run.make_step(mesh=mesh), state, shard_batch(batch, mesh)
 
 
 def _peak_rss_bytes() -> int:
@@ -70,7 +79,14 @@ def measure_in_child(spec_path: str) -> None:
     import json
 
     spec = json.loads(open(spec_path).read())
-    step, state, batch = _run_inputs(RunConfig(**spec["config"]))
+    config = RunConfig(**spec["config"])
+    if config.mesh is not None:
+        import math
+
+        from leanstep.distributed import configure_devices, parse_mesh
+
+        configure_devices(math.prod(parse_mesh(config.mesh).values()))
+    step, state, batch = _run_inputs(config)
     options = spec["compiler_options"]
     executable = step.lower(state, batch).compile(options) if options else step.lower(state, batch).compile()
     memory = executable.memory_analysis()
@@ -81,12 +97,13 @@ def measure_in_child(spec_path: str) -> None:
     state, metrics = executable(state, batch)
     jax.block_until_ready((state, metrics))
     rise = _peak_rss_bytes() - before
+    devices = 1 if config.mesh is None else len(jax.devices())  # simulated devices share this process's memory
     print(json.dumps({
         "compiled_peak_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
         - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
         "xla_peak_bytes": getattr(memory, "peak_memory_in_bytes", None),
-        "argument_bytes": memory.argument_size_in_bytes, "rss_rise_bytes": rise,
-        "measured_peak_bytes": rise + memory.argument_size_in_bytes, "peak_reset": reset,
+        "argument_bytes": memory.argument_size_in_bytes, "rss_rise_bytes": rise, "devices": devices,
+        "measured_peak_bytes": (rise + devices * memory.argument_size_in_bytes) / devices, "peak_reset": reset,
         "loss": float(metrics.loss),
     }))
 
@@ -100,7 +117,9 @@ def validate_plan(config: RunConfig, budget_bytes: int | str, *, compiler_option
         predicted = plan's peak (abstract inputs)
         compiled  = the same formula on the executable a run compiles (real arrays, ``compiler_options``)
         measured  = rise of the child's peak RSS (VmHWM) over one step (high-water mark reset
-                    just before it, after a warm-up step) + the argument bytes, resident before it
+                    just before it, after a warm-up step) + the argument bytes, resident before it;
+                    on a mesh of D simulated devices, which share the child's memory, both are
+                    summed over the devices and divided by D (per device, as predicted)
 
     A benchmark, not a test. ``compiler_options`` apply to the child's compile (default:
     XLA's, as a run compiles); ``plan_options`` go to :func:`leanstep.training.analysis.plan_run`.
@@ -118,7 +137,8 @@ def validate_plan(config: RunConfig, budget_bytes: int | str, *, compiler_option
 
     result = plan_run(config, budget_bytes, **plan_options)
     chosen = result.chosen.setting
-    run = dataclasses.replace(config, microbatches=chosen.num_microbatches, remat=chosen.remat)
+    run = dataclasses.replace(config, microbatches=chosen.num_microbatches, remat=chosen.remat,
+                              **({"mesh": chosen.mesh, "reduce": chosen.reduce, "devices": None} if chosen.mesh else {}))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"config": run.to_json(), "compiler_options": compiler_options}, f)
     code = f"from leanstep.bench.plan_check import measure_in_child; measure_in_child({f.name!r})"
@@ -131,6 +151,7 @@ def validate_plan(config: RunConfig, budget_bytes: int | str, *, compiler_option
     measured = json.loads(child.stdout.strip().splitlines()[-1])
     predicted = result.chosen.peak_bytes
     return {
+        "mesh": chosen.mesh, "reduce": chosen.reduce, "num_devices": result.num_devices,
         "model": config.model, "size": config.size, "batch_size": config.batch_size, "seq_len": config.seq_len,
         "budget_bytes": result.budget_bytes, "setting": chosen._asdict(), "predicted_peak_bytes": predicted,
         **measured, "predicted_over_measured": predicted / max(measured["measured_peak_bytes"], 1),

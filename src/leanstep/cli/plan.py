@@ -25,18 +25,37 @@ def add_parsers(subparsers: Any) -> None:
     from leanstep.training import RunConfig
 
     d = RunConfig()
+    from leanstep.cost_model import ACCELERATORS
+
     p = subparsers.add_parser(
         "plan",
-        help="pick microbatches and remat policy for a memory budget, without running",
+        help="pick microbatches and remat (and, for --devices N, the mesh) for a memory budget, without running",
         description="Compiles (never runs) the train step for every number of microbatches that divides the "
         "batch and every remat policy, reads XLA's memory accounting of each executable (arguments + outputs "
         "- donated + temporaries) and its FLOPs, and picks the fastest setting that fits the budget: fewest "
-        "FLOPs (within 2%), then fewest microbatches.",
+        "FLOPs (within 2%), then fewest microbatches. With --devices N it plans a cluster of N devices "
+        "(compiled for N simulated CPU devices): also the mesh (data x fsdp x tensor) and the gradient "
+        "reduction, per device, choosing the setting a cost model of --accelerator predicts fastest.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--budget", required=True, default=argparse.SUPPRESS,
-                   help="memory budget: 512MiB, 2GiB, 1.5GB or a number of bytes")
+    p.add_argument("--budget", default=None,
+                   help="memory budget (per device with --devices): 512MiB, 2GiB, 1.5GB or a number of bytes; "
+                   "with --devices the default is the accelerator's memory")
     add_run_flags(p, d)
+    cluster = p.add_argument_group("cluster (--devices)")
+    cluster.add_argument("--devices", type=int, default=None, help="plan for this many devices")
+    cluster.add_argument("--accelerator", default="h100", choices=tuple(ACCELERATORS),
+                         help="the device the cost model prices (presets: see leanstep.cost_model)")
+    cluster.add_argument("--mesh", default=None, metavar="AXES", help="plan this mesh only, e.g. data=8,fsdp=8")
+    cluster.add_argument("--reductions", default="auto,step", help="comma-separated gradient reductions to consider")
+    cluster.add_argument("--peak-flops", type=float, default=None, help="override the preset's peak FLOP/s")
+    cluster.add_argument("--bandwidth", type=float, default=None,
+                         help="override the preset's in-node bandwidth, bytes/s per device one way")
+    cluster.add_argument("--inter-bandwidth", type=float, default=None,
+                         help="override the preset's bandwidth between nodes, bytes/s per device one way")
+    cluster.add_argument("--node-size", type=int, default=None, help="override the preset's devices per node")
+    cluster.add_argument("--efficiency", type=float, default=None,
+                         help="override the fraction of peak FLOP/s reached (preset 0.5)")
     search = p.add_argument_group("search")
     search.add_argument("--remat-policies", default=",".join(REMAT_POLICIES),
                         help="comma-separated policies to consider")
@@ -107,33 +126,109 @@ def run_plan(args: argparse.Namespace) -> int:
     from leanstep.planning import BudgetError, settings_grid
     from leanstep.training.analysis import plan_run
 
+    cluster = args.devices is not None or args.mesh is not None
+    if args.devices is not None:
+        from leanstep.distributed import configure_devices
+
+        try:  # before JAX starts: the planner compiles for this many simulated CPU devices
+            configure_devices(args.devices)
+        except ValueError as error:
+            raise InputError(str(error).replace("num_devices", "--devices")) from None
+    if args.budget is None and not cluster:
+        raise InputError("--budget is required (per device with --devices), e.g. --budget 2GiB")
     try:
-        budget = parse_bytes(args.budget)
+        budget = None if args.budget is None else parse_bytes(args.budget)
     except ValueError as error:
         raise InputError(f"--budget: {error}") from None
-    config = _config(args, microbatches=1, remat="none")  # planned, not taken from flags
+    config = _config(args, microbatches=1, remat="none", **({"mesh": args.mesh} if args.mesh else {}))
     policies = [name.strip() for name in args.remat_policies.split(",") if name.strip()]
-    try:
-        candidates = settings_grid(config.batch_size, remat_policies=policies, precisions=(config.precision,),
-                                   microbatches=args.microbatch_counts)
-    except ValueError as error:
-        raise InputError(str(error)) from None
     console = Console()
     try:
-        result = plan_run(config, budget, candidates=candidates, exhaustive=args.exhaustive)
+        if cluster:
+            accelerator = _accelerator(args)
+            result = plan_run(config, budget, num_devices=args.devices, accelerator=accelerator,
+                              remat_policies=policies, microbatches=args.microbatch_counts,
+                              reductions=[r.strip() for r in args.reductions.split(",") if r.strip()],
+                              exhaustive=args.exhaustive)
+        else:
+            candidates = settings_grid(config.batch_size, remat_policies=policies, precisions=(config.precision,),
+                                       microbatches=args.microbatch_counts)
+            result = plan_run(config, budget, candidates=candidates, exhaustive=args.exhaustive)
     except BudgetError as error:
-        console.print(_table(error.candidates, budget, None, config.precision))
-        _write_json(args.json_path, {"budget_bytes": budget, "chosen": None, "error": str(error),
+        if cluster:
+            console.print(_cluster_table(error.candidates, error.budget_bytes, None, None))
+        else:
+            console.print(_table(error.candidates, budget, None, config.precision))
+        _write_json(args.json_path, {"budget_bytes": error.budget_bytes, "chosen": None, "error": str(error),
                                      "candidates": [c.to_json() for c in error.candidates]})
         console.print(f"[bold red]leanstep plan:[/] {error}")
         return 1
     except (TypeError, ValueError) as error:
         raise InputError(str(error)) from None
-    console.print(_table(result.candidates, budget, result.chosen, config.precision))
-    s = result.chosen.setting
-    console.print(f"chosen: --microbatches {s.num_microbatches} --remat {s.remat}  (planned in {result.seconds:.1f} s, {result.compiles} compiles)")
+    if cluster:
+        console.print(_cluster_table(result.candidates, result.budget_bytes, result.chosen, result.accelerator))
+    else:
+        console.print(_table(result.candidates, budget, result.chosen, config.precision))
+    console.print(f"chosen: {result.chosen.setting.describe()}  (planned in {result.seconds:.1f} s, "
+                  f"{result.compiles} compiles taking {result.compile_seconds:.1f} s)")
     _write_json(args.json_path, result.to_json())
     return 0
+
+
+def _accelerator(args: argparse.Namespace) -> Any:
+    from leanstep.cost_model import get_accelerator
+
+    try:
+        return get_accelerator(args.accelerator, flops=args.peak_flops, bandwidth=args.bandwidth,
+                               inter_bandwidth=args.inter_bandwidth, node_size=args.node_size,
+                               efficiency=args.efficiency)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) -> Any:
+    """One row per family (mesh, reduction, remat): its best compiled member, else its first."""
+    from rich import box
+    from rich.table import Table
+
+    from leanstep.cluster_planning import format_seconds
+    from leanstep.memory_sizes import format_bytes
+
+    families: dict[Any, list[Any]] = {}
+    for c in candidates:
+        families.setdefault(c.setting[1:], []).append(c)
+
+    def representative(members: list[Any]) -> Any:
+        if chosen is not None and chosen in members:
+            return chosen
+        fitting = [c for c in members if c.fits]
+        compiled = [c for c in members if c.compiled]
+        return min(fitting, key=lambda c: c.predicted_seconds) if fitting else (compiled or members)[-1]
+
+    rows = sorted((representative(m) for m in families.values()),
+                  key=lambda c: (c is not chosen, c.predicted_seconds is None, c.predicted_seconds or 0.0))
+    compiles = sum(c.compiled for c in candidates)
+    where = "" if accelerator is None else (
+        f"; {accelerator.name}: {accelerator.flops} FLOP/s peak x {accelerator.efficiency}, "
+        f"{accelerator.bandwidth / 1e9:g} GB/s in a node of {accelerator.node_size}, "
+        f"{'-' if accelerator.inter_bandwidth is None else f'{accelerator.inter_bandwidth / 1e9:g}'} GB/s across")
+    table = Table(title=f"budget {format_bytes(budget)} per device{where}", box=box.SIMPLE,
+                  caption=f"{len(candidates)} candidates in {len(families)} families (mesh, reduce, remat), one row "
+                  f"each; {compiles} compiled. peak = per-device arguments + outputs - donated + temporaries; "
+                  "predicted = dot FLOPs / (peak FLOP/s x efficiency) + collectives (leanstep.cost_model)")
+    for name in ("", "mesh", "reduce", "remat", "micro", "peak", "GFLOP/dev", "GB/step", "compute", "comm",
+                 "predicted", "why not chosen"):
+        table.add_column(name, justify="left" if name in ("", "mesh", "reduce", "remat", "why not chosen") else "right",
+                         no_wrap=name != "why not chosen")
+    for c in rows:
+        s = c.setting
+        seconds = lambda v: "-" if v is None else format_seconds(v)
+        table.add_row("->" if c is chosen else "", s.mesh, s.reduce, s.remat, str(s.num_microbatches),
+                      format_bytes(c.peak_bytes), "-" if c.flops is None else f"{c.flops / 1e9:,.1f}",
+                      "-" if c.bytes_per_step is None else f"{c.bytes_per_step / 1e9:.3f}",
+                      seconds(c.compute_seconds), seconds(c.communication_seconds), seconds(c.predicted_seconds),
+                      c.note, style="bold green" if c is chosen else None)
+    return table
 
 
 def _write_json(path: str | None, value: Any) -> None:

@@ -67,7 +67,12 @@ def add_parser(subparsers: Any) -> None:
     scale.add_argument("--mesh", default=None, metavar="AXES",
                        help="a mesh of several axes over every device of every process, e.g. data=2,fsdp=2,tensor=2: "
                             "data parallel, FSDP (ZeRO-3) and tensor parallel, the first axis across processes; on "
-                            "CPU it simulates the devices it needs")
+                            "CPU it simulates the devices it needs. 'auto': leanstep plan chooses the mesh, "
+                            "--microbatches, --remat and --reduce for --budget over --devices (per process)")
+    scale.add_argument("--reduce", choices=("auto", "step", "microbatch"), default=d.reduce,
+                       help="where gradients are reduced over the mesh (see leanstep.ShardingLayer)")
+    scale.add_argument("--accelerator", default="h100",
+                       help="with --mesh auto: the device the plan's cost model prices (leanstep.cost_model)")
     scale.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                        help="process 0's address for a multi-process run (jax.distributed; gloo on CPU)")
     scale.add_argument("--num-processes", type=int, default=None, help="processes in a multi-process run")
@@ -84,6 +89,11 @@ def run_train(args: argparse.Namespace) -> int:
     from leanstep.distributed import configure_devices
     from leanstep.training import RunConfig, RunStopped, train
 
+    auto = args.mesh == "auto"
+    if auto:
+        if args.devices is None:
+            raise InputError("--mesh auto plans a mesh over --devices N devices per process; give --devices")
+        args.mesh = None
     try:  # first: the device count and the processes are fixed once JAX makes its first array
         devices = args.devices
         if args.mesh is not None and devices is None:  # every device the mesh needs, split over the processes
@@ -102,17 +112,25 @@ def run_train(args: argparse.Namespace) -> int:
         config.validate()
     except ValueError as error:
         raise InputError(str(error)) from None
+    if auto and args.budget is None:
+        raise InputError("--mesh auto needs --budget (memory per device, e.g. 80GiB)")
     if args.budget is not None:
+        import jax
+
         from leanstep.training.analysis import plan_run
 
         try:
-            chosen = plan_run(config, args.budget).chosen
+            chosen = plan_run(config, args.budget, accelerator=args.accelerator,
+                              **({"num_devices": jax.device_count()} if auto else {})).chosen
         except ValueError as error:  # BudgetError included: nothing fits
             raise InputError(f"--budget: {error}") from None
         setting = chosen.setting
-        config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat)
-        console.print(Text(f"--budget {args.budget}: chose --microbatches {setting.num_microbatches} "
-                           f"--remat {setting.remat} (predicted peak {chosen.peak_bytes:,} bytes)"), soft_wrap=True)
+        config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat,
+                                     **({"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}))
+        predicted = "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
+        console.print(Text(f"--budget {args.budget}: chose {setting.describe()} (predicted peak "
+                           f"{chosen.peak_bytes:,} bytes{' per device' if setting.mesh else ''}{predicted})"),
+                      soft_wrap=True)
     try:
         with TrainProgress(enabled=config.progress, console=console) as progress:
             summary = train(config, resume=args.resume, on_record=progress.handle)

@@ -8,37 +8,134 @@ same parts ``leanstep train`` trains with.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
 
 from leanstep.auditing import AuditReport, audit
-from leanstep.planning import Plan, plan
+from leanstep.planning import BudgetError, Plan, plan
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
 
 __all__ = ["audit_run", "plan_run"]
 
 
-def plan_run(config: RunConfig, budget_bytes: int | str, **options: Any) -> Plan:
-    """Plans microbatches and remat for ``config`` (its other fields fixed) under a memory budget.
+def plan_run(config: RunConfig, budget_bytes: int | str | None, *, num_devices: int | None = None,
+             accelerator: Any = "h100", **options: Any) -> Plan:
+    """Plans ``config`` (its other fields fixed) under a memory budget: on one device, or on a cluster.
 
-    Candidates: every divisor of ``config.batch_size`` times :data:`leanstep.REMAT_POLICIES`,
-    at ``config.precision``; ``options`` go to :func:`leanstep.plan` (e.g. ``candidates``,
-    ``exhaustive``). Use ``dataclasses.replace(config, microbatches=s.num_microbatches,
-    remat=s.remat)`` with ``s = plan_run(config, budget).chosen.setting``.
+    One device (no ``num_devices``, ``devices``, ``fsdp`` or ``mesh``): microbatches and remat,
+    every divisor of ``config.batch_size`` times :data:`leanstep.REMAT_POLICIES` at
+    ``config.precision`` (:func:`leanstep.plan`). A cluster of ``num_devices`` (or the devices of
+    ``config.mesh``, whose mesh is then kept): also the mesh and the reduction, per device,
+    priced on ``accelerator`` (:func:`leanstep.cluster_planning.plan_cluster`); where this process
+    has too few devices, planning runs in a subprocess with ``num_devices`` simulated CPU devices
+    (its plan then carries no executables). ``options`` go to the planner (``candidates``,
+    ``exhaustive``, ``meshes``, ``remat_policies``, ...). Apply the choice with
+    ``dataclasses.replace(config, microbatches=s.num_microbatches, remat=s.remat)`` (and
+    ``mesh=s.mesh, reduce=s.reduce`` on a cluster), ``s = plan_run(config, budget).chosen.setting``.
 
     Raises:
       BudgetError: nothing fits.
-      ValueError: an invalid config or budget, or a multi-device config (``devices``, ``fsdp``).
+      ValueError: an invalid config or budget; ``fsdp`` (plan with a mesh instead).
     """
-    run = build_run(dataclasses.replace(config, microbatches=1, remat="none"))  # both are planned here
-    if config.devices is not None or config.fsdp or config.mesh is not None:
-        raise ValueError("a memory budget is planned for a one-device run; drop --devices, --fsdp and --mesh "
-                         f"(got devices={config.devices!r}, fsdp={config.fsdp!r}, mesh={config.mesh!r})")
-    options.setdefault("precision", config.precision)
-    return plan(run.loss_fn, run.abstract_params(), run.batch_spec(), run.optimizer, budget_bytes=budget_bytes,
-                max_grad_norm=config.max_grad_norm, loss_scale=run.loss_scale, **options)
+    if config.fsdp:
+        raise ValueError("--budget plans --mesh, not --fsdp: use --mesh auto, or name a mesh such as --mesh fsdp=8")
+    if num_devices is None and config.mesh is None and config.devices is None:
+        run = build_run(dataclasses.replace(config, microbatches=1, remat="none"))  # both are planned here
+        options.setdefault("precision", config.precision)
+        if budget_bytes is None:
+            raise ValueError("a one-device plan needs a budget (bytes or a size such as 2GiB)")
+        return plan(run.loss_fn, run.abstract_params(), run.batch_spec(), run.optimizer, budget_bytes=budget_bytes,
+                    max_grad_norm=config.max_grad_norm, loss_scale=run.loss_scale, **options)
+    from leanstep.cluster_planning import plan_cluster
+    from leanstep.distributed import parse_mesh
+
+    if config.mesh is not None:
+        shape = parse_mesh(config.mesh)
+        options.setdefault("meshes", [shape])
+        num_devices = math.prod(shape.values()) if num_devices is None else num_devices
+    elif num_devices is None:
+        num_devices = config.devices * jax.process_count()
+    if len(jax.devices("cpu")) < num_devices and len(jax.devices()) < num_devices:
+        return _plan_in_child(config, budget_bytes, num_devices, accelerator, options)
+    run = build_run(dataclasses.replace(config, microbatches=1, remat="none", mesh=None, devices=None))
+    return plan_cluster(run.loss_fn, run.abstract_params(), run.batch_spec(), run.optimizer, num_devices=num_devices,
+                        budget_bytes=budget_bytes, accelerator=accelerator, rules=run.model.rules,
+                        precision=config.precision, max_grad_norm=config.max_grad_norm, loss_scale=run.loss_scale,
+                        **options)
+
+
+def _plan_in_child(config: RunConfig, budget_bytes: Any, num_devices: int, accelerator: Any,
+                   options: dict[str, Any]) -> Plan:
+    """:func:`plan_run` in a subprocess with ``num_devices`` simulated CPU devices."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from leanstep.cost_model import Accelerator
+
+    if isinstance(accelerator, Accelerator):
+        accelerator = dataclasses.asdict(accelerator)
+    with tempfile.TemporaryDirectory() as folder:
+        spec, out = f"{folder}/spec.json", f"{folder}/plan.json"
+        with open(spec, "w") as f:
+            json.dump({"config": config.to_json(), "budget": budget_bytes, "num_devices": num_devices,
+                       "accelerator": accelerator, "options": options, "out": out}, f)
+        code = f"from leanstep.training.analysis import plan_in_child; plan_in_child({spec!r})"
+        child = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+        if child.returncode:
+            error = child.stderr.strip().splitlines()[-1] if child.stderr.strip() else f"exit {child.returncode}"
+            kind, _, message = error.partition(": ")
+            if kind.endswith("BudgetError"):
+                raise _budget_error(out, message)
+            if kind.endswith("ValueError"):
+                raise ValueError(message)
+            raise RuntimeError(f"planning in a subprocess failed:\n{child.stderr[-3000:]}")
+        with open(out) as f:
+            return Plan.from_json(json.load(f))
+
+
+def _budget_error(out: str, message: str) -> Exception:
+    """The child's BudgetError, rebuilt from the candidates it wrote (or its message alone)."""
+    import json
+    import os
+
+    if os.path.exists(out):
+        with open(out) as f:
+            value = json.load(f)
+        plan_ = Plan.from_json({**value, "chosen": value["smallest"], "seconds": 0.0})
+        return BudgetError(value["budget_bytes"], plan_.chosen, plan_.candidates)
+    return ValueError(message)
+
+
+def plan_in_child(spec_path: str) -> None:
+    """The subprocess side of :func:`plan_run`: sets up the devices, plans, writes the plan as JSON."""
+    import json
+
+    from leanstep.cost_model import Accelerator
+    from leanstep.distributed import configure_devices
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    configure_devices(spec["num_devices"])
+    accelerator = spec["accelerator"]
+    accelerator = Accelerator(**accelerator) if isinstance(accelerator, dict) else accelerator
+    options = spec["options"]
+    if "meshes" in options:
+        options["meshes"] = [dict(m) for m in options["meshes"]]
+    try:
+        result = plan_run(RunConfig(**spec["config"]), spec["budget"], num_devices=spec["num_devices"],
+                          accelerator=accelerator, **options)
+    except BudgetError as error:
+        with open(spec["out"], "w") as f:
+            json.dump({"budget_bytes": error.budget_bytes, "smallest": error.smallest.to_json(),
+                       "candidates": [c.to_json() for c in error.candidates]}, f)
+        raise
+    with open(spec["out"], "w") as f:
+        json.dump(result.to_json(), f)
 
 
 def audit_run(config: RunConfig) -> AuditReport:

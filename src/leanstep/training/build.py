@@ -99,7 +99,8 @@ class Run:
         config = dataclasses.replace(self.config, **changes)
         return make_train_step(self.loss_fn(config.remat), precision=config.precision,
                                num_microbatches=config.microbatches, max_grad_norm=config.max_grad_norm,
-                               mesh=mesh, fsdp=config.fsdp, rules=None if mesh is None else self.model.rules)
+                               mesh=mesh, fsdp=config.fsdp, rules=None if mesh is None else self.model.rules,
+                               **({} if mesh is None else {"reduce": config.reduce}))
 
 
 def build_run(config: RunConfig) -> Run:

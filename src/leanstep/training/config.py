@@ -29,7 +29,7 @@ SCHEDULES = ("constant", "cosine", "warmup-cosine")
 #: replay; ``devices`` and ``fsdp`` only lay the same state out differently: a checkpoint
 #: restores into whatever layout the resumed run asks for.)
 RESUMABLE_FIELDS = frozenset({"steps", "stop_at", "eval_every", "checkpoint_every", "keep_checkpoints", "out",
-                              "max_consecutive_skips", "progress", "devices", "fsdp", "mesh"})
+                              "max_consecutive_skips", "progress", "devices", "fsdp", "mesh", "reduce"})
 
 #: ``(flag, field)`` of the model-size overrides.
 MODEL_FLAGS = (("--d-model", "d_model"), ("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-ff", "d_ff"))
@@ -88,6 +88,7 @@ class RunConfig:
     devices: int | None = None
     fsdp: bool = False
     mesh: str | None = None
+    reduce: str = "auto"
 
     def validate(self) -> RunConfig:
         """Checks every field, naming its flag; returns self.
@@ -116,6 +117,10 @@ class RunConfig:
             parse_mesh(self.mesh)
             if self.fsdp:
                 raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
+        from leanstep.sharding_layer import REDUCTIONS
+
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"--reduce must be one of {', '.join(REDUCTIONS)}, got {self.reduce!r}")
         if self.devices is not None and self.mesh is None and self.batch_size % (self.microbatches * self.devices):
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches "
                              f"{self.microbatches} times --devices {self.devices}")
