@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from workers import run_worker
 
 from leanstep.cost_model import ACCELERATORS, collective_seconds, get_accelerator
 from leanstep.plan_records import Plan
 
-TINY = dict(model="transformer", size="tiny", batch_size=16, seq_len=16, precision="float32", loss_scale="none")
-GRID = dict(meshes=[{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}], remat_policies=["none", "full"],
-            reductions=["auto"], microbatches=[1, 2])
+TINY = {"model": "transformer", "size": "tiny", "batch_size": 16, "seq_len": 16, "precision": "float32", "loss_scale": "none"}
+GRID = {"meshes": [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}], "remat_policies": ["none", "full"],
+            "reductions": ["auto"], "microbatches": [1, 2]}
 LAYERS, WIDTH, ROWS = 4, 256, 64
 
 
@@ -82,13 +81,7 @@ def worker(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("plans")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, __file__, "worker", str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads((out / "plans.json").read_text())
+    return run_worker(__file__, tmp_path_factory.mktemp("plans"), "plans.json")
 
 
 def _by_mesh(plan: dict) -> dict:

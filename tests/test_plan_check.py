@@ -17,3 +17,13 @@ def test_validate_plan_runs_the_tiny_transformer_and_measures_its_peak():
     assert result["peak_reset"] and result["rss_rise_bytes"] > 0
     assert np.isfinite(result["predicted_over_measured"]) and 0.25 < result["predicted_over_measured"] < 4
     assert result["within_budget"]
+
+
+def test_a_planned_cluster_step_uses_the_predicted_memory_on_8_simulated_devices():
+    """The chosen setting on 8 simulated devices, run for real: its peak RSS per device within 15%."""
+    config = RunConfig(size="small", batch_size=16, seq_len=128)
+    result = validate_plan(config, "256MiB", num_devices=8, meshes=[{"data": 8}], remat_policies=["none"],
+                           microbatches=[1])
+    assert result["ran"] and result["mesh"] == "data=8" and result["num_devices"] == 8
+    assert result["predicted_over_compiled"] == 1.0  # the plan's memory is the run's own executable's
+    assert 0.85 < result["predicted_over_measured"] < 1.15

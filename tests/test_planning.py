@@ -267,6 +267,17 @@ def _cli(argv):
     return args.run(args)
 
 
+def test_cli_plan_for_a_cluster_plans_in_a_subprocess_and_names_the_flags(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--devices", "2", "--mesh", "data=2", *TINY_MLP, "--microbatch-counts", "1",
+            "--remat-policies", "none", "--accelerator", "a100", "--json", str(out)]
+    assert _cli(argv) == 0  # this process runs one device: the planner runs in a child with 2
+    saved = json.loads(out.read_text())
+    assert saved["num_devices"] == 2 and saved["accelerator"]["name"] == "a100" and saved["compiles"] == 1
+    assert saved["chosen"]["mesh"] == "data=2" and saved["chosen"]["predicted_seconds"] > 0
+    assert "chosen: --microbatches 1 --remat none --mesh data=2 --reduce auto" in capsys.readouterr().out
+
+
 def test_cli_plan_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["plan", "--budget", "64MiB", *TINY_MLP, "--microbatch-counts", "1,2", "--remat-policies", "none,dots",

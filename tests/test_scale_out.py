@@ -10,12 +10,11 @@ bytes. This file is also the worker (``python tests/test_scale_out.py worker OUT
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from workers import run_worker
 
 
 def worker(out: Path) -> None:
@@ -42,13 +41,7 @@ def worker(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def scale(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("scale")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, __file__, "worker", str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    return json.loads((out / "scale.json").read_text())
+    return run_worker(__file__, tmp_path_factory.mktemp("scale"), "scale.json")
 
 
 MODELS = ["mlp-stack", "transformer-d1024"]

@@ -100,6 +100,7 @@ def test_report_rerenders_chart_and_summary(straight_run, capsys):
         (["--lr", "-1"], "--lr must be a positive finite number"),
         (["--steps", "0"], "--steps must be an integer >= 1"),
         (["--mesh", "data=2,pipe=2"], "--mesh must be name=size pairs of the axes data, fsdp, tensor"),
+        (["--mesh", "auto", "--budget", "1GiB"], "--mesh auto plans a mesh over --devices N devices per process"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_before_training(tmp_path, corpus, capsys, args, message):

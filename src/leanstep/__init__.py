@@ -15,6 +15,7 @@ from leanstep.clipping import (
     global_norm,
 )
 from leanstep.collectives import Collective, CollectivesReport, collectives_report
+from leanstep.cost_model import ACCELERATORS, Accelerator, get_accelerator
 from leanstep.compute_dtype_check import PrecisionWarning
 from leanstep.gradients import Gradients, gradient_stage
 from leanstep.loss_scale import (
@@ -63,9 +64,11 @@ from leanstep.update import (
     guarded_update_transform,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
+    "ACCELERATORS",
+    "Accelerator",
     "AuditReport",
     "BudgetError",
     "CheckpointError",
@@ -102,6 +105,7 @@ __all__ = [
     "data_mesh",
     "fsdp_partition_spec",
     "gathered",
+    "get_accelerator",
     "get_loss_scale",
     "get_precision",
     "get_remat_policy",

@@ -114,17 +114,20 @@ def communication(shape: dict[str, int], reduce: str, m: int, remat: str, sizes:
                    accelerator: Accelerator, *, bound: bool) -> float:
     """Seconds of the collectives a layout needs, priced by :func:`leanstep.cost_model.collective_seconds`.
 
-    ``bound=True``: what any implementation of the layout must send, at the bandwidth-optimal
-    cost and without latency: the per-device gradient shard all-reduced over the data axis
-    (every microbatch for ``reduce="microbatch"``), the gradient reduce-scattered over the
-    fsdp axis and the fsdp-split parameters all-gathered once. (Merged into one collective
-    over both axes, the gradient reduction costs the same: the terms add up to it.)
+    ``bound=True``: what the layout must send under leanstep's schedule, at the
+    bandwidth-optimal cost and without latency: the per-device gradient shard all-reduced over
+    the data axis (every microbatch for ``reduce="microbatch"``), the gradient reduce-scattered
+    over the fsdp axis and the fsdp-split parameters all-gathered, once per step for
+    ``reduce="step"``, else once per microbatch (ZeRO-3: the accumulator is sharded, each layer
+    is gathered where it is used; XLA does not hoist these out of the microbatch loop).
+    (Merged into one collective over both axes, the gradient reduction costs the same: the
+    terms add up to it.)
     ``bound=False``: an estimate that orders the search: leanstep's own schedule, with the
     per-microbatch reduce-scatters and gathers (twice under remat: forward and recompute).
     """
     links = accelerator.replace(latency=0.0) if bound else accelerator
     d, f = shape.get("data", 1), shape.get("fsdp", 1)
-    per_step = reduce == "step" or bound
+    per_step = reduce == "step"
     seconds = 0.0
     if d > 1:
         seconds += collective_seconds("all-reduce", sizes["shard"], d, ("data",), shape, links,
@@ -132,7 +135,7 @@ def communication(shape: dict[str, int], reduce: str, m: int, remat: str, sizes:
     if f > 1:
         seconds += collective_seconds("reduce-scatter", sizes["gradient"], f, ("fsdp",), shape, links,
                                       trips=1 if per_step else m)
-        gathers = 1 if per_step else m * (1 if remat == "none" else 2)
+        gathers = 1 if per_step else m * (1 if remat == "none" or bound else 2)
         seconds += collective_seconds("all-gather", sizes["gathered"], f, ("fsdp",), shape, links, trips=gathers)
     return seconds
 

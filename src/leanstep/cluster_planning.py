@@ -20,9 +20,9 @@ members differ in the microbatch count. Before compiling, every family gets
 
 * its argument bytes (the sharded state and batch, exactly: from the shardings), so a mesh
   whose state alone exceeds the budget is never compiled;
-* a lower bound of its predicted time: the whole step's dot FLOPs (traced once per remat
+* a lower bound of each member's predicted time: the whole step's dot FLOPs (traced once per remat
   policy on one device) split over ``N`` devices, plus the collectives any implementation
-  of its layout needs at their bandwidth-optimal cost (:func:`_communication`), plus, for a
+  of its layout needs at their bandwidth-optimal cost (:func:`leanstep.cluster_grid.communication`), plus, for a
   tensor axis, the least tensor-axis communication seen so far on a mesh of that tensor size
   (activations: the same rows per device, so the same traffic, whatever the data x fsdp split);
 * an estimate (the bound plus the per-microbatch gathers and reductions at the links their
@@ -232,11 +232,12 @@ def plan_cluster(
                 first = len(candidates)
                 candidates += [Candidate(Setting(m, policy, precision, text, reduce)) for m in ms]
                 compute_bound = global_flops[policy] / num_devices / rate
-                bound = compute_bound + communication(shape, reduce, 1, policy, sizes, accelerator, bound=True)
-                family = Family(shape, policy, reduce, list(range(first, len(candidates))), arguments, bound)
+                bounds = [compute_bound + communication(shape, reduce, m, policy, sizes, accelerator, bound=True)
+                          for m in ms]
+                family = Family(shape, policy, reduce, list(range(first, len(candidates))), arguments, bounds[0])
                 families.append(family)
-                for i in family.members:
-                    candidates[i] = dataclasses.replace(candidates[i], argument_bytes=arguments, bound_seconds=bound)
+                for i, b in zip(family.members, bounds):
+                    candidates[i] = dataclasses.replace(candidates[i], argument_bytes=arguments, bound_seconds=b)
                 family.estimate = compute_bound + communication(shape, reduce, ms[0], policy, sizes, accelerator,
                                                                  bound=False)
 
@@ -260,8 +261,9 @@ def plan_cluster(
         traced = step.trace(placed_state, placed_batch)
         c = dataclasses.replace(c, trace_seconds=time.perf_counter() - t0)
         c = compile_candidate(c, traced, budget, compiler_options)
-        report = collectives_report(c.executable, mesh, params=state.params)
-        cost = step_cost(dot_flops(c.executable), report, dict(mesh.shape), accelerator, compute_dtype,
+        hlo = c.executable.as_text()  # once: printing a large module takes seconds
+        report = collectives_report(hlo, mesh, params=state.params)
+        cost = step_cost(dot_flops(hlo), report, dict(mesh.shape), accelerator, compute_dtype,
                          promoted_to_float32=devices[0].platform == "cpu")
         c = dataclasses.replace(c, flops=cost.flops, bytes_per_step=cost.bytes, collectives=cost.collectives,
                                 compute_seconds=cost.compute_seconds, communication_seconds=cost.communication_seconds,
@@ -303,19 +305,23 @@ def plan_cluster(
         fewest, fitted_policy = None, ""  # the fewest microbatches a policy of this group fits with, and it
         for fam in group:
             note = ""
-            members = [i for i in fam.members if fewest is None or candidates[i].setting.num_microbatches < fewest]
             bound = fam.bound + tensor_part(fam)
+            # Members that could still win: fewer microbatches than a cheaper policy fitted with,
+            # and a bound (which grows with the count under per-microbatch reductions) below the best.
+            members = [i for i in fam.members if (fewest is None or candidates[i].setting.num_microbatches < fewest)
+                       and (best is None or (candidates[i].bound_seconds + tensor_part(fam)) * (1 + rtol)
+                            < best.predicted_seconds)]
             if fam.argument_bytes > budget:
                 note = f"state and batch alone take {format_bytes(fam.argument_bytes)} a device"
-            elif not exhaustive and not members:
+            elif not exhaustive and not members and fewest is not None:
                 note = f"more recompute than remat {fitted_policy} at no fewer microbatches"
             elif not exhaustive and any(dominates(g, fam) for g in failed):
                 note = "does not fit: the same rows with a larger fsdp axis did not"
-            elif not exhaustive and best is not None and bound * (1 + rtol) >= best.predicted_seconds:
+            elif not exhaustive and not members:
                 note = f"bound {format_seconds(bound)} is not below the best found"
             if note:
                 for i in fam.members:
-                    candidates[i] = dataclasses.replace(candidates[i], note=note, bound_seconds=bound)
+                    candidates[i] = dataclasses.replace(candidates[i], note=note)
                 continue
             if exhaustive:
                 fitting = [i for i in fam.members if fits(i)]
@@ -328,7 +334,7 @@ def plan_cluster(
                 if c.compiled and t > 1:
                     tensor_seen[t] = min(tensor_seen.get(t, math.inf), tensor_costs[i])
             if found is None:
-                if len(members) == len(fam.members):
+                if len(members) == len(fam.members):  # even the most microbatches do not fit
                     fam.failed = True
                     failed.append(fam)
                 continue
@@ -357,6 +363,8 @@ def plan_cluster(
             note = f"peak {format_bytes(c.peak_bytes)} over the budget"
         elif c.compiled:
             note = f"predicted {format_seconds(c.predicted_seconds)}, {c.predicted_seconds / chosen.predicted_seconds - 1:+.1%}"
+        elif c.bound_seconds is not None and c.bound_seconds * (1 + rtol) >= chosen.predicted_seconds:
+            note = f"bound {format_seconds(c.bound_seconds)} is not below the best found"
         else:
             note = "fewer microbatches fit"
         candidates[i] = dataclasses.replace(c, note=note)

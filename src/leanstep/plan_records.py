@@ -124,7 +124,7 @@ class Plan:
 
         def candidate(c: dict[str, Any]) -> Candidate:
             fields = {f.name for f in dataclasses.fields(Candidate)} - {"setting", "executable"}
-            return Candidate(Setting(*(c[k] for k in Setting._fields)), **{k: c[k] for k in fields if k in c})
+            return Candidate(Setting(*(c[k] for k in Setting._fields if k in c)), **{k: c[k] for k in fields if k in c})
 
         candidates = tuple(candidate(c) for c in value["candidates"])
         chosen = candidate(value["chosen"])

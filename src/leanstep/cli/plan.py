@@ -134,6 +134,8 @@ def run_plan(args: argparse.Namespace) -> int:
             configure_devices(args.devices)
         except ValueError as error:
             raise InputError(str(error).replace("num_devices", "--devices")) from None
+        except RuntimeError:
+            pass  # JAX already runs (an embedding process): plan_run plans in a subprocess
     if args.budget is None and not cluster:
         raise InputError("--budget is required (per device with --devices), e.g. --budget 2GiB")
     try:
@@ -146,8 +148,10 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         if cluster:
             accelerator = _accelerator(args)
+            log = Console(stderr=True)
             result = plan_run(config, budget, num_devices=args.devices, accelerator=accelerator,
                               remat_policies=policies, microbatches=args.microbatch_counts,
+                              progress=lambda line: log.print(line, highlight=False, markup=False),
                               reductions=[r.strip() for r in args.reductions.split(",") if r.strip()],
                               exhaustive=args.exhaustive)
         else:
@@ -219,7 +223,7 @@ def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) 
     for name in ("", "mesh", "reduce", "remat", "micro", "peak", "GFLOP/dev", "GB/step", "compute", "comm",
                  "predicted", "why not chosen"):
         table.add_column(name, justify="left" if name in ("", "mesh", "reduce", "remat", "why not chosen") else "right",
-                         no_wrap=name != "why not chosen")
+                         no_wrap=name not in ("mesh", "why not chosen"), overflow="fold")
     for c in rows:
         s = c.setting
         seconds = lambda v: "-" if v is None else format_seconds(v)

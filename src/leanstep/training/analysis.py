@@ -56,8 +56,9 @@ def plan_run(config: RunConfig, budget_bytes: int | str | None, *, num_devices: 
         shape = parse_mesh(config.mesh)
         options.setdefault("meshes", [shape])
         num_devices = math.prod(shape.values()) if num_devices is None else num_devices
-    elif num_devices is None:
+    elif num_devices is None:  # --devices without --mesh: data parallel, as the run would be
         num_devices = config.devices * jax.process_count()
+        options.setdefault("meshes", [{"data": num_devices}])
     if len(jax.devices("cpu")) < num_devices and len(jax.devices()) < num_devices:
         return _plan_in_child(config, budget_bytes, num_devices, accelerator, options)
     run = build_run(dataclasses.replace(config, microbatches=1, remat="none", mesh=None, devices=None))
@@ -79,6 +80,7 @@ def _plan_in_child(config: RunConfig, budget_bytes: Any, num_devices: int, accel
 
     if isinstance(accelerator, Accelerator):
         accelerator = dataclasses.asdict(accelerator)
+    options = {k: v for k, v in options.items() if k != "progress"}  # a callable: not sent to the child
     with tempfile.TemporaryDirectory() as folder:
         spec, out = f"{folder}/spec.json", f"{folder}/plan.json"
         with open(spec, "w") as f:
