@@ -114,7 +114,7 @@ class Accelerator:
         return dataclasses.replace(self, **changes)
 
 
-_GB = 1e9
+_GB = 10**9
 #: Named presets (see the module doc for the numbers and their sources).
 ACCELERATORS: dict[str, Accelerator] = {
     "h100": Accelerator("h100", 80 * _GB, {"bfloat16": 989e12, "float32": 495e12}, 8, 450 * _GB, 50 * _GB),
