@@ -107,7 +107,6 @@ class Family:
     argument_bytes: int = 0
     bound: float = 0.0
     estimate: float = 0.0
-    failed: bool = False
 
 
 def communication(shape: dict[str, int], reduce: str, m: int, remat: str, sizes: dict[str, float],
@@ -146,5 +145,4 @@ def dominates(failed: Family, family: Family) -> bool:
     rows = lambda s: s.get("data", 1) * s.get("fsdp", 1)
     return (failed.remat, failed.reduce, failed.shape.get("tensor", 1), rows(failed.shape)) == (
         family.remat, family.reduce, family.shape.get("tensor", 1), rows(family.shape)) and (
-        family.shape.get("fsdp", 1) <= failed.shape.get("fsdp", 1)) and (
-        len(family.members) <= len(failed.members))
+        family.shape.get("fsdp", 1) <= failed.shape.get("fsdp", 1))

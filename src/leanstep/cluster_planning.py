@@ -78,9 +78,9 @@ from leanstep.loss_scale import LossScale
 from leanstep.loss_scale_registry import get_loss_scale
 from leanstep.memory_sizes import format_bytes, parse_bytes
 from leanstep.plan_compile import (
-    FAST_CPU_OPTIONS,
     abstract_tree,
     compile_candidate,
+    compiler_options_for,
     first_fit,
 )
 from leanstep.plan_records import BudgetError, Candidate, Plan, Setting
@@ -184,8 +184,7 @@ def plan_cluster(
             raise ValueError(f"reductions must be among {REDUCTIONS}, got {reduce!r}")
     counts = None if microbatches is None else sorted(set(microbatches))
     compute_dtype = get_precision(precision).compute_dtype
-    if compiler_options == "auto":
-        compiler_options = FAST_CPU_OPTIONS if devices[0].platform == "cpu" else None
+    compiler_options = compiler_options_for(compiler_options, devices[0].platform)
     scale = get_loss_scale(loss_scale)
     params, batch = abstract_tree(params), abstract_tree(batch)
     state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, loss_scale=scale), params)
@@ -335,7 +334,6 @@ def plan_cluster(
                     tensor_seen[t] = min(tensor_seen.get(t, math.inf), tensor_costs[i])
             if found is None:
                 if len(members) == len(fam.members):  # even the most microbatches do not fit
-                    fam.failed = True
                     failed.append(fam)
                 continue
             fewest, fitted_policy = candidates[found].setting.num_microbatches, fam.remat

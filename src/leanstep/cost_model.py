@@ -18,8 +18,8 @@ and its collectives, :func:`leanstep.collectives_report`):
 
 Assumptions, each a field of :class:`Accelerator` a user can change: peak dense FLOP/s from
 the vendor's datasheet (float32 matmuls at TF32 rate on NVIDIA, at bf16 rate on TPU, which is
-what XLA's default precision does there), half of it reached (``efficiency=0.5``, about the
-MFU of well-tuned large-model training); 80% of the interconnect's nominal one-way bandwidth per
+what XLA's default precision does there), half of it reached (``efficiency=0.5``, an assumption: leanstep has not measured
+it on these devices); 80% of the interconnect's nominal one-way bandwidth per
 device; 10 microseconds a collective. Only matmuls count as compute: elementwise work, memory
 traffic and kernel launches are not modelled, so a small model's predicted time is too short.
 

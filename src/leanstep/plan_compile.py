@@ -15,10 +15,19 @@ import numpy as np
 
 from leanstep.plan_records import Candidate
 
-__all__ = ["FAST_CPU_OPTIONS", "abstract_tree", "compile_candidate", "first_fit"]
+__all__ = ["FAST_CPU_OPTIONS", "abstract_tree", "compile_candidate", "compiler_options_for", "first_fit"]
 
 #: LLVM's optimization level only: buffer assignment (every memory number) comes before it.
 FAST_CPU_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def compiler_options_for(options: Any, platform: str) -> dict[str, Any] | None:
+    """``"auto"``: :data:`FAST_CPU_OPTIONS` on CPU, XLA's defaults elsewhere; a dict or None as is."""
+    if options == "auto":
+        return FAST_CPU_OPTIONS if platform == "cpu" else None
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"compiler_options must be a dict, 'auto' or None, got {options!r}")
+    return options
 
 
 def abstract_tree(tree: Any) -> Any:

@@ -56,9 +56,9 @@ from leanstep.loss_scale import LossScale
 from leanstep.loss_scale_registry import get_loss_scale
 from leanstep.memory_sizes import parse_bytes
 from leanstep.plan_compile import (
-    FAST_CPU_OPTIONS,
     abstract_tree,
     compile_candidate,
+    compiler_options_for,
     first_fit,
 )
 from leanstep.plan_records import BudgetError, Candidate, Plan, Setting
@@ -204,10 +204,7 @@ def plan(
     settings = [_check_setting(s, batch_size) for s in settings]
     if not settings:
         raise ValueError("candidates is empty; give at least one (num_microbatches, remat, precision)")
-    if compiler_options == "auto":
-        compiler_options = FAST_CPU_OPTIONS if jax.default_backend() == "cpu" else None
-    elif compiler_options is not None and not isinstance(compiler_options, dict):
-        raise TypeError(f"compiler_options must be a dict, 'auto' or None, got {compiler_options!r}")
+    compiler_options = compiler_options_for(compiler_options, jax.default_backend())
     scale = get_loss_scale(loss_scale)
     state = jax.eval_shape(lambda p, m: TrainState.create(p, optimizer, loss_scale=scale, model_state=m),
                            abstract_tree(params), abstract_tree(model_state))

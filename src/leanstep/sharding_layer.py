@@ -43,7 +43,13 @@ from leanstep._checks import check_bool
 from leanstep.gradients import Gradients
 from leanstep.microbatches import Splitter, get_splitter
 from leanstep.model_sharding import constrain_spec, sharding_context
-from leanstep.partition_rules import MeshAxes, check_rules, make_spec, param_path, param_specs
+from leanstep.partition_rules import (
+    MeshAxes,
+    check_rules,
+    make_spec,
+    param_path,
+    param_specs,
+)
 from leanstep.sharding import mesh_axes, state_shardings
 from leanstep.state import StepMetrics, TrainState
 
