@@ -49,6 +49,8 @@ def _check_keys(tree: Any, expected: tuple[str, ...], name: str) -> None:
 
 def _check_shape(value: Any, shape: tuple[int | None, ...], name: str) -> tuple[int, ...]:
     """Checks ``value``'s shape against ``shape`` (``None`` matches any size) and returns it."""
+    if value is None or isinstance(value, (dict, list, tuple)):  # a subtree where one array belongs
+        raise TypeError(f"{name} must be an array, got {type(value).__name__}")
     actual = tuple(jnp.shape(value))
     if len(actual) != len(shape) or any(e is not None and a != e for a, e in zip(actual, shape)):
         want = "(" + ", ".join("*" if e is None else str(e) for e in shape) + ")"

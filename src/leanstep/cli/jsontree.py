@@ -4,6 +4,10 @@ The seeds' rule: a JSON object is a dict node; a JSON list whose items are all
 objects is a list node; any other list, or a number, is one array leaf. Output
 floats are rounded to 6 decimals (huge ones are written as the shortest decimal
 that round-trips their float32 value).
+
+Every input number must stay finite in float32 (``|x| <= 3.4028235e+38`` after rounding); one
+that underflows becomes 0, as rounding makes it. Nesting is bounded (:data:`MAX_ARRAY_DIMS`,
+:data:`MAX_TREE_DEPTH`) so that no check recurses past Python's stack.
 """
 
 from __future__ import annotations
@@ -19,47 +23,110 @@ class InputError(ValueError):
     """Bad CLI input; its message is printed as one line and the CLI exits with 2."""
 
 
+#: The smallest positive normal float32. XLA flushes smaller (subnormal) values to 0.
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+#: How messages write them: the shortest decimals that round-trip in float32.
+FLOAT32_MAX_TEXT, FLOAT32_TINY_TEXT = str(np.finfo(np.float32).max), str(np.finfo(np.float32).tiny)
+#: The least magnitude that rounds to inf in float32: the midpoint between the largest finite
+#: value and 2**128, which round-half-to-even sends up.
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+#: Arrays deeper than this are refused (NumPy itself stops at 64 dimensions).
+MAX_ARRAY_DIMS = 32
+#: Dicts and lists of dicts nested deeper than this are refused.
+MAX_TREE_DEPTH = 32
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_rectangular(value: Any, where: str) -> None:
-    """Raises InputError unless ``value`` is a number or a rectangular nested list of numbers."""
+def describe(value: Any) -> str:
+    """``value`` for an error message: short, one line, and safe for integers of any size."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**20:
+        digits = len(str(value).lstrip("-")) if value.bit_length() < 10_000 else int(math.log10(abs(value))) + 1
+        return f"{'a negative' if value < 0 else 'an'} integer of {digits} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _in_float32(value: float) -> bool:
+    # Exact for ints of any size.
+    return -_FLOAT32_OVERFLOW < value < _FLOAT32_OVERFLOW
+
+
+def float32_number(value: Any, where: str) -> float:
+    """``value``, a decoded JSON number that is to become a float32, checked and as a Python float.
+
+    Values that underflow (nonzero but below float32's subnormals) round to 0 like any other
+    rounding to float32; callers for which 0 is invalid check :data:`FLOAT32_TINY` themselves.
+
+    Raises:
+      InputError: ``value`` is not a number (bools are not), is NaN or infinite, or rounds to
+        infinity in float32 (its magnitude is past ``3.4028235e+38``).
+    """
+    if not _is_number(value):
+        raise InputError(f"{where}: expected a number, got {type(value).__name__} {describe(value)}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{where}: expected finite numbers, got {value!r}")
+    # Checked again as a float: an int just below the bound can round up to it on the way.
+    if not (_in_float32(value) and _in_float32(float(value))):
+        raise InputError(
+            f"{where}: {describe(value)} is outside float32's range (|x| <= {FLOAT32_MAX_TEXT})"
+        )
+    return float(value)
+
+
+def _array_shape(value: Any, where: str, dims: int) -> tuple[int, ...]:
+    """The shape of ``value``, a number or a rectangular nested list of numbers, all checked."""
     if _is_number(value):
-        if not math.isfinite(value):
-            raise InputError(f"{where}: expected finite numbers, got {value!r}")
-        return
+        float32_number(value, where)
+        return ()
     if not isinstance(value, list):
         raise InputError(
-            f"{where}: expected a number or a nested list of numbers, got {type(value).__name__} {value!r}"
+            f"{where}: expected a number or a nested list of numbers, got {type(value).__name__} {describe(value)}"
         )
+    if dims == MAX_ARRAY_DIMS:
+        raise InputError(f"{where}: lists nest deeper than {MAX_ARRAY_DIMS}; expected an array of at most "
+                         f"{MAX_ARRAY_DIMS} dimensions")
+    shape = None
     for i, item in enumerate(value):
-        _check_rectangular(item, f"{where}[{i}]")
-    shapes = {np.shape(item) for item in value}
-    if len(shapes) > 1:
-        raise InputError(f"{where}: rows of different lengths; expected a rectangular array")
+        item_shape = _array_shape(item, f"{where}[{i}]", dims + 1)
+        if shape is None:
+            shape = item_shape
+        elif item_shape != shape:
+            raise InputError(f"{where}: rows of different lengths; expected a rectangular array")
+    return (len(value), *(shape or ()))
 
 
-def tree_from_json(value: Any, where: str, dtype: Any = np.float32) -> Any:
-    """Converts a decoded JSON value to a pytree of NumPy arrays by the seeds' rule.
+def tree_from_json(value: Any, where: str, *, depth: int = 0) -> Any:
+    """Converts a decoded JSON value to a pytree of float32 NumPy arrays by the seeds' rule.
+
+    Every number must be finite in float32 (see :func:`float32_number`); arrays have at most
+    :data:`MAX_ARRAY_DIMS` dimensions and trees at most :data:`MAX_TREE_DEPTH` levels, so
+    neither the checks nor the task recurse without bound.
 
     Args:
       value: the decoded JSON value.
       where: the name of the value, used in error messages (``"params['w']"``).
-      dtype: the dtype of every array leaf.
+      depth: how many tree levels lie above ``value``.
 
     Returns:
       Dicts and lists of ``np.ndarray`` leaves.
 
     Raises:
-      InputError: a leaf is not a rectangular array of finite numbers.
+      InputError: a leaf is not a rectangular array of numbers finite in float32, or the tree or
+        an array nests too deeply.
     """
+    is_node = isinstance(value, dict) or (
+        isinstance(value, list) and value and all(isinstance(item, dict) for item in value))
+    if is_node and depth == MAX_TREE_DEPTH:
+        raise InputError(f"{where}: the tree nests deeper than {MAX_TREE_DEPTH} levels")
     if isinstance(value, dict):
-        return {key: tree_from_json(item, f"{where}[{key!r}]", dtype) for key, item in value.items()}
-    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-        return [tree_from_json(item, f"{where}[{i}]", dtype) for i, item in enumerate(value)]
-    _check_rectangular(value, where)
-    return np.asarray(value, dtype=dtype)
+        return {key: tree_from_json(item, f"{where}[{key!r}]", depth=depth + 1) for key, item in value.items()}
+    if is_node:
+        return [tree_from_json(item, f"{where}[{i}]", depth=depth + 1) for i, item in enumerate(value)]
+    _array_shape(value, where, 0)
+    return np.asarray(value, dtype=np.float32)
 
 
 def _float_out(value: float) -> float:
