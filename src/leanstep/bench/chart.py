@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from leanstep.files import write_bytes_atomic
 
 __all__ = ["plot_benchmark"]
 
@@ -58,7 +61,7 @@ def _memory_panel(ax: Any, labels: list[str], rows: list[dict[str, Any]], title:
 
 def _impl_panel(ax: Any, result: dict[str, Any]) -> None:
     config = result["config"]
-    main = dict(num_microbatches=config["num_microbatches"])
+    main = {"num_microbatches": config["num_microbatches"]}
     rows = _select(result, impl="leanstep", precision="bfloat16", remat=config["remat"], **main)
     rows += _select(result, impl="handwritten_jax", **main)
     for precision in ("float32", "bfloat16"):
@@ -108,6 +111,10 @@ def plot_benchmark(result: dict[str, Any], path: str | os.PathLike[str]) -> str:
     Six panels: leanstep's step time and compiled memory (temp, argument and output bytes)
     against the number of microbatches and against the remat policy, every implementation's
     step time, and the measured matmul peaks against leanstep's achieved model FLOPs/s.
+
+    Raises:
+      OSError: the PNG could not be written (see :func:`leanstep.files.write_bytes_atomic`:
+        nothing half-written is left at ``path``).
     """
     config, machine = result["config"], result["machine"]
     figure = Figure(figsize=(17, 9.5), dpi=100)
@@ -135,5 +142,6 @@ def plot_benchmark(result: dict[str, Any], path: str | os.PathLike[str]) -> str:
         f"{machine['cpu_model']}, {machine['cores_available']} cores | jax {machine['jax']}"
         + (f", torch {machine['torch']}" if machine.get("torch") else ""), fontsize=11)
     figure.tight_layout(rect=(0, 0, 1, 0.96))
-    figure.savefig(path, format="png")
-    return os.fspath(path)
+    png = io.BytesIO()
+    figure.savefig(png, format="png")
+    return os.fspath(write_bytes_atomic(path, png.getvalue()))

@@ -8,7 +8,6 @@ import math
 import re
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from leanstep.cli.jsontree import InputError
@@ -107,34 +106,59 @@ def _json_safe(value: Any) -> Any:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    """Runs the benchmark the flags describe; returns the exit code (0)."""
+    """Runs the benchmark the flags describe; returns the exit code.
+
+    ``--json`` and ``--chart`` are checked before the benchmark runs (minutes of work never end
+    in a path error). Should writing them still fail (a full disk), the results are not lost:
+    the table is printed, the JSON goes to stdout instead, one stderr line names what could
+    not be written, and the exit code is 1. Otherwise 0.
+
+    Raises:
+      InputError: a flag is invalid, or ``--json``/``--chart`` cannot be written there.
+    """
     from rich.console import Console
+    from rich.text import Text
 
     from leanstep.bench.chart import plot_benchmark
     from leanstep.bench.runner import run_benchmark
     from leanstep.cli.bench_table import render_benchmark
+    from leanstep.files import check_output_path, write_bytes_atomic
 
     config = _config(args)
-    for path in (args.json_path, None if args.chart == "none" else args.chart):
-        if path is not None and Path(path).is_dir():
-            raise InputError(f"{path!r} is a directory; expected a file path")
+    try:
+        json_path = None if args.json_path is None else check_output_path(args.json_path, what="--json")
+        chart_path = None if args.chart == "none" else check_output_path(args.chart, what="--chart")
+    except ValueError as error:
+        raise InputError(str(error)) from None
     start = time.perf_counter()
     stderr = Console(stderr=True)
 
     def log(message: str) -> None:
-        if not args.quiet:
-            stderr.print(f"[dim][{time.perf_counter() - start:6.1f}s] {message}[/dim]", highlight=False)
+        if not args.quiet:  # Text, not markup: a path like runs/a[/b] is printed as it is
+            stderr.print(Text(f"[{time.perf_counter() - start:6.1f}s] {message}", style="dim"), highlight=False)
 
     result = run_benchmark(config, log=log)
     result["wall_s"] = time.perf_counter() - start
     result["command"] = "leanstep bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     Console(width=max(Console().width, 150)).print(render_benchmark(result))
-    if args.chart != "none":
-        Path(args.chart).parent.mkdir(parents=True, exist_ok=True)
-        plot_benchmark(result, args.chart)
-        log(f"chart written to {args.chart}")
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(_json_safe(result), indent=2) + "\n")
-        log(f"JSON written to {args.json_path}")
+    failed, shown = [], "the table is"
+    if json_path is not None:
+        text = json.dumps(_json_safe(result), indent=2) + "\n"
+        try:
+            write_bytes_atomic(json_path, text.encode("utf-8"))
+            log(f"JSON written to {json_path}")
+        except OSError as error:
+            failed.append(f"--json {str(json_path)!r} ({error.strerror or error})")
+            sys.stdout.write(text)  # every number, where the user can still save it
+            shown = "the table and the JSON are"
+    if chart_path is not None:
+        try:
+            plot_benchmark(result, chart_path)
+            log(f"chart written to {chart_path}")
+        except OSError as error:
+            failed.append(f"--chart {str(chart_path)!r} ({error.strerror or error})")
+    if failed:
+        print(f"leanstep bench: error: could not write {' nor '.join(failed)}; {shown} printed on stdout",
+              file=sys.stderr)
+        return 1
     return 0

@@ -17,6 +17,11 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _add_row(table: Table, *cells: str) -> None:
+    """Cells as plain Text: a policy or path with ``[...]`` in it is data, not rich markup."""
+    table.add_row(*(Text(cell) for cell in cells))
+
+
 def _rows_table(result: dict[str, Any]) -> Table:
     table = Table(title="train step: time, XLA compiled memory, model FLOPs utilization (MFU: against the "
                   "measured matmul peak of the row's backend, XLA or torch, in its compute dtype)", title_justify="left")
@@ -29,8 +34,8 @@ def _rows_table(result: dict[str, Any]) -> Table:
         impl = row["impl"] + (f" ({row['variant']})" if row["variant"] else "")
         mib = {key: None if row[key] is None else row[key] / _MIB
                for key in ("temp_bytes", "argument_bytes", "output_bytes")}
-        table.add_row(
-            impl, row["precision"], str(row["num_microbatches"]), row["remat"],
+        _add_row(
+            table, impl, row["precision"], str(row["num_microbatches"]), row["remat"],
             _fmt(row["step_ms_median"], ".4g"), _fmt(row["step_ms_min"], ".4g"), _fmt(row["step_ms_max"], ".4g"),
             str(row["repeats"]), _fmt(mib["temp_bytes"], ".2f"), _fmt(mib["argument_bytes"], ".2f"),
             _fmt(mib["output_bytes"], ".2f"), _fmt(row["achieved_gflops"], ".3g"),
@@ -44,15 +49,15 @@ def _summary_table(result: dict[str, Any]) -> Table:
     table.add_column("what")
     table.add_column("value", justify="right")
     for key, value in result["ratios"].items():
-        table.add_row(key, _fmt(value, ".3f"))
+        _add_row(table, key, _fmt(value, ".3f"))
     for key, value in result["peak_gflops"].items():
         size = (result["matmul"].get(key) or {}).get("size")
-        table.add_row(f"peak GFLOP/s {key}" + (f" ({size}x{size} matmul)" if size else ""), _fmt(value, ".4g"))
+        _add_row(table, f"peak GFLOP/s {key}" + (f" ({size}x{size} matmul)" if size else ""), _fmt(value, ".4g"))
     for key, value in result["mfu"].items():
         if key.endswith("_peak"):
-            table.add_row(f"MFU {key.removesuffix('_peak')} peak", "-" if value is None else f"{value:.1%}")
+            _add_row(table, f"MFU {key.removesuffix('_peak')} peak", "-" if value is None else f"{value:.1%}")
     for key, value in result["checks"].items():
-        table.add_row(key, _fmt(value, ".6g"))
+        _add_row(table, key, _fmt(value, ".6g"))
     return table
 
 

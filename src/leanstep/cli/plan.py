@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,7 @@ def _config(args: argparse.Namespace, **fixed: Any) -> Any:
 def _table(result: Any, budget: int, chosen: Any, precision: str) -> Any:
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     from leanstep.memory_sizes import format_bytes
 
@@ -105,10 +107,10 @@ def _table(result: Any, budget: int, chosen: Any, precision: str) -> Any:
     for name in ("", "microbatches", "remat", "peak", "temporaries", "FLOPs", "fits"):
         table.add_column(name, justify="left" if name in ("", "remat", "fits") else "right", no_wrap=True)
     for c in result:
-        fits = "skipped" if c.fits is None else ("yes" if c.fits else "[red]no")
-        table.add_row("->" if c is chosen else "", str(c.setting.num_microbatches), c.setting.remat,
-                      format_bytes(c.peak_bytes), format_bytes(c.temp_bytes), "-" if c.flops is None else _si(c.flops), fits,
-                      style="bold green" if c is chosen else None)
+        fits = Text("skipped") if c.fits is None else (Text("yes") if c.fits else Text("no", style="red"))
+        cells = ("->" if c is chosen else "", str(c.setting.num_microbatches), c.setting.remat,
+                 format_bytes(c.peak_bytes), format_bytes(c.temp_bytes), "-" if c.flops is None else _si(c.flops))
+        table.add_row(*(Text(str(cell)) for cell in cells), fits, style="bold green" if c is chosen else None)
     return table
 
 
@@ -120,12 +122,27 @@ def _si(value: float) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from rich.console import Console
+    """Plans, prints the table and the choice, writes ``--json``.
 
+    Returns:
+      0; 1 when no setting fits the budget, or when ``--json`` could not be written at the end
+      (the plan is then printed on stdout as JSON, and one stderr line names the path).
+
+    Raises:
+      InputError: a flag is invalid; ``--json`` cannot be written there (checked before planning).
+    """
+    from rich.console import Console
+    from rich.text import Text
+
+    from leanstep.files import check_output_path
     from leanstep.memory_sizes import parse_bytes
     from leanstep.planning import BudgetError, settings_grid
     from leanstep.training.analysis import plan_run
 
+    try:
+        json_path = None if args.json_path is None else check_output_path(args.json_path, what="--json")
+    except ValueError as error:
+        raise InputError(str(error)) from None
     cluster = args.devices is not None or args.mesh is not None
     if args.devices is not None:
         from leanstep.distributed import configure_devices
@@ -163,9 +180,9 @@ def run_plan(args: argparse.Namespace) -> int:
             console.print(_cluster_table(error.candidates, error.budget_bytes, None, None))
         else:
             console.print(_table(error.candidates, budget, None, config.precision))
-        _write_json(args.json_path, {"budget_bytes": error.budget_bytes, "chosen": None, "error": str(error),
-                                     "candidates": [c.to_json() for c in error.candidates]})
-        console.print(f"[bold red]leanstep plan:[/] {error}")
+        console.print(Text.assemble(("leanstep plan:", "bold red"), f" {error}"))
+        _write_json(json_path, {"budget_bytes": error.budget_bytes, "chosen": None, "error": str(error),
+                                "candidates": [c.to_json() for c in error.candidates]})
         return 1
     except (TypeError, ValueError) as error:
         raise InputError(str(error)) from None
@@ -173,10 +190,9 @@ def run_plan(args: argparse.Namespace) -> int:
         console.print(_cluster_table(result.candidates, result.budget_bytes, result.chosen, result.accelerator))
     else:
         console.print(_table(result.candidates, budget, result.chosen, config.precision))
-    console.print(f"chosen: {result.chosen.setting.describe()}  (planned in {result.seconds:.1f} s, "
-                  f"{result.compiles} compiles taking {result.compile_seconds:.1f} s)")
-    _write_json(args.json_path, result.to_json())
-    return 0
+    console.print(Text(f"chosen: {result.chosen.setting.describe()}  (planned in {result.seconds:.1f} s, "
+                       f"{result.compiles} compiles taking {result.compile_seconds:.1f} s)"))
+    return 0 if _write_json(json_path, result.to_json()) else 1
 
 
 def _accelerator(args: argparse.Namespace) -> Any:
@@ -194,6 +210,7 @@ def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) 
     """One row per family (mesh, reduction, remat): its best compiled member, else its first."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     from leanstep.cluster_planning import format_seconds
     from leanstep.memory_sizes import format_bytes
@@ -227,17 +244,33 @@ def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) 
     for c in rows:
         s = c.setting
         seconds = lambda v: "-" if v is None else format_seconds(v)
-        table.add_row("->" if c is chosen else "", s.mesh, s.reduce, s.remat, str(s.num_microbatches),
-                      format_bytes(c.peak_bytes), "-" if c.flops is None else f"{c.flops / 1e9:,.1f}",
-                      "-" if c.bytes_per_step is None else f"{c.bytes_per_step / 1e9:.3f}",
-                      seconds(c.compute_seconds), seconds(c.communication_seconds), seconds(c.predicted_seconds),
-                      c.note, style="bold green" if c is chosen else None)
+        cells = ("->" if c is chosen else "", s.mesh, s.reduce, s.remat, str(s.num_microbatches),
+                 format_bytes(c.peak_bytes), "-" if c.flops is None else f"{c.flops / 1e9:,.1f}",
+                 "-" if c.bytes_per_step is None else f"{c.bytes_per_step / 1e9:.3f}",
+                 seconds(c.compute_seconds), seconds(c.communication_seconds), seconds(c.predicted_seconds), c.note)
+        table.add_row(*(Text(str(cell)) for cell in cells), style="bold green" if c is chosen else None)
     return table
 
 
-def _write_json(path: str | None, value: Any) -> None:
-    if path is not None:
-        Path(path).write_text(json.dumps(value, indent=2) + "\n")
+def _write_json(path: Path | None, value: Any) -> bool:
+    """Writes ``value`` to ``--json`` atomically; returns False if that failed.
+
+    The plan is not lost to a full disk: it is printed on stdout instead, and one line on stderr
+    names the path and the reason.
+    """
+    from leanstep.files import write_bytes_atomic
+
+    if path is None:
+        return True
+    text = json.dumps(value, indent=2) + "\n"
+    try:
+        write_bytes_atomic(path, text.encode("utf-8"))
+    except OSError as error:
+        sys.stdout.write(text)
+        print(f"leanstep plan: error: could not write --json {str(path)!r} ({error.strerror or error}); "
+              "the plan is printed on stdout as JSON", file=sys.stderr)
+        return False
+    return True
 
 
 def run_audit(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 __all__ = ["render_summary"]
 
@@ -42,7 +43,8 @@ def render_summary(summary: dict[str, Any]) -> Table:
         ``"run"`` becomes the title, ``None`` shows as a dash.
 
     Returns:
-      The table: one row per key, labels with spaces for underscores.
+      The table: one row per key, labels with spaces for underscores. Every cell and the
+      title are plain :class:`rich.text.Text`, so a run named ``a[/b]`` prints as it is.
 
     Example:
       >>> import io
@@ -59,11 +61,11 @@ def render_summary(summary: dict[str, Any]) -> Table:
       │ final train loss │ 1.2346 │
       └──────────────────┴────────┘
     """
-    table = Table(title=f"run {summary.get('run', '?')}")
+    table = Table(title=Text(f"run {summary.get('run', '?')}"))
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in summary.items():
         if key != "run":
             label = key.replace("_", " ").replace("heldout", "held-out")
-            table.add_row(_LABELS.get(key, label), _format(key, value))
+            table.add_row(Text(_LABELS.get(key, label)), Text(_format(key, value)))
     return table

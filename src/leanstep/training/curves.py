@@ -4,15 +4,19 @@
 run's summary (``leanstep report``).
 
 Plots use :class:`matplotlib.figure.Figure` with the Agg canvas, never pyplot, so drawing
-changes no global state (no backend switch, no open figures).
+changes no global state (no backend switch, no open figures). The PNG is drawn in memory and
+written atomically (:func:`leanstep.files.write_bytes_atomic`): a full disk or a read-only
+folder leaves the old chart (or none), never half a file, and is an ``OSError`` naming the path.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import pathlib
+import stat
 from typing import Any
 
 import numpy as np
@@ -20,10 +24,19 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from leanstep._checks import is_real
+from leanstep.files import (
+    describe_mode,
+    read_regular_file,
+    stat_path,
+    write_bytes_atomic,
+)
 from leanstep.training.metrics_log import RunMetrics, read_metrics
 from leanstep.training.summary import summarize
 
 __all__ = ["plot_curves", "report"]
+
+#: The largest ``config.json`` :func:`report` reads (a run's is a few KiB).
+MAX_CONFIG_BYTES = 64 << 20
 
 
 def _ema(values: np.ndarray, span: int) -> np.ndarray:
@@ -86,7 +99,11 @@ def plot_curves(
       ``path`` as a :class:`pathlib.Path`.
 
     Raises:
-      ValueError: ``max_grad_norm`` is not a positive finite number.
+      ValueError: ``max_grad_norm`` is not a positive finite number (nothing is written).
+      OSError: the PNG could not be written (``ENOSPC``, ``EACCES``, ...; same class and errno,
+        ``filename`` = ``path``). Nothing is left half-written: an older ``path`` is untouched
+        and the temporary file is removed. The caller decides what a missing chart means
+        (the trainer and ``leanstep report`` warn; the numbers are elsewhere).
 
     Example:
       >>> import tempfile
@@ -183,23 +200,30 @@ def plot_curves(
         f"{summary['clipped_steps']} clipped",
         fontsize="large",
     )
-    fig.savefig(path, format="png")
-    return path
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    return write_bytes_atomic(path, png.getvalue())
 
 
-def report(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """Re-render ``run_dir/curves.png`` from the run's files and return its summary.
+def report(run_dir: str | os.PathLike[str], *, chart: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Re-render a run directory's chart from its files and return its summary.
+
+    A chart that cannot be written (a read-only run directory, a full disk) does not lose the
+    summary: ``"curves"`` is then None and ``"curves_error"`` says why, in one line.
 
     Args:
       run_dir: a directory with ``metrics.jsonl`` and, optionally, ``config.json``
-        (whose ``max_grad_norm`` is drawn as the clip threshold).
+        (whose ``max_grad_norm`` is drawn as the clip threshold). Read as regular files only:
+        a FIFO, device or symlink loop in their place is an error, never a hang.
+      chart: where to write the PNG; default ``run_dir/curves.png``.
 
     Returns:
-      :func:`summarize`'s dict plus ``"curves"``: the path of the PNG written.
+      :func:`summarize`'s dict plus ``"curves"``: the path of the PNG written, or None, and
+      ``"curves_error"``: None, or why the PNG could not be written.
 
     Raises:
-      FileNotFoundError: ``run_dir`` or its ``metrics.jsonl`` does not exist.
-      ValueError: a file is malformed (the message names it).
+      FileNotFoundError: ``run_dir`` is not a directory, or its ``metrics.jsonl`` does not exist.
+      ValueError: a file is malformed, not a regular file or a symlink loop (the message names it).
 
     Example:
       >>> import tempfile
@@ -213,23 +237,38 @@ def report(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
       >>> summary = report(run)
       >>> summary["steps"], summary["final_train_loss"], summary["curves"].endswith("curves.png")
       (2, 2.25, True)
+      >>> summary["curves_error"] is None
+      True
     """
     run_dir = pathlib.Path(run_dir)
-    if not run_dir.is_dir():
+    if not os.path.lexists(run_dir):
         raise FileNotFoundError(f"run directory not found: {run_dir}")
-    metrics = read_metrics(run_dir / "metrics.jsonl")
+    # A symlink loop or a denied stat says so (ValueError), rather than "not found".
+    if not stat.S_ISDIR(stat_path(run_dir, what=f"run directory {str(run_dir)!r}").st_mode):
+        raise FileNotFoundError(f"run directory not found: {run_dir}")
+    metrics_path = run_dir / "metrics.jsonl"
+    if os.path.lexists(metrics_path):  # a FIFO in its place would block read_metrics' open
+        mode = stat_path(metrics_path, what=str(metrics_path)).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{metrics_path} is {describe_mode(mode)}, not a regular file")
+    metrics = read_metrics(metrics_path)
     config = None
     config_path = run_dir / "config.json"
-    if config_path.is_file():
+    if os.path.lexists(config_path):
+        text = read_regular_file(config_path, what=str(config_path), limit=MAX_CONFIG_BYTES)
         try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
+            config = json.loads(text.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"{config_path} is not valid JSON: {error}") from None
         if not isinstance(config, dict):
             raise ValueError(f"{config_path} holds {type(config).__name__}; expected an object")
     max_grad_norm = None if config is None else config.get("max_grad_norm")
+    chart = run_dir / "curves.png" if chart is None else pathlib.Path(chart)
+    curves = error_line = None
     try:
-        curves = plot_curves(metrics, run_dir / "curves.png", max_grad_norm=max_grad_norm)
+        curves = str(plot_curves(metrics, chart, max_grad_norm=max_grad_norm))
     except ValueError as error:
         raise ValueError(f"{config_path}: {error}") from None
-    return {**summarize(metrics, config), "curves": str(curves)}
+    except OSError as error:
+        error_line = f"cannot write the chart {str(chart)!r}: {error.strerror or error}"
+    return {**summarize(metrics, config), "curves": curves, "curves_error": error_line}

@@ -11,15 +11,29 @@ import dataclasses
 import hashlib
 import operator
 import os
+import stat
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 
 from leanstep._checks import is_int
+from leanstep.files import (
+    describe_skipped,
+    expand_path,
+    read_regular_file,
+    stat_path,
+    walk_regular_files,
+)
 
 #: Cap on the default corpus, so that loading it takes a fraction of a second.
 DEFAULT_CORPUS_BYTES = 8_000_000
+#: The most bytes ``--data`` may hold (one file, or all regular files of a folder): 1 GiB. The
+#: corpus is held in memory about twice over (the bytes read, then the train/held-out arrays).
+MAX_CORPUS_BYTES = 1 << 30
+#: The most entries (files, folders, anything) a ``--data`` folder may hold, so that pointing
+#: ``--data`` at ``/`` ends in an error rather than an hour-long walk.
+MAX_CORPUS_ENTRIES = 1_000_000
 #: Folder names left out of the default corpus: installed packages and the stdlib's own tests
 #: (huge, repetitive generated data files that would dominate the sample).
 EXCLUDED_DIRS = frozenset(
@@ -48,11 +62,16 @@ def default_corpus_paths(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
     candidates.sort(key=lambda p: p.relative_to(root).as_posix())
     chosen, total = [], 0
     for path in candidates:
-        size = path.stat().st_size
-        if total + size > max_bytes:
+        try:
+            info = path.stat()
+        except OSError:  # a broken link or a symlink loop in a damaged install: not source
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            continue
+        if total + info.st_size > max_bytes:
             break
         chosen.append(path)
-        total += size
+        total += info.st_size
     return chosen
 
 
@@ -66,6 +85,8 @@ class Corpus:
       heldout_fraction: the fraction asked for.
       train, heldout: the concatenated bytes, ``uint8`` arrays.
       train_files, heldout_files: relative names of the files in each part.
+      skipped: entries of a ``--data`` folder passed over because they are not regular files
+        or cannot be read, by kind (``{"a FIFO (named pipe)": 1}``); empty for a file.
     """
 
     source: str
@@ -75,12 +96,14 @@ class Corpus:
     heldout: np.ndarray
     train_files: tuple[str, ...]
     heldout_files: tuple[str, ...]
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict[str, object]:
         """A JSON-ready record of the data and its split, for ``config.json``.
 
         ``files_sha256`` hashes the file list with each file's part; ``data_sha256`` hashes the
         bytes of both parts, so two runs agree on data exactly when both hashes match.
+        ``skipped_entries`` appears only when a folder held entries that were not read.
         """
         listing = "".join(f"train\t{n}\n" for n in self.train_files)
         listing += "".join(f"heldout\t{n}\n" for n in self.heldout_files)
@@ -96,29 +119,21 @@ class Corpus:
             "heldout_bytes": int(self.heldout.size),
             "files_sha256": hashlib.sha256(listing.encode()).hexdigest(),
             "data_sha256": data_hash.hexdigest(),
+            **({"skipped_entries": dict(sorted(self.skipped.items()))} if self.skipped else {}),
         }
 
 
-def _read_text_files(root: Path) -> list[tuple[str, bytes]]:
+def _read_text_files(root: Path, what: str) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
     """Every non-empty text file under ``root`` as ``(relative posix name, bytes)``, sorted.
 
-    Hidden files and folders (``.git``) are skipped, as are files that cannot be read or contain
-    a NUL byte (taken as binary). Symlinked folders are not followed, so a loop cannot hang us.
+    Read by :func:`leanstep.files.walk_regular_files` within :data:`MAX_CORPUS_BYTES` and
+    :data:`MAX_CORPUS_ENTRIES`: hidden files and folders (``.git``) are left out; FIFOs, sockets,
+    devices, symlink loops, symlinked folders and unreadable entries are skipped and counted
+    (the second value), never opened in a way that blocks. Files containing a NUL byte are taken
+    as binary and left out. Raises ValueError (see ``walk_regular_files``).
     """
-    found = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in files:
-            if name.startswith("."):
-                continue
-            path = Path(folder, name)
-            try:
-                content = path.read_bytes()
-            except OSError:
-                continue
-            if content and b"\0" not in content:
-                found.append((path.relative_to(root).as_posix(), content))
-    return sorted(found)
+    found = walk_regular_files(root, what=what, max_bytes=MAX_CORPUS_BYTES, max_entries=MAX_CORPUS_ENTRIES)
+    return [(name, content) for name, content in found.files if content and b"\0" not in content], found.skipped
 
 
 def _heldout_indices(n_files: int, fraction: float) -> set[int]:
@@ -141,7 +156,7 @@ def load_corpus(
 
     - ``None``: the standard library corpus of :func:`default_corpus_paths`.
     - a folder: every text file under it (see ``_read_text_files``), sorted by relative path.
-    - a file: its bytes, whatever they are.
+    - a regular file: its bytes, whatever they are.
 
     With two or more files, whole files are held out: ``round(n * heldout_fraction)`` of them,
     but at least one and at most ``n - 1``, at evenly spread positions of the sorted list
@@ -156,43 +171,50 @@ def load_corpus(
     Returns:
       A :class:`Corpus`.
 
+    ``~`` in ``path`` is expanded. Only regular files are read (see :mod:`leanstep.files`):
+    a FIFO, socket or device named by ``path`` is refused, one inside a folder is skipped and
+    counted in :attr:`Corpus.skipped`; a file or folder of more than :data:`MAX_CORPUS_BYTES`
+    bytes, or a folder of more than :data:`MAX_CORPUS_ENTRIES` entries, is refused.
+
     Raises:
-      ValueError: the path is missing, empty, has no readable text, or a part is too small;
-        ``heldout_fraction`` is outside ``(0, 1)``.
+      ValueError: naming ``--data`` and the path: it is missing, a symlink loop, not a regular
+        file or folder (a FIFO, a device), unreadable, empty, over a limit, has no readable text,
+        or a part is too small; ``heldout_fraction`` is outside ``(0, 1)``.
     """
     if not isinstance(heldout_fraction, (int, float)) or not 0.0 < heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in (0, 1); got {heldout_fraction!r}")
     expected = "expected a text file or a folder of text files"
+    skipped: dict[str, int] = {}
     if path is None:
         root = Path(sysconfig.get_paths()["stdlib"])
         source = f"stdlib:{root}"
-        files = [(p.relative_to(root).as_posix(), p.read_bytes()) for p in default_corpus_paths()]
+        files = [(p.relative_to(root).as_posix(),
+                  read_regular_file(p, what=f"standard library file {str(p)!r}", limit=DEFAULT_CORPUS_BYTES))
+                 for p in default_corpus_paths()]
     else:
-        root = Path(path)
+        root = expand_path(path)
         source = str(root)
-        if not root.exists():
-            raise ValueError(f"--data path {source!r} does not exist; {expected}")
-        if root.is_dir():
-            files = _read_text_files(root)
-            if not files:
-                raise ValueError(
-                    f"--data folder {source!r} holds no readable, non-empty text file; {expected}"
-                )
-        else:
-            try:
-                files = [(root.name, root.read_bytes())]
-            except OSError as error:
-                message = f"--data file {source!r} cannot be read ({error}); {expected}"
-                raise ValueError(message) from None
-            if not files[0][1]:
-                raise ValueError(f"--data file {source!r} is empty; {expected}")
+        try:
+            if stat.S_ISDIR(stat_path(root, what=f"--data path {source!r}").st_mode):
+                files, skipped = _read_text_files(root, f"--data folder {source!r}")
+            else:
+                files = [(root.name, read_regular_file(root, what=f"--data file {source!r}", limit=MAX_CORPUS_BYTES))]
+        except ValueError as error:
+            raise ValueError(f"{error}; {expected}") from None
+        if not files:
+            left_out = f" (skipped: {describe_skipped(skipped)})" if skipped else ""
+            raise ValueError(
+                f"--data folder {source!r} holds no readable, non-empty text file{left_out}; {expected}"
+            )
+        if not files[0][1]:
+            raise ValueError(f"--data file {source!r} is empty; {expected}")
 
     if len(files) == 1:
         name, content = files[0]
         cut = len(content) - int(len(content) * heldout_fraction)
         corpus = Corpus(
             source, "bytes", heldout_fraction,
-            _as_array([content[:cut]]), _as_array([content[cut:]]), (name,), (name,),
+            _as_array([content[:cut]]), _as_array([content[cut:]]), (name,), (name,), skipped,
         )  # fmt: skip
     else:
         held = _heldout_indices(len(files), heldout_fraction)
@@ -201,7 +223,7 @@ def load_corpus(
         corpus = Corpus(
             source, "files", heldout_fraction,
             _as_array([c for _, c in train]), _as_array([c for _, c in heldout]),
-            tuple(n for n, _ in train), tuple(n for n, _ in heldout),
+            tuple(n for n, _ in train), tuple(n for n, _ in heldout), skipped,
         )  # fmt: skip
 
     need = 2 if seq_len is None else _check_positive("seq_len", seq_len) + 1
