@@ -27,6 +27,11 @@ from leanstep.checkpoint import (
     CheckpointError,
     RestoreResult,
 )
+from leanstep.checkpoint_layout import (
+    STAGING,
+    remove_unfinished_saves,
+    unfinished_saves,
+)
 
 
 @functools.partial(
@@ -380,16 +385,34 @@ def test_template_mismatch_is_rejected_not_cast(ckpt):
 
 def test_an_interrupted_save_is_never_listed(ckpt):
     states = save_steps(ckpt, [1])
-    # What a crash mid-write leaves: orbax's temporary directory, never renamed.
-    partial = ckpt.directory / "2.orbax-checkpoint-tmp"
-    partial.mkdir()
-    (partial / "state").mkdir()
+    # What a crash mid-write leaves: a staged step (maybe orbax's own temporary directory in it),
+    # never renamed to its final name; and a legacy orbax temporary directory.
+    staged = ckpt.directory / STAGING / "2"
+    (staged / "state").mkdir(parents=True)
+    (ckpt.directory / STAGING / "2.orbax-checkpoint-tmp-123").mkdir()
+    (ckpt.directory / "3.orbax-checkpoint-tmp").mkdir()
     assert ckpt.all_steps() == [1]
     result = ckpt.restore(make_state(0))
     assert result.step == 1 and result.skipped == ()
     assert_bit_equal(result.state, states[1])
-    ckpt.save(2, make_state(2))  # orbax replaces the stale temporary directory
-    assert ckpt.all_steps() == [1, 2] and not partial.exists()
+    ckpt.save(2, make_state(2))  # a new save of the same step replaces what was staged
+    assert ckpt.all_steps() == [1, 2] and not staged.exists()
+    assert (ckpt.directory / "2" / MANIFEST_NAME).is_file()
+    assert unfinished_saves(ckpt.directory) == ["3.orbax-checkpoint-tmp"]
+    assert remove_unfinished_saves(ckpt.directory) == ["removed an unfinished checkpoint write: 3.orbax-checkpoint-tmp"]
+    assert sorted(p.name for p in ckpt.directory.iterdir()) == ["1", "2"]
+
+
+def test_zero_size_leaves_round_trip(ckpt):
+    # Orbax refuses zero-size arrays; the checkpoint holds a placeholder, the manifest the true shape.
+    state = {"empty": jnp.zeros((0, 3), jnp.bfloat16), "w": jnp.arange(3.0), "none": np.zeros((2, 0), np.int32)}
+    ckpt.save(1, state)
+    result = ckpt.restore({"empty": jnp.ones((0, 3), jnp.bfloat16), "w": jnp.zeros(3), "none": np.ones((2, 0), np.int32)})
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(result.state)] == \
+        [((0, 3), jnp.bfloat16), ((2, 0), np.int32), ((3,), np.float32)]
+    assert_bit_equal(result.state, state)
+    with pytest.raises(CheckpointError, match=r"\['empty'\] is bfloat16\[0, 3\] in the checkpoint, bfloat16\[0, 4\]"):
+        ckpt.restore({"empty": jnp.zeros((0, 4), jnp.bfloat16), "w": jnp.zeros(3), "none": np.ones((2, 0), np.int32)})
 
 
 def test_killed_process_mid_save_leaves_the_previous_checkpoint(tmp_path):

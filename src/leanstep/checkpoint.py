@@ -1,42 +1,58 @@
 """Checkpoints of the whole train state: orbax writes them, a checksum manifest vouches for them.
 
-Layout of a checkpoint directory::
+Layout of a checkpoint directory (:mod:`leanstep.checkpoint_layout`)::
 
     <directory>/<step>/state/...                  the state pytree (orbax, OCDBT)
     <directory>/<step>/extra/metadata             the ``extra`` dict (orbax, JSON)
     <directory>/<step>/leanstep_manifest.json     size + sha256 of every other file
-    <directory>/<step>.orbax-checkpoint-tmp/      a save in progress (or interrupted)
+    <directory>/.staging/<step>/                  a save in progress (or interrupted)
 
-Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` only when
-complete, so an interrupted save is never listed. The manifest (:mod:`leanstep.checkpoint_manifest`)
-is written after the rename (temporary file + ``os.replace``); a step without a valid manifest,
-or whose files do not match it, is never restored, and :meth:`Checkpointer.restore` falls back
-to the newest step that passes. Old steps are deleted only after the newer step's manifest is on disk.
+Orbax writes a step under ``.staging``; the manifest (:mod:`leanstep.checkpoint_manifest`) is
+written there last, and only then is the step renamed to its final name. A step and its
+manifest are committed as one: a directory ``<step>`` without its manifest never exists, an
+interrupted save is never listed, and a step whose files do not match its manifest is never
+restored (:meth:`Checkpointer.restore` falls back to the newest step that passes). Old steps
+are deleted only after the newer step is committed, and are renamed away before they are removed.
+Zero-size leaves hold no data; orbax refuses them, so they are saved as a placeholder and
+restored from the template's shape and dtype (the manifest records their true shape).
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 import os
+import re
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from leanstep._checks import is_int
+from leanstep.checkpoint_layout import (
+    STAGING,
+    commit_step,
+    committed_steps,
+    retire_step,
+    staging_path,
+    unfinished_saves,
+)
 from leanstep.checkpoint_manifest import (
     MANIFEST_NAME,
     RejectedStep,
     verify_manifest,
     write_manifest,
 )
+from leanstep.checkpoint_trees import (
+    abstract_leaf,
+    check_json,
+    check_step,
+    leaf_specs,
+    with_placeholders,
+    zero_size_from_template,
+)
 
 __all__ = ["CheckpointError", "Checkpointer", "RestoreResult", "MANIFEST_NAME"]
-
-_TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 logger = logging.getLogger(__name__)
 
@@ -61,56 +77,14 @@ class RestoreResult(NamedTuple):
     skipped: tuple[str, ...]
 
 
-def _leaf_specs(tree: Any, name: str, *, abstract_ok: bool) -> list[list[Any]]:
-    """``[keypath, shape, dtype]`` per leaf; raises TypeError for a leaf that is not an array."""
-    specs = []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        is_abstract = isinstance(leaf, jax.ShapeDtypeStruct)
-        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) or (is_abstract and not abstract_ok):
-            allowed = "jax.Array or np.ndarray" + (" or jax.ShapeDtypeStruct" if abstract_ok else "")
-            raise TypeError(
-                f"{name}{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; every leaf of "
-                f"{name} must be a {allowed}"
-            )
-        specs.append([jax.tree_util.keystr(path), [int(d) for d in leaf.shape], str(leaf.dtype)])
-    return specs
-
-
-def _abstract(leaf: Any) -> jax.ShapeDtypeStruct:
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf
-    # A concrete jax.Array carries the sharding the restored array must have.
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=getattr(leaf, "sharding", None))
-
-
-def _check_step(step: Any) -> int:
-    """Accepts any integer scalar (Python, NumPy, a jax scalar array), not a bool."""
-    try:
-        index = operator.index(step) if not isinstance(step, (bool, np.bool_)) else -1
-    except TypeError:
-        index = -1
-    if index < 0:
-        raise ValueError(f"step must be a non-negative integer, got {step!r}")
-    return index
-
-
-def _check_json(value: Any, where: str) -> None:
-    """Rejects what JSON would silently change (tuples, non-str keys) or cannot hold."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(
-                    f"{where} has key {key!r} of type {type(key).__name__}; JSON keys must be str"
-                )
-            _check_json(item, f"{where}[{key!r}]")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_json(item, f"{where}[{i}]")
-    elif value is not None and type(value) not in (bool, int, float, str):
-        raise TypeError(
-            f"{where} is a {type(value).__name__} ({value!r}); extra must hold only dict (str keys), "
-            "list, str, int, float, bool and None (convert arrays with float()/int()/.tolist())"
-        )
+def _failure(error: Exception) -> str:
+    """One line for a failed orbax write: the OS error first, where tensorstore buried it."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code is None:
+        return text if len(text) <= 400 else text[:400] + "…"
+    number = int(code.group(1))
+    return f"[Errno {number}] {os.strerror(number)} ({text[:200]}…)"
 
 
 class Checkpointer:
@@ -118,9 +92,10 @@ class Checkpointer:
 
     Pseudocode of the guarantees::
 
-        save(s):    refuse if a step >= s exists; orbax writes <s>.tmp, renames to <s>;
-                    write <s>/manifest (sha256 of every file) atomically;
-                    delete steps older than the newest max_to_keep steps with a manifest
+        save(s):    refuse if a step >= s exists; orbax writes .staging/<s>;
+                    write .staging/<s>/manifest (sha256 of every file), fsync;
+                    rename .staging/<s> to <s> (the commit), fsync the directory;
+                    delete steps older than the newest max_to_keep (renamed away, then removed)
         restore():  for s in steps, newest first:
                         manifest valid and files match and leaves match template
                         and orbax restores it  ->  return it
@@ -167,11 +142,8 @@ class Checkpointer:
         self.max_to_keep = max_to_keep
         self._pending: list[tuple[int, list[list[Any]]]] = []
         self._closed = False
-        # Orbax keeps every step; we prune ourselves, and only after the newer manifest is written,
-        # so a crash between orbax's rename and our manifest never leaves fewer verified steps.
-        self._manager = ocp.CheckpointManager(
-            path, options=ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=True)
-        )
+        # Orbax writes each step into staging; committing, pruning and listing are ours.
+        self._orbax = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -186,18 +158,16 @@ class Checkpointer:
     def _step_dirs(self) -> list[int]:
         """Finalized step directories on disk (orbax's own step naming: the bare number)."""
         try:
-            entries = list(os.scandir(self.directory))
+            return committed_steps(self.directory)
         except OSError as e:
             raise CheckpointError(f"cannot list checkpoint directory {self.directory}: {e}") from e
-        names = [e.name for e in entries if e.name.isascii() and e.name.isdigit() and e.is_dir()]
-        return sorted(int(n) for n in names if str(int(n)) == n)
 
     def all_steps(self) -> list[int]:
-        """Steps orbax finished writing, ascending (their checksums are verified on restore)."""
+        """Committed steps, ascending (their checksums are verified on restore)."""
         return self._step_dirs()
 
     def latest_step(self) -> int | None:
-        """The newest step orbax finished writing, or None if there is none."""
+        """The newest committed step, or None if there is none."""
         steps = self._step_dirs()
         return steps[-1] if steps else None
 
@@ -221,12 +191,12 @@ class Checkpointer:
             :meth:`delete_newer_than` after resuming from an older step), or writing failed
             (earlier checkpoints are untouched).
         """
-        step = _check_step(step)
+        step = check_step(step)
         extra = {} if extra is None else extra
         if not isinstance(extra, dict):
             raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
-        _check_json(extra, "extra")
-        specs = _leaf_specs(state, "state", abstract_ok=False)
+        check_json(extra, "extra")
+        specs = leaf_specs(state, "state", abstract_ok=False)
         self._check_open()
         self.wait_until_finished()
         clashing = [s for s in self._step_dirs() if s >= step]
@@ -236,13 +206,12 @@ class Checkpointer:
                 "steps must increase (after resuming from an older step, remove the newer ones "
                 "with delete_newer_than)"
             )
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave(extra))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(with_placeholders(state)), extra=ocp.args.JsonSave(extra))
         try:
-            # force: orbax's own save-interval policy must never skip a save silently.
-            self._manager.save(step, args=args, force=True)
+            self._orbax.save(staging_path(self.directory, step), args=args, force=True)
         except Exception as e:
             raise CheckpointError(
-                f"saving step {step} to {self.directory} failed: {type(e).__name__}: {e}"
+                f"saving step {step} to {self.directory} failed: {_failure(e)}"
             ) from e
         self._pending.append((step, specs))
         if wait:
@@ -258,43 +227,50 @@ class Checkpointer:
             return
         pending, self._pending = self._pending, []
         try:
-            self._manager.wait_until_finished()
+            self._orbax.wait_until_finished()
         except Exception as e:
             steps = [s for s, _ in pending]
+            if jax.process_index() == 0:  # what the failed writes left in staging goes now
+                for step in steps:
+                    staging_path(self.directory, step)
             raise CheckpointError(
-                f"saving step(s) {steps} to {self.directory} failed: {type(e).__name__}: {e}"
+                f"saving step(s) {steps} to {self.directory} failed: {_failure(e)}"
             ) from e
-        # Multi-process: every process saves its own shards (orbax), but the manifest has one
-        # writer, process 0; the others wait for it so that no process prunes or restores early.
-        primary = jax.process_index() == 0
+        # Multi-process: every process saves its own shards (orbax), but the manifest and the
+        # commit have one writer, process 0; the others wait for it so that none prunes or
+        # restores early.
         for step, specs in pending:
-            step_dir = self.directory / str(step)
+            staged = self.directory / STAGING / str(step)
             try:
-                if primary:
-                    write_manifest(step_dir, step, specs)
-            except OSError as e:  # the step stays unverified, so restore never picks it
-                raise CheckpointError(f"writing the manifest of {step_dir} failed: {e}") from e
+                if jax.process_index() == 0:
+                    write_manifest(staged, step, specs)
+                    commit_step(self.directory, step)
+            except OSError as e:  # the step stays in staging, so it is never listed or restored
+                raise CheckpointError(f"committing step {step} in {self.directory} failed: {e}") from e
         if pending:
-            if jax.process_count() > 1:
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices(f"leanstep manifest {self.directory} {pending[-1][0]}")
+            self._sync(f"commit {pending[-1][0]}")
             self._prune()
+
+    def _sync(self, what: str) -> None:
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"leanstep {what} {self.directory}")
 
     def _prune(self) -> None:
         steps = self._step_dirs()
+        # Steps with a manifest count (a step of leanstep < 0.5 may lack one after a crash).
         verified = [s for s in steps if (self.directory / str(s) / MANIFEST_NAME).is_file()]
-        if len(verified) <= self.max_to_keep:
-            return
-        oldest_kept = verified[-self.max_to_keep]
-        for step in steps:
-            if step < oldest_kept:
+        if len(verified) > self.max_to_keep:
+            for step in [s for s in steps if s < verified[-self.max_to_keep]]:
                 self._delete(step)
 
     def _delete(self, step: int) -> None:
-        if step not in self._manager.all_steps():
-            self._manager.reload()  # the directory changed behind orbax's cache
-        self._manager.delete(step)
+        if jax.process_index() == 0:
+            try:
+                retire_step(self.directory, step)
+            except OSError as e:
+                raise CheckpointError(f"deleting step {step} from {self.directory} failed: {e}") from e
 
     def delete_newer_than(self, step: int) -> list[int]:
         """Deletes every step after ``step`` (a run resumed from ``step`` abandons them).
@@ -305,12 +281,14 @@ class Checkpointer:
         Raises:
           ValueError: ``step`` is not a non-negative integer.
         """
-        step = _check_step(step)
+        step = check_step(step)
         self._check_open()
         self.wait_until_finished()
         newer = [s for s in self._step_dirs() if s > step]
         for s in newer:
             self._delete(s)
+        if newer:
+            self._sync(f"deleted after {step}")
         return newer
 
     def restore(self, template_state: Any, *, step: int | None = None) -> RestoreResult:
@@ -336,9 +314,9 @@ class Checkpointer:
             does not exist or did not pass.
         """
         if step is not None:
-            step = _check_step(step)
-        specs = _leaf_specs(template_state, "template_state", abstract_ok=True)
-        abstract = jax.tree.map(_abstract, template_state)
+            step = check_step(step)
+        specs = leaf_specs(template_state, "template_state", abstract_ok=True)
+        abstract = jax.tree.map(abstract_leaf, template_state)
         self._check_open()
         self.wait_until_finished()
         steps = self._step_dirs()
@@ -349,8 +327,8 @@ class Checkpointer:
             try:
                 verify_manifest(self.directory / str(candidate), candidate, specs)
                 try:
-                    restored = self._manager.restore(
-                        candidate,
+                    restored = self._orbax.restore(
+                        self.directory / str(candidate),
                         args=ocp.args.Composite(
                             state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()
                         ),
@@ -361,8 +339,9 @@ class Checkpointer:
                 skipped.append(f"step {candidate}: {e}")
                 logger.warning("skipping checkpoint %s/%d: %s", self.directory, candidate, e)
                 continue
-            return RestoreResult(restored.state, dict(restored.extra), candidate, tuple(skipped))
-        interrupted = sorted(e.name for e in os.scandir(self.directory) if _TMP_SUFFIX in e.name)
+            state = zero_size_from_template(template_state, restored.state)
+            return RestoreResult(state, dict(restored.extra), candidate, tuple(skipped))
+        interrupted = unfinished_saves(self.directory)
         found = "; ".join(skipped) if skipped else "no finished checkpoints"
         if interrupted:
             found += f"; unfinished saves (ignored): {interrupted}"
@@ -376,4 +355,4 @@ class Checkpointer:
             self.wait_until_finished()
         finally:
             self._closed = True
-            self._manager.close()
+            self._orbax.close()

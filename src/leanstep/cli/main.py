@@ -1,9 +1,23 @@
-"""The ``leanstep`` command: parses arguments and hands them to one subcommand."""
+"""The ``leanstep`` command: parses arguments and hands them to one subcommand.
+
+One handler, here, turns every anticipated failure into one line on stderr and an exit code:
+
+    2    bad input: a flag, a file, a run directory that does not fit (InputError, argparse)
+    1    the work could not be done or saved: OSError (with its path), a checkpoint, budget or
+         run failure of leanstep's own, JAX unable to start the backend JAX_PLATFORMS names,
+         memory exhausted
+    130  interrupted (Ctrl-C)
+
+An exception that none of these covers is a bug in leanstep and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+from typing import Any
 
 from leanstep.cli import bench, plan, report, solve, train
 from leanstep.cli.jsontree import InputError
@@ -27,16 +41,74 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _os_error(error: OSError) -> str:
+    where = f": {error.filename!r}" if error.filename else ""
+    return f"{error.strerror or error}{where}"
+
+
+def _backend_problem() -> str | None:
+    """Why JAX cannot start a backend (e.g. JAX_PLATFORMS names one not installed), or None."""
+    try:
+        import jax
+
+        jax.devices()
+    except Exception as error:  # noqa: BLE001 - whatever JAX raises here, the backend is the problem
+        platforms = os.environ.get("JAX_PLATFORMS")
+        named = f"JAX_PLATFORMS={platforms!r}: " if platforms else ""
+        return (f"{named}JAX cannot start a backend ({type(error).__name__}: {_one_line(error) or 'no message'}); "
+                "unset JAX_PLATFORMS or install the jax plugin for that platform")
+    return None
+
+
+def _quiet_dependencies() -> None:
+    """A failed orbax save reports itself three more ways: absl ERROR logs with tracebacks from its
+    threads, asyncio's "Task exception was never retrieved", and tensorstore callbacks that reach
+    orbax's closed event loop ("Event loop is closed", as unraisable exceptions). leanstep
+    reports the failure itself, in one line; these go."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    default = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            default(unraisable)
+
+    sys.unraisablehook = hook
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_dependencies()
     args = build_parser().parse_args(argv)
+
+    def fail(message: str, code: int) -> int:
+        print(f"leanstep {args.command}: error: {_one_line(message)}", file=sys.stderr)
+        return code
+
+    from leanstep.checkpoint import CheckpointError
+
     try:
         return args.run(args)
     except InputError as error:
-        print(f"leanstep {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return fail(str(error), 2)
     except KeyboardInterrupt:
         print(f"leanstep {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as error:
+        return fail(_os_error(error), 1)
+    except CheckpointError as error:
+        return fail(str(error), 1)
+    except MemoryError:
+        return fail("out of memory (host RAM); choose a smaller model, batch or input", 1)
+    except (RuntimeError, AssertionError):
+        problem = _backend_problem()
+        if problem is None:
+            raise  # a bug: keep the traceback
+        return fail(problem, 1)
 
 
 if __name__ == "__main__":

@@ -68,11 +68,12 @@ class TrainProgress:
         self._task = self._progress.add_task("train", total=total, completed=start, info=self._info)
 
     def __enter__(self) -> "TrainProgress":
-        self._progress.__enter__()
+        self._started = False  # the bar appears with the run's first record: a refused run leaves none
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._progress.__exit__(*exc)
+        if self._started:
+            self._progress.__exit__(*exc)
 
     @property
     def info(self) -> str:
@@ -91,6 +92,9 @@ class TrainProgress:
         Raises:
           TypeError: a record of another type.
         """
+        if not getattr(self, "_started", True):
+            self._progress.start()
+            self._started = True
         for record in records:
             if isinstance(record, TrainRecord):
                 self._skipped += record.skipped

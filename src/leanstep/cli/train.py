@@ -142,5 +142,6 @@ def run_train(args: argparse.Namespace) -> int:
         return stopped.exit_code
     if "run" in summary:  # process 0 of a multi-process run summarizes it
         console.print(render_summary(summary))
-    console.print(Text(f"run directory: {config.out}  (chart: {summary['curves']})"), soft_wrap=True)
+    chart = summary["curves"] or "not written, see the warning above"
+    console.print(Text(f"run directory: {config.out}  (chart: {chart})"), soft_wrap=True)
     return 0

@@ -45,6 +45,10 @@ def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:
     return jax.tree_util.tree_map(cast, params)
 
 
+#: The most values one ``jax.random.normal`` draw of :func:`normal_arrays` holds (int32 indices).
+_MAX_DRAW = 2**31 - 1
+
+
 def normal_arrays(
     key: jax.Array, specs: Mapping[str, tuple[tuple[int, ...], float]]
 ) -> dict[str, jax.Array]:
@@ -60,10 +64,15 @@ def normal_arrays(
       {'w': (2, 3), 'b': (4,)}
     """
     sizes = [math.prod(shape) for shape, _ in specs.values()]
+    if sum(sizes) > _MAX_DRAW:  # a model past 2**31 parameters: one draw per array (int32 offsets)
+        keys = jax.random.split(key, len(specs))
+        return {name: std * jax.random.normal(k, shape, jnp.float32)
+                for k, (name, (shape, std)) in zip(keys, specs.items())}
     flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
     arrays, start = {}, 0
     for (name, (shape, std)), size in zip(specs.items(), sizes):
-        arrays[name] = std * flat[start : start + size].reshape(shape)
+        # A static slice: its bounds are HLO attributes, not int32 arguments.
+        arrays[name] = std * jax.lax.slice(flat, (start,), (start + size,)).reshape(shape)
         start += size
     return arrays
 

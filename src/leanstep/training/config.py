@@ -10,7 +10,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from typing import Any
+
+import numpy as np
 
 from leanstep._checks import is_int, is_real
 from leanstep.loss_scale import LossScale
@@ -33,6 +36,12 @@ RESUMABLE_FIELDS = frozenset({"steps", "stop_at", "eval_every", "checkpoint_ever
 
 #: ``(flag, field)`` of the model-size overrides.
 MODEL_FLAGS = (("--d-model", "d_model"), ("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-ff", "d_ff"))
+
+
+#: The largest int32: the bound of every count and size of a run.
+INT32_MAX = 2**31 - 1
+#: float32's smallest normal and largest finite numbers.
+FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 def _flag(name: str) -> str:
@@ -90,25 +99,41 @@ class RunConfig:
     mesh: str | None = None
     reduce: str = "auto"
 
+    def __post_init__(self) -> None:
+        # "~" means the home directory in every path, the same for every file of the run.
+        for name in ("out", "data"):
+            value = getattr(self, name)
+            if isinstance(value, str) and value.startswith("~"):
+                object.__setattr__(self, name, os.path.expanduser(value))
+
     def validate(self) -> RunConfig:
         """Checks every field, naming its flag; returns self.
 
         Raises:
           ValueError: the first field that is wrong, with its flag and what would be right.
         """
-        def check_int(name: str, minimum: int = 1) -> None:
+        def check_int(name: str, minimum: int = 1, maximum: int = INT32_MAX) -> None:
+            # Counters and sizes live in int32 (the step counter saturates there), so every one is
+            # bounded here, where it is parsed, not where it would overflow.
             value = getattr(self, name)
             if not is_int(value) or value < minimum:
                 raise ValueError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
+            if value > maximum:
+                raise ValueError(f"{_flag(name)} must be an integer in [{minimum}, {maximum}], got {value!r}")
 
         for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every", "eval_batches",
                      "checkpoint_every", "keep_checkpoints", "max_consecutive_skips"):
             check_int(name)
         check_int("warmup_steps", 0)
-        check_int("seed", 0)
+        check_int("seed", 0, 2**32 - 1)  # a PRNG key keeps 32 bits of the seed
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "stop_at", "devices"):
             if getattr(self, name) is not None:
                 check_int(name)
+        if self.batch_size * self.seq_len > INT32_MAX:
+            raise ValueError(f"--batch-size {self.batch_size} times --seq-len {self.seq_len} is more than "
+                             f"{INT32_MAX} tokens per step")
+        if self.stop_at is not None and self.stop_at > self.steps:
+            raise ValueError(f"--stop-at {self.stop_at} is past --steps {self.steps}: the run would never stop there")
         if self.batch_size % self.microbatches:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches {self.microbatches}")
         if self.mesh is not None:
@@ -124,13 +149,22 @@ class RunConfig:
         if self.devices is not None and self.mesh is None and self.batch_size % (self.microbatches * self.devices):
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches "
                              f"{self.microbatches} times --devices {self.devices}")
-        for name in ("lr", "initial_loss_scale"):
-            if not _is_number(getattr(self, name), 0, strict=True):
-                raise ValueError(f"{_flag(name)} must be a positive finite number, got {getattr(self, name)!r}")
+        # Each of these becomes a float32: a positive one must be a normal float32 (a denormal
+        # one flushes to zero, a huge one is inf), and a non-negative one finite in float32.
+        for name in ("lr", "initial_loss_scale", "max_grad_norm"):
+            value, none = getattr(self, name), " or 'none'" if name == "max_grad_norm" else ""
+            if name == "max_grad_norm" and value is None:
+                continue
+            if not _is_number(value, 0, strict=True):
+                raise ValueError(f"{_flag(name)} must be a positive finite number{none}, got {value!r}")
+            if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+                raise ValueError(f"{_flag(name)} must be in float32's normal range [{FLOAT32_TINY:.8g}, "
+                                 f"{FLOAT32_MAX:.8g}]{none} (it becomes a float32), got {value!r}")
         if not _is_number(self.weight_decay, 0, strict=False):
             raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
-        if self.max_grad_norm is not None and not _is_number(self.max_grad_norm, 0, strict=True):
-            raise ValueError(f"--max-grad-norm must be a positive finite number or 'none', got {self.max_grad_norm!r}")
+        if self.weight_decay > FLOAT32_MAX:
+            raise ValueError(f"--weight-decay must be at most {FLOAT32_MAX:.8g} (it becomes a float32), "
+                             f"got {self.weight_decay!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for flag, value in (("--out", self.out), ("--data", self.data)):

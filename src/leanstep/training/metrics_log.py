@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import stat
 from typing import IO, Any
 
 import numpy as np
@@ -211,7 +212,12 @@ def read_metrics(path: str | os.PathLike[str]) -> RunMetrics:
     resumed_at: list[int] = []
     dropped: list[int] = []
     last_step = 0
-    with path.open(encoding="utf-8") as file:
+    # Non-blocking, and checked once open: a FIFO swapped in after the check above never hangs.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"metrics file {str(path)!r} is not a regular file")
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as file:
         for number, raw in enumerate(file, start=1):
             line = raw.strip()
             if not line:

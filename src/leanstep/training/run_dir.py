@@ -7,29 +7,25 @@
     <out>/checkpoints/      orbax checkpoints with sha256 manifests (leanstep.Checkpointer)
     <out>/summary.json      the summary, at the end
     <out>/curves.png        the chart, at the end
+    <out>/run.lock          held by the run writing the directory (leanstep.training.run_lock)
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
+from leanstep.files import read_regular_file, write_bytes_atomic
 from leanstep.training.config import RunConfig
 
-__all__ = ["UNFINISHED_SAVE", "check_out", "remove_unfinished_saves", "saved_run", "write_json_atomic"]
-
-#: orbax's suffix for a step directory still being written.
-UNFINISHED_SAVE = ".orbax-checkpoint-tmp"
+__all__ = ["check_out", "check_run", "saved_run", "write_json_atomic"]
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
-    """Writes ``value`` as indented JSON to ``path`` through a temporary file and ``os.replace``."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Writes ``value`` as indented JSON to ``path``, whole or not at all (temporary file, fsync, rename)."""
+    write_bytes_atomic(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
 
 
 def check_out(out: Path) -> None:
@@ -63,8 +59,13 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
     if not config_path.exists():
         raise ValueError(f"--resume: {out!r} holds no run (no config.json); start it without --resume")
     try:
-        saved = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+        saved = json.loads(read_regular_file(config_path, what=f"--resume: {str(config_path)!r}", limit=64 << 20))
+    except ValueError as error:
+        if str(error).startswith("--resume"):  # not a regular file, too big, unreadable
+            raise
+        raise ValueError(f"--resume: {str(config_path)!r} is not readable JSON ({error}); expected the "
+                         "config.json that leanstep train writes") from None
+    except (OSError, UnicodeDecodeError, RecursionError) as error:
         raise ValueError(f"--resume: {str(config_path)!r} is not readable JSON ({error}); expected the "
                          "config.json that leanstep train writes") from None
     run = saved.get("run", saved) if isinstance(saved, dict) else None
@@ -78,14 +79,39 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
     return saved
 
 
-def remove_unfinished_saves(directory: Path) -> list[str]:
-    """Deletes the temporary directories of checkpoint writes a killed run left behind; says what went."""
-    if not directory.is_dir():
-        return []
-    unfinished = sorted(p for p in directory.iterdir() if UNFINISHED_SAVE in p.name)
-    for path in unfinished:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    return [f"removed an unfinished checkpoint write: {p.name}" for p in unfinished]
+def check_run(config: RunConfig, resume: bool, corpus: dict[str, Any]) -> dict[str, Any] | None:
+    """What ``--out`` holds fits the run: nothing (a new run) or this run (``--resume``).
+
+    Args:
+      config: the run.
+      resume: whether it continues the run in ``config.out``.
+      corpus: the corpus description (``Corpus.describe()``) of ``--data`` now.
+
+    Returns:
+      The saved ``config.json`` on resume, else None.
+
+    Raises:
+      ValueError: a new run in a directory that holds one; on resume, no run, another config,
+        other data, or a run of leanstep < 0.3's transformer.
+    """
+    from leanstep.models.transformer import QKV_LAYOUT
+
+    out = Path(config.out)
+    config_path = out / "config.json"
+    if not resume:
+        if any((out / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints")):
+            raise ValueError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose "
+                             "another --out")
+        return None
+    saved = saved_run(config, config_path)
+    saved_corpus = saved.get("corpus")
+    saved_sha = saved_corpus.get("data_sha256") if isinstance(saved_corpus, dict) else None
+    if saved_sha not in (None, corpus["data_sha256"]):
+        raise ValueError(f"--resume: the data behind --data {config.data!r} changed since the run started "
+                         f"(sha256 {str(saved_sha)[:12]}… then, {corpus['data_sha256'][:12]}… now); "
+                         "resuming would not replay the run")
+    if config.model == "transformer" and saved.get("qkv_layout") != QKV_LAYOUT:
+        raise ValueError(f"--resume: {str(out)!r} was written by leanstep < 0.3, whose transformer ordered the "
+                         "attention weights' columns q|k|v-major (now head-major, for tensor parallelism); its "
+                         "checkpoints would load into the wrong attention: continue it with leanstep 0.2")
+    return saved

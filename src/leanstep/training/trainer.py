@@ -13,7 +13,10 @@ What a run does when something goes wrong::
     skipped at the minimum loss scale       RunStopped(1) after --max-consecutive-skips such steps
                                             in a row; such steps are never checkpointed, so the
                                             last good checkpoint is never pruned
-    SIGINT / SIGTERM                        finish the step, save, RunStopped(128 + signal)
+    SIGINT / SIGTERM                        finish the step, save, RunStopped(128 + signal); more
+                                            signals during that save (or any save) wait until it
+                                            is committed; outside a save a second one stops at once
+    another process writing the same --out  refused at once (the run directory's lock), naming it
     SIGKILL, power loss                     --resume restores the newest verified checkpoint, drops
                                             the metrics past it and replays them bit for bit
     damaged newest checkpoint               --resume falls back to an older one, with a warning
@@ -39,6 +42,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.checkpoint import Checkpointer, CheckpointError
+from leanstep.checkpoint_layout import remove_unfinished_saves
 from leanstep.distributed import device_mesh, parse_mesh
 from leanstep.models.transformer import QKV_LAYOUT
 from leanstep.sharding import mesh_axes, shard_batch, shard_train_state
@@ -48,12 +52,9 @@ from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.data import BatchSampler, heldout_batches, load_corpus
 from leanstep.training.metrics_log import MetricsWriter, read_metrics, truncate_metrics
 from leanstep.training.records import EvalRecord, Note, Record, RunStart, TrainRecord
-from leanstep.training.run_dir import (
-    check_out,
-    remove_unfinished_saves,
-    saved_run,
-    write_json_atomic,
-)
+from leanstep.training.run_dir import check_out, check_run, write_json_atomic
+from leanstep.training.run_lock import RunLock
+from leanstep.training.stop_signals import StopSignals
 
 __all__ = ["RunStopped", "train"]
 
@@ -93,37 +94,68 @@ def train(config: RunConfig, *, resume: bool = False,
     run = build_run(config)
     out = Path(config.out)
     check_out(out)
-    config_path, metrics_path, ckpt_dir = out / "config.json", out / "metrics.jsonl", out / "checkpoints"
-    saved = saved_run(config, config_path) if resume else None
-    if not resume and any(p.exists() for p in (config_path, metrics_path, ckpt_dir)):
-        raise ValueError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out")
+    # The one writer of --out from here to the end (process 0 of a multi-process run): taken
+    # first if the directory exists (a live run is named before anything else is said about it),
+    # else once the checks have passed (a run that fails them creates nothing).
+    lock = RunLock(out) if jax.process_index() == 0 else None
+    refused = _take(lock) if lock is not None and out.is_dir() else None
+    if refused is not None and jax.process_count() == 1:
+        raise refused
+    try:
+        corpus = load_corpus(config.data, seq_len=config.seq_len)
+        described = corpus.describe()
+        if refused is None:
+            check_run(config, resume, described)
+        # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
+        sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
+        mesh = device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh)) \
+            if sharded else None
+        axes = None if mesh is None else mesh_axes(mesh, fsdp=config.fsdp)
+        rows = 1 if axes is None else axes.size(axes.batch)
+        if mesh is not None and config.batch_size % (config.microbatches * rows):
+            raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches "
+                             f"{config.microbatches} times the {rows} devices the batch rows are split over "
+                             f"({jax.process_count()} process(es))")
+        if config.fsdp and mesh is None:
+            raise ValueError("--fsdp shards the state over devices; add --devices N")
+        if lock is not None and refused is None:
+            refused = _take(lock)
+            if refused is None:
+                check_run(config, resume, described)  # again, now that no one else can write it
+        if jax.process_count() > 1:  # every process has checked --out before process 0 writes to it
+            anywhere = multihost_utils.process_allgather(np.int32(refused is not None))
+            if refused is None and np.any(anywhere):
+                raise RunStopped("process 0 could not take the run directory --out; see its error", 1)
+        if refused is not None:
+            raise refused
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    try:
+        return _train_locked(config, run, resume, corpus, described, mesh, emit, lock)
+    finally:
+        if lock is not None:
+            lock.release()
 
-    corpus = load_corpus(config.data, seq_len=config.seq_len)
-    described = corpus.describe()
-    saved_corpus = (saved or {}).get("corpus")
-    saved_sha = saved_corpus.get("data_sha256") if isinstance(saved_corpus, dict) else None
-    if saved_sha not in (None, described["data_sha256"]):
-        raise ValueError(f"--resume: the data behind --data {config.data!r} changed since the run started "
-                         f"(sha256 {saved_sha[:12]}… then, {described['data_sha256'][:12]}… now); "
-                         "resuming would not replay the run")
-    if saved is not None and config.model == "transformer" and saved.get("qkv_layout") != QKV_LAYOUT:
-        raise ValueError(f"--resume: {str(out)!r} was written by leanstep < 0.3, whose transformer ordered the attention "
-                         "weights' columns q|k|v-major (now head-major, for tensor parallelism); its checkpoints "
-                         "would load into the wrong attention: continue it with leanstep 0.2")
-    # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
-    sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
-    mesh = device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh)) \
-        if sharded else None
-    axes = None if mesh is None else mesh_axes(mesh, fsdp=config.fsdp)
-    rows = 1 if axes is None else axes.size(axes.batch)
-    if mesh is not None and config.batch_size % (config.microbatches * rows):
-        raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches {config.microbatches} "
-                         f"times the {rows} devices the batch rows are split over ({jax.process_count()} "
-                         "process(es))")
-    if config.fsdp and mesh is None:
-        raise ValueError("--fsdp shards the state over devices; add --devices N")
-    primary = jax.process_index() == 0  # one process writes config, metrics and summary
-    many = jax.process_count() > 1
+
+def _take(lock: RunLock) -> Exception | None:
+    """Takes ``lock``; the error to raise if it cannot be taken (another writer, or an OSError)."""
+    try:
+        lock.acquire()
+    except ValueError as error:  # RunDirectoryInUse: another live run
+        return error
+    except OSError as error:
+        return RunStopped(f"cannot lock the run directory --out {str(lock.out)!r}: {error}", 1)
+    return None
+
+
+def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, described: dict[str, Any],
+                  mesh: Mesh | None, emit: Callable[..., None], lock: RunLock | None) -> dict[str, Any]:
+    """:func:`train` from the moment it holds the run directory (``lock``; None on process > 0)."""
+    out = Path(config.out)
+    config_path, metrics_path, ckpt_dir = out / "config.json", out / "metrics.jsonl", out / "checkpoints"
+    primary, many = jax.process_index() == 0, jax.process_count() > 1
     template = run.init_state()
     if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
         template = shard_train_state(template, mesh, fsdp=config.fsdp, rules=run.model.rules)
@@ -133,13 +165,13 @@ def train(config: RunConfig, *, resume: bool = False,
                 "backend": jax.default_backend(), "max_grad_norm": config.max_grad_norm,
                 "devices": 1 if mesh is None else mesh.size, "processes": jax.process_count(),
                 "qkv_layout": QKV_LAYOUT}
-    if many:  # every process has checked --out before process 0 writes to it
-        multihost_utils.sync_global_devices("leanstep: run directory checked")
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not resume and primary:  # before the first checkpoint, so that a run killed from here on can be resumed
             write_json_atomic(config_path, run_info)
         notes = remove_unfinished_saves(ckpt_dir) if resume and primary else []
+        took_over = lock.took_over() if lock is not None else None
+        notes += [f"warning: {took_over}"] if took_over else []
         if many:  # ... and cleaned it up before any process opens the checkpoints
             multihost_utils.sync_global_devices("leanstep: run directory ready")
         checkpointer = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints)
@@ -177,11 +209,19 @@ def train(config: RunConfig, *, resume: bool = False,
     from leanstep.training.curves import plot_curves  # matplotlib: only now
     from leanstep.training.summary import summarize
 
-    metrics_record = read_metrics(metrics_path)
-    plot_curves(metrics_record, out / "curves.png", max_grad_norm=config.max_grad_norm)
-    summary = summarize(metrics_record, run_info)
-    summary["curves"] = str(out / "curves.png")
-    write_json_atomic(out / "summary.json", summary)
+    try:  # the run is done and checkpointed: an output that fails from here on loses no work
+        metrics_record = read_metrics(metrics_path)
+        summary = {**summarize(metrics_record, run_info), "curves": None}
+        write_json_atomic(out / "summary.json", summary)  # the numbers first: a failed chart cannot lose them
+    except OSError as error:
+        raise RunStopped(f"the run finished and its last checkpoint is intact, but summary.json could not be "
+                         f"written ({error}); write it with leanstep report {out}", 1) from None
+    try:
+        summary["curves"] = str(plot_curves(metrics_record, out / "curves.png", max_grad_norm=config.max_grad_norm))
+        write_json_atomic(out / "summary.json", summary)  # now naming the chart
+    except OSError as error:  # ENOSPC, EACCES, ...: plot_curves leaves no partial file
+        emit(Note(f"warning: curves.png was not written ({error}); summary.json holds the numbers and "
+                  f"leanstep report {out} redraws the chart"))
     return summary
 
 
@@ -222,31 +262,6 @@ class _Loop:
     mesh: Mesh | None = None  # shard each batch over it (None: one device, unsharded)
 
 
-class _StopSignals:
-    """Turns SIGINT/SIGTERM into a flag the loop checks after each step."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second signal: stop at once
-            raise KeyboardInterrupt
-        self.received = signum
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
     """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured."""
     config, checkpointer, out = loop.config, loop.checkpointer, Path(loop.config.out)
@@ -281,7 +296,7 @@ def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
             log = stack.enter_context(MetricsWriter(loop.metrics_path)) if loop.metrics_path else None
         except OSError as error:
             raise write_failed(error) from None
-        stop = stack.enter_context(_StopSignals())
+        stop = stack.enter_context(StopSignals())
         while int(state.step) < config.steps:
             t0 = time.perf_counter()
             batch = loop.sampler.batch_at(int(state.step))
@@ -320,8 +335,11 @@ def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
             # A state stuck at the minimum scale is not worth keeping, and saving it could prune a good one.
             if skips_at_minimum == 0 and (step % config.checkpoint_every == 0 or step == config.steps
                                           or signalled or stop_here):
-                save(state, record.elapsed_s)
+                with stop.deferred():
+                    save(state, record.elapsed_s)
                 last_saved = step
+                if not many:  # a signal during the save: this step is saved, so stop here
+                    signalled = signalled or stop.received
             saved_now = "after saving a checkpoint" if last_saved == step else f"({where_saved()})"
             if stop_here:
                 raise RunStopped(f"stopped at step {step} as --stop-at asked, {saved_now}; "

@@ -1,0 +1,62 @@
+"""SIGINT and SIGTERM as a request to stop after the current step, never inside a save.
+
+Example:
+  >>> import os, signal
+  >>> with StopSignals() as stop:
+  ...     with stop.deferred():          # a checkpoint save
+  ...         os.kill(os.getpid(), signal.SIGTERM)
+  ...         os.kill(os.getpid(), signal.SIGTERM)   # waits too: the save finishes first
+  ...     stop.received == signal.SIGTERM, stop.count
+  (True, 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["StopSignals"]
+
+
+class StopSignals:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step.
+
+    A second signal stops the run at once (KeyboardInterrupt), except inside :meth:`deferred`
+    (a checkpoint save): there every signal only counts, and the run stops once the save is
+    committed, so that no signal can leave a save half done.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.count = 0
+        self._deferring = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.received is not None and not self._deferring:  # a second signal: stop at once
+            raise KeyboardInterrupt
+        self.received = self.received or signum
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Signals inside wait until the block ends; the loop then stops after that step."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,150 @@
+"""Two writers on one run directory, signals during a save, a full disk, a backend that is not there.
+
+References: an uninterrupted run of the same config (its final checkpoint and ``metrics.jsonl``,
+bit for bit) for every trial; the kernel's ``flock`` and real processes for the lock; the process's
+own file-size limit (RLIMIT_FSIZE: writes fail with EFBIG, as on a full disk) for failed saves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from leanstep.checkpoint_layout import committed_steps, unfinished_saves
+from leanstep.training import RunConfig, train
+from leanstep.training.run_lock import LOCK_NAME, RunDirectoryInUse, RunLock
+
+WORKER = Path(__file__).with_name("concurrency_worker.py")
+TRIALS = 20
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "shlex.py", "fnmatch.py"):
+        (root / name).write_bytes((stdlib / name).read_bytes())
+    return root
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _trials(mode: str, root: Path, corpus: Path, seed: int) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(WORKER), mode, str(TRIALS), str(seed), str(root), str(corpus)],
+                          env=_env(root / "jax-cache"), capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-6000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_two_writers_at_random_offsets_never_mix_and_always_resume_bit_identical(tmp_path, corpus):
+    results = _trials("writers", tmp_path, corpus, seed=16)
+    assert len(results) == TRIALS
+    allowed = {"finished", "stopped(0)", "in use", "holds a run", "no run"}
+    for result in results:
+        assert set(result["outcomes"]) <= allowed, result
+        assert result["consistent"] and result["identical"], result
+        # At most one writer of a new run: the other is refused, or resumes what the first left.
+        assert result["outcomes"].count("stopped(0)") + result["outcomes"].count("finished") >= 1, result
+    # The lock, not luck: most trials overlapped, and the second writer was refused naming the holder.
+    assert sum("in use" in r["outcomes"] for r in results) >= TRIALS // 4, results
+
+
+def test_double_and_triple_signals_during_a_save_commit_it_then_stop(tmp_path, corpus):
+    results = _trials("signals", tmp_path, corpus, seed=17)
+    assert len(results) == TRIALS
+    assert {len(r["signals"]) for r in results} == {2, 3}
+    assert {s for r in results for s in r["signals"]} == {"SIGTERM", "SIGINT"}
+    for result in results:
+        first = signal.Signals[result["signals"][0]]
+        # The save the signals hit is committed, with its manifest, and the run stops right after it.
+        assert result["outcome"].startswith(f"stopped({128 + first}) {first.name} received: stopped at step "
+                                             f"{result['at_save']} after saving a checkpoint"), result
+        assert result["committed"][-1] == result["at_save"], result
+        assert result["consistent"] and result["identical"], result
+
+
+def test_a_second_process_is_refused_at_once_naming_the_holder_and_a_dead_holders_lock_is_taken_over(
+        tmp_path, corpus, capsys):
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from leanstep.training.run_lock import RunLock
+        RunLock({str(out)!r}).acquire()
+        print("locked", flush=True)
+        time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        started = time.monotonic()
+        refused = subprocess.run([sys.executable, "-m", "leanstep.cli.main", "train", "--model", "mlp", "--size",
+                                  "tiny", "--steps", "2", "--data", str(corpus), "--out", str(out)],
+                                 capture_output=True, text=True, timeout=300, env=_env(tmp_path / "cache"))
+        assert refused.returncode == 2 and refused.stdout == ""
+        assert refused.stderr.count("\n") == 1, refused.stderr
+        assert (f"--out {str(out)!r} is in use by another leanstep train (pid {holder.pid} on host "
+                f"{socket.gethostname()}, since ") in refused.stderr
+        assert time.monotonic() - started < 60  # at once: no data loaded, nothing compiled first
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # and nothing written
+        with pytest.raises(RunDirectoryInUse, match=f"pid {holder.pid} on host"):
+            RunLock(out).acquire()
+    finally:
+        holder.kill()  # SIGKILL: the holder never releases it itself
+        holder.wait()
+        holder.stdout.close()
+    notes = []
+    config = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, steps=2, eval_batches=1, progress=False,
+                       data=str(corpus), out=str(out))
+    train(config, on_record=lambda *records: notes.extend(r.message for r in records if hasattr(r, "message")))
+    assert any(f"took over the run directory's lock from pid {holder.pid} on host" in n for n in notes), notes
+    assert (out / LOCK_NAME).read_text() == ""  # released cleanly: the next run has nothing to take over
+    assert committed_steps(out / "checkpoints") == [2]
+
+
+def test_a_save_that_fails_for_lack_of_space_stops_in_one_line_and_leaves_no_half_step(tmp_path, corpus):
+    # Real failed writes: the file-size limit makes every write past 20 kB fail with EFBIG, in
+    # orbax's and tensorstore's own threads, as a full disk does (the stderr pipe has no limit).
+    script = textwrap.dedent("""
+        import resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+        from leanstep.cli.main import main
+        sys.exit(main(sys.argv[1:]))
+        """)
+    out = tmp_path / "full"
+    proc = subprocess.run([sys.executable, "-c", script, "train", "--model", "mlp", "--size", "small", "--batch-size",
+                           "4", "--seq-len", "8", "--steps", "2", "--no-progress", "--data", str(corpus), "--out",
+                           str(out)], capture_output=True, text=True, timeout=300, env={**os.environ,
+                                                                                        "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    assert lines[0].startswith("leanstep train: stopped at step 2: its checkpoint could not be written")
+    assert "File too large" in lines[0] and "no checkpoint was written yet" in lines[0]
+    # No step without its manifest, nothing half-written left behind.
+    assert committed_steps(out / "checkpoints") == [] and unfinished_saves(out / "checkpoints") == []
+
+
+@pytest.mark.parametrize("platform", ["bogus", "cuda"])
+def test_a_jax_platforms_that_names_a_missing_backend_is_one_line(tmp_path, platform):
+    proc = subprocess.run([sys.executable, "-m", "leanstep.cli.main", "train", "--model", "mlp", "--size", "tiny",
+                           "--steps", "1", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "JAX_PLATFORMS": platform})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith(f"leanstep train: error: JAX_PLATFORMS={platform!r}: JAX cannot start a backend")
