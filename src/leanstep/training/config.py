@@ -45,7 +45,8 @@ FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.
 
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    """The command-line flag of field ``name`` (``n_layers`` is ``--layers``)."""
+    return {field: flag for flag, field in MODEL_FLAGS}.get(name, "--" + name.replace("_", "-"))
 
 
 def _is_number(value: Any, minimum: float, *, strict: bool) -> bool:
