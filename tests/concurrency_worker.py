@@ -7,7 +7,7 @@ uninterrupted run of the same config (the reference), here, in the worker.
 
 - ``writers``: two ``train`` calls on one ``--out`` (threads: ``flock`` locks belong to open file
   descriptions, so two threads conflict exactly as two processes do), the second started at a
-  random offset, as a new run or as ``--resume``, both asked to stop at step 3.
+  random offset, as a new run or as ``--resume``, both asked to stop at step 2.
 - ``signals``: ``train`` in the main thread; at a random checkpoint save, a thread sends two or three
   SIGTERM/SIGINT (random mix) to this process at random times inside the save.
 """
@@ -33,12 +33,12 @@ from leanstep.checkpoint import MANIFEST_NAME, Checkpointer
 from leanstep.checkpoint_layout import committed_steps
 from leanstep.training import RunConfig, RunStopped, build, train
 
-STEPS = 6
+STEPS = 4
 TIMING = ("tokens_per_sec", "elapsed_s")
 
 
 def config(root: Path, corpus: str, name: str, **fields: Any) -> RunConfig:
-    return RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, steps=STEPS, eval_every=3,
+    return RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, steps=STEPS, eval_every=2,
                      eval_batches=1, checkpoint_every=1, keep_checkpoints=2 * STEPS, progress=False, data=corpus,
                      out=str(root / name), **fields)
 
@@ -61,13 +61,13 @@ def every_step_has_its_manifest(run: Path) -> bool:
 def writers(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str, Any]:
     name = f"writers-{trial}"
     second_resumes = rng.random() < 0.5
-    offset = rng.uniform(0.0, 1.2)
+    offset = rng.uniform(0.0, 1.0)
     outcomes: list[str] = ["", ""]
 
     def write(index: int, delay: float, resume: bool) -> None:
         time.sleep(delay)
         try:
-            train(config(root, corpus, name, stop_at=3), resume=resume)
+            train(config(root, corpus, name, stop_at=2), resume=resume)
             outcomes[index] = "finished"
         except RunStopped as stopped:
             outcomes[index] = f"stopped({stopped.exit_code})"

@@ -139,10 +139,15 @@ def test_wrong_checkpointing_breaks_the_remat_rules(block, messages):
     assert report.remat_violations("dots", recomputed=("tanh",)) == messages
 
 
+def _two_tag_block(p, x):
+    pre = checkpoint_name(x @ p["w1"] + p["b1"][None, :], "a")
+    return x + checkpoint_name(jnp.tanh(pre), "h") @ p["w2"] + p["b2"][None, :]
+
+
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"] + ["save:a,h"])
 def test_remat_policies_map_back_to_their_names(policy):
     params, x, _ = _block_args()
-    report = audit(jax.grad(lambda p: jnp.sum(remat(_tagged_block, policy)(p, x))), params)
+    report = audit(jax.grad(lambda p: jnp.sum(remat(_two_tag_block, policy)(p, x))), params)
     assert {r.policy for r in report.remat_regions} == {policy}
 
 

@@ -44,16 +44,25 @@ def _env(cache: Path) -> dict[str, str]:
     return env
 
 
-def _trials(mode: str, root: Path, corpus: Path, seed: int) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(WORKER), mode, str(TRIALS), str(seed), str(root), str(corpus)],
-                          env=_env(root / "jax-cache"), capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-6000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+@pytest.fixture(scope="module")
+def trials(tmp_path_factory, corpus) -> dict[str, list[dict]]:
+    """Both kinds of trials, each in its own worker process, side by side (mostly Python, not XLA)."""
+    root = tmp_path_factory.mktemp("trials")
+    procs = {mode: subprocess.Popen([sys.executable, str(WORKER), mode, str(TRIALS), str(seed), str(root), str(corpus)],
+                                    env=_env(root / f"jax-cache-{mode}"), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for mode, seed in (("writers", 16), ("signals", 17))}
+    results = {}
+    for mode, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, stderr[-6000:]
+        assert "Traceback" not in stderr, stderr[-6000:]
+        results[mode] = json.loads(stdout.splitlines()[-1])
+    return results
 
 
-def test_two_writers_at_random_offsets_never_mix_and_always_resume_bit_identical(tmp_path, corpus):
-    results = _trials("writers", tmp_path, corpus, seed=16)
+def test_two_writers_at_random_offsets_never_mix_and_always_resume_bit_identical(trials):
+    results = trials["writers"]
     assert len(results) == TRIALS
     allowed = {"finished", "stopped(0)", "in use", "holds a run", "no run"}
     for result in results:
@@ -65,8 +74,8 @@ def test_two_writers_at_random_offsets_never_mix_and_always_resume_bit_identical
     assert sum("in use" in r["outcomes"] for r in results) >= TRIALS // 4, results
 
 
-def test_double_and_triple_signals_during_a_save_commit_it_then_stop(tmp_path, corpus):
-    results = _trials("signals", tmp_path, corpus, seed=17)
+def test_double_and_triple_signals_during_a_save_commit_it_then_stop(trials):
+    results = trials["signals"]
     assert len(results) == TRIALS
     assert {len(r["signals"]) for r in results} == {2, 3}
     assert {s for r in results for s in r["signals"]} == {"SIGTERM", "SIGINT"}

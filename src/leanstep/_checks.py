@@ -19,6 +19,9 @@ import numpy as np
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+#: The range of a positive threshold applied in float32: normal (XLA flushes denormals to zero) and finite.
+FLOAT32_RANGE = f"[{FLOAT32_TINY:.8g}, {FLOAT32_MAX:.8g}]"
 
 
 def is_int(value: Any) -> bool:
@@ -58,15 +61,26 @@ def check_bool(name: str, value: Any) -> bool:
     return bool(value)
 
 
+def is_normal_float32(value: float) -> bool:
+    """Whether ``value`` rounds to a positive, normal, finite float32 (in :data:`FLOAT32_RANGE`)."""
+    # Compared in float64 first, so that the float32 cast can neither overflow nor warn.
+    return 0 < value <= FLOAT32_MAX and float(np.float32(value)) >= FLOAT32_TINY
+
+
 def check_positive(name: str, value: Any, *, optional: bool = False) -> float | None:
-    """``value`` as a positive finite float (or None with ``optional``)."""
+    """``value`` as a positive finite float (or None with ``optional``), normal and finite in float32.
+
+    The thresholds checked here are applied in float32: a denormal one is flushed to zero by XLA
+    and one above the float32 maximum becomes ``inf``, and either silently disables what it sets.
+    """
     if value is None and optional:
         return None
     none = " or None" if optional else ""
     if not is_real(value):
         raise TypeError(f"{name} must be a number{none}, got {type(value).__name__} {value!r}")
-    if not 0 < float(value) < math.inf:
-        raise ValueError(f"{name} must be a positive finite number{none}, got {value!r}")
+    if not is_normal_float32(float(value)):
+        raise ValueError(f"{name} must be a positive finite number{none}, got {value!r}; it is applied in float32, "
+                         f"so it must be in {FLOAT32_RANGE} (normal and finite in float32)")
     return float(value)
 
 
@@ -128,7 +142,7 @@ def check_finite_float32(name: str, value: Any) -> float:
 
 
 def check_positive_float32_scalar(name: str, value: Any) -> jax.Array:
-    """``value`` as a float32 scalar array; a concrete (not traced) value must be finite and > 0."""
+    """``value`` as a float32 scalar array; a concrete (not traced) value must be a normal, finite float32 > 0."""
     if np.shape(value) != ():
         raise ValueError(f"{name} must be a scalar, got shape {np.shape(value)}")
     try:
@@ -139,8 +153,9 @@ def check_positive_float32_scalar(name: str, value: Any) -> jax.Array:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     if not isinstance(value, jax.core.Tracer):
         as_float = float(np.asarray(value, np.float64))
-        if not (0.0 < as_float <= FLOAT32_MAX):
-            raise ValueError(f"{name} must be finite and > 0 in float32, got {as_float!r}")
+        if not is_normal_float32(as_float):
+            raise ValueError(f"{name} must be finite and > 0 in float32, got {as_float!r}; expected a normal "
+                             f"float32 in {FLOAT32_RANGE} (XLA flushes a denormal to zero; a larger value is inf)")
     return jnp.asarray(value, jnp.float32)
 
 
@@ -152,3 +167,100 @@ def check_bool_scalar(name: str, value: Any) -> jax.Array:
     if as_array.shape != ():
         raise ValueError(f"{name} must be a scalar, got shape {as_array.shape}")
     return as_array
+
+
+def check_scalar_output(name: str, value: Any, *, integer: bool = False, reduce: str = "jnp.mean") -> jax.Array:
+    """A function's output ``value`` as a real floating (or, with ``integer``, integer) scalar array.
+
+    Checked at trace time: shape and dtype are static even when the value is traced.
+    """
+    kind = "real" if integer else "real floating"
+    if isinstance(value, (bool, np.bool_)) or not (hasattr(value, "dtype") or isinstance(value, (int, float))):
+        raise TypeError(f"{name} must be a {kind} scalar, got {type(value).__name__}")
+    if isinstance(value, int) and not integer:
+        raise TypeError(f"{name} must be a {kind} scalar, got int")
+    value = jnp.asarray(value)
+    if not (jnp.issubdtype(value.dtype, jnp.floating) or integer and jnp.issubdtype(value.dtype, jnp.integer)):
+        raise TypeError(f"{name} must be a {kind} scalar, got dtype {value.dtype}")
+    if value.shape != ():
+        raise ValueError(f"{name} must be a scalar, got shape {value.shape}; reduce it (e.g. {reduce})")
+    return value
+
+
+_MISSING = object()
+
+
+def _child(tree: Any, keys: tuple[Any, ...]) -> Any:
+    """The node of ``tree`` at the key path ``keys``, or ``_MISSING``."""
+    for key in keys:
+        try:
+            if isinstance(key, jax.tree_util.SequenceKey):
+                tree = tree[key.idx]
+            elif isinstance(key, jax.tree_util.DictKey):
+                tree = tree[key.key]
+            elif isinstance(key, jax.tree_util.GetAttrKey):
+                tree = getattr(tree, key.name)
+            else:
+                return _MISSING
+        except (KeyError, IndexError, AttributeError, TypeError):
+            return _MISSING
+    return tree
+
+
+def _is_array(node: Any) -> bool:
+    return hasattr(node, "shape") and hasattr(node, "dtype") or is_real(node) or isinstance(node, (bool, complex))
+
+
+def _signature(leaf: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(np.shape(leaf)), str(leaf.dtype if hasattr(leaf, "dtype") else jnp.result_type(leaf))
+
+
+def _describe(node: Any) -> str:
+    if node is _MISSING:
+        return "missing"
+    if node is None:
+        return "None"
+    if _is_array(node):
+        shape, dtype = _signature(node)
+        what = f"{dtype}{list(shape)} array"
+    else:
+        what = type(node).__name__
+    return f"{'an' if what[0].lower() in 'aeiou' else 'a'} {what}"
+
+
+def _same_kind(a: Any, b: Any) -> bool:
+    """Two nodes of one type; any two arrays (concrete, traced or abstract) are of one kind."""
+    return (_is_array(a) and _is_array(b)) or type(a) is type(b)
+
+
+def tree_difference(tree: Any, reference: Any, name: str, reference_name: str) -> str | None:
+    """Where ``tree`` first differs from ``reference`` in structure, leaf shape or leaf dtype; None: nowhere.
+
+    Node types (``NamedTuple`` state classes, dicts, ``None``) count, weak types do not.
+
+    Example:
+      >>> tree_difference({"a": jnp.ones(2)}, {"a": jnp.ones(3)}, "x", "y")
+      "x['a'] is a float32[2] array, y['a'] is a float32[3] array"
+      >>> tree_difference((None,), (jnp.ones(1),), "x", "y")
+      'x[0] is None, y[0] is a float32[1] array'
+    """
+    got, got_def = jax.tree_util.tree_flatten_with_path(tree)
+    want, want_def = jax.tree_util.tree_flatten_with_path(reference)
+    if got_def == want_def:
+        for (path, leaf), (_, expected) in zip(got, want):
+            if _signature(leaf) != _signature(expected):
+                where = jax.tree_util.keystr(path)
+                return f"{name}{where} is {_describe(leaf)}, {reference_name}{where} is {_describe(expected)}"
+        return None
+    # The first leaf path that differs leads to the first node that does; then every other path.
+    got_paths, want_paths = [tuple(p) for p, _ in got], [tuple(p) for p, _ in want]
+    first = next((i for i, (a, b) in enumerate(zip(got_paths, want_paths)) if a != b),
+                 min(len(got_paths), len(want_paths)))
+    candidates = want_paths[first:first + 1] + got_paths[first:first + 1] + want_paths + got_paths
+    for path in candidates:
+        for depth in range(len(path) + 1):
+            a, b = _child(tree, path[:depth]), _child(reference, path[:depth])
+            if a is _MISSING or b is _MISSING or not _same_kind(a, b):
+                where = jax.tree_util.keystr(path[:depth])
+                return f"{name}{where} is {_describe(a)}, {reference_name}{where} is {_describe(b)}"
+    return f"{name} has the structure {str(got_def)[:300]}, {reference_name} has {str(want_def)[:300]}"

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from leanstep._checks import check_bool, is_int
+from leanstep._checks import check_bool, check_scalar_output, is_int
 from leanstep.microbatches import Splitter, check_num_microbatches, get_splitter
 
 __all__ = ["init_grad_accumulator", "microbatched_value_and_grad"]
@@ -150,9 +150,11 @@ def microbatched_value_and_grad(
 
     Raises:
       TypeError: ``num_microbatches`` is not an int, ``accum_dtype`` not floating or
-        ``split`` not a splitter (now); the batch errors of the splitter, or a new state
-        of another structure (at call or trace time).
-      ValueError: ``num_microbatches < 1`` or an unknown ``split`` name (now).
+        ``split`` not a splitter (now); the batch errors of the splitter, a new state of
+        another structure, or a loss output of another structure or dtype (at call or trace
+        time).
+      ValueError: ``num_microbatches < 1`` or an unknown ``split`` name (now); a loss or token
+        count that is not a scalar (at call or trace time).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -176,12 +178,24 @@ def microbatched_value_and_grad(
     def objective(params: Any, state: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, tuple]:
         # value_and_grad differentiates the first output only; count, aux and the state ride along.
         out = loss_fn(params, state, microbatch, *index) if has_state else loss_fn(params, microbatch, *index)
+        if has_state and not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"has_state=True: loss_fn must return (out, new_state), got {type(out).__name__}")
         out, new_state = out if has_state else (out, None)
+        if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"has_aux=True: loss_fn must return (value, aux), got {type(out).__name__}")
         value, aux = out if has_aux else (out, None)
         if token_weighted:
+            if not (isinstance(value, tuple) and len(value) == 2):
+                raise TypeError(f"token_weighted=True: loss_fn must return (loss_sum, count), got "
+                                f"{type(value).__name__}")
             loss_sum, count = value
+            count = check_scalar_output("token_weighted=True: loss_fn's count", count, integer=True,
+                                        reduce="jnp.sum(mask)")
         else:
             loss_sum, count = value, None
+        # value_and_grad differentiates a real floating scalar only.
+        loss_sum = check_scalar_output("loss_fn's loss_sum" if token_weighted else "loss_fn's loss", loss_sum,
+                                       reduce="jnp.sum" if token_weighted else "jnp.mean")
         if has_state:
             new_state = _keep_state_types(new_state, state)
         return loss_sum, (count, aux, new_state)

@@ -34,7 +34,11 @@ from leanstep._checks import check_callable
 from leanstep._jaxpr import is_remat_primitive, sub_jaxprs
 from leanstep.audit_records import HostSync, Matmul, RematRegion, ScanInfo
 from leanstep.flops import ELEMENTWISE_PRIMITIVES, count_flops, equation_flops
-from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
+from leanstep.rematerialization import (
+    REMAT_POLICIES,
+    check_saved_names,
+    get_remat_policy,
+)
 from leanstep.residuals import ResidualReport, saved_residuals_report, short_dtype_name
 
 __all__ = ["AuditReport", "audit", "audit_jaxpr", "policy_name"]
@@ -248,8 +252,8 @@ class AuditReport:
         return problems
 
     def __str__(self) -> str:
-        lines = [f"traced program: {self.equations} equations, {self.flops:,.0f} FLOPs "
-                 "(loop bodies x trip count)"]
+        lines = [(f"traced program: {self.equations} equations, {self.flops:,.0f} FLOPs "
+                  "(loop bodies x trip count)")]
         lines.append(f"scans: {len(self.scans)}")
         for s in self.scans:
             carry = sum(math.prod(shape) * jax.numpy.dtype(d).itemsize for shape, d in s.carry)
@@ -292,10 +296,14 @@ def audit_jaxpr(closed_jaxpr: Any, *, residuals: ResidualReport | None = None) -
 
     Raises:
       TypeError: ``closed_jaxpr`` is not a jaxpr.
+      ValueError: a ``"save:NAME"`` remat policy in the program names a ``checkpoint_name``
+        tag the program never sets (it would save nothing; see
+        :func:`leanstep.rematerialization.check_saved_names`).
     """
     jaxpr = getattr(closed_jaxpr, "jaxpr", closed_jaxpr)
     if not hasattr(jaxpr, "eqns"):
         raise TypeError(f"closed_jaxpr must be a jaxpr (from jax.make_jaxpr), got {type(closed_jaxpr).__name__}")
+    check_saved_names(jaxpr, "the audited program")
     out = _Collector()
     _walk(jaxpr, (), 0, 1.0, [], out)
     return AuditReport(tuple(out.scans), tuple(out.remats), tuple(out.matmuls), tuple(out.host_syncs),
@@ -331,6 +339,9 @@ def audit(
 
     Raises:
       TypeError: ``step_or_fn`` or ``loss_fn`` is not callable.
+      ValueError: tracing raises it (a :func:`leanstep.make_train_step` step refuses what it
+        would silently ignore), or a ``"save:NAME"`` remat policy names a tag the program never
+        sets (see :func:`audit_jaxpr`).
 
     Example:
       >>> import functools

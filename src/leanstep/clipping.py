@@ -18,10 +18,12 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
+from leanstep._checks import FLOAT32_RANGE, is_normal_float32
+
 __all__ = [
-    "global_norm",
     "clip_by_global_norm",
     "clip_by_global_norm_transform",
+    "global_norm",
 ]
 
 Tree = TypeVar("Tree")
@@ -120,6 +122,9 @@ def _check_max_norm(max_norm: ArrayLike) -> None:
     number = float(value)
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"max_norm must be finite and > 0, got max_norm={max_norm!r}")
+    if not is_normal_float32(number):  # the clip runs in float32: denormals flush to 0, the max overflows
+        raise ValueError(f"max_norm must be finite and > 0, got max_norm={max_norm!r}; it is applied in float32, "
+                         f"so it must be in {FLOAT32_RANGE} (normal and finite in float32)")
 
 
 def clip_by_global_norm(tree: Tree, max_norm: ArrayLike) -> tuple[Tree, jax.Array]:
@@ -150,14 +155,15 @@ def clip_by_global_norm(tree: Tree, max_norm: ArrayLike) -> tuple[Tree, jax.Arra
     Args:
       tree: a pytree of floating-point arrays.
       max_norm: the largest allowed global norm :math:`c`. A concrete Python/NumPy/JAX
-        number is checked to be finite and > 0; a traced scalar is used as is.
+        number is checked to be a normal, finite float32 > 0 (in ``[2**-126, float32 max]``);
+        a traced scalar is used as is.
 
     Returns:
       ``(clipped, norm)``: a tree with the structure, shapes and dtypes of ``tree``, and
       the float32 global norm of ``tree`` before clipping, shape ``()``.
 
     Raises:
-      ValueError: a concrete ``max_norm`` is not finite and > 0, or is not a scalar.
+      ValueError: a concrete ``max_norm`` is not a normal, finite float32 > 0, or is not a scalar.
       TypeError: ``max_norm`` is not a real number, or a leaf is not floating point.
 
     Example:
@@ -206,7 +212,7 @@ def clip_by_global_norm_transform(max_norm: ArrayLike) -> optax.GradientTransfor
       An :class:`optax.GradientTransformation` that chains with :func:`optax.chain`.
 
     Raises:
-      ValueError: a concrete ``max_norm`` is not finite and > 0.
+      ValueError: a concrete ``max_norm`` is not a normal, finite float32 > 0.
       TypeError: ``max_norm`` is not a real number.
 
     Example:

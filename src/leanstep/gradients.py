@@ -15,8 +15,10 @@ It returns :class:`Gradients`: the whole batch's loss (unscaled), the gradient o
 output dtype) and, with ``has_state``, the model state ``s`` after the last microbatch (its
 own dtypes: never cast to the compute dtype, never differentiated).
 
-With a compute dtype below float32 the loss is traced once more, on abstract values, and a
-:class:`leanstep.PrecisionWarning` says so when none of its matmuls runs in that dtype.
+On the first trace the loss is traced once more, on abstract values (nothing runs): a
+``"save:NAME"`` remat policy naming a tag the loss never sets is refused, and, with a compute
+dtype below float32, a :class:`leanstep.PrecisionWarning` says so when none of its matmuls runs
+in that dtype.
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 
-from leanstep._checks import check_bool, check_callable
+from leanstep._checks import check_bool, check_callable, check_scalar_output
 from leanstep.accumulation import microbatched_value_and_grad
 from leanstep.compute_dtype_check import PrecisionWarning, unused_compute_dtype
 from leanstep.loss_scale import LossScale, NoOpLossScale
 from leanstep.microbatches import Splitter, check_num_microbatches, get_splitter
-from leanstep.precision import Precision, get_precision
+from leanstep.precision import Precision, check_train_precision
+from leanstep.rematerialization import check_saved_names
 
 __all__ = ["Gradients", "gradient_stage"]
 
@@ -61,14 +65,14 @@ class Gradients(NamedTuple):
 
 def _check_loss(value: Any, name: str) -> jax.Array:
     """``loss_fn``'s ``name`` output as float32, checked at trace time (shape and dtype are static)."""
-    if not hasattr(value, "dtype") and not isinstance(value, float):
-        raise TypeError(f"loss_fn's {name} must be a real floating scalar, got {type(value).__name__}")
-    value = jnp.asarray(value)
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        raise TypeError(f"loss_fn's {name} must be a real floating scalar, got dtype {value.dtype}")
-    if value.shape != ():
-        raise ValueError(f"loss_fn's {name} must be a scalar, got shape {value.shape}; reduce it (e.g. jnp.mean)")
-    return value.astype(jnp.float32)
+    return check_scalar_output(f"loss_fn's {name}", value, reduce="jnp.sum" if name == "loss_sum" else
+                               "jnp.mean").astype(jnp.float32)
+
+
+def _check_count(value: Any) -> jax.Array:
+    """``loss_fn``'s token count as float32: a real scalar, the number of terms ``loss_sum`` adds up."""
+    return check_scalar_output("token_weighted=True: loss_fn's count", value, integer=True,
+                               reduce="jnp.sum(mask)").astype(jnp.float32)
 
 
 def _unpack(out: Any, *, has_aux: bool, token_weighted: bool) -> tuple[Any, Any]:
@@ -114,8 +118,8 @@ def gradient_stage(
         ``has_state`` it is ``loss_fn(params, model_state, microbatch[, key])`` and returns
         ``(that, new_model_state)``. It receives the params (and, with ``cast_batch``, the
         batch's floating leaves) in the compute dtype.
-      precision: a :class:`Precision` or its string form; with ``strict`` the loss runs
-        under :func:`strict_precision`.
+      precision: a :class:`Precision` or its string form, its params dtype float32; with
+        ``strict`` the loss runs under :func:`strict_precision`.
       num_microbatches: static number of equal microbatches.
       split: ``"contiguous"``, ``"strided"``, ``"presplit"`` or a callable
         ``splitter(batch, num_microbatches)`` (see :mod:`leanstep.microbatches`).
@@ -139,8 +143,11 @@ def gradient_stage(
       The gradient function, traceable under ``jax.jit``.
 
     Raises:
-      TypeError, ValueError: a bad argument, named (now); a loss output of the wrong
-        structure, dtype or shape, or a batch the splitter refuses (at trace time).
+      TypeError, ValueError: a bad argument, named (now), a ``precision`` whose params dtype is
+        not float32 among them (the gradient is of float32 masters:
+        :func:`leanstep.precision.check_train_precision`); at trace time, a loss output (or a
+        token count) of the wrong structure, dtype or shape, a batch the splitter refuses, or a
+        ``"save:NAME"`` remat policy in the loss naming a tag the loss never sets.
 
     Example:
       >>> import jax.numpy as jnp
@@ -153,7 +160,7 @@ def gradient_stage(
       Gradients(loss=Array(0.25, dtype=float32), grads=Array(-16., dtype=float32), aux=None, model_state=None, count=None)
     """
     check_callable("loss_fn", loss_fn)
-    policy = get_precision(precision)
+    policy = check_train_precision(precision)
     num_microbatches = check_num_microbatches(num_microbatches)
     splitter = get_splitter(split)
     has_aux, token_weighted, uses_rng, cast_batch, has_state = (
@@ -186,8 +193,8 @@ def gradient_stage(
             aux = policy.cast_to_output(aux)
             if token_weighted:
                 loss_sum, count = value
-                loss_sum = _check_loss(loss_sum, "loss_sum")
-                result = (scale.scale(loss_sum), count), (loss_sum, jnp.asarray(count, jnp.float32), aux)
+                loss_sum, count = _check_loss(loss_sum, "loss_sum"), _check_count(count)
+                result = (scale.scale(loss_sum), count), (loss_sum, count, aux)
             else:
                 loss = _check_loss(value, "loss")
                 result = scale.scale(loss), (loss, aux)
@@ -204,11 +211,11 @@ def gradient_stage(
                 jax.eval_shape(model_loss, *_abstract_loss_args(p, state_in, data, splitter, num_microbatches,
                                                                 uses_rng))
             params_c = params_layout(params_c, probe)
-        if not checked:
-            checked.append(True)
-            _warn_if_compute_dtype_unused(model_loss, params_c, state_in, data, splitter, num_microbatches, uses_rng,
-                                          policy.compute_dtype)
         (value, scaled_grads) = accumulate(params_c, data, model_state) if has_state else accumulate(params_c, data)
+        if not checked:  # after the outputs' own checks; marked only once passed, so a caught error comes again
+            _check_traced_loss(model_loss, params_c, state_in, data, splitter, num_microbatches, uses_rng,
+                               policy.compute_dtype)
+            checked.append(True)
         (_, per_microbatch), new_state = value if has_state else (value, None)
         count = None
         if token_weighted:
@@ -228,7 +235,7 @@ def gradient_stage(
 def _abstract_loss_args(params_c: Any, model_state: Any, batch: Any, splitter: Splitter, num_microbatches: int,
                         uses_rng: bool) -> tuple[Any, ...]:
     """The loss's arguments for one microbatch, as ``jax.ShapeDtypeStruct`` s."""
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)  # noqa: E731
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
     microbatches = jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)
     microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatches)
     args = (abstract(params_c), *(() if model_state is None else (abstract(model_state),)), microbatch)
@@ -237,13 +244,21 @@ def _abstract_loss_args(params_c: Any, model_state: Any, batch: Any, splitter: S
     return args
 
 
-def _warn_if_compute_dtype_unused(loss_fn: Callable[..., Any], params_c: Any, model_state: Any, batch: Any,
-                                  splitter: Splitter, num_microbatches: int, uses_rng: bool,
-                                  compute_dtype: Any) -> None:
-    """One :class:`PrecisionWarning` if the traced loss runs no matmul in the (low) compute dtype."""
+def _check_traced_loss(loss_fn: Callable[..., Any], params_c: Any, model_state: Any, batch: Any,
+                       splitter: Splitter, num_microbatches: int, uses_rng: bool, compute_dtype: Any) -> None:
+    """The loss, traced once on abstract values (nothing runs), checked for what a setting would not do.
+
+    A ``"save:NAME"`` remat policy naming a tag the loss never sets is a ValueError
+    (:func:`leanstep.rematerialization.check_saved_names`); a low compute dtype that no matmul
+    runs in is one :class:`PrecisionWarning`.
+    """
+    args = _abstract_loss_args(params_c, model_state, batch, splitter, num_microbatches, uses_rng)
+    # Only the program matters here, not the outputs (whose structure the real trace checks).
+    jaxpr = jax.make_jaxpr(lambda *a: [x for x in jax.tree.leaves(loss_fn(*a)) if isinstance(x, jax.Array)])(*args)
+    check_saved_names(jaxpr)
     if jnp.dtype(compute_dtype).itemsize >= 4:
         return
-    args = _abstract_loss_args(params_c, model_state, batch, splitter, num_microbatches, uses_rng)
-    message = unused_compute_dtype(loss_fn, args, compute_dtype)
+    # The traced program, not the loss again: re-tracing a jaxpr does not run the model's Python.
+    message = unused_compute_dtype(jax.extend.core.jaxpr_as_fun(jaxpr), tuple(jax.tree.leaves(args)), compute_dtype)
     if message is not None:
         warnings.warn(message, PrecisionWarning, stacklevel=4)

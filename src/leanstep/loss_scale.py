@@ -198,8 +198,10 @@ class DynamicLossScale(_ScaleByArray):
             object.__setattr__(self, name, check_finite_float32(name, given[name]))
         if not self.growth_factor > 1.0:
             raise ValueError(f"growth_factor must be > 1 in float32, got {given['growth_factor']!r}")
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1) in float32, got {given['backoff_factor']!r}")
+        # A denormal factor is flushed to zero by XLA: every back-off would drop to min_loss_scale.
+        if not _F32_TINY <= self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1) in float32, got {given['backoff_factor']!r}; "
+                             f"expected a normal float32 in [{_F32_TINY:.8g}, 1)")
         # A denormal floor would be flushed to zero by XLA; real scales are far above it.
         if not self.min_loss_scale >= _F32_TINY:
             raise ValueError(
@@ -227,12 +229,12 @@ class DynamicLossScale(_ScaleByArray):
         """A fresh state with zero counters, after validating every argument.
 
         Args:
-          initial_scale: the starting scale, a positive scalar within
+          initial_scale: the starting scale, a normal positive float32 within
             ``[min_loss_scale, max_loss_scale]`` (checked after rounding to float32; it is
             not clamped, so a typo cannot pass silently). A traced value is not checked.
           growth_interval: finite steps in a row before the scale grows; int >= 1.
           growth_factor: multiplier on growth; finite, > 1.
-          backoff_factor: multiplier on back-off; in (0, 1).
+          backoff_factor: multiplier on back-off; in (0, 1), a normal float32 (>= 2**-126).
           min_loss_scale: floor of the scale; a normal positive float32.
           max_loss_scale: ceiling of the scale; finite in float32, >= ``min_loss_scale``.
           hysteresis: non-finite steps in a row before the scale backs off; int >= 1.
@@ -308,11 +310,12 @@ class StaticLossScale(_ScaleByArray):
 
     @classmethod
     def create(cls, loss_scale: ArrayLike) -> StaticLossScale:
-        """Validates ``loss_scale`` (finite and > 0 when concrete) and stores it as float32.
+        """Validates ``loss_scale`` and stores it as float32.
 
         Raises:
           TypeError: if ``loss_scale`` is not a real number.
-          ValueError: if it is not a scalar, or not finite and positive.
+          ValueError: if it is not a scalar or, when concrete, not a normal positive float32 (in
+            ``[2**-126, float32 max]``: a denormal scale is flushed to zero, a larger one is ``inf``).
         """
         return cls(loss_scale=check_positive_float32_scalar("loss_scale", loss_scale))
 

@@ -61,8 +61,9 @@ def check_params(params: Any) -> None:
 
     Raises:
       ValueError: no leaves.
-      TypeError: a leaf that is not a floating array, or a framework's module or
-        non-parameter variables (the message names the leaf and the split to use).
+      TypeError: a leaf that is not a floating array (a ``jax.ShapeDtypeStruct`` included: it
+        has a dtype but no values), or a framework's module or non-parameter variables (the
+        message names the leaf and the split to use).
 
     Example:
       >>> import jax.numpy as jnp
@@ -73,6 +74,11 @@ def check_params(params: Any) -> None:
     """
     if not jax.tree.leaves(params):
         raise ValueError("params must have at least one array leaf, got an empty tree")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(f"params{jax.tree_util.keystr(path)} is a jax.ShapeDtypeStruct (a shape without values); "
+                            "TrainState.create needs concrete arrays (e.g. model.init(key)); for shapes only, trace it: "
+                            "jax.eval_shape(lambda p: TrainState.create(p, optimizer), params), as leanstep.plan does")
     _check_nnx(params)
     _check_linen(params)
     _check_equinox(params)

@@ -4,6 +4,10 @@
 parses jmp's policy strings. With ``strict=True``, :meth:`Precision.wrap` applies
 :func:`leanstep.rounding.strict_precision`, which rounds every bfloat16/float16
 result to its dtype, forward and backward.
+
+A train step keeps float32 master weights whatever the policy says of compute and output:
+:func:`check_train_precision` refuses a policy whose params dtype is anything else, so that no
+setting is parsed and then ignored.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 from leanstep._checks import check_bool
 from leanstep.rounding import strict_precision
 
-__all__ = ["Precision", "get_precision"]
+__all__ = ["Precision", "check_train_precision", "get_precision"]
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -229,3 +233,45 @@ def get_precision(spec: str | Precision) -> Precision:
     if isinstance(spec, str):
         return Precision.from_string(spec)
     raise TypeError(f"spec={spec!r} must be a Precision or a str like 'params=float32,compute=bfloat16'")
+
+
+def check_train_precision(spec: str | Precision, name: str = "precision") -> Precision:
+    """:func:`get_precision` for a train step, whose master weights are float32.
+
+    A train step (:func:`leanstep.make_train_step`, :func:`leanstep.gradient_stage`) keeps
+    float32 masters: :meth:`leanstep.TrainState.create` stores the parameters in float32, the
+    gradient is accumulated, unscaled and clipped in float32 and the optimizer updates float32
+    values. A bfloat16 or float16 master would lose every update smaller than its 8- or 11-bit
+    mantissa can hold (``w + lr * g == w``), and a float64 one would only ever see float32
+    gradients; so a params dtype other than float32 is refused rather than ignored. Low
+    precision belongs in ``compute`` (and ``output``).
+
+    Args:
+      spec: a :class:`Precision` or its string form.
+      name: the argument's name in the message.
+
+    Returns:
+      The :class:`Precision`, its ``param_dtype`` float32.
+
+    Raises:
+      TypeError, ValueError: ``spec`` does not parse (see :func:`get_precision`).
+      ValueError: its params dtype is not float32; the message gives the policy to use instead.
+
+    Example:
+      >>> print(check_train_precision("compute=bf16"))
+      params=float32,compute=bfloat16,output=bfloat16
+      >>> check_train_precision("bfloat16")
+      Traceback (most recent call last):
+      ...
+      ValueError: precision='bfloat16': params must be float32 (the master weights), got bfloat16; ...
+    """
+    policy = get_precision(spec)
+    if policy.param_dtype != jnp.float32:
+        masters = dataclasses.replace(policy, param_dtype=jnp.dtype(jnp.float32))
+        given = spec if isinstance(spec, str) else str(spec)
+        raise ValueError(
+            f"{name}={given!r}: params must be float32 (the master weights), got {policy.param_dtype.name}; "
+            "a train step keeps float32 masters (TrainState.create stores the parameters in float32; the gradient "
+            "is accumulated, unscaled and clipped in float32) and runs the loss in the compute dtype; use "
+            f"{name}={str(masters)!r}")
+    return policy

@@ -25,6 +25,10 @@ For a residual MLP block :math:`y = x + \tanh(x W_1 + b_1) W_2 + b_2` with
 Use :func:`leanstep.residuals.saved_residuals_report` to see, per policy, which values
 are saved and how many bytes they take. Equal gradients cannot show that anything was
 recomputed; the report (and the gradient jaxpr) can.
+
+A ``"save:NAME"`` policy whose name the function never tags would save nothing, silently;
+:func:`check_saved_names` finds that in a traced program, and the train step and
+:func:`leanstep.audit` run it.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from leanstep._checks import check_bool
+from leanstep._jaxpr import equations, is_remat_primitive, sub_jaxprs
 
-__all__ = ["REMAT_POLICIES", "checkpoint_name", "get_remat_policy", "remat"]
+__all__ = ["REMAT_POLICIES", "check_saved_names", "checkpoint_name", "get_remat_policy", "remat"]
 
 _POLICIES = jax.checkpoint_policies
 
@@ -234,3 +239,60 @@ def _framework_remat(fn: Any, policy: Callable[..., Any], prevent_cse: bool,
                             "already treats every argument that is not an array as static")
         return eqx.filter_checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
     return None
+
+
+def _tagged_names(jaxpr: Any) -> set[str]:
+    """The ``checkpoint_name`` tags of a jaxpr and its sub-programs (primitive ``name``)."""
+    return {str(eqn.params["name"]) for eqn in equations(jaxpr) if eqn.primitive.name == "name"}
+
+
+def check_saved_names(jaxpr: Any, what: str = "loss_fn") -> None:
+    """Raises unless every name a ``"save:NAME"`` policy saves is tagged inside its checkpoint region.
+
+    .. code-block:: text
+
+        for each jax.checkpoint region R of the program whose policy saves names N:
+            tagged = the checkpoint_name tags inside R      (a forward-pass region)
+                   | the tags of the whole program          (a backward-pass region: the saved
+                                                             values were tagged by the forward pass)
+            N - tagged must be empty      (an untagged name would save nothing, silently)
+
+    Args:
+      jaxpr: a traced program (``jax.make_jaxpr`` output, closed or open).
+      what: the traced function's name in the message.
+
+    Raises:
+      ValueError: a policy names a tag that its region never sets; the message lists the
+        tags the program does set.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> def block(x):
+      ...     return jnp.sum(checkpoint_name(jnp.tanh(x), "hidden"))
+      >>> check_saved_names(jax.make_jaxpr(remat(block, "save:hidden"))(jnp.ones(2)))
+      >>> check_saved_names(jax.make_jaxpr(remat(block, "save:hiden"))(jnp.ones(2)))
+      Traceback (most recent call last):
+      ...
+      ValueError: remat policy 'save:hiden' saves checkpoint_name tag 'hiden', which loss_fn never sets ...
+    """
+    everywhere = _tagged_names(jaxpr)
+    for eqn in equations(jaxpr):
+        saved = getattr(eqn.params.get("policy"), "saveable_names", None) if is_remat_primitive(
+            eqn.primitive.name) else None
+        if not saved:
+            continue
+        # A region of the backward pass recomputes only what its policy did not save: the saved
+        # tags were set by the forward pass, outside it.
+        differentiated = bool(eqn.params.get("differentiated", False))
+        inside = everywhere if differentiated else set().union(*(_tagged_names(sub) for _, sub in sub_jaxprs(eqn)))
+        missing = sorted(set(map(str, saved)) - inside)
+        if not missing:
+            continue
+        policy = "save:" + ",".join(sorted(map(str, saved)))
+        tags = ", ".join(map(repr, missing))
+        plural = len(missing) > 1
+        defined = f"the tags it sets: {sorted(everywhere)}" if everywhere else "it sets no checkpoint_name tag"
+        raise ValueError(f"remat policy {policy!r} saves checkpoint_name tag{'s' if plural else ''} {tags}, which "
+                         f"{what} never sets{'' if differentiated else ' inside that jax.checkpoint region'}, so "
+                         f"nothing is saved for {'them' if plural else 'it'}; {defined} (tag a value with "
+                         "leanstep.checkpoint_name(x, NAME) inside the remat'd function)")

@@ -72,21 +72,30 @@ class TrainState:
     ) -> TrainState:
         """Builds the state at step 0.
 
+        The master weights are float32 whatever the dtype of ``params``: bfloat16 and float16
+        leaves are widened exactly, float64 ones (under ``jax_enable_x64``) are rounded to
+        float32. A train step refuses a precision whose params dtype is not float32
+        (:func:`leanstep.precision.check_train_precision`), so no policy can say otherwise.
+
         Args:
-          params: a pytree of floating-point arrays; they are stored as float32 masters.
+          params: a pytree of concrete floating-point arrays; they are stored as float32 masters.
           optimizer: any ``optax.GradientTransformation``; its ``init`` builds ``opt_state``
             and the train step applies it.
-          loss_scale: ``"dynamic"``, ``"static"``, ``"none"`` or a loss-scale instance.
-          seed: the seed of ``rng``.
+          loss_scale: ``"dynamic"``, ``"none"`` or a loss-scale instance (a static scale needs
+            its value: ``StaticLossScale.create(1024.0)``).
+          seed: the seed of ``rng``, an int in ``[0, 2**32 - 1]`` (``[0, 2**63 - 1]`` under
+            ``jax_enable_x64``): without x64 a PRNG key keeps 32 bits of the seed, so a wider
+            seed would give the run of another.
           model_state: a pytree of arrays the model carries besides its parameters (kept in
             its own dtypes), or None.
 
         Raises:
           TypeError: a parameter leaf is not a floating-point array (a framework's
-            non-parameter variables among them are named, with the split to use),
-            ``optimizer`` is not a hashable ``GradientTransformation``, ``seed`` is not an
-            int, or a ``model_state`` leaf is not an array.
-          ValueError: ``params`` has no leaves.
+            non-parameter variables among them are named, with the split to use) or is a
+            ``jax.ShapeDtypeStruct``, ``optimizer`` is not a hashable ``GradientTransformation``,
+            ``seed`` is not an int, ``loss_scale`` is neither a name nor a loss scale, or a
+            ``model_state`` leaf is not a concrete array.
+          ValueError: ``params`` has no leaves, or ``seed`` is out of range.
 
         Example:
           >>> import jax.numpy as jnp, optax
@@ -102,11 +111,24 @@ class TrainState:
                             "tell two optimizers apart; build it from optax transformations") from None
         if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        bits = 63 if jax.config.jax_enable_x64 else 32
+        if not 0 <= seed <= 2**bits - 1:
+            raise ValueError(f"seed must be an int in [0, 2**{bits} - 1], got {seed!r}"
+                             + ("" if bits == 63 else "; a PRNG key keeps 32 bits of the seed without jax_enable_x64"))
+        if not isinstance(loss_scale, (str, LossScale)):
+            raise TypeError(f"loss_scale must be 'dynamic', 'static', 'none' or a LossScale (e.g. "
+                            f"leanstep.StaticLossScale.create(1024.0)), got {type(loss_scale).__name__} {loss_scale!r}")
+        if isinstance(loss_scale, str) and loss_scale.strip().lower() == "static":
+            raise ValueError("loss_scale='static' needs its scale: pass loss_scale=leanstep.StaticLossScale.create(S) "
+                             "(e.g. S=1024.0)")
         check_params(params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
+            where = f"model_state{jax.tree_util.keystr(path)}"
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise TypeError(f"{where} is a jax.ShapeDtypeStruct (a shape without values); TrainState.create "
+                                "needs concrete arrays")
             if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
-                raise TypeError(f"model_state{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; "
-                                "the model state must be a pytree of arrays")
+                raise TypeError(f"{where} is a {type(leaf).__name__}; the model state must be a pytree of arrays")
         params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
         state = cls(
             step=jnp.zeros((), jnp.int32),

@@ -96,9 +96,10 @@ def make_train_step(
       unroll: forwarded to the microbatch ``lax.scan``; ``True`` unrolls it (on XLA:CPU
         convolutions in a loop run several times slower; unrolled microbatches cost memory).
         One microbatch never runs in a scan.
-      jit: compile the step with ``jax.jit``.
+      jit: compile the step with ``jax.jit`` (the step then has the jitted function's
+        ``lower``, ``trace`` and ``eval_shape``).
       donate: donate the state's buffers to the step (only with ``jit``); the
-        state passed in must not be used again.
+        state passed in must not be used again (a call with it raises a ValueError).
       mesh: run sharded on this device mesh through :class:`leanstep.ShardingLayer` (or
         through the layer given): the axes have roles by name (an ``"fsdp"`` axis splits
         the parameters, a ``"tensor"`` axis is tensor parallel, every other axis is data
@@ -124,12 +125,17 @@ def make_train_step(
       The step function.
 
     Raises:
-      ValueError: ``num_microbatches`` < 1, ``max_grad_norm`` not positive and finite,
-        ``data_axis`` not an axis of ``mesh``, ``split="presplit"`` with a mesh, or (at
-        trace time) the batch not divisible by ``num_microbatches`` (times the data-axis
-        size, with a mesh).
-      TypeError: ``loss_fn`` not callable, ``mesh`` not a ``jax.sharding.Mesh``, or (at
-        trace time) ``state`` not a :class:`TrainState`.
+      ValueError: ``num_microbatches`` < 1, ``max_grad_norm`` not a normal, finite float32 > 0,
+        a ``precision`` whose params dtype is not float32 (the masters are float32:
+        :func:`leanstep.precision.check_train_precision`), ``data_axis`` not an axis of
+        ``mesh``, ``split="presplit"`` with a mesh; at trace time, the batch not divisible by
+        ``num_microbatches`` (times the data-axis size, with a mesh), ``state.params`` not
+        float32, ``state.opt_state`` not built by the optimizer applied, a token count that is
+        not a scalar, or a ``"save:NAME"`` remat policy naming a tag the loss never sets; at
+        call time, an input array that was deleted (a donated state used again).
+      TypeError: ``loss_fn`` not callable, ``jit`` or ``donate`` not a bool, ``mesh`` not a
+        ``jax.sharding.Mesh``; at trace time, ``state`` not a :class:`TrainState`; at call
+        time, a ``jax.ShapeDtypeStruct`` or non-array leaf in the state or batch.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -150,6 +156,7 @@ def make_train_step(
                       stacklevel=2)
     num_microbatches = check_num_microbatches(num_microbatches)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
+    jit, donate = check_bool("jit", jit), check_bool("donate", donate)
     if check_bool("fsdp", fsdp) and mesh is None:
         raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
     if mesh is None and (rules is not None or reduce != "auto"):
@@ -198,7 +205,71 @@ def make_train_step(
             raise ValueError("has_state=True needs TrainState.create(..., model_state=...)" if has_state else
                              "the state holds a model_state: pass has_state=True, and loss_fn(params, model_state, "
                              "batch) returning (loss, new_model_state)")
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
+            if jnp.result_type(leaf) != jnp.float32:
+                raise ValueError(f"state.params{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; the "
+                                 "master weights must be float32 (TrainState.create stores them so; the compute dtype "
+                                 "is the precision's)")
         jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)  # the batch's errors, at trace time
         return sharded(state, batch)
 
-    return jax.jit(step, donate_argnums=(0,) if donate else ()) if jit else step
+    if not jit:
+        return step
+    return _CheckedStep(jax.jit(step, donate_argnums=(0,) if donate else ()), donate)
+
+
+def _input_problem(leaf: Any, name: str, donate: bool) -> tuple[type[Exception], str] | None:
+    """What is wrong with one input leaf, or None."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return TypeError, ("is a jax.ShapeDtypeStruct (a shape without values); the step runs on arrays. To trace it "
+                           "without data use step.trace(state, batch), jax.eval_shape(step, state, batch) or "
+                           "leanstep.audit(step, state, batch)")
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+        if name == "state" and donate:
+            return ValueError, ("has been deleted; the step donates its input state (donate=True), so the state "
+                                "passed to an earlier call is gone: use the state each call returns (state, metrics "
+                                "= step(state, batch)), or build the step with donate=False to keep its input")
+        return ValueError, "has been deleted (donated to, or deleted by, an earlier call)"
+    if not (hasattr(leaf, "dtype") or hasattr(leaf, "__jax_array__") or isinstance(leaf, (bool, int, float, complex))):
+        return TypeError, f"is a {type(leaf).__name__}; the {name} must be a pytree of arrays"
+    return None
+
+
+def _check_inputs(state: Any, batch: Any, donate: bool) -> None:
+    """What the compiled step cannot take, named before it reaches JAX: abstract, deleted or non-array leaves."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState (see TrainState.create), got {type(state).__name__}")
+    for name, tree in (("state", state), ("batch", batch)):
+        for index, leaf in enumerate(jax.tree.leaves(tree)):  # key paths (slow) only for the message
+            problem = _input_problem(leaf, name, donate)
+            if problem is not None:
+                error, message = problem
+                path = jax.tree_util.tree_leaves_with_path(tree)[index][0]
+                raise error(f"{name}{jax.tree_util.keystr(path)} {message}") from None
+
+
+class _CheckedStep:
+    """The jitted step behind a check of its inputs; everything else (``lower``, ``trace``) is the jitted one's."""
+
+    def __init__(self, jitted: Callable[..., Any], donate: bool) -> None:
+        self._jitted, self._donate = jitted, donate
+        self.__wrapped__ = jitted
+        self.__doc__ = jitted.__doc__
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+        counter = getattr(state, "step", None)  # one leaf stands for a donated or abstract state: cheap, every call
+        if isinstance(counter, jax.ShapeDtypeStruct) or (
+                isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer) and counter.is_deleted()):
+            _check_inputs(state, batch, self._donate)
+        try:
+            return self._jitted(state, batch)
+        except (TypeError, ValueError, RuntimeError):
+            # Only on the error path (the inputs of a real run are hundreds of leaves): an input JAX
+            # cannot take is named; any other error is the original one.
+            _check_inputs(state, batch, self._donate)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_jitted":  # not yet set: no recursion
+            raise AttributeError(name)
+        return getattr(self._jitted, name)

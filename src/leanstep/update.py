@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from leanstep._checks import INT32_MAX, check_optimizer, check_positive
+from leanstep._checks import INT32_MAX, check_optimizer, check_positive, tree_difference
 from leanstep.clipping import clip_by_global_norm, global_norm
 from leanstep.loss_scale import LossScale, all_finite
 from leanstep.loss_scale_registry import get_loss_scale
@@ -55,11 +55,48 @@ def _saturating_increment(count: jax.Array) -> jax.Array:
     return (jnp.minimum(count, INT32_MAX - 1) + 1).astype(jnp.int32)
 
 
+def check_opt_state(opt_state: Any, optimizer: optax.GradientTransformation, params: Any,
+                    name: str = "state.opt_state") -> None:
+    """Raises unless ``opt_state`` has the structure, shapes and dtypes of ``optimizer.init(params)``.
+
+    Compared with ``jax.eval_shape(optimizer.init, params)`` (nothing runs), so an optimizer
+    state built for another optimizer or other parameters is named here, not deep inside the
+    optimizer's update (``'EmptyState' object has no attribute 'mu'``). An ``init`` that cannot
+    be traced is left to the optimizer.
+
+    Raises:
+      ValueError: the first place where the two differ.
+    """
+    abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
+    try:
+        expected = jax.eval_shape(optimizer.init, abstract)
+    except TypeError:  # an init that reads concrete values; its own update reports a mismatch
+        return
+    difference = tree_difference(opt_state, expected, name, "optimizer.init(params)")
+    if difference is not None:
+        raise ValueError(f"{name} does not match the optimizer the step applies: {difference}; was the state built "
+                         "for another optimizer (or other parameters)? Build it with TrainState.create(params, "
+                         "optimizer) for the optimizer that updates it")
+
+
+def _check_grads(scaled_grads: Any, params: Any) -> None:
+    """One gradient per parameter, of its shape (the dtypes may differ: float32 gradients, any masters)."""
+    if jax.tree.structure(scaled_grads) != jax.tree.structure(params):
+        raise ValueError("scaled_grads must have the structure of the params (one gradient per parameter): "
+                         f"{tree_difference(scaled_grads, params, 'scaled_grads', 'params')}")
+    for (path, grad), param in zip(jax.tree_util.tree_leaves_with_path(scaled_grads), jax.tree.leaves(params)):
+        if jnp.shape(grad) != jnp.shape(param):
+            where = jax.tree_util.keystr(path)
+            raise ValueError(f"scaled_grads{where} has shape {jnp.shape(grad)}, params{where} has "
+                             f"{jnp.shape(param)}; a gradient is shaped like its parameter")
+
+
 def _checked_update(
     scaled_grads: Any, opt_state: Any, params: Any, optimizer: optax.GradientTransformation,
     loss_scale: LossScale, max_grad_norm: float | None, loss: jax.Array | None,
 ) -> tuple[Any, Any, UpdateInfo]:
     """The optimizer's updates and next state (that state kept as it was unless finite)."""
+    _check_grads(scaled_grads, params)
     grads = loss_scale.unscale(scaled_grads)
     # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
     # not depend on the parameters, or in a stop_gradient).
@@ -100,7 +137,9 @@ def guarded_update(
       ``(state, info)``: the new state and an :class:`UpdateInfo`.
 
     Raises:
-      ValueError, TypeError: ``max_grad_norm`` is not a positive finite number or None.
+      ValueError, TypeError: ``max_grad_norm`` is not a positive finite number or None (normal
+        in float32), ``state.opt_state`` was not built by ``state.optimizer`` for these params,
+        or ``scaled_grads`` is not shaped like the params.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -114,6 +153,7 @@ def guarded_update(
       (Array([0., 0.], dtype=float32), False, 16384.0, 1)
     """
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
+    check_opt_state(state.opt_state, state.optimizer, state.params)
     updates, opt_state, info = _checked_update(scaled_grads, state.opt_state, state.params, state.optimizer,
                                                state.loss_scale, max_grad_norm, loss)
     new_params = optax.apply_updates(state.params, updates)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from leanstep.loss_scale import LossScale
 from leanstep.models import Model, build_model
 from leanstep.precision import Precision, get_precision
+from leanstep.rematerialization import check_saved_names
 from leanstep.state import StepMetrics, TrainState
 from leanstep.step import make_train_step
 from leanstep.training.config import RunConfig, model_overrides
@@ -119,4 +120,11 @@ def build_run(config: RunConfig) -> Run:
     config.validate()
     model = build_model(config.model, config.size, **model_overrides(config))
     optimizer, schedule = build_optimizer(config)
-    return Run(config, model, optimizer, schedule, get_precision(config.precision), config.make_loss_scale())
+    run = Run(config, model, optimizer, schedule, get_precision(config.precision), config.make_loss_scale())
+    if "save:" in config.remat:  # every name saved must be one the model tags (one abstract trace)
+        microbatch = run.batch_spec(config.batch_size // config.microbatches)
+        try:
+            check_saved_names(jax.make_jaxpr(run.loss_fn())(run.abstract_params(), microbatch), f"--model {config.model}")
+        except ValueError as error:
+            raise ValueError(f"--remat {config.remat}: {error}") from None
+    return run

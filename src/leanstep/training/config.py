@@ -19,7 +19,7 @@ from leanstep._checks import is_int, is_real
 from leanstep.loss_scale import LossScale
 from leanstep.loss_scale_registry import get_loss_scale
 from leanstep.models import build_model
-from leanstep.precision import get_precision
+from leanstep.precision import check_train_precision
 from leanstep.rematerialization import get_remat_policy
 
 __all__ = ["MODEL_FLAGS", "RESUMABLE_FIELDS", "SCHEDULES", "RunConfig", "config_hash", "model_overrides"]
@@ -171,7 +171,7 @@ class RunConfig:
         for flag, value in (("--out", self.out), ("--data", self.data)):
             if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
                 raise ValueError(f"{flag} must be a non-empty path, got {value!r}")
-        for flag, parse, value in (("--precision", get_precision, self.precision),
+        for flag, parse, value in (("--precision", check_train_precision, self.precision),
                                    ("--remat", get_remat_policy, self.remat)):
             try:
                 parse(value)
