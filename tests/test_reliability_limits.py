@@ -2,8 +2,8 @@
 
 The catalogue here follows tests/test_reliability_input.py (exit 2, one stderr line naming the
 flag, nothing written); the whole catalogue across the reliability files is counted at the end.
-A property-based fuzz of ``leanstep train``'s and ``report``'s command lines asserts that no input
-ends in a traceback, a hang, or an exit code other than 0, 1 or 2.
+A property-based fuzz of ``leanstep train``'s, ``plan``'s and ``report``'s command lines asserts that
+no input ends in a traceback, a hang, or an exit code other than 0, 1 or 2.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_reliability_input import CATALOGUE, Case, _t, paths  # noqa: F401 - paths is a fixture
 
+import leanstep.planning
 import leanstep.training
 import leanstep.training.curves
 from leanstep.cli.main import main
@@ -149,6 +150,7 @@ _TEXT = st.one_of(st.text(max_size=12), st.sampled_from(
 
 
 _CODES: list[int] = []  # exit codes the train fuzz saw
+_PLAN_CODES: list[int] = []  # ... and the plan fuzz
 
 
 
@@ -167,12 +169,18 @@ def test_fuzz_train_command_lines(numbers, words, tmp_path_factory, capsys, monk
     _CODES.append(code)
 
 
+class _Reached(BaseException):
+    """Raised where the planner would compile: every check before it has passed."""
+
+
 def _run(argv: list[str], capsys) -> int:
     signal.alarm(60)  # a hang fails the test instead of the suite
     try:
         code = main(argv)
     except SystemExit as exit_:
         code = exit_.code
+    except _Reached:
+        code = 0
     finally:
         signal.alarm(0)
     captured = capsys.readouterr()
@@ -183,7 +191,8 @@ def _run(argv: list[str], capsys) -> int:
 
 @pytest.fixture(scope="module")
 def monkeypatch_module(tmp_path_factory):
-    """Every valid command line stops where training would start (after every check, before compiling)."""
+    """Every valid command line stops where training or planning would start (after every check, before
+    compiling)."""
     root = tmp_path_factory.getbasetemp()
     corpus = root / "fuzz-corpus"
     corpus.mkdir(exist_ok=True)
@@ -197,9 +206,34 @@ def monkeypatch_module(tmp_path_factory):
         return {"curves": None}
 
     mp.setattr(leanstep.training, "train", checked_only)
+
+    def reached(*args, **kwargs):
+        raise _Reached
+
+    mp.setattr(leanstep.planning, "compile_candidate", reached)
     mp.setattr(leanstep.training.curves, "plot_curves", lambda metrics, path, **kwargs: Path(path))
     yield mp
     mp.undo()
+
+
+_PLAN_FLAGS = st.sampled_from(["--budget", "--remat-policies", "--microbatch-counts", "--batch-size", "--seq-len",
+                                "--precision", "--max-grad-norm", "--d-model", "--json"])
+_PLAN_VALUES = st.one_of(_NUMBERS, _TEXT, st.sampled_from(
+    ["64MiB", "0B", "1e30GiB", "-5MiB", "1,2", "0,1", "2,2", "dots,none", "save:x", "", "nothing,dots", "{tmp}/p.json",
+     "{tmp}", "{tmp}/missing/p.json", "/dev/null/x.json"]))
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(flags=st.lists(st.tuples(_PLAN_FLAGS, _PLAN_VALUES), max_size=4))
+def test_fuzz_plan_command_lines(flags, tmp_path_factory, capsys, monkeypatch_module):
+    root = tmp_path_factory.getbasetemp()
+    argv = ["plan", "--model", "mlp", "--size", "tiny", "--budget", "64MiB"]
+    for flag, value in flags:
+        value = value.replace("{tmp}", str(root))
+        argv += [flag, value] if not value.startswith("-") else [f"{flag}={value}"]
+    code = _run(argv, capsys)
+    assert code in (0, 1, 2)
+    _PLAN_CODES.append(code)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -218,5 +252,6 @@ def test_fuzz_report_of_any_run_directory(metrics, config, tmp_path_factory, cap
     assert _run(["report", str(run)], capsys) in (0, 1, 2)
 
 
-def test_the_train_fuzz_reached_both_valid_and_refused_command_lines():
-    assert 0 in _CODES and 2 in _CODES, _CODES  # runs after the fuzz (file order)
+def test_the_fuzzes_reached_both_valid_and_refused_command_lines():
+    assert 0 in _CODES and 2 in _CODES, _CODES  # runs after the fuzzes (file order)
+    assert 0 in _PLAN_CODES and 2 in _PLAN_CODES, _PLAN_CODES
