@@ -504,3 +504,24 @@ def test_closed_checkpointer_refuses_work(tmp_path):
         ckpt.save(1, make_state(0))
     with pytest.raises(CheckpointError, match="is closed"):
         ckpt.restore(make_state(0))
+
+
+def test_a_step_written_by_leanstep_0_4_restores_and_is_pruned_like_any(tmp_path):
+    # 0.4 saved through orbax's CheckpointManager straight to <dir>/<step>, then the manifest.
+    import orbax.checkpoint as ocp
+
+    from leanstep.checkpoint_manifest import write_manifest
+    from leanstep.checkpoint_trees import leaf_specs
+
+    state = make_state(1)
+    manager = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(create=False))
+    manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state), extra=ocp.args.JsonSave({"step": 1})))
+    manager.wait_until_finished()
+    manager.close()
+    write_manifest(tmp_path / "1", 1, leaf_specs(state, "state", abstract_ok=False))
+    with Checkpointer(tmp_path, max_to_keep=1) as ckpt:
+        result = ckpt.restore(make_state(0))
+        assert result.step == 1 and result.extra == {"step": 1} and result.skipped == ()
+        assert_bit_equal(result.state, state)
+        ckpt.save(2, make_state(2), extra={"step": 2})
+        assert ckpt.all_steps() == [2]
