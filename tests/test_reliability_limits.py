@@ -29,6 +29,7 @@ from leanstep.training import RunConfig
 from leanstep.training.run_lock import RunLock
 
 BIG = str(2**31)
+_PLAN = ("--model", "mlp", "--size", "tiny", "--budget", "1GiB")
 HUGE = "1" + "0" * 40
 
 CASES = [
@@ -59,6 +60,12 @@ CASES = [
     Case("train/out_in_use", _t(out="{locked_run}"), 2, "--out '{locked_run}' is in use by another leanstep train (pid"),
     Case("train/resume_while_in_use", _t("--resume", out="{locked_run}"), 2,
          "--out '{locked_run}' is in use by another leanstep train (pid"),
+    Case("plan/node_size_past_int32", ("plan", *_PLAN, "--devices", "8", "--node-size", HUGE), 2,
+         f"--node-size must be an integer in [1, 2147483647], got {HUGE}"),
+    Case("plan/peak_flops_past_float64", ("plan", *_PLAN, "--devices", "8", "--peak-flops", "1e400"), 2,
+         "--peak-flops (Accelerator.flops) must map dtype names to positive FLOP/s"),
+    Case("plan/devices_past_int32", ("plan", *_PLAN, "--devices", BIG), 2,
+         "--devices must be an integer in [1, 2147483647], got 2147483648"),
     Case("train/run_lock_a_symlink", _t(out="{symlinked_lock_run}"), 1,
          "cannot lock the run directory --out '{symlinked_lock_run}'"),
 ]
@@ -88,8 +95,9 @@ def test_past_the_limits_gets_a_clear_error(case: Case, limits_paths, capsys):
     assert (code, captured.out) == (case.expected, "")
     assert captured.err.count("\n") == 1 and captured.err.startswith("leanstep"), captured.err
     assert case.fragment.format(**names) in captured.err
-    out = Path(argv[argv.index("--out") + 1])
-    assert not (out / "checkpoints").exists() and not (out / "config.json").exists()
+    if "--out" in argv:  # a run refused writes nothing
+        out = Path(argv[argv.index("--out") + 1])
+        assert not (out / "checkpoints").exists() and not (out / "config.json").exists()
 
 
 def test_a_model_past_2_31_parameters_is_built_not_overflowed():

@@ -198,12 +198,20 @@ def run_plan(args: argparse.Namespace) -> int:
 def _accelerator(args: argparse.Namespace) -> Any:
     from leanstep.cost_model import get_accelerator
 
+    if args.node_size is not None and not 1 <= args.node_size <= 2**31 - 1:
+        raise InputError(f"--node-size must be an integer in [1, 2147483647], got {args.node_size}")
     try:
         return get_accelerator(args.accelerator, flops=args.peak_flops, bandwidth=args.bandwidth,
                                inter_bandwidth=args.inter_bandwidth, node_size=args.node_size,
                                efficiency=args.efficiency)
-    except ValueError as error:
-        raise InputError(str(error)) from None
+    except ValueError as error:  # named by the flag that set the field
+        flags = {"Accelerator.flops": "--peak-flops", "Accelerator.bandwidth": "--bandwidth",
+                 "Accelerator.inter_bandwidth": "--inter-bandwidth", "Accelerator.node_size": "--node-size",
+                 "Accelerator.efficiency": "--efficiency"}
+        message = str(error)
+        for field, flag in flags.items():
+            message = message.replace(field + " ", f"{flag} ({field}) ", 1)
+        raise InputError(message) from None
 
 
 def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) -> Any:
