@@ -93,7 +93,7 @@ def test_unknown_task_and_bad_example_number(capsys):
 
 def test_missing_input_file(capsys, tmp_path):
     code, _, err = _solve(capsys, ["mixed-precision-step", "--input", str(tmp_path / "nope.json")])
-    assert code == 2 and "cannot read" in err
+    assert code == 2 and "nope.json does not exist" in err
 
 
 def test_console_script_exits_2_without_a_traceback():

@@ -345,7 +345,7 @@ CLI = [
     Case("solve/unknown_task", ("solve", "bogus"), 2, "argument TASK: invalid choice: 'bogus'"),
     Case("solve/no_task", ("solve",), 2, "solve: a TASK is required"),
     Case("solve/input_missing", ("solve", "global-norm-clipping", "--input", "/no/such.json"), 2,
-         "--input: cannot read /no/such.json"),
+         "--input /no/such.json does not exist"),
     Case("solve/input_empty", _solve("global-norm-clipping", "empty_file"), 2,
          "malformed JSON in {empty_file}: Expecting value"),
     Case("solve/malformed_json", _solve("global-norm-clipping", "j_malformed"), 2, "malformed JSON in {j_malformed}"),

@@ -149,6 +149,8 @@ def read_regular_file(path: str | os.PathLike[str], *, what: str, limit: int) ->
       ValueError: 'pipe' is a FIFO (named pipe), not a regular file
     """
     _check_limit(limit)
+    if not os.fspath(path):  # Path("") is ".", the working directory
+        raise ValueError(f"{what} is an empty path")
     path = Path(path)
     info = stat_path(path, what=what)
     if not stat.S_ISREG(info.st_mode):

@@ -9,11 +9,8 @@ A result that overflows float32 in the task's own arithmetic is printed, as ``"i
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
-import os
-import stat
 import sys
 from importlib import resources
 from typing import Any
@@ -31,6 +28,7 @@ from leanstep.cli.jsontree import (
     tree_from_json,
     tree_to_json,
 )
+from leanstep.files import read_regular_file
 
 
 def _task_names() -> list[str]:
@@ -222,32 +220,11 @@ def _shown(name: str) -> str:
     return name if name and name.isprintable() else ascii(name)
 
 
-def _cannot_read(source: str, error: OSError) -> InputError:
-    if error.errno == errno.ELOOP:
-        reason = "it is a symlink loop (too many levels of symbolic links)"
-    else:
-        reason = error.strerror or str(error)
-    return InputError(f"--input: cannot read {source}: {reason}")
-
-
-def _check_file(info: os.stat_result, source: str) -> None:
-    if stat.S_ISDIR(info.st_mode):
-        raise InputError(f"--input: {source} is a directory; expected a JSON file")
-    if not stat.S_ISREG(info.st_mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(info.st_mode) else "a character device" if stat.S_ISCHR(info.st_mode)
-                else "a block device" if stat.S_ISBLK(info.st_mode) else "a socket" if stat.S_ISSOCK(info.st_mode)
-                else "not a regular file")
-        raise InputError(f"--input: {source} is {kind}; expected a regular JSON file (or - for standard input)")
-    if info.st_size > MAX_INPUT_BYTES:
-        raise InputError(f"--input: {source} has {info.st_size} bytes; the limit is {_limit()}")
-
-
 def read_input(name: str | None) -> tuple[str, str]:
     """The input text and the name errors call it by: ``--input`` FILE, or standard input for None or ``-``.
 
-    A file must be a regular file (a FIFO or device would block or never end): it is checked
-    with ``stat``, opened non-blocking and checked again on the open descriptor. At most
-    :data:`MAX_INPUT_BYTES` are read from either source.
+    A file is read with :func:`leanstep.files.read_regular_file` (a regular file only: a FIFO or
+    device would block or never end). At most :data:`MAX_INPUT_BYTES` are read from either source.
 
     Raises:
       InputError: the file cannot be opened or read (a symlink loop is named as one), is not a
@@ -261,18 +238,13 @@ def read_input(name: str | None) -> tuple[str, str]:
         try:
             raw = stream.read(MAX_INPUT_BYTES + 1)
         except OSError as error:
-            raise _cannot_read(source, error) from None
+            raise InputError(f"--input: cannot read standard input: {error.strerror or error}") from None
     else:
         source = _shown(name)
         try:
-            _check_file(os.stat(name), source)
-            flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-            with open(os.open(name, flags), "rb") as file:
-                # What was opened, not what was named: the path may have changed in between.
-                _check_file(os.fstat(file.fileno()), source)
-                raw = file.read(MAX_INPUT_BYTES + 1)
-        except OSError as error:
-            raise _cannot_read(source, error) from None
+            raw = read_regular_file(name, what=f"--input {source}", limit=MAX_INPUT_BYTES)
+        except ValueError as error:
+            raise InputError(str(error)) from None
     if len(raw) > MAX_INPUT_BYTES:
         raise InputError(f"--input: {source} has more than {MAX_INPUT_BYTES} bytes; the limit is {_limit()}")
     if isinstance(raw, str):
