@@ -71,6 +71,8 @@ def _quiet_dependencies() -> None:
     reports the failure itself, in one line; these go."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    if getattr(sys.unraisablehook, "leanstep", False):  # once per process, however often main runs
+        return
     default = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -78,6 +80,7 @@ def _quiet_dependencies() -> None:
         if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
             default(unraisable)
 
+    hook.leanstep = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
 
 

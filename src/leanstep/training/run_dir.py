@@ -58,14 +58,11 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
     out = str(config_path.parent)
     if not config_path.exists():
         raise ValueError(f"--resume: {out!r} holds no run (no config.json); start it without --resume")
+    # A regular file, size-limited: its own message otherwise (a FIFO, a directory, too big).
+    text = read_regular_file(config_path, what=f"--resume: {str(config_path)!r}", limit=64 << 20)
     try:
-        saved = json.loads(read_regular_file(config_path, what=f"--resume: {str(config_path)!r}", limit=64 << 20))
-    except ValueError as error:
-        if str(error).startswith("--resume"):  # not a regular file, too big, unreadable
-            raise
-        raise ValueError(f"--resume: {str(config_path)!r} is not readable JSON ({error}); expected the "
-                         "config.json that leanstep train writes") from None
-    except (OSError, UnicodeDecodeError, RecursionError) as error:
+        saved = json.loads(text)
+    except (ValueError, RecursionError) as error:  # JSON, UTF-8 or nesting
         raise ValueError(f"--resume: {str(config_path)!r} is not readable JSON ({error}); expected the "
                          "config.json that leanstep train writes") from None
     run = saved.get("run", saved) if isinstance(saved, dict) else None

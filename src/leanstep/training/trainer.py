@@ -98,7 +98,8 @@ def train(config: RunConfig, *, resume: bool = False,
     # first if the directory exists (a live run is named before anything else is said about it),
     # else once the checks have passed (a run that fails them creates nothing).
     lock = RunLock(out) if jax.process_index() == 0 else None
-    refused = _take(lock) if lock is not None and out.is_dir() else None
+    early = lock is not None and out.is_dir()
+    refused = _take(lock) if early else None
     if refused is not None and jax.process_count() == 1:
         raise refused
     try:
@@ -118,7 +119,7 @@ def train(config: RunConfig, *, resume: bool = False,
                              f"({jax.process_count()} process(es))")
         if config.fsdp and mesh is None:
             raise ValueError("--fsdp shards the state over devices; add --devices N")
-        if lock is not None and refused is None:
+        if lock is not None and not early:
             refused = _take(lock)
             if refused is None:
                 check_run(config, resume, described)  # again, now that no one else can write it
