@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from typing import Any
 
 from leanstep.cli import bench, plan, report, solve, train
@@ -67,10 +68,12 @@ def _backend_problem() -> str | None:
 def _quiet_dependencies() -> None:
     """A failed orbax save reports itself three more ways: absl ERROR logs with tracebacks from its
     threads, asyncio's "Task exception was never retrieved", and tensorstore callbacks that reach
-    orbax's closed event loop ("Event loop is closed", as unraisable exceptions). leanstep
-    reports the failure itself, in one line; these go."""
+    orbax's closed event loop ("Event loop is closed", as unraisable exceptions), and, at exit,
+    "coroutine ... was never awaited" for the writes it abandoned. leanstep reports the failure
+    itself, in one line; these go."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message=r"coroutine '.*' was never awaited", category=RuntimeWarning)
     if getattr(sys.unraisablehook, "leanstep", False):  # once per process, however often main runs
         return
     default = sys.unraisablehook
