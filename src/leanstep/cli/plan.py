@@ -160,6 +160,9 @@ def run_plan(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise InputError(f"--budget: {error}") from None
     config = _config(args, microbatches=1, remat="none", **({"mesh": args.mesh} if args.mesh else {}))
+    from leanstep.training.auto_precision import resolve_precision
+
+    config = dataclasses.replace(config, precision=resolve_precision(config.precision, priced_accelerator=cluster)[0])
     policies = [name.strip() for name in args.remat_policies.split(",") if name.strip()]
     console = Console()
     try:

@@ -33,7 +33,11 @@ def add_parser(subparsers: Any) -> None:
     )
     add_run_flags(p, d)
     run = p.add_argument_group("training")
-    run.add_argument("--steps", type=int, default=d.steps)
+    run.add_argument("--time-budget", default=None, metavar="DURATION",
+                     help="size the run to this wall-clock time (e.g. 3m, 90s, 1h): steps and the learning-rate "
+                          "schedule are set from the step time measured after compiling, and recorded in config.json "
+                          "(default: 3m unless --steps is given)")
+    run.add_argument("--steps", type=int, default=None, help="fix the run's length exactly, instead of --time-budget")
     run.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
     run.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
     run.add_argument("--remat", default=d.remat, help=remat_help())
@@ -106,7 +110,19 @@ def run_train(args: argparse.Namespace) -> int:
                  "coordinator": "--coordinator"}
         raise InputError(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(error))) from None
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    if args.time_budget is not None and args.steps is not None:
+        raise InputError("--steps and --time-budget: give one (--steps fixes the length, --time-budget sizes it)")
+    if args.time_budget is not None:
+        from leanstep.training.budget import parse_duration
+
+        try:
+            given["time_budget"] = parse_duration(args.time_budget)
+        except ValueError as error:
+            raise InputError(str(error)) from None
+    else:
+        given.pop("time_budget")  # RunConfig's default: three minutes unless --steps is given
+    config = RunConfig(**given)
     console = Console(stderr=True)
     try:
         config.validate()

@@ -15,6 +15,7 @@ import jax
 
 from leanstep.auditing import AuditReport, audit
 from leanstep.planning import BudgetError, Plan, plan
+from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
 
@@ -40,9 +41,11 @@ def plan_run(config: RunConfig, budget_bytes: int | str | None, *, num_devices: 
       BudgetError: nothing fits.
       ValueError: an invalid config or budget; ``fsdp`` (plan with a mesh instead).
     """
+    cluster = not (num_devices is None and config.mesh is None and config.devices is None)
+    config = dataclasses.replace(config, precision=resolve_precision(config.precision, priced_accelerator=cluster)[0])
     if config.fsdp:
         raise ValueError("--budget plans --mesh, not --fsdp: use --mesh auto, or name a mesh such as --mesh fsdp=8")
-    if num_devices is None and config.mesh is None and config.devices is None:
+    if not cluster:
         run = build_run(dataclasses.replace(config, microbatches=1, remat="none"))  # both are planned here
         options.setdefault("precision", config.precision)
         if budget_bytes is None:

@@ -22,29 +22,31 @@ from leanstep.precision import Precision, get_precision
 from leanstep.rematerialization import check_saved_names
 from leanstep.state import StepMetrics, TrainState
 from leanstep.step import make_train_step
+from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.config import RunConfig, model_overrides
+from leanstep.training.schedule import make_schedule, scale_by_run_schedule
 
 __all__ = ["Run", "build_optimizer", "build_run"]
 
 
-def build_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Callable[[int], float]]:
-    """AdamW (b1 0.9, b2 0.95) under the configured learning-rate schedule; returns it and the schedule.
+def build_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Callable[[Any, Any], jax.Array]]:
+    """AdamW (b1 0.9, b2 0.95) under the configured schedule; returns it and ``schedule(count, total)``.
+
+    The schedule's length, ``total``, is kept in the optimizer state
+    (:func:`leanstep.training.schedule.scale_by_run_schedule`): ``config.steps``, or 0 until a
+    run sized by ``--time-budget`` has been planned and sets it, so the compiled step does not
+    depend on it. The updates are optax's ``adamw``: Adam's direction plus the decoupled weight
+    decay, times the scheduled learning rate.
 
     Example:
       >>> optimizer, schedule = build_optimizer(RunConfig(steps=100, warmup_steps=10))
-      >>> float(schedule(0)), float(schedule(10)), round(float(schedule(100)), 6)
+      >>> float(schedule(0, 100)), float(schedule(10, 100)), round(float(schedule(100, 100)), 6)
       (0.0, 0.003, 0.0003)
     """
-    if config.schedule == "constant":
-        schedule = optax.constant_schedule(config.lr)
-    elif config.schedule == "cosine":
-        schedule = optax.cosine_decay_schedule(config.lr, config.steps, alpha=0.1)
-    else:
-        warmup = min(config.warmup_steps, max(config.steps - 1, 0))
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, config.lr, warmup, max(config.steps, warmup + 1), end_value=0.1 * config.lr
-        )
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay), schedule
+    schedule = make_schedule(config.schedule, config.lr, config.warmup_steps)
+    optimizer = optax.chain(optax.scale_by_adam(b1=0.9, b2=0.95), optax.add_decayed_weights(config.weight_decay),
+                            scale_by_run_schedule(schedule, total=config.steps or 0))
+    return optimizer, schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,17 +57,19 @@ class Run:
       config: the validated config.
       model: the model, its config bound.
       optimizer: AdamW under the schedule.
-      schedule: the learning rate against the number of applied updates.
+      schedule: the learning rate, ``schedule(applied_updates, total_steps)``.
       precision: the mixed-precision policy.
       loss_scale: the initial loss scale.
+      precision_reason: why ``--precision auto`` chose the policy (None: the config named it).
     """
 
     config: RunConfig
     model: Model
     optimizer: optax.GradientTransformation
-    schedule: Callable[[int], float]
+    schedule: Callable[[Any, Any], jax.Array]
     precision: Precision
     loss_scale: LossScale
+    precision_reason: str | None = None
 
     def loss_fn(self, remat: str | None = None) -> Callable[[Any, Any], jax.Array]:
         """``loss_fn(params, batch)`` of the model under remat policy ``remat`` (default: the config's)."""
@@ -107,6 +111,10 @@ class Run:
 def build_run(config: RunConfig) -> Run:
     """Validates ``config`` and builds its model, optimizer, schedule, precision and loss scale.
 
+    ``precision="auto"`` is resolved here, for the device JAX runs on
+    (:func:`leanstep.training.auto_precision.device_precision`): the run's ``config`` names the
+    policy chosen and ``precision_reason`` says why.
+
     Raises:
       ValueError: an invalid config, naming the flag.
 
@@ -118,9 +126,11 @@ def build_run(config: RunConfig) -> Run:
       (256, 16)
     """
     config.validate()
+    chosen, reason = resolve_precision(config.precision)
+    config = dataclasses.replace(config, precision=chosen)
     model = build_model(config.model, config.size, **model_overrides(config))
     optimizer, schedule = build_optimizer(config)
-    run = Run(config, model, optimizer, schedule, get_precision(config.precision), config.make_loss_scale())
+    run = Run(config, model, optimizer, schedule, get_precision(config.precision), config.make_loss_scale(), reason)
     if "save:" in config.remat:  # every name saved must be one the model tags (one abstract trace)
         microbatch = run.batch_spec(config.batch_size // config.microbatches)
         try:

@@ -29,14 +29,20 @@ SCHEDULES = ("constant", "cosine", "warmup-cosine")
 
 #: Fields that may change between a run and its resumption; every other field must match.
 #: (Changing ``steps`` changes the learning-rate schedule, so such a run is an extension, not a
-#: replay; ``devices`` and ``fsdp`` only lay the same state out differently: a checkpoint
-#: restores into whatever layout the resumed run asks for.)
-RESUMABLE_FIELDS = frozenset({"steps", "stop_at", "eval_every", "checkpoint_every", "keep_checkpoints", "out",
+#: replay; a run sized by ``time_budget`` records the steps it chose, and resumes with them;
+#: ``devices`` and ``fsdp`` only lay the same state out differently: a checkpoint restores into
+#: whatever layout the resumed run asks for.)
+RESUMABLE_FIELDS = frozenset({"steps", "time_budget", "stop_at", "eval_every", "checkpoint_every", "keep_checkpoints", "out",
                               "max_consecutive_skips", "progress", "devices", "fsdp", "mesh", "reduce"})
 
 #: ``(flag, field)`` of the model-size overrides.
 MODEL_FLAGS = (("--d-model", "d_model"), ("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-ff", "d_ff"))
 
+
+#: The wall-clock budget of a run that does not fix ``--steps``: three minutes.
+DEFAULT_TIME_BUDGET_S = 180.0
+#: The longest budget accepted: 30 days.
+MAX_TIME_BUDGET_S = 30 * 24 * 3600.0
 
 #: The largest int32: the bound of every count and size of a run.
 INT32_MAX = 2**31 - 1
@@ -49,6 +55,10 @@ def _flag(name: str) -> str:
     return {field: flag for flag, field in MODEL_FLAGS}.get(name, "--" + name.replace("_", "-"))
 
 
+def _check_precision(spec: str) -> Any:
+    return spec if spec == "auto" else check_train_precision(spec)
+
+
 def _is_number(value: Any, minimum: float, *, strict: bool) -> bool:
     return is_real(value) and math.isfinite(value) and (value > minimum if strict else value >= minimum)
 
@@ -56,6 +66,13 @@ def _is_number(value: Any, minimum: float, *, strict: bool) -> bool:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything that defines a run; written to ``config.json``. Field names follow the CLI flags.
+
+    The run's length: ``steps`` fixes it exactly; with ``steps=None`` (the default) it is sized to
+    ``time_budget`` seconds of wall-clock (three minutes), counted from the start of
+    :func:`leanstep.training.train`, from the step time measured once the step is compiled
+    (:mod:`leanstep.training.budget`); the steps chosen are recorded in ``config.json`` and a
+    resumed run keeps them. ``precision="auto"`` computes in bfloat16 only on a device with
+    bfloat16 matrix units (:mod:`leanstep.training.auto_precision`), else in float32.
 
     Example:
       >>> RunConfig(size="tiny", steps=20).validate().microbatches
@@ -72,11 +89,12 @@ class RunConfig:
     n_layers: int | None = None
     n_heads: int | None = None
     d_ff: int | None = None
-    steps: int = 300
+    steps: int | None = None
+    time_budget: float | None = DEFAULT_TIME_BUDGET_S
     batch_size: int = 16
     seq_len: int = 128
     microbatches: int = 2
-    precision: str = "params=float32,compute=bfloat16,output=float32"
+    precision: str = "auto"
     loss_scale: str = "dynamic"
     initial_loss_scale: float = 2.0**15
     remat: str = "dots"
@@ -122,18 +140,24 @@ class RunConfig:
             if value > maximum:
                 raise ValueError(f"{_flag(name)} must be an integer in [{minimum}, {maximum}], got {value!r}")
 
-        for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every", "eval_batches",
+        for name in ("batch_size", "seq_len", "microbatches", "eval_every", "eval_batches",
                      "checkpoint_every", "keep_checkpoints", "max_consecutive_skips"):
             check_int(name)
         check_int("warmup_steps", 0)
         check_int("seed", 0, 2**32 - 1)  # a PRNG key keeps 32 bits of the seed
-        for name in ("d_model", "n_layers", "n_heads", "d_ff", "stop_at", "devices"):
+        for name in ("steps", "d_model", "n_layers", "n_heads", "d_ff", "stop_at", "devices"):
             if getattr(self, name) is not None:
                 check_int(name)
         if self.batch_size * self.seq_len > INT32_MAX:
             raise ValueError(f"--batch-size {self.batch_size} times --seq-len {self.seq_len} is more than "
                              f"{INT32_MAX} tokens per step")
-        if self.stop_at is not None and self.stop_at > self.steps:
+        if self.time_budget is not None and not (_is_number(self.time_budget, 0, strict=True)
+                                                 and self.time_budget <= MAX_TIME_BUDGET_S):
+            raise ValueError(f"--time-budget must be a duration in (0 s, 30 days], like 3m or 90s, "
+                             f"got {self.time_budget!r} seconds")
+        if self.steps is None and self.time_budget is None:
+            raise ValueError("--steps or --time-budget: give one (how long the run is)")
+        if self.stop_at is not None and self.steps is not None and self.stop_at > self.steps:
             raise ValueError(f"--stop-at {self.stop_at} is past --steps {self.steps}: the run would never stop there")
         if self.batch_size % self.microbatches:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches {self.microbatches}")
@@ -171,7 +195,7 @@ class RunConfig:
         for flag, value in (("--out", self.out), ("--data", self.data)):
             if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
                 raise ValueError(f"{flag} must be a non-empty path, got {value!r}")
-        for flag, parse, value in (("--precision", check_train_precision, self.precision),
+        for flag, parse, value in (("--precision", _check_precision, self.precision),
                                    ("--remat", get_remat_policy, self.remat)):
             try:
                 parse(value)

@@ -40,7 +40,8 @@ class TrainRecord(NamedTuple):
       clipped: whether the gradient was clipped to ``max_grad_norm``.
       consecutive_skips: skipped steps in a row up to and including this one.
       tokens_per_sec: throughput of this step.
-      elapsed_s: training time of the run so far, resumes included.
+      elapsed_s: wall-clock time of the run so far from the start of each session of
+        :func:`leanstep.training.train` (loading and compiling included), resumes included.
       lr: the learning rate the step's update used.
     """
 

@@ -20,7 +20,7 @@ from typing import Any
 from leanstep.files import read_regular_file, write_bytes_atomic
 from leanstep.training.config import RunConfig
 
-__all__ = ["check_out", "check_run", "saved_run", "write_json_atomic"]
+__all__ = ["check_out", "check_run", "saved_run", "with_saved_plan", "write_json_atomic"]
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -74,6 +74,30 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
         details = ", ".join(f"{k}={run.get(k)!r} (now {getattr(config, k)!r})" for k in different)
         raise ValueError(f"--resume: {out!r} belongs to a different config: {details}")
     return saved
+
+
+def with_saved_plan(config: RunConfig) -> RunConfig:
+    """``config`` to resume, with what its run chose for itself: the steps a ``--time-budget``
+    planned (when ``config.steps`` is None) and the policy ``--precision auto`` chose.
+
+    A resumed run replays those choices rather than making them again: the machine may be
+    faster or slower now, or another kind. Without a readable ``config.json`` the config is
+    returned as is, and :func:`check_run` says what is wrong.
+    """
+    import dataclasses
+
+    path = Path(config.out) / "config.json"
+    try:
+        saved = json.loads(read_regular_file(path, what=str(path), limit=64 << 20))
+        run = saved.get("run", {})
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return config
+    changes: dict[str, Any] = {}
+    if config.steps is None and isinstance(run.get("steps"), int):
+        changes["steps"] = run["steps"]
+    if config.precision == "auto" and isinstance(run.get("precision"), str):
+        changes["precision"] = run["precision"]
+    return dataclasses.replace(config, **changes)
 
 
 def check_run(config: RunConfig, resume: bool, corpus: dict[str, Any]) -> dict[str, Any] | None:

@@ -37,7 +37,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -45,15 +44,29 @@ from leanstep.checkpoint import Checkpointer, CheckpointError
 from leanstep.checkpoint_layout import remove_unfinished_saves
 from leanstep.distributed import device_mesh, parse_mesh
 from leanstep.models.transformer import QKV_LAYOUT
-from leanstep.sharding import mesh_axes, shard_batch, shard_train_state
+from leanstep.sharding import mesh_axes, shard_train_state
 from leanstep.state import TrainState
+from leanstep.training.budget import plan_budget
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.data import BatchSampler, heldout_batches, load_corpus
 from leanstep.training.metrics_log import MetricsWriter, read_metrics, truncate_metrics
 from leanstep.training.records import EvalRecord, Note, Record, RunStart, TrainRecord
-from leanstep.training.run_dir import check_out, check_run, write_json_atomic
+from leanstep.training.run_dir import (
+    check_out,
+    check_run,
+    with_saved_plan,
+    write_json_atomic,
+)
 from leanstep.training.run_lock import RunLock
+from leanstep.training.schedule import set_total_steps
+from leanstep.training.step_loop import (
+    StepLoop,
+    applied_updates,
+    evaluate,
+    place_eval_batch,
+    step_batch,
+)
 from leanstep.training.stop_signals import StopSignals
 
 __all__ = ["RunStopped", "train"]
@@ -90,8 +103,10 @@ def train(config: RunConfig, *, resume: bool = False,
       RunStopped: stopped by a signal (after saving a checkpoint), by a loss scale stuck at its
         minimum, by a failed write, or because no checkpoint to resume from is intact.
     """
+    origin = time.perf_counter()  # a --time-budget counts from here
     emit = _ignore if on_record is None else on_record
-    run = build_run(config)
+    run = build_run(with_saved_plan(config) if resume else config)
+    config = run.config  # --precision auto resolved
     out = Path(config.out)
     check_out(out)
     # The one writer of --out from here to the end (process 0 of a multi-process run): taken
@@ -134,7 +149,7 @@ def train(config: RunConfig, *, resume: bool = False,
             lock.release()
         raise
     try:
-        return _train_locked(config, run, resume, corpus, described, mesh, emit, lock)
+        return _train_locked(config, run, resume, corpus, described, mesh, emit, lock, origin)
     finally:
         if lock is not None:
             lock.release()
@@ -152,7 +167,7 @@ def _take(lock: RunLock) -> Exception | None:
 
 
 def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, described: dict[str, Any],
-                  mesh: Mesh | None, emit: Callable[..., None], lock: RunLock | None) -> dict[str, Any]:
+                  mesh: Mesh | None, emit: Callable[..., None], lock: RunLock | None, origin: float) -> dict[str, Any]:
     """:func:`train` from the moment it holds the run directory (``lock``; None on process > 0)."""
     out = Path(config.out)
     config_path, metrics_path, ckpt_dir = out / "config.json", out / "metrics.jsonl", out / "checkpoints"
@@ -160,12 +175,32 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
     template = run.init_state()
     if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
         template = shard_train_state(template, mesh, fsdp=config.fsdp, rules=run.model.rules)
+    eval_data = heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
+    loop = StepLoop(config, None, metrics_path if primary else None, run.make_step(mesh=mesh),
+                 # A replicated result: one scalar every process can read.
+                 jax.jit(lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
+                         out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec())),
+                 BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
+                 eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data], run.schedule,
+                 emit if primary else _ignore, mesh, origin)
+    plan = None
+    if config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
+        def scratch() -> TrainState:
+            state = run.init_state()
+            return state if mesh is None else shard_train_state(state, mesh, fsdp=config.fsdp, rules=run.model.rules)
+
+        plan = plan_budget(config, loop.step_fn, scratch, lambda i: step_batch(loop, i), lambda p: evaluate(loop, p),
+                           origin)
+        config = dataclasses.replace(config, steps=plan.steps)
+        loop = dataclasses.replace(loop, config=config)
+    template = template.replace(opt_state=set_total_steps(template.opt_state, config.steps))
     run_info = {"run": config.to_json(), "corpus": described, "model_config": dataclasses.asdict(run.model.config),
                 "parameters": int(sum(x.size for x in jax.tree.leaves(template.params))),
                 "flops_per_token": run.model.flops_per_token, "jax_version": jax.__version__,
                 "backend": jax.default_backend(), "max_grad_norm": config.max_grad_norm,
                 "devices": 1 if mesh is None else mesh.size, "processes": jax.process_count(),
-                "qkv_layout": QKV_LAYOUT}
+                "qkv_layout": QKV_LAYOUT, "precision_reason": run.precision_reason,
+                "time_budget_plan": None if plan is None else plan.to_json()}
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not resume and primary:  # before the first checkpoint, so that a run killed from here on can be resumed
@@ -173,24 +208,20 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
         notes = remove_unfinished_saves(ckpt_dir) if resume and primary else []
         took_over = lock.took_over() if lock is not None else None
         notes += [f"warning: {took_over}"] if took_over else []
+        notes += [] if plan is None else [plan.describe()]
         if many:  # ... and cleaned it up before any process opens the checkpoints
             multihost_utils.sync_global_devices("leanstep: run directory ready")
         checkpointer = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints)
     except (OSError, CheckpointError) as error:
         raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
 
-    eval_data = heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
-    loop = _Loop(config, checkpointer, metrics_path if primary else None, run.make_step(mesh=mesh),
-                 # A replicated result: one scalar every process can read.
-                 jax.jit(lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
-                         out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec())),
-                 BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
-                 eval_data if mesh is None else [_place_eval_batch(b, mesh) for b in eval_data], run.schedule,
-                 emit if primary else _ignore, mesh)
+    loop = dataclasses.replace(loop, checkpointer=checkpointer)
     try:
         state, elapsed_before = template, 0.0
         if resume and checkpointer.latest_step() is not None:
             state, elapsed_before = _restore(checkpointer, template, config, notes)
+            # The schedule spans --steps: the saved length, or a longer one (an extension).
+            state = state.replace(opt_state=set_total_steps(state.opt_state, config.steps))
         if resume and primary:
             try:
                 truncate_metrics(metrics_path, int(state.step))
@@ -199,7 +230,8 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
                 raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
         emit(*(Note(note) for note in notes))
         loop.emit(RunStart(config.steps, int(state.step)))
-        _run_steps(loop, state, elapsed_before)
+        _run_steps(loop, state, elapsed_before, budget_s=None if plan is None else plan.budget_s - plan.finish_s,
+                   step_s=None if plan is None else plan.step_s)
     except BaseException:
         with contextlib.suppress(CheckpointError):  # report the first failure, not a follow-on one
             checkpointer.close()
@@ -247,25 +279,15 @@ def _restore(checkpointer: Checkpointer, template: TrainState, config: RunConfig
     return restored.state, float(restored.extra.get("elapsed_s", 0.0))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Loop:
-    """What the step loop works with; built by :func:`train`."""
+def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, budget_s: float | None = None,
+               step_s: float | None = None) -> None:
+    """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured.
 
-    config: RunConfig
-    checkpointer: Checkpointer
-    metrics_path: Path | None  # None: another process writes the metrics
-    step_fn: Callable[[TrainState, Any], tuple[TrainState, Any]]
-    eval_fn: Callable[[Any, Any], jax.Array]
-    sampler: BatchSampler
-    eval_data: list[Any]
-    schedule: Callable[[int], float]
-    emit: Callable[..., None]
-    mesh: Mesh | None = None  # shard each batch over it (None: one device, unsharded)
-
-
-def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
-    """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured."""
+    ``budget_s``: the run that planned its steps stops, with a checkpoint, before a step that
+    would end past this time from ``loop.origin`` (``step_s``: the planned step time).
+    """
     config, checkpointer, out = loop.config, loop.checkpointer, Path(loop.config.out)
+    assert checkpointer is not None
     last_saved = int(state.step)
     # A static or absent loss scale cannot back off, so it is always at its minimum.
     minimum = getattr(state.loss_scale, "min_loss_scale", math.inf)
@@ -289,8 +311,8 @@ def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
         return RunStopped(f"cannot write {loop.metrics_path}: {error}; {where_saved()}", 1)
 
     tokens_per_step = config.batch_size * config.seq_len
-    applied_updates = _applied_updates(state.opt_state)
-    t_start = time.perf_counter()
+    applied = applied_updates(state.opt_state)
+    t_start = loop.origin
     many = jax.process_count() > 1
     with contextlib.ExitStack() as stack:
         try:
@@ -300,8 +322,7 @@ def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
         stop = stack.enter_context(StopSignals())
         while int(state.step) < config.steps:
             t0 = time.perf_counter()
-            batch = loop.sampler.batch_at(int(state.step))
-            state, metrics = loop.step_fn(state, batch if loop.mesh is None else shard_batch(batch, loop.mesh))
+            state, metrics = loop.step_fn(state, step_batch(loop, int(state.step)))
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
             step = int(state.step)
@@ -310,12 +331,16 @@ def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
                 loss_scale=float(metrics.loss_scale), skipped=bool(metrics.skipped),
                 clipped=bool(metrics.clipped), consecutive_skips=int(metrics.consecutive_skips),
                 tokens_per_sec=tokens_per_step / dt, elapsed_s=elapsed_before + time.perf_counter() - t_start,
-                lr=float(loop.schedule(applied_updates)))
-            applied_updates += not record.skipped
+                lr=float(loop.schedule(applied, config.steps, np)))
+            applied += not record.skipped
             records = [record]
-            if step % config.eval_every == 0 or step == config.steps:
-                heldout = float(np.mean([float(loop.eval_fn(state.params, b)) for b in loop.eval_data]))
-                records.append(EvalRecord.from_loss(step, heldout))
+            # Out of time: the next step would end past the budget (the planning run only).
+            out_of_time = budget_s is not None and step < config.steps and \
+                time.perf_counter() - t_start + (step_s or 0.0) > budget_s
+            if many and budget_s is not None:  # every process stops after the same step
+                out_of_time = bool(np.max(multihost_utils.process_allgather(np.int32(out_of_time))))
+            if step % config.eval_every == 0 or step == config.steps or out_of_time:
+                records.append(EvalRecord.from_loss(step, evaluate(loop, state.params)))
             if log is not None:
                 try:
                     log.write(*records)
@@ -335,7 +360,7 @@ def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
             stop_here = config.stop_at is not None and config.stop_at <= step < config.steps
             # A state stuck at the minimum scale is not worth keeping, and saving it could prune a good one.
             if skips_at_minimum == 0 and (step % config.checkpoint_every == 0 or step == config.steps
-                                          or signalled or stop_here):
+                                          or signalled or stop_here or out_of_time):
                 with stop.deferred():
                     save(state, record.elapsed_s)
                 last_saved = step
@@ -348,17 +373,8 @@ def _run_steps(loop: _Loop, state: TrainState, elapsed_before: float) -> None:
             if signalled:
                 raise RunStopped(f"{signal.Signals(signalled).name} received: stopped at step {step} "
                                  f"{saved_now}; continue with --resume --out {out}", 128 + signalled)
-
-
-def _place_eval_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> Any:
-    """Rows split over the mesh when they divide evenly, else (a short heldout set) replicated."""
-    if len(next(iter(batch.values()))) % mesh.size == 0:
-        return shard_batch(batch, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return {k: jax.make_array_from_callback(v.shape, replicated, lambda index, v=v: v[index]) for k, v in batch.items()}
-
-
-def _applied_updates(opt_state: Any) -> int:
-    """The optimizer's update count (it does not advance on skipped steps), which drives the schedule."""
-    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-    return int(counts[0][1]) if counts else 0
+            if out_of_time:
+                loop.emit(Note(f"warning: the time budget ran out at step {step} of the {config.steps} planned "
+                               f"(steps ran slower than the {step_s * 1e3:.1f} ms measured when planning), "
+                               f"{saved_now}; --resume --out {out} finishes the schedule"))
+                return
