@@ -168,6 +168,13 @@ def test_a_budgeted_run_stops_within_the_budget_plus_one_step_and_records_its_pl
     assert len(records) == steps or (ran_out and len(records) < steps), notes
     assert records[-1]["elapsed_s"] <= budget_s + max(step_times), (records[-1]["elapsed_s"], wall, plan)
     assert _records(out, "eval")[-1]["step"] == records[-1]["step"]
+    if plan["replan_at"] is not None and len(records) == steps:
+        # Planned again after the warmup, from the loop's own times: the run is the run of
+        # --steps N, bit for bit.
+        assert plan["loop_step_s"] > 0 and plan["calibrated_steps"] >= 1
+        fixed = tmp_path / "fixed"
+        train(RunConfig(**FAST, data=str(corpus), out=str(fixed), steps=steps))
+        assert [r["loss"] for r in _records(fixed, "train")] == [r["loss"] for r in records]
 
 
 def _fixed_calibration(step_s: float):
@@ -260,3 +267,29 @@ def test_a_resumed_auto_run_keeps_the_precision_it_chose(tmp_path, corpus, monke
     saved = json.loads((tmp_path / "keep" / "config.json").read_text())
     assert saved["run"]["precision"] == auto_precision.FLOAT32
     assert math.isfinite(_records(tmp_path / "keep", "train")[-1]["loss"])
+
+
+def test_a_run_checkpointed_by_leanstep_0_5_resumes_bit_identically(tmp_path, corpus):
+    # 0.5's optimizer state ended in optax.ScaleByScheduleState(count) (optax.adamw of an optax
+    # schedule); such a checkpoint is made here from a real one, then resumed.
+    from leanstep.training.legacy_state import to_legacy
+
+    config = RunConfig(**FAST, data=str(corpus), steps=6)
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    train(dataclasses_replace(config, out=str(straight)))
+    with pytest.raises(RunStopped):
+        train(dataclasses_replace(config, out=str(stopped), stop_at=3))
+    template = build_run(config).init_state()
+    with Checkpointer(stopped / "checkpoints") as checkpointer:
+        restored = checkpointer.restore(template)
+        assert restored.step == 3
+        checkpointer.delete_newer_than(2)
+        legacy = restored.state.replace(opt_state=to_legacy(restored.state.opt_state))
+        assert isinstance(legacy.opt_state[2], optax.ScaleByScheduleState)  # what optax.adamw's state ends in
+        checkpointer.save(3, legacy, extra=restored.extra)
+    with Checkpointer(stopped / "checkpoints") as checkpointer:  # only the 0.5-style step is there
+        with pytest.raises(Exception, match="total"):
+            checkpointer.restore(template)
+    train(dataclasses_replace(config, out=str(stopped)), resume=True)
+    (_, a), (_, b) = _final_state(straight, config), _final_state(stopped, config)
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a.params, b.params)

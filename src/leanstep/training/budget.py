@@ -10,8 +10,11 @@ steps, with ``B`` the budget, ``t_0`` the time already spent (data, compilation,
 ``s`` the median step time, ``e`` one evaluation (every ``E`` steps and at the end), ``c`` a
 checkpoint (every ``C`` steps and at the end) and ``f`` the finish (summary and chart). The
 learning-rate schedule is then laid over ``N`` (:mod:`leanstep.training.schedule`) and the plan
-is recorded in ``config.json``; a resumed run keeps ``N``. Should the machine slow down, the
-run that planned stops at the budget with a checkpoint, and ``--resume`` finishes the schedule.
+is recorded in ``config.json``; a resumed run keeps ``N``. The steps right after compiling are
+not the loop's steady state, so the run plans once more, from its own step times, at the end of
+the warmup (:func:`replan_step`), where the learning rate does not yet depend on ``N``. Should
+the machine slow down later, the run that planned stops at the budget with a checkpoint, and
+``--resume`` finishes the schedule.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["BudgetPlan", "calibrate", "parse_duration", "plan_budget", "plan_steps"]
+__all__ = ["BudgetPlan", "calibrate", "parse_duration", "plan_budget", "plan_steps", "replan", "replan_step"]
 
 #: Seconds per unit of a duration.
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -76,6 +79,10 @@ class BudgetPlan:
       checkpoint_s: a checkpoint save (the estimate :data:`CHECKPOINT_ESTIMATE_S`).
       finish_s: the finish after the last step (the estimate :data:`FINISH_ESTIMATE_S`).
       steps: the steps chosen.
+      replan_at: the step at which the plan is made again from the step loop's own times
+        (None: never); see :func:`replan_step`.
+      calibrated_steps: the steps the calibration chose, before any replan.
+      loop_step_s: the median step time in the loop when replanned (None before).
     """
 
     budget_s: float
@@ -87,15 +94,23 @@ class BudgetPlan:
     checkpoint_s: float
     finish_s: float
     steps: int
+    replan_at: int | None = None
+    calibrated_steps: int | None = None
+    loop_step_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def describe(self) -> str:
-        """One line: the budget, what it went to, the steps planned."""
+        """One line: the budget, what it went to, the steps planned (and when they are planned again)."""
+        if self.loop_step_s is not None:
+            return (f"--time-budget {self.budget_s:g}s: {self.steps} steps, planned again after step "
+                    f"{self.replan_at} at {self.loop_step_s * 1e3:.1f} ms a step (the first plan: "
+                    f"{self.calibrated_steps} at {self.step_s * 1e3:.1f} ms)")
+        again = "" if self.replan_at is None else f", planned again after step {self.replan_at}"
         return (f"--time-budget {self.budget_s:g}s: {self.steps} steps planned at {self.step_s * 1e3:.1f} ms a step "
                 f"({self.planned_at_s:.1f} s spent loading, compiling and timing; an evaluation "
-                f"{self.eval_s:.2f} s)")
+                f"{self.eval_s:.2f} s{again})")
 
 
 def plan_steps(budget_s: float, spent_s: float, step_s: float, eval_s: float, eval_every: int,
@@ -178,6 +193,48 @@ def plan_budget(config: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], scr
     if config.stop_at is not None and config.stop_at > steps:
         raise ValueError(f"--stop-at {config.stop_at} is past the {steps} steps --time-budget "
                          f"{config.time_budget:g}s allows: the run would never stop there")
+    at = replan_step(config)
     return BudgetPlan(budget_s=float(config.time_budget), planned_at_s=spent, compile_s=timing["compile_s"],
                       step_s=timing["step_s"], step_times_s=timing["step_times_s"], eval_s=timing["eval_s"],
-                      checkpoint_s=CHECKPOINT_ESTIMATE_S, finish_s=FINISH_ESTIMATE_S, steps=steps)
+                      checkpoint_s=CHECKPOINT_ESTIMATE_S, finish_s=FINISH_ESTIMATE_S, steps=steps,
+                      replan_at=at if at is not None and at < steps else None, calibrated_steps=steps)
+
+
+def replan_step(config: Any) -> int | None:
+    """The step after which a budgeted run plans again, or None.
+
+    A few steps right after compiling run slower or faster than the run's steady state, so
+    the plan is made again from the loop's own step times, once, at the last step whose
+    learning rate does not depend on the run's length: the end of the warmup of
+    ``warmup-cosine`` (if it is 10 steps or more), or step 20 of ``constant``. The run is then
+    the run of ``--steps N`` with the final ``N``, bit for bit. ``cosine`` depends on the
+    length from its first step, so it keeps the calibration's plan.
+
+    Example:
+      >>> from leanstep.training import RunConfig
+      >>> replan_step(RunConfig(warmup_steps=30)), replan_step(RunConfig(schedule="cosine"))
+      (30, None)
+    """
+    if config.schedule == "warmup-cosine" and config.warmup_steps >= 10:
+        return config.warmup_steps
+    return 20 if config.schedule == "constant" else None
+
+
+def replan(plan: BudgetPlan, config: Any, step: int, elapsed_s: float, step_times_s: list[float]) -> BudgetPlan:
+    """``plan`` made again after ``step`` at ``elapsed_s``, from the loop's step times so far.
+
+    The steps left are :func:`plan_steps` of the time left at the median of ``step_times_s``
+    (the first two are left out), and never fewer than one more than ``step``.
+    """
+    times = step_times_s[2:] or step_times_s
+    step_s = statistics.median(times)
+    more = plan_steps(plan.budget_s, elapsed_s, step_s, plan.eval_s, config.eval_every, plan.checkpoint_s,
+                      config.checkpoint_every, plan.finish_s)
+    steps = step + max(1, more)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        steps = int(multihost_utils.broadcast_one_to_all(np.int32(steps)))
+    if config.stop_at is not None and config.stop_at > steps:
+        steps = config.stop_at  # --stop-at was checked against the first plan; it is kept
+    return dataclasses.replace(plan, steps=steps, loop_step_s=step_s)

@@ -46,10 +46,11 @@ from leanstep.distributed import device_mesh, parse_mesh
 from leanstep.models.transformer import QKV_LAYOUT
 from leanstep.sharding import mesh_axes, shard_train_state
 from leanstep.state import TrainState
-from leanstep.training.budget import plan_budget
+from leanstep.training.budget import BudgetPlan, plan_budget, replan
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.data import BatchSampler, heldout_batches, load_corpus
+from leanstep.training.legacy_state import restore_state
 from leanstep.training.metrics_log import MetricsWriter, read_metrics, truncate_metrics
 from leanstep.training.records import EvalRecord, Note, Record, RunStart, TrainRecord
 from leanstep.training.run_dir import (
@@ -230,8 +231,12 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
                 raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
         emit(*(Note(note) for note in notes))
         loop.emit(RunStart(config.steps, int(state.step)))
-        _run_steps(loop, state, elapsed_before, budget_s=None if plan is None else plan.budget_s - plan.finish_s,
-                   step_s=None if plan is None else plan.step_s)
+        def replanned(new: Any) -> None:  # config.json names the steps before a checkpoint holds them
+            run_info.update(run={**run_info["run"], "steps": new.steps}, time_budget_plan=new.to_json())
+            if primary:
+                write_json_atomic(config_path, run_info)
+
+        _run_steps(loop, state, elapsed_before, plan=plan, on_replan=replanned)
     except BaseException:
         with contextlib.suppress(CheckpointError):  # report the first failure, not a follow-on one
             checkpointer.close()
@@ -262,7 +267,7 @@ def _restore(checkpointer: Checkpointer, template: TrainState, config: RunConfig
              notes: list[str]) -> tuple[TrainState, float]:
     """The newest intact checkpoint that belongs to this config; notes say what was passed over."""
     try:
-        restored = checkpointer.restore(template)
+        restored = restore_state(checkpointer, template)  # 0.5's checkpoints too
     except CheckpointError as error:
         raise RunStopped(f"--resume: no checkpoint of the run can be restored, so it cannot continue: {error}. "
                          f"Start again with a new --out (or move {checkpointer.directory} away)", 1) from None
@@ -279,12 +284,12 @@ def _restore(checkpointer: Checkpointer, template: TrainState, config: RunConfig
     return restored.state, float(restored.extra.get("elapsed_s", 0.0))
 
 
-def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, budget_s: float | None = None,
-               step_s: float | None = None) -> None:
+def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, plan: BudgetPlan | None = None,
+               on_replan: Callable[[BudgetPlan], None] = lambda plan: None) -> None:
     """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured.
 
-    ``budget_s``: the run that planned its steps stops, with a checkpoint, before a step that
-    would end past this time from ``loop.origin`` (``step_s``: the planned step time).
+    ``plan``: the run sized it to its budget; it plans again at ``plan.replan_at`` (then calls
+    ``on_replan``) and stops, with a checkpoint, before a step that would end past the budget.
     """
     config, checkpointer, out = loop.config, loop.checkpointer, Path(loop.config.out)
     assert checkpointer is not None
@@ -312,7 +317,7 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, budg
 
     tokens_per_step = config.batch_size * config.seq_len
     applied = applied_updates(state.opt_state)
-    t_start = loop.origin
+    t_start, step_times = loop.origin, []
     many = jax.process_count() > 1
     with contextlib.ExitStack() as stack:
         try:
@@ -326,6 +331,14 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, budg
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
             step = int(state.step)
+            step_times.append(dt)
+            if plan is not None and step == plan.replan_at and plan.loop_step_s is None:
+                plan = replan(plan, config, step, time.perf_counter() - t_start, step_times)
+                config = dataclasses.replace(config, steps=plan.steps)
+                loop = dataclasses.replace(loop, config=config)
+                state = state.replace(opt_state=set_total_steps(state.opt_state, plan.steps))
+                on_replan(plan)
+                loop.emit(Note(plan.describe()), RunStart(plan.steps, step))
             record = TrainRecord(
                 step=step, loss=float(metrics.loss), grad_norm=float(metrics.grad_norm),
                 loss_scale=float(metrics.loss_scale), skipped=bool(metrics.skipped),
@@ -335,9 +348,9 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, budg
             applied += not record.skipped
             records = [record]
             # Out of time: the next step would end past the budget (the planning run only).
-            out_of_time = budget_s is not None and step < config.steps and \
-                time.perf_counter() - t_start + (step_s or 0.0) > budget_s
-            if many and budget_s is not None:  # every process stops after the same step
+            out_of_time = plan is not None and step < config.steps and time.perf_counter() - t_start + \
+                (plan.loop_step_s or plan.step_s) > plan.budget_s - plan.finish_s
+            if many and plan is not None:  # every process stops after the same step
                 out_of_time = bool(np.max(multihost_utils.process_allgather(np.int32(out_of_time))))
             if step % config.eval_every == 0 or step == config.steps or out_of_time:
                 records.append(EvalRecord.from_loss(step, evaluate(loop, state.params)))
@@ -375,6 +388,7 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, budg
                                  f"{saved_now}; continue with --resume --out {out}", 128 + signalled)
             if out_of_time:
                 loop.emit(Note(f"warning: the time budget ran out at step {step} of the {config.steps} planned "
-                               f"(steps ran slower than the {step_s * 1e3:.1f} ms measured when planning), "
+                               f"(steps ran slower than the {(plan.loop_step_s or plan.step_s) * 1e3:.1f} ms "
+                               "measured when planning), "
                                f"{saved_now}; --resume --out {out} finishes the schedule"))
                 return
