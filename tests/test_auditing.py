@@ -208,7 +208,8 @@ def test_bad_input():
 
 # --- a run's step and the CLI -------------------------------------------------------------------
 
-TINY = dict(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, remat="dots")
+TINY = dict(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, remat="dots",
+            precision="params=float32,compute=bfloat16,output=float32")
 
 
 def test_audit_run_reports_the_run_settings():

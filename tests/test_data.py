@@ -223,3 +223,12 @@ def test_heldout_batches_respects_max_batches_and_errors():
         heldout_batches(data[:5], 2, 8)
     with pytest.raises(ValueError, match="max_batches must be a positive int; got 0"):
         heldout_batches(data, 2, 8, max_batches=0)
+
+
+def test_a_limited_heldout_sample_is_spread_over_all_of_the_data():
+    data = (np.arange(2000) % 251).astype(np.uint8)
+    batches = heldout_batches(data, 4, 10, max_batches=2)  # 8 of the 199 windows
+    starts = [10 * (j * 199 // 8) for j in range(8)]  # window i starts at byte 10 i
+    assert starts[-1] > 1700  # the sample reaches the end of the held-out data, not only its start
+    np.testing.assert_array_equal(np.concatenate([b["tokens"] for b in batches]),
+                                  np.stack([data[s : s + 11] for s in starts]))

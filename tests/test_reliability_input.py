@@ -24,7 +24,7 @@ import leanstep
 from leanstep import tasks
 from leanstep.cli.main import build_parser, main
 from leanstep.step import TrainState, make_train_step
-from leanstep.training import RunConfig, train
+from leanstep.training import RunConfig, build_run, train
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,7 +424,8 @@ def _saved_run(root: Path, name: str, argv: tuple[str, ...], corpus_sha: str | N
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     run = root / name
     run.mkdir()
-    saved: dict[str, Any] = {"run": RunConfig(**{k: v for k, v in vars(args).items() if k in fields}).to_json()}
+    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    saved: dict[str, Any] = {"run": build_run(config).config.to_json()}  # --precision auto resolved, as train does
     if corpus_sha is not None:
         saved["corpus"] = {"data_sha256": corpus_sha}
     (run / "config.json").write_text(json.dumps(saved))

@@ -91,8 +91,8 @@ class RunConfig:
     d_ff: int | None = None
     steps: int | None = None
     time_budget: float | None = DEFAULT_TIME_BUDGET_S
-    batch_size: int = 16
-    seq_len: int = 128
+    batch_size: int = 64
+    seq_len: int = 32
     microbatches: int = 2
     precision: str = "auto"
     loss_scale: str = "dynamic"
@@ -105,9 +105,9 @@ class RunConfig:
     weight_decay: float = 0.01
     seed: int = 0
     data: str | None = None
-    eval_every: int = 50
-    eval_batches: int = 8
-    checkpoint_every: int = 100
+    eval_every: int = 100
+    eval_batches: int = 16
+    checkpoint_every: int = 250
     keep_checkpoints: int = 3
     max_consecutive_skips: int = 100
     out: str = "runs/train"

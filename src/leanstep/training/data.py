@@ -310,13 +310,15 @@ class BatchSampler:
 def heldout_batches(
     data: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None
 ) -> list[dict[str, np.ndarray]]:
-    """Fixed evaluation batches: consecutive windows from the start of ``data``.
+    """Fixed evaluation batches of windows of ``data``: all of it, or a sample spread over all of it.
 
     Window ``i`` is ``data[i * seq_len : i * seq_len + seq_len + 1]``, so consecutive windows
     share one boundary byte and every byte after the first is a target exactly once. Windows
     fill whole batches of ``batch_size`` (a leftover partial batch is dropped, to keep one
-    compiled shape) up to ``max_batches``; when there are fewer windows than ``batch_size``
-    they form one smaller batch.
+    compiled shape); when there are fewer windows than ``batch_size`` they form one smaller
+    batch. When ``max_batches`` allows only ``k`` of the ``n`` windows, they are windows
+    ``floor(j n / k)``, ``j < k``: spread evenly over every held-out file, not the first file's
+    start, so the estimate is of the whole held-out set.
 
     Raises:
       ValueError: a size is below 1, or ``data`` is shorter than ``seq_len + 1``.
@@ -335,6 +337,8 @@ def heldout_batches(
     if max_batches is not None:
         n_batches = min(n_batches, max_batches)
     rows = min(batch_size, n_windows)
-    starts = np.arange(n_batches * rows) * seq_len
+    k = n_batches * rows
+    spread = max_batches is not None and max_batches < max(1, n_windows // batch_size)
+    starts = ((np.arange(k) * n_windows) // k if spread else np.arange(k)) * seq_len
     tokens = data[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
     return [{"tokens": t} for t in tokens.reshape(n_batches, rows, seq_len + 1)]
