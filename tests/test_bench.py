@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from leanstep.bench import chart, runner
+from leanstep.bench.contenders import Contender, Spec
 from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
 from leanstep.bench.runner import BenchConfig, run_benchmark
 from leanstep.bench.torch_step import torch_available
@@ -23,7 +24,8 @@ from leanstep.step import TrainState, make_train_step
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROW_FIELDS = {"impl", "precision", "num_microbatches", "remat", "step_ms_median", "step_ms_min", "step_ms_max",
-              "temp_bytes", "model_gflop_per_step", "mfu"}
+              "temp_bytes", "model_gflop_per_step", "achieved_gflops", "mfu", "mfu_against", "mfu_peak_gflops",
+              "mfu_note", "cpu_peak_fraction", "cpu_peak_note"}
 RATIO_KEYS = {"leanstep_over_handwritten_time", "leanstep_over_handwritten_temp_bytes",
               "leanstep_over_torch_time_float32", "leanstep_over_torch_time_bfloat16"}
 PEAK_KEYS = {"xla_float32", "xla_bfloat16", "torch_float32", "torch_bfloat16"}
@@ -126,7 +128,9 @@ def test_result_has_every_key_with_sane_types(result):
     assert PEAK_KEYS <= set(result["peak_gflops"])
     assert RATIO_KEYS <= set(result["ratios"])
     for key in ("xla_float32", "xla_bfloat16"):
-        assert result["peak_gflops"][key] > 0
+        assert result["peak_gflops"][key] == result["matmul"][key]["gflops"] > 0
+        assert result["matmul"][key]["gflops"] >= result["matmul"][key]["gflops_median"] > 0  # best of N
+    assert result["cpu_peak"]["gflops"] is None or result["cpu_peak"]["gflops"] > 0
     machine = result["machine"]
     assert machine["cpu_model"] and machine["cores_available"] >= 1 and machine["jax"] == jax.__version__
     assert result["ratios"]["leanstep_over_handwritten_time"] > 0
@@ -140,12 +144,28 @@ def test_result_has_every_key_with_sane_types(result):
         assert row["precision"] in {"float32", "bfloat16"}
         assert isinstance(row["num_microbatches"], int) and isinstance(row["remat"], str)
         assert 0 < row["step_ms_min"] <= row["step_ms_median"] <= row["step_ms_max"]
-        assert row["model_gflop_per_step"] > 0 and (row["mfu"] is None or row["mfu"] > 0)
+        assert row["model_gflop_per_step"] > 0
         if row["impl"] == "torch":
             assert row["temp_bytes"] is None
         else:
             assert isinstance(row["temp_bytes"], int) and row["temp_bytes"] > 0
-            assert row["argument_bytes"] > 0 and row["mfu"] > 0
+            assert row["argument_bytes"] > 0
+
+
+def test_no_row_is_above_its_peak(result):
+    for row in result["rows"]:
+        backend = "torch" if row["impl"] == "torch" else "xla"
+        assert row["mfu_against"] == f"{backend}_{row['precision']}"
+        assert row["mfu_peak_gflops"] == result["peak_gflops"][row["mfu_against"]]
+        if row["achieved_gflops"] <= row["mfu_peak_gflops"]:
+            assert 0 < row["mfu"] <= 1 and row["mfu_note"] is None
+            assert row["mfu"] == pytest.approx(row["achieved_gflops"] / row["mfu_peak_gflops"])
+        else:
+            assert row["mfu"] is None and row["mfu_note"].startswith("peak meaningless")
+        fraction = row["cpu_peak_fraction"]
+        assert fraction is None or 0 < fraction <= 1
+    limit = result["mfu"]["cpu_float32_peak_gflops"]
+    assert limit is None or all(limit >= v for k, v in result["peak_gflops"].items() if v and k.endswith("float32"))
 
 
 def test_rows_cover_the_sweeps_and_comparisons(result):
@@ -165,12 +185,46 @@ def test_torch_rows_and_ratios_follow_torch_availability(result):
     ratios, peaks = result["ratios"], result["peak_gflops"]
     if torch_available():
         assert {r["precision"] for r in torch_rows} == {"float32", "bfloat16"}
-        assert all(r["remat"] == "full" and r["mfu"] > 0 for r in torch_rows)
+        assert all(r["remat"] == "full" for r in torch_rows)
         assert ratios["leanstep_over_torch_time_float32"] > 0 and peaks["torch_bfloat16"] > 0
     else:
         assert torch_rows == []
         assert ratios["leanstep_over_torch_time_float32"] is None and peaks["torch_float32"] is None
         assert any("torch is not installed" in note for note in result["notes"])
+
+
+def _contender(impl, precision):
+    spec = Spec(impl, precision, 2, "full", "eager" if impl == "torch" else None)
+    stats = dict.fromkeys(("temp_bytes", "argument_bytes", "output_bytes", "alias_bytes", "xla_gflop"))
+    return Contender(spec, run=lambda: None, stats=stats, first_loss=5.0)
+
+
+def test_a_row_faster_than_its_probe_has_no_mfu_and_says_why():
+    # The 0.1 run's case: a torch bf16 step (autocast leaves much of it in float32) at 4.5 GFLOP/s against a
+    # 1.35 GFLOP/s bf16 matmul probe, and the CPU's float32 peak of 156.8.
+    probes = {"torch_bfloat16": (1.35, "torch bf16 matmul probe"), "xla_float32": (151.0, "xla float32 probe")}
+    cpu = (156.8, "theoretical float32 CPU peak")
+    row = runner._row(_contender("torch", "bfloat16"), [0.1, 0.1, 0.1], 0.45, probes, cpu, 2048)
+    assert row["achieved_gflops"] == pytest.approx(4.5) and row["mfu"] is None
+    assert row["mfu_note"] == ("peak meaningless: the row reaches 4.5 GFLOP/s, above the 1.35 GFLOP/s "
+                               "torch bf16 matmul probe")
+    assert row["cpu_peak_fraction"] == pytest.approx(4.5 / 156.8) and row["cpu_peak_note"] is None
+    fine = runner._row(_contender("leanstep", "float32"), [0.01], 0.755, probes, cpu, 2048)  # 75.5 GFLOP/s
+    assert fine["mfu"] == pytest.approx(0.5) and fine["mfu_note"] is None and fine["mfu_against"] == "xla_float32"
+    unmeasured = runner._row(_contender("torch", "float32"), [0.01], 0.755, probes, (None, "cpu"), 2048)
+    assert unmeasured["mfu"] is unmeasured["mfu_note"] is unmeasured["cpu_peak_fraction"] is None
+
+
+def test_a_theoretical_peak_below_a_measured_matmul_is_no_limit():
+    notes = []
+    below = runner.CpuPeak(150.0, ghz=2.45, clock_source="/proc/cpuinfo cpu MHz")
+    assert runner._cpu_limit(below, {"xla_float32": 151.0, "torch_float32": 179.0, "xla_bfloat16": 200.0},
+                             notes) == (None, "theoretical float32 CPU peak")
+    assert "below the measured torch_float32 matmul (179 GFLOP/s)" in notes[0]
+    above = runner.CpuPeak(224.0, ghz=3.5, clock_source="cpufreq cpuinfo_max_freq")
+    assert runner._cpu_limit(above, {"xla_float32": 151.0, "torch_float32": None}, notes)[0] == 224.0
+    assert runner._cpu_limit(runner.CpuPeak(None, "not x86 (aarch64)"), {}, notes)[0] is None
+    assert notes[-1] == "no theoretical CPU peak: not x86 (aarch64)"
 
 
 def test_chart_is_a_png(result, tmp_path):

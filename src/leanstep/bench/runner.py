@@ -12,16 +12,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leanstep._checks import is_int
+from leanstep._checks import is_int, is_real
 from leanstep.bench.contenders import (
     Contender,
     Spec,
     build_jax_contender,
     build_torch_contender,
 )
+from leanstep.bench.cpu_peak import CpuPeak, read_cpu_peak
 from leanstep.bench.matmul import measure_matmul_gflops, torch_matmul, xla_matmul
 from leanstep.bench.timing import summarize_times, time_interleaved
 from leanstep.bench.torch_step import torch_available
+from leanstep.bench.utilization import describe_probe, model_flops_utilization
 from leanstep.models import build_model
 from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.training import RunConfig, build_run
@@ -58,8 +60,9 @@ class BenchConfig:
     torch: bool = True
     torch_compile: bool = False
     torch_threads: int | None = None
-    matmul_size: int = 2048
+    matmul_size: int = 4096
     matmul_repeats: int = 5
+    matmul_max_seconds: float = 20.0
     lr: float = 3e-3
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
@@ -74,7 +77,7 @@ class BenchConfig:
     @classmethod
     def quick(cls, **changes: Any) -> "BenchConfig":
         """A small version (tiny model, few repeats, under 2 minutes on 2 cores)."""
-        fields = dict(size="tiny", repeats=50, torch_repeats=5, matmul_size=1024, matmul_repeats=3,
+        fields = dict(size="tiny", repeats=50, torch_repeats=5, matmul_size=2048, matmul_repeats=3,
                       microbatch_sweep=(1, 2, 4), remat_sweep=("full", "dots"))
         return cls(**{**fields, **changes}).validate()
 
@@ -89,6 +92,8 @@ class BenchConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
+        if not is_real(self.matmul_max_seconds) or not self.matmul_max_seconds > 0:
+            raise ValueError(f"matmul_max_seconds must be a number > 0, got {self.matmul_max_seconds!r}")
         sweep = (self.num_microbatches, *self.microbatch_sweep)
         if any(not is_int(m) or m < 1 for m in sweep):
             raise ValueError(f"microbatch counts must be integers >= 1, got {sweep}")
@@ -154,23 +159,46 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def _row(contender: Contender, times: list[float], gflop: float, peaks: dict[str, float | None],
+Limit = tuple[float | None, str]  # (GFLOP/s or None, what it is)
+
+
+def _row(contender: Contender, times: list[float], gflop: float, probes: dict[str, Limit], cpu: Limit,
          tokens: int) -> dict[str, Any]:
     spec = contender.spec
     summary = summarize_times(times)
-    backend = "torch" if spec.impl == "torch" else "xla"
-    peak = peaks.get(f"{backend}_{spec.precision}")
+    probe = f"{'torch' if spec.impl == 'torch' else 'xla'}_{spec.precision}"
+    peak, what = probes.get(probe, (None, probe))
     achieved = gflop / (summary["step_ms_median"] / 1e3)
+    mfu, mfu_note = model_flops_utilization(achieved, peak, limit=what)
+    cpu_fraction, cpu_note = model_flops_utilization(achieved, cpu[0], limit=cpu[1])
     return {
         "impl": spec.impl, "precision": spec.precision, "num_microbatches": spec.num_microbatches,
         "remat": spec.remat, "variant": spec.variant, **summary, "repeats": len(times),
         "temp_bytes": contender.stats["temp_bytes"], "argument_bytes": contender.stats["argument_bytes"],
         "output_bytes": contender.stats["output_bytes"], "alias_bytes": contender.stats["alias_bytes"],
         "xla_gflop": contender.stats["xla_gflop"], "model_gflop_per_step": gflop, "tokens_per_step": tokens,
-        "achieved_gflops": achieved, "mfu": None if not peak else achieved / peak,
-        "mfu_against": None if not peak else f"{backend}_{spec.precision}", "first_loss": contender.first_loss,
+        "achieved_gflops": achieved, "mfu": mfu, "mfu_against": None if peak is None else probe,
+        "mfu_peak_gflops": peak, "mfu_note": mfu_note, "cpu_peak_fraction": cpu_fraction, "cpu_peak_note": cpu_note,
+        "first_loss": contender.first_loss,
         **({"torch": contender.info} if contender.info else {}),
     }  # fmt: skip
+
+
+def _cpu_limit(cpu_peak: CpuPeak, peaks: dict[str, float | None], notes: list[str]) -> Limit:
+    """The theoretical float32 peak as a limit, unless a measured float32 matmul beat it (then it is no limit)."""
+    what = "theoretical float32 CPU peak"
+    if cpu_peak.gflops is None:
+        notes.append(f"no theoretical CPU peak: {cpu_peak.reason}")
+        return None, what
+    beaten = {key: value for key, value in peaks.items() if key.endswith("float32") and value
+              and value > cpu_peak.gflops}
+    if beaten:
+        key, value = max(beaten.items(), key=lambda item: item[1])
+        notes.append(f"the theoretical float32 CPU peak ({cpu_peak.gflops:.4g} GFLOP/s at {cpu_peak.ghz:.3g} GHz "
+                     f"from {cpu_peak.clock_source}) is below the measured {key} matmul ({value:.4g} GFLOP/s): "
+                     "the cores ran faster than that clock, so it is no limit and no row is reported against it")
+        return None, what
+    return cpu_peak.gflops, what
 
 
 def _find(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
@@ -184,13 +212,23 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Runs every measurement of ``config`` and returns the JSON-ready result.
 
-    Order: matmul peaks (XLA, then torch), the equivalence check of leanstep against the
-    hand-written step (first step from the same parameters), then every step contender
-    timed round-robin.
+    Order: matmul peaks (XLA, then torch; each the best of ``matmul_repeats`` calls at the
+    best of several large sizes, :func:`leanstep.bench.measure_matmul_gflops`), the
+    equivalence check of leanstep against the hand-written step (first step from the same
+    parameters), then every step contender timed round-robin.
+
+    A row's ``mfu`` is its model GFLOP/s over the peak of its own backend and compute dtype
+    (``mfu_against``, ``mfu_peak_gflops``); where the row is faster than that probe the probe
+    is no limit of it, and ``mfu`` is None with ``mfu_note`` saying so
+    (:func:`leanstep.bench.model_flops_utilization`): never above 1. ``cpu_peak_fraction`` is the same
+    against the theoretical float32 peak (:func:`leanstep.bench.read_cpu_peak`), None where
+    that cannot be read or a measured float32 matmul beats it (a note says which).
 
     Returns:
-      ``{"config", "machine", "peak_gflops", "matmul", "rows", "ratios", "mfu", "checks",
-      "diagnostics", "notes"}``.
+      ``{"config", "machine", "peak_gflops", "matmul", "cpu_peak", "rows", "ratios", "mfu",
+      "checks", "diagnostics", "notes"}``: ``peak_gflops`` the best-of-N GFLOP/s per
+      ``{backend}_{dtype}``, ``matmul`` each measurement in full (median, every size),
+      ``cpu_peak`` the :class:`leanstep.bench.CpuPeak` as a dict.
     """
     config.validate()
     notes: list[str] = []
@@ -213,8 +251,12 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
                 continue
             log(f"matmul peak: {backend} {dtype}")
             matmul[f"{backend}_{dtype}"] = measure_matmul_gflops(
-                make, dtype, size=config.matmul_size, repeats=config.matmul_repeats)
+                make, dtype, max_size=config.matmul_size, repeats=config.matmul_repeats,
+                max_seconds=config.matmul_max_seconds)
     peaks = {key: None if value is None else value["gflops"] for key, value in matmul.items()}
+    probes = {key: (peaks[key], describe_probe(key, value)) for key, value in matmul.items() if value}
+    cpu_peak = read_cpu_peak()
+    cpu = _cpu_limit(cpu_peak, peaks, notes)
 
     run = build_run(config.run_config())
     model, optimizer, params = run.model, run.optimizer, run.init_params()
@@ -253,7 +295,7 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
     times = time_interleaved({key: c.run for key, c in contenders.items()}, repeats=repeats,
                              warmup=config.warmup,
                              on_round=lambda i, n: log(f"round {i + 1}/{n} done"))
-    rows = [_row(c, times[key], gflop, peaks, tokens_per_step) for key, c in contenders.items()]
+    rows = [_row(c, times[key], gflop, probes, cpu, tokens_per_step) for key, c in contenders.items()]
     paired = [a / b for a, b in zip(times[main.key], times[hand.key])]
 
     def median_ms(**match: Any) -> float | None:
@@ -273,9 +315,10 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
             median_ms(impl="leanstep", precision=precision, remat="full"),
             median_ms(impl="torch", precision=precision))
     mfu = {"flops_source": FLOPS_SOURCE, "model_gflop_per_step": gflop,
-           "leanstep_achieved_gflops": main_row["achieved_gflops"]}
-    for key, peak in peaks.items():
-        mfu[f"leanstep_bfloat16_vs_{key}_peak"] = _ratio(main_row["achieved_gflops"], peak)
+           "leanstep_achieved_gflops": main_row["achieved_gflops"],
+           **{f"leanstep_{key}": main_row[key] for key in ("mfu", "mfu_against", "mfu_note", "cpu_peak_fraction",
+                                                            "cpu_peak_note")},
+           "cpu_float32_peak_gflops": cpu[0]}
     ours_ops, theirs_ops = ours.hlo_ops or {}, theirs.hlo_ops or {}
     diagnostics = {"hlo_op_count_leanstep": sum(ours_ops.values()),
                    "hlo_op_count_handwritten": sum(theirs_ops.values()),
@@ -294,6 +337,7 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
     return {
         "config": {**dataclasses.asdict(config), "model": dataclasses.asdict(model.config),
                    "seq_len": model.seq_len, "tokens_per_step": tokens_per_step},
-        "machine": machine, "peak_gflops": peaks, "matmul": matmul, "rows": rows, "ratios": ratios,
+        "machine": machine, "peak_gflops": peaks, "matmul": matmul, "cpu_peak": dataclasses.asdict(cpu_peak),
+        "rows": rows, "ratios": ratios,
         "mfu": mfu, "checks": checks, "diagnostics": diagnostics, "notes": notes,
     }  # fmt: skip

@@ -10,6 +10,11 @@ import sys
 import time
 from typing import Any
 
+from leanstep.cli.bench_speedrun import (
+    add_speedrun_flags,
+    check_no_speedrun_flags,
+    run_speedrun_command,
+)
 from leanstep.cli.jsontree import InputError
 
 
@@ -63,9 +68,11 @@ def add_parser(subparsers: Any) -> None:
                    help="also time torch.compile'd models (default on; off with --quick)")
     p.add_argument("--no-torch-compile", dest="torch_compile", action="store_false")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: the cores JAX uses)")
-    p.add_argument("--matmul-size", type=int, help="largest square matmul for the peak (default 2048)")
+    p.add_argument("--matmul-size", type=int,
+                   help="largest square matmul for the best-of-N peak (default 4096; 2048 with --quick)")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_speedrun_flags(p)
     p.set_defaults(run=run_bench)
 
 
@@ -116,6 +123,9 @@ def run_bench(args: argparse.Namespace) -> int:
     Raises:
       InputError: a flag is invalid, or ``--json``/``--chart`` cannot be written there.
     """
+    if args.speedrun:
+        return run_speedrun_command(args)
+    check_no_speedrun_flags(args)
     from rich.console import Console
     from rich.text import Text
 
