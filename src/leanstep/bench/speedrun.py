@@ -114,23 +114,31 @@ def _leanstep_row(summary: dict[str, Any], out: Path, wall_s: float, notes: list
     }
 
 
-def _torch_row(config: RunConfig, torch_compile: bool, every_window: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+#: Why the peer runs eager on a CPU unless asked to compile (measured on the 2-core machine:
+#: a cold Inductor compile of the small transformer took 68-81 s, for a 1-4% faster step).
+EAGER_ON_CPU = ("eager, as on a CPU torch.compile's first compile takes minutes of a minutes-long budget for a "
+                "few percent (--torch-compile tries it)")
+
+
+def _torch_row(config: RunConfig, torch_compile: bool | None, every_window: list[dict[str, np.ndarray]]
+               ) -> dict[str, Any]:
     """The PyTorch peer's numbers (``wall_s`` around the whole call), or why there are none."""
-    import torch  # noqa: F401 - imported before the clock starts, as jax is before leanstep's
+    import torch  # imported before the clock starts, as jax is before leanstep's
 
-    from leanstep.bench.speedrun_torch import (
-        torch_heldout_bits_per_byte,
-        train_torch_peer,
-    )
+    from leanstep.bench import speedrun_torch
 
+    compile_it = torch.cuda.is_available() if torch_compile is None else torch_compile
     began = time.perf_counter()
     try:
-        peer = train_torch_peer(config, torch_compile=torch_compile)
+        peer = speedrun_torch.train_torch_peer(config, torch_compile=compile_it)
     except ValueError as error:  # the budget left no step after compiling: say so, keep leanstep's numbers
         return {"contender": "pytorch", "skipped": str(error), "wall_s": time.perf_counter() - began}
     wall_s = time.perf_counter() - began
-    every = torch_heldout_bits_per_byte(peer.model, every_window, bfloat16=peer.result.get("precision") == "bfloat16")
-    return {**peer.result, "wall_s": wall_s, "heldout_bits_per_byte_all": every}
+    every = speedrun_torch.torch_heldout_bits_per_byte(peer.model, every_window, bfloat16=peer.result.get("precision") == "bfloat16")
+    row = {**peer.result, "wall_s": wall_s, "heldout_bits_per_byte_all": every}
+    if torch_compile is None and not compile_it:
+        row["torch_compile_reason"] = EAGER_ON_CPU
+    return row
 
 
 def _leanstep_every_window(config: RunConfig, every_window: list[dict[str, np.ndarray]]) -> float:
@@ -161,7 +169,7 @@ def _machine() -> dict[str, Any]:
 
 
 def run_speedrun(budget_s: float, *, config: RunConfig | None = None, out: str | Path = "runs/speedrun",
-                 data: str | Path | None = None, torch_peer: bool = True, torch_compile: bool = True,
+                 data: str | Path | None = None, torch_peer: bool = True, torch_compile: bool | None = None,
                  log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """leanstep, then its PyTorch peer, each for ``budget_s`` seconds of wall-clock; then gzip and xz.
 
@@ -173,7 +181,8 @@ def run_speedrun(budget_s: float, *, config: RunConfig | None = None, out: str |
       out: leanstep's run goes to ``out/leanstep`` (which must not hold a run).
       data: ``--data`` (default: the config's, else the standard library's source).
       torch_peer: run the PyTorch peer (skipped, with a note, when torch is not installed).
-      torch_compile: let the peer try ``torch.compile``.
+      torch_compile: let the peer try ``torch.compile``; None: on a GPU, not on a CPU
+        (:data:`EAGER_ON_CPU`).
       log: called with a line of progress now and then.
 
     Returns:

@@ -84,7 +84,7 @@ class RunConfig:
     """
 
     model: str = "transformer"
-    size: str = "small"
+    size: str = "mini"
     d_model: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
