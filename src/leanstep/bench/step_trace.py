@@ -1,0 +1,169 @@
+r"""What each kernel of a compiled program takes inside it, measured: :func:`trace_kernels`.
+
+XLA:CPU's runtime records one profiler event per kernel (thunk) it runs, named after the HLO
+instruction (``ynn_fusion.5``, ``multiply_tanh_fusion``, ``dot.57``, ``copy.86``).
+:func:`trace_kernels` runs a call under ``jax.profiler`` and adds those events up, per
+instruction and per group, where a group is the phase and the JAX primitive that the
+instruction's metadata names:
+
+.. code-block:: text
+
+    phase     backward     op_name has transpose(jvp(...))
+              forward      op_name has jvp(...)
+              loop         inside a while loop, outside the loss (microbatch slicing, accumulation)
+              update       everything else with an op_name (optimizer, clipping, loss scale)
+              xla          no op_name: copies and layout changes XLA added
+    primitive matmul for a dot, a convolution or a fusion holding one; else the last name
+              of op_name (mul, select_n, reduce_sum, dynamic_update_slice, ...)
+
+Loops and calls are left out (their kernels are counted). The trace costs a few microseconds
+per kernel, so a traced call is slower than an untraced one; both are reported.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from leanstep.hlo_text import Instruction, parse_hlo
+
+__all__ = ["kernel_group", "trace_kernels"]
+
+_CONTAINERS = frozenset({"while", "call", "conditional"})
+
+
+def kernel_group(inst: Instruction, matmul: bool) -> tuple[str, str]:
+    """``(phase, primitive)`` of one instruction (see the module doc).
+
+    Example:
+      >>> from leanstep.hlo_text import parse_hlo
+      >>> hlo = '''ENTRY %main (a: f32[4]) -> f32[4] {
+      ...   %a = f32[4]{0} parameter(0)
+      ...   ROOT %m = f32[4]{0} multiply(%a, %a), metadata={op_name="jit(step)/while/body/transpose(jvp())/mul"}
+      ... }'''
+      >>> kernel_group(parse_hlo(hlo)[0]["main"][1], matmul=False)
+      ('backward', 'mul')
+    """
+    match = re.search(r'op_name="([^"]*)"', inst.rest)
+    if match is None:
+        return "xla", "matmul" if matmul else inst.op
+    name = match.group(1)
+    phase = ("backward" if "transpose(jvp" in name else "forward" if "jvp(" in name
+             else "loop" if "/while" in name else "update")
+    last = name.split(";")[0].rsplit("/", 1)[-1]
+    while (wrapped := re.fullmatch(r"\w+\((.*)\)", last)) is not None:  # jit(_where) -> _where
+        last = wrapped.group(1)
+    return phase, "matmul" if matmul else (last or inst.op)
+
+
+def _union_ns(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int = 15) -> dict[str, Any]:
+    r"""Runs ``call`` ``calls`` times under the profiler and sums the kernel events of the fastest call.
+
+    .. math:: \mathrm{overlap} = \frac{\sum_k t_k}{|\bigcup_k [s_k, s_k + t_k]|}
+
+    (above 1 when kernels ran at the same time on different threads).
+
+    Args:
+      call: runs the program whose optimized HLO text is ``hlo`` to completion (after one
+        untimed warm-up call).
+      hlo: its ``compiled.as_text()``.
+      calls: traced calls.
+      top: how many of the slowest instructions to list.
+
+    Returns:
+      Of the fastest call: ``wall_s`` (traced; ``wall_s_median`` of all calls), ``kernel_s``
+      (all its kernel events), ``busy_s`` (their union),
+      ``matmul_s`` and ``other_s`` (events of matmul kernels and of the rest), ``kernels``
+      and ``matmul_kernels`` (counts); ``overlap``; ``groups`` (``{"phase", "primitive",
+      "seconds", "kernels"}``, slowest first) and ``top`` (``{"name", "op", "phase",
+      "primitive", "seconds", "kernels"}``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> f = jax.jit(lambda a: jax.lax.fori_loop(0, 5, lambda i, c: jnp.tanh(c) @ c, a))
+      >>> a = jnp.ones((64, 64)) / 64
+      >>> trace = trace_kernels(lambda: f(a).block_until_ready(), f.lower(a).compile().as_text())
+      >>> trace["matmul_kernels"], [g["primitive"] for g in trace["groups"]].count("matmul")
+      (5, 1)
+    """
+    computations, _ = parse_hlo(hlo)
+    module = re.search(r"^HloModule (\S+?),?\s", hlo, re.MULTILINE)
+    instructions = {inst.name: inst for insts in computations.values() for inst in insts}
+    with_matmul = {name for name, insts in computations.items() if any(i.op in ("dot", "convolution") for i in insts)}
+
+    def is_matmul(inst: Instruction) -> bool:
+        called = re.findall(r"%([^\s,{}]+)", inst.attribute("calls") or "")
+        return inst.op in ("dot", "convolution") or (inst.op == "fusion" and bool(with_matmul.intersection(called)))
+
+    marker = "leanstep.trace_kernels call "
+    call()
+    with tempfile.TemporaryDirectory() as directory:
+        jax.profiler.start_trace(directory)
+        try:
+            for index in range(calls):
+                with jax.profiler.TraceAnnotation(f"{marker}{index}"):
+                    call()
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+        with open(path, "rb") as file:
+            data = jax.profiler.ProfileData.from_serialized_xspace(file.read())
+    windows, events = [], []
+    for plane in data.planes:
+        for line in plane.lines:
+            for event in line.events:
+                if event.name.startswith(marker):
+                    windows.append((event.start_ns, event.end_ns))
+                inst = instructions.get(event.name)
+                if inst is None or inst.op in _CONTAINERS:
+                    continue
+                if module and dict(event.stats).get("hlo_module", module.group(1)) != module.group(1):
+                    continue
+                events.append((event.start_ns, event.end_ns, event.name))
+    # The fastest call is the one least disturbed (by other processes, by the profiler's buffers).
+    first, last = min(windows, key=lambda window: window[1] - window[0])
+    chosen = [event for event in events if first <= event[0] <= last]
+    seconds, counts = collections.Counter(), collections.Counter()
+    for start, end, name in chosen:
+        seconds[name] += (end - start) / 1e9
+        counts[name] += 1
+    groups: dict[tuple[str, str], list[float]] = {}
+    rows = []
+    for name, spent in seconds.items():
+        inst = instructions[name]
+        phase, primitive = kernel_group(inst, is_matmul(inst))
+        group = groups.setdefault((phase, primitive), [0.0, 0.0])
+        group[0] += spent
+        group[1] += counts[name]
+        rows.append({"name": name, "op": inst.op, "phase": phase, "primitive": primitive, "seconds": spent,
+                     "kernels": counts[name]})
+    kernel_s = sum(seconds.values())
+    matmul_s = sum(row["seconds"] for row in rows if row["primitive"] == "matmul")
+    busy_s = _union_ns([event[:2] for event in chosen]) / 1e9
+    walls = sorted((end - start) / 1e9 for start, end in windows)
+    return {
+        "calls": calls, "wall_s": walls[0], "wall_s_median": walls[len(walls) // 2], "kernel_s": kernel_s,
+        "busy_s": busy_s, "matmul_s": matmul_s, "other_s": kernel_s - matmul_s, "kernels": sum(counts.values()),
+        "matmul_kernels": sum(row["kernels"] for row in rows if row["primitive"] == "matmul"),
+        "overlap": kernel_s / busy_s if busy_s else 1.0,
+        "groups": sorted(({"phase": phase, "primitive": primitive, "seconds": spent, "kernels": int(n)}
+                          for (phase, primitive), (spent, n) in groups.items()), key=lambda g: -g["seconds"]),
+        "top": sorted(rows, key=lambda row: -row["seconds"])[:top],
+    }
