@@ -148,7 +148,7 @@ def test_peer_trains_on_leanstep_batches_under_its_recipe_and_reports_float64_bi
     from leanstep.models import build_model
 
     # Three steps of warmup-cosine with one warmup step: learning rates 0, lr, 0.55 lr (the cosine's midpoint).
-    config = RunConfig(**TINY, steps=3, time_budget=None, warmup_steps=1, lr=1e-2, weight_decay=0.1,
+    config = RunConfig(**TINY, steps=3, time_budget=None, warmup_steps=1, lr=1e-2, weight_decay=0.1, schedule="warmup-cosine",
                        max_grad_norm=0.5, seed=3, data=str(data))
     peer = train_torch_peer(config, torch_compile=False)
 

@@ -117,8 +117,44 @@ def test_the_schedule_is_optaxs_for_every_length(name, total):
     np.testing.assert_allclose([float(mine(c, total, np)) for c in counts], expected, rtol=2e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("total", [1, 2, 5, 7, 31, 99, 100, 1001, 1732])
+def test_warmup_stable_decay_is_the_piecewise_schedule_it_says(total):
+    lr, warmup = 3e-3, 30
+
+    def reference(c: int) -> float:  # plain Python, float64
+        w = min(warmup, max(total - 1, 0))
+        stable_end = max(total - total // 5, w)
+        if c < w:
+            return lr * c / max(w, 1)
+        return 0.1 * lr + 0.9 * lr * min(max((total - c) / max(total - stable_end, 1), 0.0), 1.0)
+
+    schedule = make_schedule("warmup-stable-decay", lr, warmup)
+    counts = range(0, total + 3)
+    for xp in (jnp, np):
+        np.testing.assert_allclose([float(schedule(c, total, xp)) for c in counts], [reference(c) for c in counts],
+                                   rtol=1e-5, atol=1e-9)
+    # Up to the start of the decay the rate does not depend on the length (once the length is
+    # past the warmup): the replan's premise.
+    if total <= warmup:
+        return
+    longer = [float(schedule(c, 2 * total + 10, np)) for c in range(total - total // 5)]
+    assert longer == [float(schedule(c, total, np)) for c in range(total - total // 5)]
+
+
+def test_a_replan_never_moves_the_decay_before_the_step_it_is_made_at():
+    from leanstep.training.budget import BudgetPlan, replan
+
+    config = RunConfig(schedule="warmup-stable-decay", warmup_steps=5, steps=100)
+    plan = BudgetPlan(budget_s=10.0, planned_at_s=1.0, compile_s=1.0, step_s=0.01, step_times_s=(0.01,) * 4,
+                      eval_s=0.0, checkpoint_s=0.0, finish_s=0.0, steps=100, replan_at=75, calibrated_steps=100)
+    slow = replan(plan, config, 75, elapsed_s=9.9, step_times_s=[1.0] * 75)  # out of time: one more step fits
+    assert slow.steps - slow.steps // 5 > 75 and slow.loop_step_s == 1.0
+    fast = replan(plan, config, 75, elapsed_s=2.0, step_times_s=[0.5] * 40 + [0.01] * 35)  # the recent pace
+    assert fast.steps == 75 + math.floor(8.0 / 0.01) and fast.loop_step_s == 0.01
+
+
 def test_adamw_with_the_length_in_its_state_equals_optax_adamw():
-    config = RunConfig(size="tiny", steps=40, warmup_steps=5, lr=1e-2, weight_decay=0.1)
+    config = RunConfig(size="tiny", steps=40, warmup_steps=5, lr=1e-2, weight_decay=0.1, schedule="warmup-cosine")
     mine, _ = build_run(config).optimizer, None
     reference = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 40, end_value=1e-3), b1=0.9, b2=0.95,
                             weight_decay=0.1)

@@ -12,7 +12,8 @@ checkpoint (every ``C`` steps and at the end) and ``f`` the finish (summary and 
 learning-rate schedule is then laid over ``N`` (:mod:`leanstep.training.schedule`) and the plan
 is recorded in ``config.json``; a resumed run keeps ``N``. The steps right after compiling are
 not the loop's steady state, so the run plans once more, from its own step times, at the end of
-the warmup (:func:`replan_step`), where the learning rate does not yet depend on ``N``. Should
+the warmup, or late in a ``warmup-stable-decay`` run (:func:`replan_step`), where the learning
+rate does not yet depend on ``N``. Should
 the machine slow down later, the run that planned stops at the budget with a checkpoint, and
 ``--resume`` finishes the schedule.
 """
@@ -193,28 +194,33 @@ def plan_budget(config: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], scr
     if config.stop_at is not None and config.stop_at > steps:
         raise ValueError(f"--stop-at {config.stop_at} is past the {steps} steps --time-budget "
                          f"{config.time_budget:g}s allows: the run would never stop there")
-    at = replan_step(config)
+    at = replan_step(config, steps)
     return BudgetPlan(budget_s=float(config.time_budget), planned_at_s=spent, compile_s=timing["compile_s"],
                       step_s=timing["step_s"], step_times_s=timing["step_times_s"], eval_s=timing["eval_s"],
                       checkpoint_s=CHECKPOINT_ESTIMATE_S, finish_s=FINISH_ESTIMATE_S, steps=steps,
                       replan_at=at if at is not None and at < steps else None, calibrated_steps=steps)
 
 
-def replan_step(config: Any) -> int | None:
-    """The step after which a budgeted run plans again, or None.
+def replan_step(config: Any, steps: int) -> int | None:
+    """The step after which a budgeted run of ``steps`` planned steps plans again, or None.
 
-    A few steps right after compiling run slower or faster than the run's steady state, so
-    the plan is made again from the loop's own step times, once, at the last step whose
-    learning rate does not depend on the run's length: the end of the warmup of
-    ``warmup-cosine`` (if it is 10 steps or more), or step 20 of ``constant``. The run is then
-    the run of ``--steps N`` with the final ``N``, bit for bit. ``cosine`` depends on the
-    length from its first step, so it keeps the calibration's plan.
+    A few steps right after compiling run slower or faster than the run's steady state, so the
+    plan is made again from the loop's own step times, once, as late as the learning rate
+    allows: before the first step whose rate depends on the run's length. That is the end of
+    the warmup of ``warmup-cosine`` (if it is 10 steps or more), step 20 of ``constant``, and
+    three quarters of the way through ``warmup-stable-decay`` (whose rate is constant until
+    the last fifth). The run is then the run of ``--steps N`` with the final ``N``, bit for bit.
+    ``cosine`` depends on the length from its first step, so it keeps the calibration's plan.
 
     Example:
       >>> from leanstep.training import RunConfig
-      >>> replan_step(RunConfig(warmup_steps=30)), replan_step(RunConfig(schedule="cosine"))
-      (30, None)
+      >>> [replan_step(RunConfig(schedule=name, warmup_steps=30), 1000)
+      ...  for name in ("warmup-cosine", "warmup-stable-decay", "constant", "cosine")]
+      [30, 750, 20, None]
     """
+    if config.schedule == "warmup-stable-decay":
+        at = steps - steps // 5 - steps // 20
+        return at if at > config.warmup_steps else None
     if config.schedule == "warmup-cosine" and config.warmup_steps >= 10:
         return config.warmup_steps
     return 20 if config.schedule == "constant" else None
@@ -223,14 +229,17 @@ def replan_step(config: Any) -> int | None:
 def replan(plan: BudgetPlan, config: Any, step: int, elapsed_s: float, step_times_s: list[float]) -> BudgetPlan:
     """``plan`` made again after ``step`` at ``elapsed_s``, from the loop's step times so far.
 
-    The steps left are :func:`plan_steps` of the time left at the median of ``step_times_s``
-    (the first two are left out), and never fewer than one more than ``step``.
+    The steps left are :func:`plan_steps` of the time left at the median of the later half of
+    ``step_times_s`` (the loop's recent pace), and never fewer than one more than ``step``; for
+    ``warmup-stable-decay``, never so few that the decay would have begun by ``step``.
     """
-    times = step_times_s[2:] or step_times_s
+    times = step_times_s[len(step_times_s) // 2:] or step_times_s
     step_s = statistics.median(times)
     more = plan_steps(plan.budget_s, elapsed_s, step_s, plan.eval_s, config.eval_every, plan.checkpoint_s,
                       config.checkpoint_every, plan.finish_s)
     steps = step + max(1, more)
+    while config.schedule == "warmup-stable-decay" and steps - steps // 5 <= step:
+        steps += 1
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 

@@ -25,7 +25,7 @@ from leanstep.rematerialization import get_remat_policy
 __all__ = ["MODEL_FLAGS", "RESUMABLE_FIELDS", "SCHEDULES", "RunConfig", "config_hash", "model_overrides"]
 
 #: Learning-rate schedules of :func:`leanstep.training.build_optimizer`.
-SCHEDULES = ("constant", "cosine", "warmup-cosine")
+SCHEDULES = ("constant", "cosine", "warmup-cosine", "warmup-stable-decay")
 
 #: Fields that may change between a run and its resumption; every other field must match.
 #: (Changing ``steps`` changes the learning-rate schedule, so such a run is an extension, not a
@@ -100,7 +100,7 @@ class RunConfig:
     remat: str = "dots"
     max_grad_norm: float | None = 1.0
     lr: float = 3e-3
-    schedule: str = "warmup-cosine"
+    schedule: str = "warmup-stable-decay"
     warmup_steps: int = 30
     weight_decay: float = 0.01
     seed: int = 0

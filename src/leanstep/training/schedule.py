@@ -22,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["RunScheduleState", "make_schedule", "scale_by_run_schedule", "set_total_steps"]
+__all__ = ["SCHEDULES", "RunScheduleState", "make_schedule", "scale_by_run_schedule", "set_total_steps"]
+
+#: The schedules of :func:`make_schedule`.
+SCHEDULES = ("constant", "cosine", "warmup-cosine", "warmup-stable-decay")
 
 #: ``schedule(count, total)``: the learning rate after ``count`` applied updates of ``total``.
 Schedule = Callable[..., jax.Array]
@@ -39,6 +42,14 @@ def make_schedule(name: str, lr: float, warmup_steps: int) -> Schedule:
               \end{cases}
 
     ``cosine`` is the same with :math:`w = 0`, :math:`D = T`; ``constant`` is :math:`\eta`.
+    ``warmup-stable-decay`` rises as ``warmup-cosine`` does, holds :math:`\eta` until
+    :math:`s = T - \lfloor T / 5 \rfloor`, then falls linearly to :math:`\eta_{end}` at :math:`T`:
+
+    .. math:: \eta(c) = \eta_{end} + (\eta - \eta_{end})\,\mathrm{clip}\big((T - c) / (T - s), 0, 1\big),
+              \qquad w \le c
+
+    so up to step :math:`s` the rate does not depend on :math:`T` at all: a run sized to a
+    time budget can choose :math:`T` late (:func:`leanstep.training.budget.replan_step`).
     ``schedule(count, total, numpy)`` computes it on the host, in float32 as well.
 
     Raises:
@@ -48,9 +59,12 @@ def make_schedule(name: str, lr: float, warmup_steps: int) -> Schedule:
       >>> schedule = make_schedule("warmup-cosine", 3e-3, 10)
       >>> [round(float(schedule(c, 100)), 6) for c in (0, 5, 10, 100, 200)]
       [0.0, 0.0015, 0.003, 0.0003, 0.0003]
+      >>> wsd = make_schedule("warmup-stable-decay", 3e-3, 10)
+      >>> [round(float(wsd(c, 100)), 6) for c in (5, 10, 80, 90, 100)]
+      [0.0015, 0.003, 0.003, 0.00165, 0.0003]
     """
-    if name not in ("constant", "cosine", "warmup-cosine"):
-        raise ValueError(f"unknown schedule {name!r}; expected constant, cosine or warmup-cosine")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
     end = 0.1 * lr
 
     def schedule(count: Any, total: Any, xp: Any = jnp) -> jax.Array:
@@ -60,12 +74,15 @@ def make_schedule(name: str, lr: float, warmup_steps: int) -> Schedule:
         if name == "constant":
             return xp.full((), lr, xp.float32)
         zero, one = xp.float32(0.0), xp.float32(1.0)
-        warmup = xp.minimum(xp.float32(warmup_steps), xp.maximum(total - one, zero)) if name == "warmup-cosine" \
-            else zero
+        warmup = xp.minimum(xp.float32(warmup_steps), xp.maximum(total - one, zero)) if name != "cosine" else zero
+        rising = xp.float32(lr) * count / xp.maximum(warmup, one)
+        if name == "warmup-stable-decay":
+            stable_end = xp.maximum(total - xp.floor(total / xp.float32(5.0)), warmup)
+            falling = xp.clip((total - count) / xp.maximum(total - stable_end, one), zero, one)
+            return xp.where(count < warmup, rising, xp.float32(end) + xp.float32(lr - end) * falling)
         decay = xp.maximum(total, warmup + one) - warmup
         cosine = xp.float32(0.5) * (one + xp.cos(xp.float32(math.pi) * xp.clip(count - warmup, zero, decay) / decay))
         decayed = xp.float32(end) + xp.float32(lr - end) * cosine
-        rising = xp.float32(lr) * count / xp.maximum(warmup, one)
         return xp.where(count < warmup, rising, decayed)
 
     return schedule
