@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import time
@@ -15,7 +14,7 @@ from leanstep.cli.bench_speedrun import (
     check_no_speedrun_flags,
     run_speedrun_command,
 )
-from leanstep.cli.jsontree import InputError
+from leanstep.cli.jsontree import InputError, replace_non_finite
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -102,16 +101,6 @@ def _flag_names(message: str) -> str:
     return re.sub(rf"\b({pattern})\b", lambda match: flags[match.group(1)], message)
 
 
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value
-
-
 def run_bench(args: argparse.Namespace) -> int:
     """Runs the benchmark the flags describe; returns the exit code.
 
@@ -153,7 +142,7 @@ def run_bench(args: argparse.Namespace) -> int:
     Console(width=max(Console().width, 150)).print(render_benchmark(result))
     failed, shown = [], "the table is"
     if json_path is not None:
-        text = json.dumps(_json_safe(result), indent=2) + "\n"
+        text = json.dumps(replace_non_finite(result), indent=2) + "\n"
         try:
             write_bytes_atomic(json_path, text.encode("utf-8"))
             log(f"JSON written to {json_path}")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from typing import Any
 
-from leanstep.cli.jsontree import InputError
+from leanstep.cli.jsontree import InputError, replace_non_finite
 
 __all__ = ["add_speedrun_flags", "check_no_speedrun_flags", "render_speedrun", "run_speedrun_command"]
 
@@ -63,16 +62,6 @@ def _speedrun_config(args: argparse.Namespace) -> tuple[float, Any]:
     except (TypeError, ValueError) as error:
         raise InputError(str(error)) from None
     return budget, config
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(item) for item in value]
-    return value
 
 
 def _number(value: Any, spec: str) -> str:
@@ -161,7 +150,7 @@ def run_speedrun_command(args: argparse.Namespace) -> int:
     result["command"] = "leanstep bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     Console(width=max(Console().width, 120)).print(render_speedrun(result))
     if json_path is not None:
-        text = json.dumps(_json_safe(result), indent=2) + "\n"
+        text = json.dumps(replace_non_finite(result), indent=2) + "\n"
         try:
             write_bytes_atomic(json_path, text.encode("utf-8"))
             log(f"JSON written to {json_path}")

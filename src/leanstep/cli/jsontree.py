@@ -160,16 +160,23 @@ def tree_to_json(tree: Any) -> Any:
 
 def dumps(value: Any) -> str:
     """One line of JSON with finite floats; non-finite floats are written as JSON strings."""
-    return json.dumps(_replace_non_finite(value), separators=(", ", ": "))
+    return json.dumps(replace_non_finite(value), separators=(", ", ": "))
 
 
-def _replace_non_finite(value: Any) -> Any:
+def replace_non_finite(value: Any) -> Any:
+    """``value`` with every non-finite float as its string (``"nan"``, ``"inf"``), tuples as lists:
+    what strict JSON can hold.
+
+    Example:
+      >>> replace_non_finite({"a": [1.0, float("nan")], "b": (float("-inf"),)})
+      {'a': [1.0, 'nan'], 'b': ['-inf']}
+    """
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {key: _replace_non_finite(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_replace_non_finite(item) for item in value]
+        return {key: replace_non_finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [replace_non_finite(item) for item in value]
     return value
 
 
