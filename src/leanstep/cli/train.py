@@ -36,8 +36,8 @@ def add_parser(subparsers: Any) -> None:
     run.add_argument("--time-budget", default=None, metavar="DURATION",
                      help="size the run to this wall-clock time (e.g. 3m, 90s, 1h): steps and the learning-rate "
                           "schedule are set from the step time measured after compiling, and recorded in config.json "
-                          "(default: 3m unless --steps is given)")
-    run.add_argument("--steps", type=int, default=None, help="fix the run's length exactly, instead of --time-budget")
+                          "(default: 3m, unless --steps is given; %(default)s here means that)")
+    run.add_argument("--steps", type=int, default=None, help="fix the run's length exactly, instead of --time-budget (%(default)s: sized by it)")
     run.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
     run.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
     run.add_argument("--remat", default=d.remat, help=remat_help())
