@@ -290,7 +290,7 @@ def test_cli_plan_prints_the_table_and_writes_json(tmp_path, capsys):
     config = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8)
     state = build_run(config).init_state()
     assert saved["chosen"]["argument_bytes"] == _nbytes(state) + 4 * (8 + 1) * 4
-    assert saved["chosen"]["precision"] == config.precision
+    assert saved["chosen"]["precision"] == build_run(config).config.precision  # --precision auto, resolved
     text = capsys.readouterr().out
     assert "->" in text and "chosen: --microbatches 1 --remat none" in text
 

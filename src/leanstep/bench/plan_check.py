@@ -138,6 +138,7 @@ def validate_plan(config: RunConfig, budget_bytes: int | str, *, compiler_option
     result = plan_run(config, budget_bytes, **plan_options)
     chosen = result.chosen.setting
     run = dataclasses.replace(config, microbatches=chosen.num_microbatches, remat=chosen.remat,
+                              precision=chosen.precision,  # the plan's ("auto" resolved as it priced it)
                               **({"mesh": chosen.mesh, "reduce": chosen.reduce, "devices": None} if chosen.mesh else {}))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"config": run.to_json(), "compiler_options": compiler_options}, f)

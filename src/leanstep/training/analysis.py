@@ -43,6 +43,8 @@ def plan_run(config: RunConfig, budget_bytes: int | str | None, *, num_devices: 
     """
     cluster = not (num_devices is None and config.mesh is None and config.devices is None)
     config = dataclasses.replace(config, precision=resolve_precision(config.precision, priced_accelerator=cluster)[0])
+    if "candidates" in options:  # a candidate's precision "auto" is the config's, resolved
+        options["candidates"] = [_resolved(c, config.precision) for c in options["candidates"]]
     if config.fsdp:
         raise ValueError("--budget plans --mesh, not --fsdp: use --mesh auto, or name a mesh such as --mesh fsdp=8")
     if not cluster:
@@ -69,6 +71,15 @@ def plan_run(config: RunConfig, budget_bytes: int | str | None, *, num_devices: 
                         budget_bytes=budget_bytes, accelerator=accelerator, rules=run.model.rules,
                         precision=config.precision, max_grad_norm=config.max_grad_norm, loss_scale=run.loss_scale,
                         **options)
+
+
+def _resolved(candidate: Any, precision: str) -> Any:
+    """``candidate`` (a Setting or its tuple) with precision ``"auto"`` replaced by ``precision``."""
+    if len(candidate) < 3 or candidate[2] != "auto":
+        return candidate
+    if hasattr(candidate, "_replace"):
+        return candidate._replace(precision=precision)
+    return (*candidate[:2], precision, *candidate[3:])
 
 
 def _plan_in_child(config: RunConfig, budget_bytes: Any, num_devices: int, accelerator: Any,
