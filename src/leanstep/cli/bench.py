@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
@@ -14,7 +13,7 @@ from leanstep.cli.bench_speedrun import (
     check_no_speedrun_flags,
     run_speedrun_command,
 )
-from leanstep.cli.jsontree import InputError, replace_non_finite
+from leanstep.cli.jsontree import InputError, write_json_or_print
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -121,7 +120,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from leanstep.bench.chart import plot_benchmark
     from leanstep.bench.runner import run_benchmark
     from leanstep.cli.bench_table import render_benchmark
-    from leanstep.files import check_output_path, write_bytes_atomic
+    from leanstep.files import check_output_path
 
     config = _config(args)
     try:
@@ -141,15 +140,9 @@ def run_bench(args: argparse.Namespace) -> int:
     result["command"] = "leanstep bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     Console(width=max(Console().width, 150)).print(render_benchmark(result))
     failed, shown = [], "the table is"
-    if json_path is not None:
-        text = json.dumps(replace_non_finite(result), indent=2) + "\n"
-        try:
-            write_bytes_atomic(json_path, text.encode("utf-8"))
-            log(f"JSON written to {json_path}")
-        except OSError as error:
-            failed.append(f"--json {str(json_path)!r} ({error.strerror or error})")
-            sys.stdout.write(text)  # every number, where the user can still save it
-            shown = "the table and the JSON are"
+    if json_path is not None and (failure := write_json_or_print(json_path, result, log)) is not None:
+        failed.append(failure)
+        shown = "the table and the JSON are"
     if chart_path is not None:
         try:
             plot_benchmark(result, chart_path)

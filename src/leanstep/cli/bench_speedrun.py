@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
-from leanstep.cli.jsontree import InputError, replace_non_finite
+from leanstep.cli.jsontree import InputError, write_json_or_print
 
 __all__ = ["add_speedrun_flags", "check_no_speedrun_flags", "render_speedrun", "run_speedrun_command"]
 
@@ -125,7 +124,7 @@ def run_speedrun_command(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from leanstep.bench.speedrun import run_speedrun
-    from leanstep.files import check_output_path, write_bytes_atomic
+    from leanstep.files import check_output_path
     from leanstep.training import RunStopped
 
     budget, config = _speedrun_config(args)
@@ -149,14 +148,8 @@ def run_speedrun_command(args: argparse.Namespace) -> int:
         return stopped.exit_code
     result["command"] = "leanstep bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     Console(width=max(Console().width, 120)).print(render_speedrun(result))
-    if json_path is not None:
-        text = json.dumps(replace_non_finite(result), indent=2) + "\n"
-        try:
-            write_bytes_atomic(json_path, text.encode("utf-8"))
-            log(f"JSON written to {json_path}")
-        except OSError as error:
-            sys.stdout.write(text)  # every number, where the user can still save it
-            print(f"leanstep bench: error: could not write --json {str(json_path)!r} ({error.strerror or error}); "
-                  "the table and the JSON are printed on stdout", file=sys.stderr)
-            return 1
+    if json_path is not None and (failure := write_json_or_print(json_path, result, log)) is not None:
+        print(f"leanstep bench: error: could not write {failure}; the table and the JSON are printed on stdout",
+              file=sys.stderr)
+        return 1
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 import numpy as np
@@ -161,6 +162,21 @@ def tree_to_json(tree: Any) -> Any:
 def dumps(value: Any) -> str:
     """One line of JSON with finite floats; non-finite floats are written as JSON strings."""
     return json.dumps(replace_non_finite(value), separators=(", ", ": "))
+
+
+def write_json_or_print(path: Any, result: Any, log: Any) -> str | None:
+    """Writes ``result`` as indented strict JSON to ``path`` atomically; if that fails, prints the
+    JSON on stdout (every number, where the user can still save it) and returns what failed."""
+    from leanstep.files import write_bytes_atomic
+
+    text = json.dumps(replace_non_finite(result), indent=2) + "\n"
+    try:
+        write_bytes_atomic(path, text.encode("utf-8"))
+    except OSError as error:
+        sys.stdout.write(text)
+        return f"--json {str(path)!r} ({error.strerror or error})"
+    log(f"JSON written to {path}")
+    return None
 
 
 def replace_non_finite(value: Any) -> Any:

@@ -331,8 +331,10 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, plan
             metrics = jax.device_get(metrics)
             dt = time.perf_counter() - t0
             step = int(state.step)
-            step_times.append(dt)
-            if plan is not None and step == plan.replan_at and plan.loop_step_s is None:
+            replanning = plan is not None and plan.replan_at is not None and plan.loop_step_s is None
+            if replanning:  # the loop's own step times, until the plan is made again
+                step_times.append(dt)
+            if replanning and step == plan.replan_at:
                 plan = replan(plan, config, step, time.perf_counter() - t_start, step_times)
                 config = dataclasses.replace(config, steps=plan.steps)
                 loop = dataclasses.replace(loop, config=config)
