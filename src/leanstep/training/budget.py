@@ -134,8 +134,8 @@ def _timed(call: Callable[[], Any]) -> float:
 
 
 def calibrate(step_fn: Callable[[Any, Any], tuple[Any, Any]], scratch_state: Any, batches: Callable[[int], Any],
-              evaluate: Callable[[Any], Any], *, timed_steps: int = 4) -> dict[str, Any]:
-    """Times ``1 + timed_steps`` steps from ``scratch_state`` (whose results are dropped) and two evaluations.
+              evaluate: Callable[[Any], Any], *, timed_steps: int = 4, evaluations: int = 2) -> dict[str, Any]:
+    """Times ``1 + timed_steps`` steps from ``scratch_state`` (whose results are dropped) and ``evaluations``.
 
     Args:
       step_fn: the run's compiled step, ``step_fn(state, batch) -> (state, metrics)``; it may
@@ -144,11 +144,15 @@ def calibrate(step_fn: Callable[[Any, Any], tuple[Any, Any]], scratch_state: Any
       batches: ``batches(i)``, the ``i``-th step's batch.
       evaluate: ``evaluate(params)``, one held-out evaluation.
       timed_steps: steps timed after the first (which compiles).
+      evaluations: evaluations run; the last is timed. Two when the first compiles, one when
+        the evaluation was compiled before.
 
     Returns:
       ``{"compile_s", "step_s", "step_times_s", "eval_s"}``: the first step, the median of the
-      timed ones, each of them, and the second evaluation (the first compiles).
+      timed ones, each of them, and the last evaluation.
     """
+    if evaluations < 1:
+        raise ValueError(f"evaluations={evaluations}; at least one is timed")
     state = scratch_state
 
     def step(i: int) -> Any:  # as the step loop calls it: the batch placed, the metrics fetched
@@ -158,18 +162,20 @@ def calibrate(step_fn: Callable[[Any, Any], tuple[Any, Any]], scratch_state: Any
 
     compile_s = _timed(lambda: step(0))
     times = tuple(_timed(lambda i=i: step(i)) for i in range(1, 1 + timed_steps))
-    _timed(lambda: evaluate(state.params))
+    for _ in range(evaluations - 1):
+        _timed(lambda: evaluate(state.params))
     eval_s = _timed(lambda: evaluate(state.params))
     return {"compile_s": compile_s, "step_s": statistics.median(times), "step_times_s": times, "eval_s": eval_s}
 
 
 def plan_budget(config: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], scratch_state: Callable[[], Any],
-                batches: Callable[[int], Any], evaluate: Callable[[Any], Any], origin: float) -> BudgetPlan:
+                batches: Callable[[int], Any], evaluate: Callable[[Any], Any], origin: float, *,
+                evaluations: int = 2) -> BudgetPlan:
     """Calibrates the run's step and plans ``config.time_budget`` (a :class:`RunConfig` with ``steps=None``).
 
     Args:
       config: the run.
-      step_fn, batches, evaluate: as for :func:`calibrate`.
+      step_fn, batches, evaluate, evaluations: as for :func:`calibrate`.
       scratch_state: makes a fresh initial state for the calibration to consume.
       origin: ``time.perf_counter()`` when the run began.
 
@@ -177,8 +183,7 @@ def plan_budget(config: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], scr
       ValueError: naming ``--time-budget``, when not one step fits; naming ``--stop-at``, when it is
         past the steps planned.
     """
-    timing = calibrate(step_fn, scratch_state(), batches, evaluate)
-    import leanstep.training.curves  # noqa: F401  (matplotlib: its import is spent now, not after the last step)
+    timing = calibrate(step_fn, scratch_state(), batches, evaluate, evaluations=evaluations)
 
     spent = time.perf_counter() - origin
     steps = plan_steps(config.time_budget, spent, timing["step_s"], timing["eval_s"], config.eval_every,

@@ -90,9 +90,21 @@ class Run:
         return jax.eval_shape(self.init_params)
 
     def init_state(self, params: Any = None) -> TrainState:
-        """The step-0 :class:`TrainState` (of ``params``, default :meth:`init_params`)."""
-        params = self.init_params() if params is None else params
+        """The step-0 :class:`TrainState` (of ``params``, default :meth:`init_params`).
+
+        Without ``params`` the state is built by one compiled call: run op by op, the
+        initializers and the optimizer's ``init`` dispatch (and compile) hundreds of small
+        operations, ~2 s of a run's start for the 0.4M-parameter default transformer
+        against ~0.6 s compiled. The values are the same: a PRNG draw does not depend on
+        whether it runs under ``jit``.
+        """
+        if params is None:
+            return jax.jit(self._initial_state)()
         return TrainState.create(params, self.optimizer, loss_scale=self.loss_scale, seed=self.config.seed)
+
+    def _initial_state(self) -> TrainState:
+        return TrainState.create(self.init_params(), self.optimizer, loss_scale=self.loss_scale,
+                                 seed=self.config.seed)
 
     def abstract_state(self) -> TrainState:
         """Shapes and dtypes of :meth:`init_state`, without computing it."""

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -64,6 +65,7 @@ from leanstep.training.schedule import set_total_steps
 from leanstep.training.step_loop import (
     StepLoop,
     applied_updates,
+    compiling_evaluation,
     evaluate,
     place_eval_batch,
     step_batch,
@@ -184,14 +186,14 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
                  BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
                  eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data], run.schedule,
                  emit if primary else _ignore, mesh, origin)
+    loop = compiling_evaluation(loop, template.params)  # beside the first step
     plan = None
     if config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
-        def scratch() -> TrainState:
-            state = run.init_state()
-            return state if mesh is None else shard_train_state(state, mesh, fsdp=config.fsdp, rules=run.model.rules)
+        def scratch() -> TrainState:  # buffers of its own: the calibration's steps donate their input
+            return jax.jit(lambda state: jax.tree.map(jnp.copy, state))(template)
 
         plan = plan_budget(config, loop.step_fn, scratch, lambda i: step_batch(loop, i), lambda p: evaluate(loop, p),
-                           origin)
+                           origin, evaluations=1 if loop.eval_data else 2)
         config = dataclasses.replace(config, steps=plan.steps)
         loop = dataclasses.replace(loop, config=config)
     template = template.replace(opt_state=set_total_steps(template.opt_state, config.steps))
