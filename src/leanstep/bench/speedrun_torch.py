@@ -15,8 +15,10 @@ run (:mod:`leanstep.training.budget`):
     calibrate: 1 step (torch.compile compiles here), 4 timed steps, 2 held-out evaluations
     restore the initial weights, a fresh AdamW   (calibration is dropped, as leanstep's is)
     N = plan_steps(budget, spent, median step, evaluation, eval_every)   (no checkpoints)
-    N steps under schedule(count, N), evaluating every eval_every steps; stop early when
-      the next step and the final evaluation would end past the budget
+    N steps under schedule(count, N), evaluating every eval_every steps; planned again at
+      replan_step(N) from the loop's own step times, as leanstep's loop plans again (so a
+      machine that slows down still finishes the schedule's decay); stop early when the
+      next step and the final evaluation would end past the budget
     held-out bits per byte
 
 Held-out bits per byte, as leanstep reports them (``EvalRecord.from_loss``): the mean over the
@@ -42,7 +44,7 @@ from leanstep.bench.torch_step import build_torch_model
 from leanstep.models import build_model
 from leanstep.precision import get_precision
 from leanstep.training.auto_precision import BFLOAT16, choose_precision, cpu_flags
-from leanstep.training.budget import plan_steps
+from leanstep.training.budget import BudgetPlan, plan_steps, replan, replan_step
 from leanstep.training.config import RunConfig, model_overrides
 from leanstep.training.data import BatchSampler, Corpus, heldout_batches, load_corpus
 from leanstep.training.schedule import make_schedule
@@ -242,18 +244,28 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
             raise ValueError(f"--time-budget {budget_s:g}s leaves the PyTorch peer no time for a step: {spent:.1f} s "
                              f"went to loading, compiling and timing, a step takes {step_s:.3g} s and an evaluation "
                              f"{eval_s:.3g} s")
+        at = replan_step(config, steps)
+        budget_plan = BudgetPlan(budget_s=budget_s, planned_at_s=spent, compile_s=times[0], step_s=step_s,
+                                 step_times_s=tuple(times[1:]), eval_s=eval_s, checkpoint_s=0.0, finish_s=0.0,
+                                 steps=steps, replan_at=at if at is not None and at < steps else None,
+                                 calibrated_steps=steps)
         plan = {"planned_at_s": spent, "compile_s": times[0], "step_s": step_s, "step_times_s": times[1:],
-                "eval_s": eval_s}
-    losses, curve, done, stopped, loop_times = [], [], 0, False, []
-    for index in range(steps):
+                "eval_s": eval_s, "replan_at": budget_plan.replan_at, "calibrated_steps": steps}
+    losses, curve, done, stopped, loop_times, index = [], [], 0, False, [], 0
+    while index < steps:
         loss, seconds = step(index, steps)
         losses.append(loss)
         loop_times.append(seconds)
-        done = index + 1
+        index = done = index + 1
+        if budget_s is not None and done == budget_plan.replan_at:  # as leanstep's loop: its own recent pace
+            elapsed = time.perf_counter() - start
+            budget_plan = replan(budget_plan, config, done, elapsed, loop_times)
+            steps = budget_plan.steps
+            plan.update(loop_step_s=budget_plan.loop_step_s, replanned_at_s=elapsed)
         if done < steps and done % config.eval_every == 0:
             curve.append([done, evaluate()])
-        if budget_s is not None and done < steps and \
-                time.perf_counter() - start + plan["step_s"] + plan["eval_s"] > budget_s:
+        pace = plan.get("loop_step_s") or plan.get("step_s")
+        if budget_s is not None and done < steps and time.perf_counter() - start + pace + plan["eval_s"] > budget_s:
             stopped = True  # slower than planned: the next step and the evaluation would end past the budget
             break
     began = time.perf_counter()
