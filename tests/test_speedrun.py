@@ -18,6 +18,7 @@ import sysconfig
 import zlib
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -122,7 +123,7 @@ def numpy_loss(weights: dict[str, np.ndarray], tokens: np.ndarray, n_heads: int,
     for i in range(n_layers):
         w = {name[len(f"blocks.{i}."):]: v for name, v in weights.items() if name.startswith(f"blocks.{i}.")}
         qkv = _layer_norm(x, w["ln1.weight"], w["ln1.bias"]) @ w["qkv.weight"].T + w["qkv.bias"]
-        q, k, v = np.moveaxis(qkv.reshape(batch, time, 3, n_heads, d // n_heads), 2, 0)
+        q, k, v = np.moveaxis(qkv.reshape(batch, time, n_heads, 3, d // n_heads), 3, 0)  # head-major, as leanstep
         scores = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // n_heads)
         scores = np.where(causal, scores, -np.inf)
         probs = np.exp(scores - scores.max(-1, keepdims=True))
@@ -189,6 +190,23 @@ def test_peer_trains_on_leanstep_batches_under_its_recipe_and_reports_float64_bi
     assert result["heldout_curve"][-1] == [3, result["heldout_bits_per_byte"]]
     assert (result["steps"], result["planned_steps"], result["tokens"]) == (3, 3, 3 * 4 * 16)
     assert result["precision"] == "float32" and result["torch_compile"] is False and result["budget_s"] is None
+
+
+def test_peer_started_from_leanstep_initial_params_has_leanstep_first_loss(data, one_thread):
+    pytest.importorskip("torch")
+    from leanstep.bench.speedrun_torch import train_torch_peer
+    from leanstep.training.build import build_run
+
+    config = RunConfig(**TINY, steps=1, time_budget=None, seed=5, data=str(data))
+    run = build_run(config)
+    params = jax.device_get(run.init_state().params)
+    batch = BatchSampler(load_corpus(data, seq_len=16).train, 4, 16, 5).batch_at(0)
+    expected = float(run.model.loss(params, batch))  # leanstep's loss of its first step, before any update
+    peer = train_torch_peer(config, torch_compile=False, initial_params=params).result
+    assert peer["init"] == "leanstep's initial parameters"
+    assert peer["final_train_loss"] == pytest.approx(expected, rel=1e-5)
+    own = train_torch_peer(config, torch_compile=False).result  # its own GPT-2 draws: another first loss
+    assert own["init"] == "GPT-2 (seed 5)" and own["final_train_loss"] != pytest.approx(expected, rel=1e-3)
 
 
 def test_peer_sizes_its_run_from_the_measured_step_and_stops_within_the_budget(data, one_thread):
@@ -260,6 +278,7 @@ def test_run_speedrun_gives_both_contenders_one_config_and_budget(data, tmp_path
     assert (lean["steps"], lean["tokens"], lean["heldout_bits_per_byte"], lean["compile_s"]) == (7, 7 * 64, 5.0, 0.5)
     assert lean["precision"] == "float32" and lean["notes"] == ["7 steps planned"]
     assert peer["budget_s"] == 3.0 and peer["steps"] >= 1 and peer["wall_s"] >= peer["elapsed_s"]
+    assert peer["init"] == "leanstep's initial parameters"  # the same weights: the runs differ in speed only
     corpus = load_corpus(data, seq_len=16)
     assert result["references"]["bytes"] == compression_references(corpus.heldout)["bytes"]
     assert result["references"]["gzip"] == compression_references(corpus.heldout)["gzip"]

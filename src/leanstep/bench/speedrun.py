@@ -128,9 +128,10 @@ def _torch_row(config: RunConfig, torch_compile: bool | None, every_window: list
     from leanstep.bench import speedrun_torch
 
     compile_it = torch.cuda.is_available() if torch_compile is None else torch_compile
+    initial = _initial_params(config)  # before the peer's clock: leanstep computed them inside its own
     began = time.perf_counter()
     try:
-        peer = speedrun_torch.train_torch_peer(config, torch_compile=compile_it)
+        peer = speedrun_torch.train_torch_peer(config, torch_compile=compile_it, initial_params=initial)
     except ValueError as error:  # the budget left no step after compiling: say so, keep leanstep's numbers
         return {"contender": "pytorch", "skipped": str(error), "wall_s": time.perf_counter() - began}
     wall_s = time.perf_counter() - began
@@ -139,6 +140,15 @@ def _torch_row(config: RunConfig, torch_compile: bool | None, every_window: list
     if torch_compile is None and not compile_it:
         row["torch_compile_reason"] = EAGER_ON_CPU
     return row
+
+
+def _initial_params(config: RunConfig) -> Any:
+    """The parameters leanstep's run started from (its ``init_state``), as NumPy arrays."""
+    import jax
+
+    from leanstep.training.build import build_run
+
+    return jax.device_get(build_run(dataclasses.replace(config, steps=1)).init_state().params)
 
 
 def _leanstep_every_window(config: RunConfig, every_window: list[dict[str, np.ndarray]]) -> float:

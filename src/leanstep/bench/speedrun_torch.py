@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from leanstep.bench.torch_step import build_torch_model
+from leanstep.bench.torch_step import build_torch_model, load_jax_params
 from leanstep.models import build_model
 from leanstep.precision import get_precision
 from leanstep.training.auto_precision import BFLOAT16, choose_precision, cpu_flags
@@ -134,7 +134,8 @@ def _adamw(torch: Any, model: Any, config: RunConfig) -> tuple[Any, str]:
         return torch.optim.AdamW(model.parameters(), foreach=True, **kwargs), "foreach"
 
 
-def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_compile: bool = True) -> TorchPeerRun:
+def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_compile: bool = True,
+                     initial_params: Any = None) -> TorchPeerRun:
     """Trains leanstep's transformer in PyTorch for ``config``'s length (see the module doc).
 
     Args:
@@ -144,6 +145,11 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
       corpus: the corpus, if already loaded (default: loaded from ``config.data`` inside the budget).
       torch_compile: try ``torch.compile`` (Inductor); should it raise, the peer runs eager and
         the result says why. Its compile time is spent inside the budget.
+      initial_params: leanstep's initial parameters (``build_run(config).init_params()``), to
+        start from the very weights leanstep starts from, so that two runs differ only in how
+        fast their steps go; they are copied in after the module's own initialization (inside
+        the budget). None: the module's GPT-2 initialization from ``config.seed``, the same
+        distribution but other draws.
 
     Returns:
       :class:`TorchPeerRun`: the result (held-out bits per byte and loss, steps, tokens, seconds,
@@ -171,7 +177,10 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
     # policies have no counterpart a nanoGPT-style script would write, so those run without.
     remat = config.remat == "full"
     model = build_torch_model(build_model(config.model, config.size, **model_overrides(config)).config,
-                              remat=remat, seed=config.seed).to(device)
+                              remat=remat, seed=config.seed)
+    if initial_params is not None:
+        load_jax_params(model, initial_params)
+    model = model.to(device)
     initial = {name: value.clone() for name, value in model.state_dict().items()}
     optimizer, adamw = _adamw(torch, model, config)
     forward, compile_reason = model, "off: torch_compile=False"
@@ -285,6 +294,7 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
         "torch_compile": forward is not model, "torch_compile_reason": compile_reason,
         "remat": remat, "remat_reason": f"--remat {config.remat}: " + (
             "torch.utils.checkpoint around each block" if remat else "no activation checkpointing"),
+        "init": "leanstep's initial parameters" if initial_params is not None else f"GPT-2 (seed {config.seed})",
         "adamw": adamw, "device": device, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
     }
     return TorchPeerRun(result, model)

@@ -59,8 +59,10 @@ def build_torch_model(config: Any, *, remat: bool = True, seed: int = 0) -> Any:
 
         def forward(self, x: Any) -> Any:
             batch, time, _ = x.shape
-            qkv = self.qkv(self.ln1(x)).view(batch, time, 3, heads, d // heads)
-            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, T, head_dim)
+            # leanstep's QKV columns are head-major, (head, q|k|v, head_dim): the same layout
+            # here, so that leanstep's weights (load_jax_params) give leanstep's function.
+            qkv = self.qkv(self.ln1(x)).view(batch, time, heads, 3, d // heads)
+            q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # (B, H, T, head_dim)
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.proj(context.transpose(1, 2).reshape(batch, time, d))
             return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
