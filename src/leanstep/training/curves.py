@@ -122,7 +122,10 @@ def plot_curves(
     summary = summarize(metrics)
     steps = metrics.train_column("step")
     skipped = steps[metrics.train_column("skipped") > 0]
-    fig = Figure(figsize=(10, 7), dpi=120, layout="constrained")
+    # Fixed margins: a layout engine would measure every label and double the chart's time,
+    # which a time-budgeted run spends inside its budget.
+    fig = Figure(figsize=(10, 7), dpi=120)
+    fig.subplots_adjust(left=0.1, right=0.93, bottom=0.07, top=0.91, wspace=0.34, hspace=0.3)
     FigureCanvasAgg(fig)
     (ax_loss, ax_scale), (ax_grad, ax_speed) = fig.subplots(2, 2)
     style = {"marker": "o", "ms": 3} if steps.size <= 30 else {}
