@@ -383,3 +383,15 @@ def test_cli_json_path_is_checked_first_and_run_errors_exit_2(recorded, tmp_path
     monkeypatch.setattr(speedrun, "run_speedrun", refuses)
     assert main(["bench", "--speedrun", "--quiet"]) == 2
     assert "holds a speedrun already" in capsys.readouterr().err
+
+
+def test_step_pace_times_both_steps_in_turn(data, one_thread):
+    from leanstep.bench.step_pace import step_pace
+
+    with pytest.raises(ValueError, match="rounds=0"):
+        step_pace(RunConfig(**TINY, data=str(data)), rounds=0)
+    pytest.importorskip("torch")
+    result = step_pace(RunConfig(**TINY, data=str(data)), rounds=2, steps=1)
+    assert (result["rounds"], result["steps"]) == (2, 1)
+    for name in ("leanstep", "pytorch"):
+        assert 0 < result[name]["p25_ms"] <= result[name]["median_ms"] and result[name]["mean_ms"] > 0

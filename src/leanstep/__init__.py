@@ -64,7 +64,7 @@ from leanstep.update import (
     guarded_update_transform,
 )
 
-__version__ = "0.6.0"
+__version__ = "0.6.1"
 
 __all__ = [
     "ACCELERATORS",
