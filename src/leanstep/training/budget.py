@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from leanstep.training.schedule import decay_start
+
 __all__ = ["BudgetPlan", "calibrate", "parse_duration", "plan_budget", "plan_steps", "replan", "replan_step"]
 
 #: Seconds per unit of a duration.
@@ -224,7 +226,7 @@ def replan_step(config: Any, steps: int) -> int | None:
       [30, 750, 20, None]
     """
     if config.schedule == "warmup-stable-decay":
-        at = steps - steps // 5 - steps // 20
+        at = decay_start(steps) - steps // 20
         return at if at > config.warmup_steps else None
     if config.schedule == "warmup-cosine" and config.warmup_steps >= 10:
         return config.warmup_steps
@@ -243,7 +245,7 @@ def replan(plan: BudgetPlan, config: Any, step: int, elapsed_s: float, step_time
     more = plan_steps(plan.budget_s, elapsed_s, step_s, plan.eval_s, config.eval_every, plan.checkpoint_s,
                       config.checkpoint_every, plan.finish_s)
     steps = step + max(1, more)
-    while config.schedule == "warmup-stable-decay" and steps - steps // 5 <= step:
+    while config.schedule == "warmup-stable-decay" and decay_start(steps) <= step:
         steps += 1
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

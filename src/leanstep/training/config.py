@@ -21,11 +21,10 @@ from leanstep.loss_scale_registry import get_loss_scale
 from leanstep.models import build_model
 from leanstep.precision import check_train_precision
 from leanstep.rematerialization import get_remat_policy
+from leanstep.training.schedule import SCHEDULES
 
 __all__ = ["MODEL_FLAGS", "RESUMABLE_FIELDS", "SCHEDULES", "RunConfig", "config_hash", "model_overrides"]
 
-#: Learning-rate schedules of :func:`leanstep.training.build_optimizer`.
-SCHEDULES = ("constant", "cosine", "warmup-cosine", "warmup-stable-decay")
 
 #: Fields that may change between a run and its resumption; every other field must match.
 #: (Changing ``steps`` changes the learning-rate schedule, so such a run is an extension, not a

@@ -22,10 +22,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["SCHEDULES", "RunScheduleState", "make_schedule", "scale_by_run_schedule", "set_total_steps"]
+__all__ = ["SCHEDULES", "RunScheduleState", "decay_start", "make_schedule", "scale_by_run_schedule", "set_total_steps"]
 
 #: The schedules of :func:`make_schedule`.
 SCHEDULES = ("constant", "cosine", "warmup-cosine", "warmup-stable-decay")
+
+def decay_start(total: int) -> int:
+    """The first step of ``warmup-stable-decay``'s decay in a run of ``total`` steps: its last fifth.
+
+    Example:
+      >>> decay_start(1000), decay_start(7)
+      (800, 6)
+    """
+    return total - total // 5
+
 
 #: ``schedule(count, total)``: the learning rate after ``count`` applied updates of ``total``.
 Schedule = Callable[..., jax.Array]
@@ -77,7 +87,7 @@ def make_schedule(name: str, lr: float, warmup_steps: int) -> Schedule:
         warmup = xp.minimum(xp.float32(warmup_steps), xp.maximum(total - one, zero)) if name != "cosine" else zero
         rising = xp.float32(lr) * count / xp.maximum(warmup, one)
         if name == "warmup-stable-decay":
-            stable_end = xp.maximum(total - xp.floor(total / xp.float32(5.0)), warmup)
+            stable_end = xp.maximum(decay_start(total), warmup)
             falling = xp.clip((total - count) / xp.maximum(total - stable_end, one), zero, one)
             return xp.where(count < warmup, rising, xp.float32(end) + xp.float32(lr - end) * falling)
         decay = xp.maximum(total, warmup + one) - warmup
