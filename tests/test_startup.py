@@ -13,7 +13,7 @@ from leanstep.state import TrainState
 from leanstep.training import RunConfig
 from leanstep.training.budget import calibrate
 from leanstep.training.build import build_run
-from leanstep.training.step_loop import compile_in_background
+from leanstep.training.step_loop import in_background
 
 
 @pytest.mark.parametrize("changes", [{}, {"model": "mlp", "size": "tiny", "seq_len": 8, "batch_size": 4},
@@ -50,19 +50,22 @@ def test_a_background_compile_is_the_one_the_call_uses():
     x = jnp.arange(6.0).reshape(2, 3)
     batch = {"tokens": np.ones((2, 3), np.float32)}
     with _CompileEvents() as events:
-        wait = compile_in_background(fn, jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+        wait = in_background(lambda: fn.lower(jax.ShapeDtypeStruct(x.shape, x.dtype), batch).compile())
         wait()
         compiled_in_background = events.count
         assert float(fn(x, batch)) == 45.0
     assert compiled_in_background == 1 and events.count == 1  # the call found the executable
 
 
-def test_a_background_compile_that_fails_is_raised_by_the_call_itself():
+def test_a_background_compile_that_fails_is_raised_by_the_call_itself_and_the_next_call_still_runs():
     fn = jax.jit(lambda x: x @ x)  # (2, 3) @ (2, 3) cannot be traced
-    wait = compile_in_background(fn, jax.ShapeDtypeStruct((2, 3), jnp.float32))
-    wait()  # the thread's error is dropped ...
+    ran = []
+    wait = in_background(lambda: fn.lower(jax.ShapeDtypeStruct((2, 3), jnp.float32)).compile(),
+                         lambda: ran.append(True))
+    wait()  # the thread's error is dropped, the next call runs ...
+    assert ran == [True]
     with pytest.raises(TypeError, match="dot_general"):
-        fn(jnp.ones((2, 3)))  # ... and the call reports it
+        fn(jnp.ones((2, 3)))  # ... and the real call reports the error
 
 
 class _State(NamedTuple):

@@ -95,8 +95,8 @@ class Run:
         Without ``params`` the state is built by one compiled call: run op by op, the
         initializers and the optimizer's ``init`` dispatch (and compile) hundreds of small
         operations, ~2 s of a run's start for the 0.4M-parameter default transformer
-        against ~0.6 s compiled. The values are the same: a PRNG draw does not depend on
-        whether it runs under ``jit``.
+        against ~0.6 s compiled (measured on the 2-core CPU). The values are the op-by-op
+        ones, bit for bit (``tests/test_startup.py`` checks three configs).
         """
         if params is None:
             return jax.jit(self._initial_state)()

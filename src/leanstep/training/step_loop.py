@@ -20,8 +20,8 @@ from leanstep.state import TrainState
 from leanstep.training.config import RunConfig
 from leanstep.training.data import BatchSampler
 
-__all__ = ["StepLoop", "applied_updates", "compile_in_background", "compiling_evaluation", "evaluate",
-           "place_eval_batch", "step_batch"]
+__all__ = ["StepLoop", "applied_updates", "evaluate", "in_background", "place_eval_batch", "step_batch",
+           "warming_up"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class StepLoop:
     emit: Callable[..., None]
     mesh: Mesh | None  # shard each batch over it (None: one device, unsharded)
     origin: float  # time.perf_counter() when train() began: records' elapsed_s count from here
-    eval_ready: Callable[[], None] = lambda: None  # waits for eval_fn's compile (compile_in_background)
+    eval_ready: Callable[[], None] = lambda: None  # waits for eval_fn's compile (warming_up)
 
 
 def step_batch(loop: StepLoop, step: int) -> Any:
@@ -68,38 +68,40 @@ def applied_updates(opt_state: Any) -> int:
     return int(counts[0][1]) if counts else 0
 
 
-def compile_in_background(jitted: Any, *args: Any) -> Callable[[], None]:
-    """Compiles ``jitted`` for ``args`` on a thread while the caller goes on; returns ``wait()``.
+def in_background(*calls: Callable[[], Any]) -> Callable[[], None]:
+    """Runs ``calls`` in order on a thread while the caller goes on; returns ``wait()``.
 
-    XLA compiles without holding the GIL, so the run's evaluation compiles beside its train
-    step instead of at the first evaluation. ``jitted(*args)`` then finds the executable in
-    ``jit``'s cache. ``args`` only give shapes, dtypes and shardings (pass
-    ``jax.ShapeDtypeStruct`` for arrays another call may donate meanwhile). A compile that
-    fails is dropped: the first real call compiles again and raises the error itself. The
-    thread then imports matplotlib for the run's chart, which would otherwise take its
-    second at the end of the run, inside a time budget.
+    For work whose result nobody reads, only its side effect on a cache: an exception in one
+    call is dropped (the real use, later, meets the same error and reports it) and the next
+    call runs.
     """
-    def compile_quietly() -> None:
-        try:
-            jitted.lower(*args).compile()
-        except Exception:  # noqa: BLE001 - reported by the real call, where it belongs
-            pass
-        with contextlib.suppress(Exception):  # noqa: BLE001 - a broken matplotlib is the chart's to report
-            import leanstep.training.curves  # noqa: F401
+    def run_all() -> None:
+        for call in calls:
+            with contextlib.suppress(Exception):  # noqa: BLE001 - reported by the real use, where it belongs
+                call()
 
-    thread = threading.Thread(target=compile_quietly, name="leanstep-compile", daemon=True)
+    thread = threading.Thread(target=run_all, name="leanstep-warm-up", daemon=True)
     thread.start()
     return thread.join
 
 
-def compiling_evaluation(loop: StepLoop, params: Any) -> StepLoop:
-    """``loop``, its evaluation compiling in the background from now (:func:`compile_in_background`).
+def _import_chart() -> None:
+    import leanstep.training.curves  # noqa: F401  (matplotlib)
 
+
+def warming_up(loop: StepLoop, params: Any) -> StepLoop:
+    """``loop``, whose evaluation compiles on a thread from now (:func:`in_background`).
+
+    XLA compiles without holding the GIL, so the evaluation compiles beside the train step
+    rather than at the first evaluation; the call then finds the executable in ``jit``'s cache.
     The compile works from a shape-only stand-in of ``params`` (the step donates the state),
-    placed as the step's params are: uncommitted on one device, else on the mesh.
+    placed as the step's params are: uncommitted on one device, else on the mesh. The thread
+    then imports matplotlib for the chart, which would otherwise take a second at the end of
+    the run, inside a time budget.
     """
-    if not loop.eval_data:
-        return loop
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if loop.mesh is None
-                                                           else x.sharding), params)
-    return dataclasses.replace(loop, eval_ready=compile_in_background(loop.eval_fn, abstract, loop.eval_data[0]))
+    calls: list[Callable[[], Any]] = [_import_chart]
+    if loop.eval_data:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if loop.mesh is None
+                                                               else x.sharding), params)
+        calls.insert(0, lambda: loop.eval_fn.lower(abstract, loop.eval_data[0]).compile())
+    return dataclasses.replace(loop, eval_ready=in_background(*calls))

@@ -65,10 +65,10 @@ from leanstep.training.schedule import set_total_steps
 from leanstep.training.step_loop import (
     StepLoop,
     applied_updates,
-    compiling_evaluation,
     evaluate,
     place_eval_batch,
     step_batch,
+    warming_up,
 )
 from leanstep.training.stop_signals import StopSignals
 
@@ -186,14 +186,14 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
                  BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
                  eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data], run.schedule,
                  emit if primary else _ignore, mesh, origin)
-    loop = compiling_evaluation(loop, template.params)  # beside the first step
+    loop = warming_up(loop, template.params)  # the evaluation compiles beside the first step
     plan = None
     if config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
         def scratch() -> TrainState:  # buffers of its own: the calibration's steps donate their input
             return jax.jit(lambda state: jax.tree.map(jnp.copy, state))(template)
 
         plan = plan_budget(config, loop.step_fn, scratch, lambda i: step_batch(loop, i), lambda p: evaluate(loop, p),
-                           origin, evaluations=1 if loop.eval_data else 2)
+                           origin, evaluations=1)  # compiled already (warming_up)
         config = dataclasses.replace(config, steps=plan.steps)
         loop = dataclasses.replace(loop, config=config)
     template = template.replace(opt_state=set_total_steps(template.opt_state, config.steps))
