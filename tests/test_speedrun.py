@@ -395,3 +395,5 @@ def test_step_pace_times_both_steps_in_turn(data, one_thread):
     assert (result["rounds"], result["steps"]) == (2, 1)
     for name in ("leanstep", "pytorch"):
         assert 0 < result[name]["p25_ms"] <= result[name]["median_ms"] and result[name]["mean_ms"] > 0
+    # The two steps time the same computation: from the same weights, the same first loss.
+    assert result["pytorch"]["first_loss"] == pytest.approx(result["leanstep"]["first_loss"], rel=1e-5)

@@ -115,9 +115,10 @@ def _leanstep_row(summary: dict[str, Any], out: Path, wall_s: float, notes: list
 
 
 #: Why the peer runs eager on a CPU unless asked to compile (measured on the 2-core machine:
-#: a cold Inductor compile of the small transformer took 68-81 s, for a 1-4% faster step).
-EAGER_ON_CPU = ("eager, as on a CPU torch.compile's first compile takes minutes of a minutes-long budget for a "
-                "few percent (--torch-compile tries it)")
+#: a cold Inductor compile of the default ``mini`` transformer took 21-40 s for a 3-12% faster
+#: step, 96-99 ms against 101-109 ms eager, which does not pay for itself in three minutes).
+EAGER_ON_CPU = ("eager, as on a CPU torch.compile's cold compile takes tens of seconds of a minutes-long budget "
+                "for a few percent (--torch-compile tries it)")
 
 
 def _torch_row(config: RunConfig, torch_compile: bool | None, every_window: list[dict[str, np.ndarray]]
@@ -148,7 +149,7 @@ def _initial_params(config: RunConfig) -> Any:
 
     from leanstep.training.build import build_run
 
-    return jax.device_get(build_run(dataclasses.replace(config, steps=1)).init_state().params)
+    return jax.device_get(build_run(config).init_state().params)
 
 
 def _leanstep_every_window(config: RunConfig, every_window: list[dict[str, np.ndarray]]) -> float:

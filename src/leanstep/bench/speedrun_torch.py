@@ -235,7 +235,7 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
         return torch_heldout_bits_per_byte(model, eval_data, bfloat16=bfloat16)
 
     budget_s = None if config.steps is not None else float(config.time_budget)
-    plan: dict[str, Any] = {}
+    budget_plan, replanned_at_s = None, None  # the plan, as leanstep's (leanstep.training.budget)
     if budget_s is None:
         steps = config.steps
     else:  # calibrate as leanstep does, then start again from the initial weights
@@ -258,23 +258,20 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
                                  step_times_s=tuple(times[1:]), eval_s=eval_s, checkpoint_s=0.0, finish_s=0.0,
                                  steps=steps, replan_at=at if at is not None and at < steps else None,
                                  calibrated_steps=steps)
-        plan = {"planned_at_s": spent, "compile_s": times[0], "step_s": step_s, "step_times_s": times[1:],
-                "eval_s": eval_s, "replan_at": budget_plan.replan_at, "calibrated_steps": steps}
-    losses, curve, done, stopped, loop_times, index = [], [], 0, False, [], 0
-    while index < steps:
-        loss, seconds = step(index, steps)
+    losses, curve, done, stopped, loop_times = [], [], 0, False, []
+    while done < steps:
+        loss, seconds = step(done, steps)
         losses.append(loss)
         loop_times.append(seconds)
-        index = done = index + 1
-        if budget_s is not None and done == budget_plan.replan_at:  # as leanstep's loop: its own recent pace
-            elapsed = time.perf_counter() - start
-            budget_plan = replan(budget_plan, config, done, elapsed, loop_times)
+        done += 1
+        if budget_plan is not None and done == budget_plan.replan_at:  # as leanstep's loop: its own recent pace
+            replanned_at_s = time.perf_counter() - start
+            budget_plan = replan(budget_plan, config, done, replanned_at_s, loop_times)
             steps = budget_plan.steps
-            plan.update(loop_step_s=budget_plan.loop_step_s, replanned_at_s=elapsed)
         if done < steps and done % config.eval_every == 0:
             curve.append([done, evaluate()])
-        pace = plan.get("loop_step_s") or plan.get("step_s")
-        if budget_s is not None and done < steps and time.perf_counter() - start + pace + plan["eval_s"] > budget_s:
+        if budget_plan is not None and done < steps and time.perf_counter() - start + \
+                (budget_plan.loop_step_s or budget_plan.step_s) + budget_plan.eval_s > budget_s:
             stopped = True  # slower than planned: the next step and the evaluation would end past the budget
             break
     began = time.perf_counter()
@@ -282,8 +279,11 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
     final_eval_s = time.perf_counter() - began
     curve.append([done, bits])
     train_losses = [float(x) for x in losses[-10:]]
-    if budget_s is None:
+    if budget_plan is None:
         plan = {"compile_s": loop_times[0], "step_s": statistics.median(loop_times[1:] or loop_times)}
+    else:
+        plan = {key: value for key, value in budget_plan.to_json().items()
+                if key not in ("budget_s", "steps", "checkpoint_s", "finish_s")} | {"replanned_at_s": replanned_at_s}
     result = {
         "contender": "pytorch", "heldout_bits_per_byte": bits, "heldout_loss": bits * math.log(2),
         "heldout_curve": curve, "final_train_loss": float(np.mean(train_losses)),

@@ -8,9 +8,9 @@ see the same drift.
 
 leanstep's step is the run's (:meth:`leanstep.training.build.Run.make_step`: loss scale,
 microbatches, clipping, remat, the guarded AdamW update); the peer's is the speedrun peer's
-(:func:`leanstep.bench.torch_step.build_torch_model`, microbatches by ``chunk``,
-``clip_grad_norm_``, fused AdamW), in float32. Each step is timed to its result on the host:
-leanstep's metrics fetched, PyTorch's loss read.
+(:func:`leanstep.bench.torch_step.make_torch_step`: microbatches by ``chunk``, ``clip_grad_norm_``,
+fused AdamW), in float32. Each step is timed to its result on the host: leanstep's metrics
+fetched, PyTorch's loss read.
 
 .. code-block:: bash
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import time
 from typing import Any
@@ -52,8 +53,9 @@ def step_pace(config: RunConfig | None = None, *, rounds: int = 12, steps: int =
 
     Returns:
       ``{"leanstep": {...}, "pytorch": {...}, "rounds", "steps"}``, each contender's
-      ``median_ms``, ``mean_ms`` and ``p25_ms`` over its ``rounds * steps`` timed steps (after
-      one untimed step each, which compiles).
+      ``median_ms``, ``mean_ms`` and ``p25_ms`` over its ``rounds * steps`` timed steps, and
+      ``first_loss``: the loss of its untimed first step (which compiles), the same batch from
+      the same weights for both.
 
     Raises:
       ValueError: ``rounds`` or ``steps`` below 1, an invalid config, or a model other than the
@@ -64,7 +66,11 @@ def step_pace(config: RunConfig | None = None, *, rounds: int = 12, steps: int =
         raise ValueError(f"rounds={rounds}, steps={steps}: each must be at least 1")
     import torch
 
-    from leanstep.bench.torch_step import build_torch_model, load_jax_params
+    from leanstep.bench.torch_step import (
+        build_torch_model,
+        load_jax_params,
+        make_torch_step,
+    )
 
     base = RunConfig() if config is None else config
     config = dataclasses.replace(base, steps=1, time_budget=None, precision="float32").validate()
@@ -76,38 +82,29 @@ def step_pace(config: RunConfig | None = None, *, rounds: int = 12, steps: int =
     step, state = run.make_step(), run.init_state()
     model = build_torch_model(run.model.config, remat=config.remat == "full", seed=config.seed)
     load_jax_params(model, jax.device_get(state.params))
-    adamw = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay,
-                              fused=True)
-    params = list(model.parameters())
+    peer_step, _ = make_torch_step(model, bfloat16=False, num_microbatches=config.microbatches,
+                                   max_grad_norm=math.inf if config.max_grad_norm is None else config.max_grad_norm,
+                                   lr=config.lr, weight_decay=config.weight_decay)
 
-    def leanstep_step(index: int) -> None:
+    def leanstep_step(index: int) -> float:
         nonlocal state
         state, metrics = step(state, sampler.batch_at(index))
-        jax.device_get(metrics)
+        return float(jax.device_get(metrics).loss)
 
-    def torch_step(index: int) -> None:
-        tokens = torch.from_numpy(sampler.batch_at(index)["tokens"]).long()
-        adamw.zero_grad(set_to_none=True)
-        total = torch.zeros(())
-        for microbatch in tokens.chunk(config.microbatches):
-            loss = model(microbatch) / config.microbatches
-            loss.backward()
-            total += loss.detach()
-        if config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        adamw.step()
-        float(total)
+    def torch_step(index: int) -> float:
+        return peer_step(torch.from_numpy(sampler.batch_at(index)["tokens"]).long())
 
+    # One untimed step each (it compiles), on the same batch from the same weights: the same loss.
+    first = {"leanstep": leanstep_step(0), "pytorch": torch_step(0)}
     times: dict[str, list[float]] = {"leanstep": [], "pytorch": []}
-    leanstep_step(0)
-    torch_step(0)
     for r in range(rounds):
         for name, one in (("leanstep", leanstep_step), ("pytorch", torch_step)):
             for i in range(steps):
                 began = time.perf_counter()
                 one(1 + r * steps + i)
                 times[name].append(time.perf_counter() - began)
-    return {name: _summary(seconds) for name, seconds in times.items()} | {"rounds": rounds, "steps": steps}
+    return {name: {**_summary(seconds), "first_loss": first[name]} for name, seconds in times.items()} | {
+        "rounds": rounds, "steps": steps}
 
 
 def main(argv: list[str] | None = None) -> None:
