@@ -73,6 +73,11 @@ class Instruction:
         match = re.search(key + r"=(%[^\s,]+|\{[^}]*\}[^,]*|[^\s,]+)", self.rest)
         return match.group(1) if match else None
 
+    def dimensions(self, key: str) -> tuple[int, ...]:
+        """The dimension list of attribute ``key`` (``lhs_contracting_dims={0,2}``: ``(0, 2)``; absent: ``()``)."""
+        match = re.search(key + r"=\{([0-9,]*)\}", self.rest)
+        return tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
+
 
 def parse_hlo(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
     """``({computation name: instructions}, entry computation name)`` of an HLO module's text."""
@@ -159,10 +164,8 @@ def dot_flops(hlo: str | Any) -> float:
             if inst.op != "dot":
                 continue
             lhs = shapes_of(types.get(inst.operands[0], "")) if inst.operands else ()
-            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.rest)
-            if not lhs or contracting is None:
+            if not lhs:
                 continue
-            dims = lhs[0][1]
-            contracted = math.prod(dims[int(d)] for d in contracting.group(1).split(",") if d)
+            contracted = math.prod(lhs[0][1][d] for d in inst.dimensions("lhs_contracting_dims"))
             flops += 2.0 * math.prod(shapes_of(inst.type_text)[0][1]) * contracted * trips[name]
     return flops

@@ -40,11 +40,6 @@ _DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "f64": 
            "s8": jnp.int8, "s32": jnp.int32, "u8": jnp.uint8}
 
 
-def _dims(inst: Instruction, key: str) -> tuple[int, ...]:
-    match = re.search(key + r"=\{([0-9,]*)\}", inst.rest)
-    return tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
-
-
 @dataclasses.dataclass(frozen=True)
 class MatmulOp:
     """One ``dot`` or ``convolution`` of a compiled program.
@@ -160,7 +155,7 @@ def list_matmuls(hlo: str) -> list[MatmulOp]:
             if not lhs or not rhs:
                 continue
             if inst.op == "dot":
-                numbers: tuple = tuple(_dims(inst, key) for key in (
+                numbers: tuple = tuple(inst.dimensions(key) for key in (
                     "lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims"))
             else:
                 window = re.search(r"window=\{([^}]*)\}", inst.rest)
