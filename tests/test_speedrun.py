@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import leanstep.training
-from leanstep.bench import speedrun
+from leanstep.bench import speedrun, speedrun_torch
 from leanstep.bench.speedrun import compression_references, run_speedrun
 from leanstep.bench.speedrun_torch import choose_torch_precision
 from leanstep.cli.main import main
@@ -269,7 +269,10 @@ def test_run_speedrun_gives_both_contenders_one_config_and_budget(data, tmp_path
     monkeypatch.setattr(leanstep.training, "train", _stand_in_train(calls))
     scored = []  # the stand-in writes no checkpoint: leanstep's every-window score is stood in for too
     monkeypatch.setattr(speedrun, "_leanstep_every_window", lambda config, windows: scored.append(windows) or 4.5)
-    result = run_speedrun(3.0, config=RunConfig(**TINY), out=tmp_path / "sr", data=data, torch_compile=False)
+    # On a CPU with bfloat16 units the peer's own "auto" would autocast; it takes leanstep's float32 instead.
+    monkeypatch.setattr(speedrun_torch, "_device", lambda torch: ("cpu", None, frozenset({"amx_bf16"})))
+    result = run_speedrun(3.0, config=RunConfig(**{**TINY, "precision": "auto"}), out=tmp_path / "sr", data=data,
+                          torch_compile=False)
     (config,) = calls
     assert (config.time_budget, config.steps, config.out, config.progress, config.data) == (
         3.0, None, str(tmp_path / "sr" / "leanstep"), False, str(data))
@@ -279,6 +282,7 @@ def test_run_speedrun_gives_both_contenders_one_config_and_budget(data, tmp_path
     assert lean["precision"] == "float32" and lean["notes"] == ["7 steps planned"]
     assert peer["budget_s"] == 3.0 and peer["steps"] >= 1 and peer["wall_s"] >= peer["elapsed_s"]
     assert peer["init"] == "leanstep's initial parameters"  # the same weights: the runs differ in speed only
+    assert peer["precision"] == "float32" and peer["precision_reason"] == f"--precision {FLOAT32} computes in float32"
     corpus = load_corpus(data, seq_len=16)
     assert result["references"]["bytes"] == compression_references(corpus.heldout)["bytes"]
     assert result["references"]["gzip"] == compression_references(corpus.heldout)["gzip"]

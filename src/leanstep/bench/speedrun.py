@@ -239,7 +239,10 @@ def run_speedrun(budget_s: float, *, config: RunConfig | None = None, out: str |
                                  "extra: pip install torch==2.13.0 (or pip install 'leanstep[bench]')"}
     else:
         log(f"pytorch: training for {budget_s:g} s")
-        contenders["pytorch"] = _torch_row(config, torch_compile, every_window)
+        # The peer computes in the dtype leanstep's run chose (``auto`` resolved once, by
+        # leanstep), so that the two train the same function at the same precision.
+        same_precision = dataclasses.replace(config, precision=contenders["leanstep"]["precision_policy"])
+        contenders["pytorch"] = _torch_row(same_precision, torch_compile, every_window)
     log("gzip -9 and xz -9e on the held-out bytes")
     references = compression_references(corpus.heldout)
     references["windows_bytes"] = 1 + config.seq_len * len(every_window) * config.batch_size

@@ -66,8 +66,10 @@ def choose_torch_precision(spec: str, *, platform: str, compute_capability: str 
                            flags: frozenset[str] | None = None) -> tuple[bool, str]:
     """``(bfloat16, reason)``: whether the peer computes under ``torch.autocast(bfloat16)``, and why.
 
-    ``auto`` is leanstep's own choice for the device
-    (:func:`leanstep.training.auto_precision.choose_precision`). A policy naming bfloat16 compute
+    ``auto`` goes by the hardware's bfloat16 units alone
+    (:func:`leanstep.training.auto_precision.choose_precision` without leanstep's XLA matmul
+    probe: torch's oneDNN does multiply bfloat16 on AMX); ``leanstep bench --speedrun`` passes
+    the policy leanstep's run chose instead, so the two compute in one dtype. A policy naming bfloat16 compute
     gets it only where the hardware multiplies bfloat16 natively: torch's CPU autocast on a core
     without AMX or AVX512-BF16 runs about 100x slower than float32, which no PyTorch user would
     accept, so the peer computes in float32 there.
