@@ -16,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leanstep import planning
-from leanstep.plan_compile import first_fit
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
 from leanstep.memory_sizes import format_bytes
+from leanstep.plan_compile import first_fit
 from leanstep.planning import BudgetError, Candidate, Setting, plan, settings_grid
 from leanstep.rematerialization import remat
 from leanstep.state import TrainState

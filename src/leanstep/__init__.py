@@ -15,8 +15,8 @@ from leanstep.clipping import (
     global_norm,
 )
 from leanstep.collectives import Collective, CollectivesReport, collectives_report
-from leanstep.cost_model import ACCELERATORS, Accelerator, get_accelerator
 from leanstep.compute_dtype_check import PrecisionWarning
+from leanstep.cost_model import ACCELERATORS, Accelerator, get_accelerator
 from leanstep.gradients import Gradients, gradient_stage
 from leanstep.loss_scale import (
     DynamicLossScale,

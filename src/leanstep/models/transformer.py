@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
+from leanstep.model_sharding import constrain, gathered
 from leanstep.models.layers import (
     cast_floating,
     check_positive_ints,
@@ -30,7 +31,6 @@ from leanstep.models.layers import (
     token_nll,
     weighted_sum,
 )
-from leanstep.model_sharding import constrain, gathered
 from leanstep.rematerialization import checkpoint_name, remat
 
 Params = dict[str, Any]
