@@ -92,7 +92,7 @@ def test_compression_references_refuse_what_is_not_bytes(heldout, error):
 
 @pytest.mark.parametrize("spec, device, expected", [
     ("auto", {"platform": "cpu", "flags": frozenset({"avx2", "fma"})}, False),
-    ("auto", {"platform": "cpu", "flags": frozenset({"avx512f", "amx_bf16"})}, True),
+    ("auto", {"platform": "cpu", "flags": frozenset({"avx512f", "amx_bf16"})}, False),  # as leanstep: XLA:CPU
     ("auto", {"platform": "cuda", "compute_capability": "8.0"}, True),
     ("auto", {"platform": "cuda", "compute_capability": "7.0"}, False),
     ("params=float32,compute=bfloat16,output=float32", {"platform": "cpu", "flags": frozenset({"avx2"})}, False),
@@ -269,10 +269,11 @@ def test_run_speedrun_gives_both_contenders_one_config_and_budget(data, tmp_path
     monkeypatch.setattr(leanstep.training, "train", _stand_in_train(calls))
     scored = []  # the stand-in writes no checkpoint: leanstep's every-window score is stood in for too
     monkeypatch.setattr(speedrun, "_leanstep_every_window", lambda config, windows: scored.append(windows) or 4.5)
-    # On a CPU with bfloat16 units the peer's own "auto" would autocast; it takes leanstep's float32 instead.
+    # Asked for bfloat16 on a CPU with bfloat16 units the peer would autocast; it computes in what
+    # leanstep's run recorded (the stand-in's float32) instead.
     monkeypatch.setattr(speedrun_torch, "_device", lambda torch: ("cpu", None, frozenset({"amx_bf16"})))
-    result = run_speedrun(3.0, config=RunConfig(**{**TINY, "precision": "auto"}), out=tmp_path / "sr", data=data,
-                          torch_compile=False)
+    bf16 = {**TINY, "precision": "params=float32,compute=bfloat16,output=float32"}
+    result = run_speedrun(3.0, config=RunConfig(**bf16), out=tmp_path / "sr", data=data, torch_compile=False)
     (config,) = calls
     assert (config.time_budget, config.steps, config.out, config.progress, config.data) == (
         3.0, None, str(tmp_path / "sr" / "leanstep"), False, str(data))

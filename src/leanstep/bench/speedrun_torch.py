@@ -43,7 +43,12 @@ import numpy as np
 from leanstep.bench.torch_step import build_torch_model, load_jax_params
 from leanstep.models import build_model
 from leanstep.precision import get_precision
-from leanstep.training.auto_precision import BFLOAT16, choose_precision, cpu_flags
+from leanstep.training.auto_precision import (
+    BFLOAT16,
+    bfloat16_units,
+    choose_precision,
+    cpu_flags,
+)
 from leanstep.training.budget import BudgetPlan, plan_steps, replan, replan_step
 from leanstep.training.config import RunConfig, model_overrides
 from leanstep.training.data import BatchSampler, Corpus, heldout_batches, load_corpus
@@ -66,13 +71,14 @@ def choose_torch_precision(spec: str, *, platform: str, compute_capability: str 
                            flags: frozenset[str] | None = None) -> tuple[bool, str]:
     """``(bfloat16, reason)``: whether the peer computes under ``torch.autocast(bfloat16)``, and why.
 
-    ``auto`` goes by the hardware's bfloat16 units alone
-    (:func:`leanstep.training.auto_precision.choose_precision` without leanstep's XLA matmul
-    probe: torch's oneDNN does multiply bfloat16 on AMX); ``leanstep bench --speedrun`` passes
-    the policy leanstep's run chose instead, so the two compute in one dtype. A policy naming bfloat16 compute
-    gets it only where the hardware multiplies bfloat16 natively: torch's CPU autocast on a core
-    without AMX or AVX512-BF16 runs about 100x slower than float32, which no PyTorch user would
-    accept, so the peer computes in float32 there.
+    ``auto`` is leanstep's own choice for the device
+    (:func:`leanstep.training.auto_precision.choose_precision`: float32 on every CPU), and
+    ``leanstep bench --speedrun`` passes the policy leanstep's run chose, so the two compute in
+    one dtype. A policy naming bfloat16 compute gets it where the hardware multiplies bfloat16
+    natively (torch's oneDNN does use AMX and AVX512-BF16, unlike XLA:CPU; on a 2-core Xeon
+    with AMX, though, the default model's autocast step took 49 ms against 37 ms in float32):
+    torch's CPU autocast on a core without those units runs about 100x slower than float32,
+    which no PyTorch user would accept, so the peer computes in float32 there.
 
     Raises:
       ValueError: ``spec`` is neither ``"auto"`` nor a precision policy.
@@ -83,12 +89,14 @@ def choose_torch_precision(spec: str, *, platform: str, compute_capability: str 
       >>> choose_torch_precision("float32", platform="cpu", flags=frozenset({"amx_bf16"}))
       (False, '--precision float32 computes in float32')
     """
-    native, why = choose_precision(platform, compute_capability=compute_capability, flags=flags)
+    chosen, why = choose_precision(platform, compute_capability=compute_capability, flags=flags)
     if spec == "auto":
-        return native == BFLOAT16, f"--precision auto, as leanstep chooses: {why}"
+        return chosen == BFLOAT16, f"--precision auto, as leanstep chooses: {why}"
     if np.dtype(get_precision(spec).compute_dtype).name != "bfloat16":
         return False, f"--precision {spec} computes in float32"
-    if native == BFLOAT16:
+    if platform == "cpu" and bfloat16_units(flags):
+        return True, f"--precision {spec} computes in bfloat16: a CPU with {' and '.join(bfloat16_units(flags))}"
+    if chosen == BFLOAT16:
         return True, f"--precision {spec} computes in bfloat16: {why}"
     return False, (f"--precision {spec} computes in bfloat16, but on {why.split(':')[0]} torch's bfloat16 "
                    "autocast is emulated (~100x slower than float32), so float32")
