@@ -171,6 +171,13 @@ def strict_precision(fn: F) -> F:
     accumulation order inside single operations (dots, reductions) and float32
     reassociation outside low-precision operations.
 
+    One limit, float16 on a CPU with AVX512-FP16 (a Sapphire Rapids Xeon): XLA:CPU
+    drops a float16 ``reduce_precision`` to float16's own bits as a no-op and then
+    computes a fused chain such as ``exp(x * y + 1)`` without rounding in between
+    (an optimization barrier or an integer bitcast round trip is dropped too), so
+    such results can be one float16 ulp off op-by-op execution there. bfloat16,
+    and float16 elsewhere, are exact as above.
+
     Array leaves of the arguments are traced; other leaves (Python scalars,
     strings, ``None``) are static. Outputs must be arrays. Each call retraces
     ``fn``; under ``jax.jit`` that happens once per compilation.
