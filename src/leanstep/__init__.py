@@ -64,7 +64,7 @@ from leanstep.update import (
     guarded_update_transform,
 )
 
-__version__ = "0.6.1"
+__version__ = "0.6.2"
 
 __all__ = [
     "ACCELERATORS",
