@@ -290,15 +290,17 @@ def test_auto_precision_computes_in_float32_on_any_cpu_and_records_why(tmp_path,
 @pytest.mark.parametrize(("platform", "capability", "compute"), [
     ("cuda", "9.0", "bfloat16"), ("cuda", "7.5", "float32"), ("rocm", None, "bfloat16"), ("tpu", None, "bfloat16"),
 ])  # fmt: skip
-def test_auto_precision_computes_in_bfloat16_on_accelerators_with_bfloat16_units(platform, capability, compute):
+def test_auto_precision_on_accelerators_goes_by_their_bfloat16_units(platform, capability, compute):
     chosen, _ = auto_precision.choose_precision(platform, compute_capability=capability)
     assert chosen == f"params=float32,compute={compute},output=float32"
 
 
-def test_auto_precision_on_this_machine():
-    chosen = build_run(RunConfig(size="tiny", steps=1)).config.precision
+def test_auto_precision_on_this_machine_is_float32_on_a_cpu_and_says_why():
+    run = build_run(RunConfig(size="tiny", steps=1))
     if jax.default_backend() == "cpu":
-        assert chosen == auto_precision.FLOAT32
+        assert run.config.precision == auto_precision.FLOAT32 and run.precision_reason.startswith("a CPU")
+    else:
+        assert run.config.precision == auto_precision.BFLOAT16 or "no bfloat16" in run.precision_reason
 
 
 def test_a_resumed_auto_run_keeps_the_precision_it_chose(tmp_path, corpus, monkeypatch):

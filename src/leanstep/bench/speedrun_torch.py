@@ -75,8 +75,7 @@ def choose_torch_precision(spec: str, *, platform: str, compute_capability: str 
     (:func:`leanstep.training.auto_precision.choose_precision`: float32 on every CPU), and
     ``leanstep bench --speedrun`` passes the policy leanstep's run chose, so the two compute in
     one dtype. A policy naming bfloat16 compute gets it where the hardware multiplies bfloat16
-    natively (torch's oneDNN does use AMX and AVX512-BF16, unlike XLA:CPU; on a 2-core Xeon
-    with AMX, though, the default model's autocast step took 49 ms against 37 ms in float32):
+    natively (torch's oneDNN does use AMX and AVX512-BF16, unlike XLA:CPU):
     torch's CPU autocast on a core without those units runs about 100x slower than float32,
     which no PyTorch user would accept, so the peer computes in float32 there.
 
@@ -94,8 +93,9 @@ def choose_torch_precision(spec: str, *, platform: str, compute_capability: str 
         return chosen == BFLOAT16, f"--precision auto, as leanstep chooses: {why}"
     if np.dtype(get_precision(spec).compute_dtype).name != "bfloat16":
         return False, f"--precision {spec} computes in float32"
-    if platform == "cpu" and bfloat16_units(flags):
-        return True, f"--precision {spec} computes in bfloat16: a CPU with {' and '.join(bfloat16_units(flags))}"
+    units = bfloat16_units(flags) if platform == "cpu" else []
+    if units:
+        return True, f"--precision {spec} computes in bfloat16: a CPU with {' and '.join(units)}"
     if chosen == BFLOAT16:
         return True, f"--precision {spec} computes in bfloat16: {why}"
     return False, (f"--precision {spec} computes in bfloat16, but on {why.split(':')[0]} torch's bfloat16 "
@@ -155,7 +155,7 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
       corpus: the corpus, if already loaded (default: loaded from ``config.data`` inside the budget).
       torch_compile: try ``torch.compile`` (Inductor); should it raise, the peer runs eager and
         the result says why. Its compile time is spent inside the budget.
-      initial_params: leanstep's initial parameters (``build_run(config).init_params()``), to
+      initial_params: leanstep's initial parameters (``build_run(config).init_state().params``), to
         start from the very weights leanstep starts from, so that two runs differ only in how
         fast their steps go; they are copied in after the module's own initialization (inside
         the budget). None: the module's GPT-2 initialization from ``config.seed``, the same

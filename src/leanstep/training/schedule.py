@@ -27,6 +27,7 @@ __all__ = ["SCHEDULES", "RunScheduleState", "decay_start", "make_schedule", "sca
 #: The schedules of :func:`make_schedule`.
 SCHEDULES = ("constant", "cosine", "warmup-cosine", "warmup-stable-decay")
 
+
 def decay_start(total: int) -> int:
     """The first step of ``warmup-stable-decay``'s decay in a run of ``total`` steps: its last fifth.
 
