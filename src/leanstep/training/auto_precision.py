@@ -7,9 +7,10 @@ AMD Instinct GPUs and TPUs. ``auto`` computes in float32 on every CPU:
 - without AMX or AVX512-BF16, XLA:CPU emulates bfloat16 matmuls: on an AVX2 EPYC a bfloat16
   step ran 1.3-1.4x slower than float32;
 - with them, XLA:CPU does not use them (jaxlib 0.10.2, a 2-core Xeon with ``amx_bf16`` and
-  ``avx512_bf16``): a 2048² bfloat16 matmul ran at 248 GFLOP/s against float32's 321, where
-  PyTorch's oneDNN reached 2,427 against 364, and the default step took 69 ms in bfloat16
-  against 49 ms in float32.
+  ``avx512_bf16``): ``leanstep bench --quick``'s matmul probe gave bfloat16 at most 285
+  GFLOP/s (median 157) against float32's 280 (median 267), where PyTorch's oneDNN reached
+  1,437 against 385, and ``python -m leanstep.bench.step_profile`` timed the default step at
+  59.8 ms in bfloat16 against 43.5 ms in float32.
 
 The choice is a rule, not a timing taken at start-up, so that two runs of one command on one
 machine compute in one dtype however loaded the machine is. Either way the masters are float32
@@ -71,7 +72,7 @@ def choose_precision(platform: str, *, compute_capability: str | None = None,
       >>> choose_precision("cpu", flags=frozenset({"avx2", "fma"}))[0] == FLOAT32
       True
       >>> choose_precision("cpu", flags=frozenset({"avx512f", "amx_bf16"}))[1]
-      'a CPU with amx_bf16, which XLA:CPU does not multiply bfloat16 on (jaxlib 0.10.2 on a Xeon with AMX: 248 GFLOP/s for a 2048² bfloat16 matmul, 321 for float32): float32'
+      'a CPU with amx_bf16, which XLA:CPU does not multiply bfloat16 on (jaxlib 0.10.2 on a Xeon with AMX: bfloat16 matmuls no faster than float32, the default step 1.4x slower): float32'
       >>> choose_precision("cuda", compute_capability="7.0")[1]
       'a CUDA GPU of compute capability 7.0 has no bfloat16 tensor cores (8.0 and later do)'
     """
@@ -96,8 +97,8 @@ def choose_precision(platform: str, *, compute_capability: str | None = None,
         native = bfloat16_units(flags)
         if native:
             return FLOAT32, (f"a CPU with {' and '.join(native)}, which XLA:CPU does not multiply bfloat16 on "
-                             "(jaxlib 0.10.2 on a Xeon with AMX: 248 GFLOP/s for a 2048² bfloat16 matmul, 321 "
-                             "for float32): float32")
+                             "(jaxlib 0.10.2 on a Xeon with AMX: bfloat16 matmuls no faster than float32, the "
+                             "default step 1.4x slower): float32")
         return FLOAT32, ("a CPU without AMX or AVX512-BF16: XLA:CPU emulates bfloat16 matmuls, so float32 "
                          "compute is faster")
     return FLOAT32, f"an unknown platform {platform!r}: float32"
