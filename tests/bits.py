@@ -22,5 +22,4 @@ def leaves_bit_equal(a, b):
 
 
 def count_differences(a, b):
-    return sum(int(np.sum(np.asarray(x) != np.asarray(y)))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return sum(int(np.sum(np.asarray(x) != np.asarray(y))) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -38,9 +38,22 @@ TIMING = ("tokens_per_sec", "elapsed_s")
 
 
 def config(root: Path, corpus: str, name: str, **fields: Any) -> RunConfig:
-    return RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, steps=STEPS, eval_every=2,
-                     eval_batches=1, checkpoint_every=1, keep_checkpoints=2 * STEPS, progress=False, data=corpus,
-                     out=str(root / name), **fields)
+    return RunConfig(
+        model="mlp",
+        size="tiny",
+        batch_size=4,
+        seq_len=8,
+        microbatches=2,
+        steps=STEPS,
+        eval_every=2,
+        eval_batches=1,
+        checkpoint_every=1,
+        keep_checkpoints=2 * STEPS,
+        progress=False,
+        data=corpus,
+        out=str(root / name),
+        **fields,
+    )
 
 
 def final_bits(run: Path, cfg: RunConfig) -> tuple[list[bytes], list[dict[str, Any]]]:
@@ -54,8 +67,9 @@ def final_bits(run: Path, cfg: RunConfig) -> tuple[list[bytes], list[dict[str, A
 
 def every_step_has_its_manifest(run: Path) -> bool:
     directory = run / "checkpoints"
-    return not directory.exists() or all((directory / str(s) / MANIFEST_NAME).is_file()
-                                         for s in committed_steps(directory))
+    return not directory.exists() or all(
+        (directory / str(s) / MANIFEST_NAME).is_file() for s in committed_steps(directory)
+    )
 
 
 def writers(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str, Any]:
@@ -73,23 +87,36 @@ def writers(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str
             outcomes[index] = f"stopped({stopped.exit_code})"
         except ValueError as error:
             text = str(error)
-            kind = ("in use" if "is in use by another leanstep train (pid" in text else
-                    "holds a run" if "already holds a run" in text else
-                    "no run" if "holds no run" in text else f"refused: {text}")
+            kind = (
+                "in use"
+                if "is in use by another leanstep train (pid" in text
+                else "holds a run"
+                if "already holds a run" in text
+                else "no run"
+                if "holds no run" in text
+                else f"refused: {text}"
+            )
             outcomes[index] = kind
         except BaseException as error:  # noqa: BLE001 - reported, the test fails on it
             outcomes[index] = f"unexpected {type(error).__name__}: {error}"
 
-    threads = [threading.Thread(target=write, args=(0, 0.0, False)),
-               threading.Thread(target=write, args=(1, offset, second_resumes))]
+    threads = [
+        threading.Thread(target=write, args=(0, 0.0, False)),
+        threading.Thread(target=write, args=(1, offset, second_resumes)),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     consistent = every_step_has_its_manifest(root / name)
     train(config(root, corpus, name), resume=True)
-    return {"offset": round(offset, 3), "second_resumes": second_resumes, "outcomes": outcomes,
-            "consistent": consistent, "run": name}
+    return {
+        "offset": round(offset, 3),
+        "second_resumes": second_resumes,
+        "outcomes": outcomes,
+        "consistent": consistent,
+        "run": name,
+    }
 
 
 def signals(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str, Any]:
@@ -132,8 +159,15 @@ def signals(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str
     consistent = every_step_has_its_manifest(root / name)
     steps = committed_steps(root / name / "checkpoints")
     train(config(root, corpus, name), resume=True)
-    return {"at_save": at_save, "signals": [signal.Signals(k).name for k in kinds], "delays": delays,
-            "outcome": outcome, "consistent": consistent, "committed": steps, "run": name}
+    return {
+        "at_save": at_save,
+        "signals": [signal.Signals(k).name for k in kinds],
+        "delays": delays,
+        "outcome": outcome,
+        "consistent": consistent,
+        "committed": steps,
+        "run": name,
+    }
 
 
 def main() -> None:

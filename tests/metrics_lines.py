@@ -13,9 +13,19 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def train_line(step: int, loss: float = 2.0, **overrides: object) -> dict:
-    line = dict(kind="train", step=step, loss=loss, grad_norm=0.5, loss_scale=2.0**15,
-                skipped=False, clipped=False, consecutive_skips=0, tokens_per_sec=1000.0,
-                elapsed_s=float(step), lr=1e-3)
+    line = dict(
+        kind="train",
+        step=step,
+        loss=loss,
+        grad_norm=0.5,
+        loss_scale=2.0**15,
+        skipped=False,
+        clipped=False,
+        consecutive_skips=0,
+        tokens_per_sec=1000.0,
+        elapsed_s=float(step),
+        lr=1e-3,
+    )
     line.update(overrides)
     return line
 
@@ -49,14 +59,18 @@ def hand_run(tmp_path: pathlib.Path) -> RunMetrics:
         (5, 2.0, False, False, 0, 130.0, 34.0, 16384.0),
         (6, 1.5, False, True, 0, nan, 35.0, 16384.0),
     ]
-    lines = [train_line(s, loss=lo, skipped=sk, clipped=c, consecutive_skips=k,
-                         tokens_per_sec=t, elapsed_s=e, loss_scale=ls)
-             for s, lo, sk, c, k, t, e, ls in rows]
+    lines = [
+        train_line(s, loss=lo, skipped=sk, clipped=c, consecutive_skips=k, tokens_per_sec=t, elapsed_s=e, loss_scale=ls)
+        for s, lo, sk, c, k, t, e, ls in rows
+    ]
     lines += [eval_line(2, 4.0), eval_line(4, 2.5), eval_line(6, 2.75)]
     # Resumed from step 4: step 5 recompiles (20 tok/s) and logs a new loss.
-    lines += [train_line(5, loss=2.5, tokens_per_sec=20.0, elapsed_s=40.0, clipped=True),
-              train_line(6, loss=1.0, tokens_per_sec=140.0, elapsed_s=41.0, lr=5e-4),
-              eval_line(6, 2.25), '{"kind": "eval", "st']
+    lines += [
+        train_line(5, loss=2.5, tokens_per_sec=20.0, elapsed_s=40.0, clipped=True),
+        train_line(6, loss=1.0, tokens_per_sec=140.0, elapsed_s=41.0, lr=5e-4),
+        eval_line(6, 2.25),
+        '{"kind": "eval", "st',
+    ]
     return read_metrics(write(tmp_path / "hand" / "metrics.jsonl", lines, tail=""))
 
 
@@ -66,10 +80,17 @@ def realistic_lines(steps: int = 300) -> list[dict]:
         skipped = s <= 2 or s % 97 == 0
         loss = 1.2 + 4.3 * math.exp(-s / 60) + 0.05 * math.sin(s)
         grad = math.inf if skipped else 0.4 + 3 * math.exp(-s / 40) + (5 if s % 31 == 0 else 0)
-        lines.append(train_line(s, loss=math.nan if s <= 2 else loss, grad_norm=grad,
-                                skipped=skipped, clipped=not skipped and grad > 1.0,
-                                loss_scale=2.0 ** (15 - (s <= 2) - (s > 97) - (s > 194)),
-                                tokens_per_sec=50.0 if s == 1 else 5e4 + 100 * math.cos(s)))
+        lines.append(
+            train_line(
+                s,
+                loss=math.nan if s <= 2 else loss,
+                grad_norm=grad,
+                skipped=skipped,
+                clipped=not skipped and grad > 1.0,
+                loss_scale=2.0 ** (15 - (s <= 2) - (s > 97) - (s > 194)),
+                tokens_per_sec=50.0 if s == 1 else 5e4 + 100 * math.cos(s),
+            )
+        )
         if s % 50 == 0:
             lines.append(eval_line(s, 1.25 + 4.2 * math.exp(-s / 60)))
     return lines

@@ -47,9 +47,7 @@ def token_mean_loss(params: dict, batch: dict) -> jax.Array:
 @partial(jax.jit, static_argnames=("num_microbatches", "token_weighted"))
 def accumulated(params: dict, batch: dict, num_microbatches: int, token_weighted: bool = False):
     loss_fn = sum_and_count if token_weighted else mean_loss
-    return microbatched_value_and_grad(
-        loss_fn, num_microbatches, token_weighted=token_weighted
-    )(params, batch)
+    return microbatched_value_and_grad(loss_fn, num_microbatches, token_weighted=token_weighted)(params, batch)
 
 
 full_batch = jax.jit(jax.value_and_grad(mean_loss))
@@ -186,9 +184,7 @@ SEED_EXAMPLES = [
 
 
 @pytest.mark.parametrize(("params", "x", "y", "num_microbatches", "loss", "grads"), SEED_EXAMPLES)
-def test_seed_examples(
-    params: dict, x: list, y: list, num_microbatches: int, loss: float, grads: dict
-) -> None:
+def test_seed_examples(params: dict, x: list, y: list, num_microbatches: int, loss: float, grads: dict) -> None:
     batch = {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32)}
     got_loss, got_grads = accumulated(seed_params(params), batch, num_microbatches)
     assert got_loss.dtype == jnp.float32 and got_loss.shape == ()
@@ -262,9 +258,7 @@ def linear_sum(w: jax.Array, batch: dict) -> jax.Array:
 def test_bfloat16_gradients_accumulate_in_float32() -> None:
     # 1024 microbatches of one row; microbatch j's bf16 gradient is exactly x_j in [1, 1.03].
     num_microbatches = 1024
-    x = (1 + np.random.default_rng(0).integers(0, 4, num_microbatches) / 128).astype(
-        ml_dtypes.bfloat16
-    )
+    x = (1 + np.random.default_rng(0).integers(0, 4, num_microbatches) / 128).astype(ml_dtypes.bfloat16)
     w, batch = jnp.asarray(1.0, jnp.bfloat16), {"x": jnp.asarray(x)}
     expected = float(np.sum(x.astype(np.float64))) / num_microbatches
 
@@ -285,9 +279,9 @@ def test_bfloat16_gradients_accumulate_in_float32() -> None:
         accumulator=optax.microbatching.AccumulationType.MEAN,
     )(w, batch)
     assert abs(float(optax_grad) - expected) > 0.4
-    _, bf16_grad = jax.jit(
-        microbatched_value_and_grad(linear_sum, num_microbatches, accum_dtype=jnp.bfloat16)
-    )(w, batch)
+    _, bf16_grad = jax.jit(microbatched_value_and_grad(linear_sum, num_microbatches, accum_dtype=jnp.bfloat16))(
+        w, batch
+    )
     assert bf16_grad.dtype == jnp.bfloat16 and abs(float(bf16_grad) - expected) > 0.4
 
 
@@ -353,12 +347,8 @@ def test_has_aux_is_stacked_along_microbatches() -> None:
     (want_loss, _), want_grads = jax.value_and_grad(loss_with_aux, has_aux=True)(params, batch)
     assert_trees_close((loss, grads), (want_loss, want_grads))
     assert aux["out"].shape == (3, 2, 2) and aux["y_sum"].shape == (3,)
-    np.testing.assert_allclose(
-        np.asarray(aux["out"]).reshape(6, 2), np.asarray(forward(params, batch["x"])), rtol=1e-6
-    )
-    np.testing.assert_allclose(
-        np.asarray(aux["y_sum"]), np.asarray(batch["y"]).reshape(3, -1).sum(axis=1), rtol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(aux["out"]).reshape(6, 2), np.asarray(forward(params, batch["x"])), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(aux["y_sum"]), np.asarray(batch["y"]).reshape(3, -1).sum(axis=1), rtol=1e-6)
 
     def token_with_aux(p: dict, b: dict) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
         return sum_and_count(p, b), jnp.sum(b["mask"])
@@ -434,20 +424,23 @@ def test_every_splitter_gives_the_full_batch_value_and_grad(split: str) -> None:
     given = batch
     if split == "presplit":
         given = split_microbatches(batch, 3)
-    splitter = (lambda b, m: jax.tree.map(lambda x: x[::-1].reshape(m, -1, *x.shape[1:]), b)) if split == "callable" \
-        else split
+    splitter = (
+        (lambda b, m: jax.tree.map(lambda x: x[::-1].reshape(m, -1, *x.shape[1:]), b)) if split == "callable" else split
+    )
     fn = microbatched_value_and_grad(mean_loss, 3, split=splitter)
     assert_trees_close(jax.jit(fn)(params, given), full_batch(params, batch))
 
 
 def test_with_index_hands_each_microbatch_its_index() -> None:
     """loss_fn(params, microbatch, index): index j with microbatch j, as the scan's input."""
+
     def loss_fn(w, microbatch, index):
         return jnp.mean(microbatch["x"] * w) * 0.0, (index, microbatch["x"][:, 0])
 
     batch = {"x": jnp.arange(8.0).reshape(8, 1)}
     (_, (indices, rows)), _ = jax.jit(microbatched_value_and_grad(loss_fn, 4, has_aux=True, with_index=True))(
-        jnp.float32(1.0), batch)
+        jnp.float32(1.0), batch
+    )
     np.testing.assert_array_equal(indices, np.arange(4, dtype=np.int32))
     assert indices.dtype == jnp.int32
     np.testing.assert_array_equal(rows, np.arange(8.0).reshape(4, 2))

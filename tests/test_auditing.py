@@ -30,10 +30,15 @@ from leanstep.training.analysis import audit_run
 
 # --- the gradient-accumulation rules ------------------------------------------------------------
 
+
 def _mlp(d=3, h=5, k=2, seed=0):
     rng = np.random.default_rng(seed)
-    return {"w1": rng.normal(size=(d, h)).astype(np.float32), "b1": np.zeros(h, np.float32),
-            "w2": rng.normal(size=(h, k)).astype(np.float32), "b2": np.zeros(k, np.float32)}
+    return {
+        "w1": rng.normal(size=(d, h)).astype(np.float32),
+        "b1": np.zeros(h, np.float32),
+        "w2": rng.normal(size=(h, k)).astype(np.float32),
+        "b2": np.zeros(k, np.float32),
+    }
 
 
 def _loss(p, batch):
@@ -54,9 +59,10 @@ def test_the_seed_accumulation_passes_the_rules(batch, num_microbatches):
 
 def _grad_through_the_scan(params, x, y, num_microbatches):
     """Wrong: the loss is summed over microbatches in a scan and differentiated from outside."""
+
     def total(p):
         xs, ys = x.reshape(num_microbatches, -1, 3), y.reshape(num_microbatches, -1, 2)
-        body = lambda c, m: (c + _loss(p, {"x": m[0], "y": m[1]}), None)  # noqa: E731
+        body = lambda c, m: (c + _loss(p, {"x": m[0], "y": m[1]}), None)
         return jax.lax.scan(body, 0.0, (xs, ys))[0] / num_microbatches
 
     return jax.value_and_grad(total)(params)
@@ -73,14 +79,19 @@ def _no_accumulation(params, x, y, num_microbatches):
     return jax.value_and_grad(_loss)(params, {"x": x, "y": y})
 
 
-@pytest.mark.parametrize(("wrong", "message"), [
-    (_grad_through_the_scan, "found 2"),
-    (_full_batch_loss_outside, "outside any scan"),
-    (_no_accumulation, "found 0"),
-])
+@pytest.mark.parametrize(
+    ("wrong", "message"),
+    [
+        (_grad_through_the_scan, "found 2"),
+        (_full_batch_loss_outside, "outside any scan"),
+        (_no_accumulation, "found 0"),
+    ],
+)
 def test_wrong_accumulations_break_the_rules(wrong, message):
     params, x, y = _mlp(), np.ones((4, 3), np.float32), np.ones((4, 2), np.float32)
-    problems = audit(functools.partial(wrong, num_microbatches=2), params, x, y).accumulation_violations(2, params=params)
+    problems = audit(functools.partial(wrong, num_microbatches=2), params, x, y).accumulation_violations(
+        2, params=params
+    )
     assert any(message in p for p in problems), problems
 
 
@@ -95,8 +106,11 @@ def test_a_scan_of_the_wrong_length_or_direction_is_reported():
 def test_a_carry_without_the_gradient_accumulator_is_reported():
     params, x = _mlp(), np.ones((4, 3), np.float32)
     # Accumulates only the loss: the gradient is not in the carry.
-    report = audit(lambda p, x: jax.lax.scan(lambda c, r: (c + jnp.sum(jnp.tanh(r @ p["w1"])), None), 0.0,
-                                             x.reshape(2, 2, 3))[0], params, x)
+    report = audit(
+        lambda p, x: jax.lax.scan(lambda c, r: (c + jnp.sum(jnp.tanh(r @ p["w1"])), None), 0.0, x.reshape(2, 2, 3))[0],
+        params,
+        x,
+    )
     problems = report.accumulation_violations(2, params=params)
     assert any("no non-scalar carry" in p for p in problems)
     assert any("no gradient accumulator for parameter shapes" in p for p in problems)
@@ -104,17 +118,23 @@ def test_a_carry_without_the_gradient_accumulator_is_reported():
 
 # --- remat --------------------------------------------------------------------------------------
 
+
 def _block_args(seed=0):
     rng = np.random.default_rng(seed)
-    params = {"w1": rng.normal(size=(2, 3)).astype(np.float32), "b1": np.zeros(3, np.float32),
-              "w2": rng.normal(size=(3, 2)).astype(np.float32), "b2": np.zeros(2, np.float32)}
+    params = {
+        "w1": rng.normal(size=(2, 3)).astype(np.float32),
+        "b1": np.zeros(3, np.float32),
+        "w2": rng.normal(size=(3, 2)).astype(np.float32),
+        "b2": np.zeros(2, np.float32),
+    }
     return params, rng.normal(size=(5, 2)).astype(np.float32), np.zeros((5, 2), np.float32)
 
 
 def test_the_seed_checkpointed_block_passes_the_remat_rules():
     params, x, y = _block_args()
-    report = audit(tasks.checkpointed_residual_block, params, x, y,
-                   loss_fn=tasks._checkpointed_block, loss_args=(params, x))
+    report = audit(
+        tasks.checkpointed_residual_block, params, x, y, loss_fn=tasks._checkpointed_block, loss_args=(params, x)
+    )
     assert report.remat_violations("dots", recomputed=("tanh",)) == []
     assert [(r.policy, r.differentiated) for r in report.remat_regions] == [("dots", True)]
     assert report.residuals == saved_residuals_report(tasks._checkpointed_block, params, x)
@@ -125,17 +145,24 @@ def _tagged_block(p, x):
     return x + h @ p["w2"] + p["b2"][None, :]
 
 
-@pytest.mark.parametrize(("block", "messages"), [
-    (remat(tasks._residual_block, "full"), ["remat regions with policy ['full']; expected only 'dots'"]),
-    (remat(_tagged_block, "save:h"), ["remat regions with policy ['save:h']; expected only 'dots'"]),
-    (tasks._residual_block, ["no jax.checkpoint (remat2) region in the traced program",
-                             "tanh is not recomputed in the backward pass (in no differentiated remat region)",
-                             "the output of tanh is saved for the backward pass"]),
-])
+@pytest.mark.parametrize(
+    ("block", "messages"),
+    [
+        (remat(tasks._residual_block, "full"), ["remat regions with policy ['full']; expected only 'dots'"]),
+        (remat(_tagged_block, "save:h"), ["remat regions with policy ['save:h']; expected only 'dots'"]),
+        (
+            tasks._residual_block,
+            [
+                "no jax.checkpoint (remat2) region in the traced program",
+                "tanh is not recomputed in the backward pass (in no differentiated remat region)",
+                "the output of tanh is saved for the backward pass",
+            ],
+        ),
+    ],
+)
 def test_wrong_checkpointing_breaks_the_remat_rules(block, messages):
     params, x, y = _block_args()
-    report = audit(jax.grad(lambda p: jnp.mean((block(p, x) - y) ** 2)), params,
-                   loss_fn=block, loss_args=(params, x))
+    report = audit(jax.grad(lambda p: jnp.mean((block(p, x) - y) ** 2)), params, loss_fn=block, loss_args=(params, x))
     assert report.remat_violations("dots", recomputed=("tanh",)) == messages
 
 
@@ -156,6 +183,7 @@ def test_policies_without_a_leanstep_name_keep_their_own():
 
 
 # --- matmul dtypes, host syncs, nesting ------------------------------------------------------------
+
 
 def test_matmul_dtypes_of_a_bf16_step_with_float32_masters():
     def loss_fn(p, batch):
@@ -188,7 +216,7 @@ def test_host_syncs_are_listed():
 
 def test_nested_scans_report_depth_and_lengths():
     def f(w, x):
-        inner = lambda h, wi: (jnp.tanh(h @ wi), None)  # noqa: E731
+        inner = lambda h, wi: (jnp.tanh(h @ wi), None)
         return jax.lax.scan(lambda h, _: (jax.lax.scan(inner, h, w)[0], None), x, None, length=3)[0]
 
     report = audit(f, jnp.ones((4, 2, 2)), jnp.ones((1, 2)))
@@ -208,8 +236,15 @@ def test_bad_input():
 
 # --- a run's step and the CLI -------------------------------------------------------------------
 
-TINY = dict(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, remat="dots",
-            precision="params=float32,compute=bfloat16,output=float32")
+TINY = dict(
+    model="mlp",
+    size="tiny",
+    batch_size=4,
+    seq_len=8,
+    microbatches=2,
+    remat="dots",
+    precision="params=float32,compute=bfloat16,output=float32",
+)
 
 
 def test_audit_run_reports_the_run_settings():
@@ -229,8 +264,21 @@ def _cli(argv):
 
 
 def test_cli_audit_prints_the_report_and_the_rules(capsys):
-    argv = ["audit", "--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8",
-            "--microbatches", "2", "--remat", "full"]
+    argv = [
+        "audit",
+        "--model",
+        "mlp",
+        "--size",
+        "tiny",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "8",
+        "--microbatches",
+        "2",
+        "--remat",
+        "full",
+    ]
     assert _cli(argv) == 0
     out = capsys.readouterr().out
     # Forward: 2 per layer and the head; backward: the head's 2, and per layer 4 plus x @ w1 recomputed.

@@ -23,11 +23,30 @@ from leanstep.loss_scale import DynamicLossScale
 from leanstep.step import TrainState, make_train_step
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-ROW_FIELDS = {"impl", "precision", "num_microbatches", "remat", "step_ms_median", "step_ms_min", "step_ms_max",
-              "temp_bytes", "model_gflop_per_step", "achieved_gflops", "mfu", "mfu_against", "mfu_peak_gflops",
-              "mfu_note", "cpu_peak_fraction", "cpu_peak_note"}
-RATIO_KEYS = {"leanstep_over_handwritten_time", "leanstep_over_handwritten_temp_bytes",
-              "leanstep_over_torch_time_float32", "leanstep_over_torch_time_bfloat16"}
+ROW_FIELDS = {
+    "impl",
+    "precision",
+    "num_microbatches",
+    "remat",
+    "step_ms_median",
+    "step_ms_min",
+    "step_ms_max",
+    "temp_bytes",
+    "model_gflop_per_step",
+    "achieved_gflops",
+    "mfu",
+    "mfu_against",
+    "mfu_peak_gflops",
+    "mfu_note",
+    "cpu_peak_fraction",
+    "cpu_peak_note",
+}
+RATIO_KEYS = {
+    "leanstep_over_handwritten_time",
+    "leanstep_over_handwritten_temp_bytes",
+    "leanstep_over_torch_time_float32",
+    "leanstep_over_torch_time_bfloat16",
+}
 PEAK_KEYS = {"xla_float32", "xla_bfloat16", "torch_float32", "torch_bfloat16"}
 
 # Smaller than --quick: one layer, 8 positions, 2 steps timed, two microbatch counts, two policies.
@@ -71,8 +90,9 @@ def _assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
 
 def test_handwritten_takes_leanstep_steps_bf16_clip_skip_and_scale_growth():
     opt = optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.01)
-    ours = make_train_step(_mlp_loss, precision="params=float32,compute=bfloat16,output=float32",
-                           num_microbatches=2, max_grad_norm=0.5)
+    ours = make_train_step(
+        _mlp_loss, precision="params=float32,compute=bfloat16,output=float32", num_microbatches=2, max_grad_norm=0.5
+    )
     theirs = make_handwritten_step(_mlp_loss, opt, num_microbatches=2, max_grad_norm=0.5, growth_interval=2)
     ours_state = TrainState.create(_mlp_params(), opt, loss_scale=DynamicLossScale.create(2.0**10, growth_interval=2))
     theirs_state = init_handwritten_state(_mlp_params(), opt, loss_scale=2.0**10)
@@ -97,8 +117,14 @@ def test_handwritten_takes_leanstep_steps_bf16_clip_skip_and_scale_growth():
 def test_handwritten_float32_sgd_step_matches_float64_numpy():
     params = _mlp_params(1)
     batch = _mlp_batch(7)
-    step = make_handwritten_step(_mlp_loss, optax.sgd(0.1), compute_dtype=jnp.float32, num_microbatches=4,
-                                 max_grad_norm=1e9, dynamic_loss_scale=False)
+    step = make_handwritten_step(
+        _mlp_loss,
+        optax.sgd(0.1),
+        compute_dtype=jnp.float32,
+        num_microbatches=4,
+        max_grad_norm=1e9,
+        dynamic_loss_scale=False,
+    )
     state, metrics = step(init_handwritten_state(params, optax.sgd(0.1), loss_scale=1.0), batch)
 
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
@@ -170,8 +196,7 @@ def test_no_row_is_above_its_peak(result):
 
 def test_rows_cover_the_sweeps_and_comparisons(result):
     def keys(**match):
-        return {(r["num_microbatches"], r["remat"]) for r in result["rows"]
-                if all(r[k] == v for k, v in match.items())}
+        return {(r["num_microbatches"], r["remat"]) for r in result["rows"] if all(r[k] == v for k, v in match.items())}
 
     assert keys(impl="leanstep", precision="bfloat16") >= {(1, "dots"), (2, "dots"), (2, "full")}
     assert keys(impl="handwritten_jax") == {(2, "dots")}
@@ -206,8 +231,9 @@ def test_a_row_faster_than_its_probe_has_no_mfu_and_says_why():
     cpu = (156.8, "theoretical float32 CPU peak")
     row = runner._row(_contender("torch", "bfloat16"), [0.1, 0.1, 0.1], 0.45, probes, cpu, 2048)
     assert row["achieved_gflops"] == pytest.approx(4.5) and row["mfu"] is None
-    assert row["mfu_note"] == ("peak meaningless: the row reaches 4.5 GFLOP/s, above the 1.35 GFLOP/s "
-                               "torch bf16 matmul probe")
+    assert row["mfu_note"] == (
+        "peak meaningless: the row reaches 4.5 GFLOP/s, above the 1.35 GFLOP/s torch bf16 matmul probe"
+    )
     assert row["cpu_peak_fraction"] == pytest.approx(4.5 / 156.8) and row["cpu_peak_note"] is None
     fine = runner._row(_contender("leanstep", "float32"), [0.01], 0.755, probes, cpu, 2048)  # 75.5 GFLOP/s
     assert fine["mfu"] == pytest.approx(0.5) and fine["mfu_note"] is None and fine["mfu_against"] == "xla_float32"
@@ -218,8 +244,10 @@ def test_a_row_faster_than_its_probe_has_no_mfu_and_says_why():
 def test_a_theoretical_peak_below_a_measured_matmul_is_no_limit():
     notes = []
     below = runner.CpuPeak(150.0, ghz=2.45, clock_source="/proc/cpuinfo cpu MHz")
-    assert runner._cpu_limit(below, {"xla_float32": 151.0, "torch_float32": 179.0, "xla_bfloat16": 200.0},
-                             notes) == (None, "theoretical float32 CPU peak")
+    assert runner._cpu_limit(below, {"xla_float32": 151.0, "torch_float32": 179.0, "xla_bfloat16": 200.0}, notes) == (
+        None,
+        "theoretical float32 CPU peak",
+    )
     assert "below the measured torch_float32 matmul (179 GFLOP/s)" in notes[0]
     above = runner.CpuPeak(224.0, ghz=3.5, clock_source="cpufreq cpuinfo_max_freq")
     assert runner._cpu_limit(above, {"xla_float32": 151.0, "torch_float32": None}, notes)[0] == 224.0
@@ -267,12 +295,28 @@ def test_cli_writes_table_json_and_chart(result, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(runner, "run_benchmark", fake_run)
     json_path, chart_path = tmp_path / "out" / "bench.json", tmp_path / "bench.png"
-    args = _parse(["bench", "--quick", "--quiet", "--json", str(json_path), "--chart", str(chart_path),
-                   "--remat-sweep", "none;save:attn_out,mlp_hidden", "--microbatch-sweep", "1,4"])
+    args = _parse(
+        [
+            "bench",
+            "--quick",
+            "--quiet",
+            "--json",
+            str(json_path),
+            "--chart",
+            str(chart_path),
+            "--remat-sweep",
+            "none;save:attn_out,mlp_hidden",
+            "--microbatch-sweep",
+            "1,4",
+        ]
+    )
     assert bench_cli.run_bench(args) == 0
     config = seen["config"]
     assert (config.size, config.remat_sweep, config.microbatch_sweep) == (
-        "tiny", ("none", "save:attn_out,mlp_hidden"), (1, 4))
+        "tiny",
+        ("none", "save:attn_out,mlp_hidden"),
+        (1, 4),
+    )
     assert not config.torch_compile  # --quick leaves torch.compile off
     written = json.loads(json_path.read_text())
     assert PEAK_KEYS <= set(written["peak_gflops"]) and written["rows"] == result["rows"]
@@ -302,8 +346,9 @@ def test_torch_transformer_matches_leanstep_loss_and_gradients():
     torch_loss = module(torch.from_numpy(tokens.astype(np.int64)))
     torch_loss.backward()
     np.testing.assert_allclose(torch_loss.item(), float(loss), rtol=1e-5)
-    np.testing.assert_allclose(module.blocks[1].fc.weight.grad.numpy().T, grads["blocks"]["fc_w"][1],
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        module.blocks[1].fc.weight.grad.numpy().T, grads["blocks"]["fc_w"][1], rtol=1e-4, atol=1e-6
+    )
     np.testing.assert_allclose(module.embed.weight.grad.numpy(), grads["embed"], rtol=1e-4, atol=1e-6)
 
     step, info = make_torch_step(module, bfloat16=True, num_microbatches=3)

@@ -78,9 +78,7 @@ def make_state(seed: int, step: int = 0, growth_interval: int = 2000) -> FakeTra
     params = {"w": random_bits(rng, (3, 4), np.float32), "b": random_bits(rng, (4,), np.float32)}
     opt_state = OPTIMIZER.init(params)
     # Non-trivial moments and count, so a restore that zeroed them would be caught.
-    opt_state = jax.tree.map(
-        lambda x: random_bits(rng, x.shape, np.dtype(x.dtype)), opt_state
-    )
+    opt_state = jax.tree.map(lambda x: random_bits(rng, x.shape, np.dtype(x.dtype)), opt_state)
     return FakeTrainState(
         step=jnp.asarray(step, jnp.int32),
         params=params,
@@ -407,9 +405,14 @@ def test_zero_size_leaves_round_trip(ckpt):
     # Orbax refuses zero-size arrays; the checkpoint holds a placeholder, the manifest the true shape.
     state = {"empty": jnp.zeros((0, 3), jnp.bfloat16), "w": jnp.arange(3.0), "none": np.zeros((2, 0), np.int32)}
     ckpt.save(1, state)
-    result = ckpt.restore({"empty": jnp.ones((0, 3), jnp.bfloat16), "w": jnp.zeros(3), "none": np.ones((2, 0), np.int32)})
-    assert [(x.shape, x.dtype) for x in jax.tree.leaves(result.state)] == \
-        [((0, 3), jnp.bfloat16), ((2, 0), np.int32), ((3,), np.float32)]
+    result = ckpt.restore(
+        {"empty": jnp.ones((0, 3), jnp.bfloat16), "w": jnp.zeros(3), "none": np.ones((2, 0), np.int32)}
+    )
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(result.state)] == [
+        ((0, 3), jnp.bfloat16),
+        ((2, 0), np.int32),
+        ((3,), np.float32),
+    ]
     assert_bit_equal(result.state, state)
     with pytest.raises(CheckpointError, match=r"\['empty'\] is bfloat16\[0, 3\] in the checkpoint, bfloat16\[0, 4\]"):
         ckpt.restore({"empty": jnp.zeros((0, 4), jnp.bfloat16), "w": jnp.zeros(3), "none": np.ones((2, 0), np.int32)})

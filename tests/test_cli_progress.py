@@ -5,11 +5,11 @@ from __future__ import annotations
 import io
 
 import pytest
-from metrics_lines import train_line
 from rich.console import Console
 
 from leanstep.cli.progress import TrainProgress
 from leanstep.training.records import EvalRecord, Note, RunStart, TrainRecord
+from metrics_lines import train_line
 
 
 def record(step: int, *, skipped: bool = False, loss: float = 2.0) -> TrainRecord:
@@ -26,8 +26,7 @@ def test_handle_shows_the_latest_step_the_skip_count_and_the_last_eval():
         progress.handle(EvalRecord.from_loss(0, 1.0))  # no step yet: nothing to show
         assert progress.info == "compiling…"
         progress.handle(record(1, skipped=True, loss=3.0))
-        assert progress.info == ("loss 3.000 heldout 1.443 bits/B  scale 32768  |g| 0.50  "
-                                 "skipped 1  12,345 tok/s")
+        assert progress.info == ("loss 3.000 heldout 1.443 bits/B  scale 32768  |g| 0.50  skipped 1  12,345 tok/s")
         progress.handle(record(2), EvalRecord(2, 1.5, 2.0))
         assert progress.info.startswith("loss 2.000 heldout 2.000 bits/B") and "skipped 1" in progress.info
         progress.handle(record(3, skipped=True))

@@ -6,13 +6,13 @@ import io
 import json
 import math
 
-from metrics_lines import hand_run, png_size, train_line, write
 from rich.console import Console
 
 from leanstep.cli.main import main
 from leanstep.cli.render import render_summary
 from leanstep.training.metrics_log import RunMetrics
 from leanstep.training.summary import summarize
+from metrics_lines import hand_run, png_size, train_line, write
 
 
 def test_render_summary_shows_every_value(tmp_path):
@@ -20,8 +20,9 @@ def test_render_summary_shows_every_value(tmp_path):
     console = Console(width=100, record=True, file=io.StringIO())
     console.print(render_summary(summary))
     text = console.export_text()
-    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
-            for line in text.splitlines() if line.count("│") == 3}
+    rows = {
+        line.split("│")[1].strip(): line.split("│")[2].strip() for line in text.splitlines() if line.count("│") == 3
+    }
     assert rows["steps"] == "6"
     assert rows["final train loss"] == "2.8750"  # mean of 5, 3, 2.5, 1
     assert rows["best held-out loss"] == "2.2500"

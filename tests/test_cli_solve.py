@@ -66,12 +66,36 @@ def test_input_file_and_list_nodes(capsys, tmp_path):
         ("mixed-precision-step", "[1, 2]", "expected a JSON object"),
         ("gradient-accumulation", '{"params": {}, "x": [[1]], "y": [[1]]}', "missing key(s) ['num_microbatches']"),
         ("checkpointed-residual-block", '{"params": {}, "x": [[1]], "y": [[1]], "z": 1}', "unexpected key(s) ['z']"),
-        ("checkpointed-residual-block", '{"params": {"w1": [[1, 2], [3]]}, "x": [[1]], "y": [[1]]}', "rows of different lengths"),
-        ("checkpointed-residual-block", '{"params": {"w1": "a"}, "x": [[1]], "y": [[1]]}', "expected a number or a nested list"),
-        ("checkpointed-residual-block", '{"params": {"w1": [[1.0]], "b1": [0.0], "w2": [[1.0]], "b2": [0.0]}, "x": [[1.0, 2.0]], "y": [[1.0]]}', "x has shape (1, 2); expected (*, 1)"),
-        ("gradient-accumulation", json.dumps({**load_examples("gradient-accumulation")[0]["input"], "num_microbatches": 3}), "batch size 4 is not divisible by num_microbatches=3"),
-        ("gradient-accumulation", json.dumps({**load_examples("gradient-accumulation")[0]["input"], "num_microbatches": 1.5}), "num_microbatches: expected an integer"),
-        ("global-norm-clipping", '{"grads": {"w": [1.0]}, "max_norm": -1}', "max_norm must be a positive finite number, got -1.0"),
+        (
+            "checkpointed-residual-block",
+            '{"params": {"w1": [[1, 2], [3]]}, "x": [[1]], "y": [[1]]}',
+            "rows of different lengths",
+        ),
+        (
+            "checkpointed-residual-block",
+            '{"params": {"w1": "a"}, "x": [[1]], "y": [[1]]}',
+            "expected a number or a nested list",
+        ),
+        (
+            "checkpointed-residual-block",
+            '{"params": {"w1": [[1.0]], "b1": [0.0], "w2": [[1.0]], "b2": [0.0]}, "x": [[1.0, 2.0]], "y": [[1.0]]}',
+            "x has shape (1, 2); expected (*, 1)",
+        ),
+        (
+            "gradient-accumulation",
+            json.dumps({**load_examples("gradient-accumulation")[0]["input"], "num_microbatches": 3}),
+            "batch size 4 is not divisible by num_microbatches=3",
+        ),
+        (
+            "gradient-accumulation",
+            json.dumps({**load_examples("gradient-accumulation")[0]["input"], "num_microbatches": 1.5}),
+            "num_microbatches: expected an integer",
+        ),
+        (
+            "global-norm-clipping",
+            '{"grads": {"w": [1.0]}, "max_norm": -1}',
+            "max_norm must be a positive finite number, got -1.0",
+        ),
         ("global-norm-clipping", '{"grads": {"w": [true]}, "max_norm": 1}', "grads['w'][0]: expected a number"),
     ],
 )
@@ -99,7 +123,10 @@ def test_missing_input_file(capsys, tmp_path):
 def test_console_script_exits_2_without_a_traceback():
     result = subprocess.run(
         [sys.executable, "-m", "leanstep.cli.main", "solve", "gradient-accumulation"],
-        input='{"params": 1', capture_output=True, text=True, timeout=120,
+        input='{"params": 1',
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert result.stderr.startswith("leanstep solve: error: malformed JSON")

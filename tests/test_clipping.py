@@ -109,9 +109,7 @@ def test_float64_leaves_are_summed_in_float64() -> None:
         np.testing.assert_allclose(float(norm), math.sqrt(2) * 1e30, rtol=1e-7)
         clipped, _ = clip_by_global_norm(tree, 2.0)
         assert clipped["a"].dtype == jnp.float64
-        np.testing.assert_allclose(
-            np.asarray(clipped["a"]), [math.sqrt(2), -math.sqrt(2)], rtol=1e-14
-        )
+        np.testing.assert_allclose(np.asarray(clipped["a"]), [math.sqrt(2), -math.sqrt(2)], rtol=1e-14)
 
 
 SEED_EXAMPLES = [
@@ -223,9 +221,7 @@ def test_clipping_properties(spec: object, seed: int, max_norm: float) -> None:
     leaves, originals = jax.tree.leaves(clipped), jax.tree.leaves(tree)
     eps = max((finfo(leaf.dtype).eps for leaf in originals), default=0.0)
     scale = 1.0 if float(norm) <= max_norm else max_norm / true_norm
-    np.testing.assert_allclose(
-        reference_norm(clipped), min(true_norm, max_norm), rtol=eps + 1e-6, atol=1e-30
-    )
+    np.testing.assert_allclose(reference_norm(clipped), min(true_norm, max_norm), rtol=eps + 1e-6, atol=1e-30)
     for leaf, original in zip(leaves, originals, strict=True):
         assert leaf.dtype == original.dtype and leaf.shape == original.shape
         if scale == 1.0:
@@ -258,9 +254,7 @@ def test_transform_in_chain_matches_manual_clipping() -> None:
     assert jax.tree.structure(new_state) == jax.tree.structure(state)
 
 
-BAD_MAX_NORMS = [
-    0, 0.0, -1.0, -3, math.nan, math.inf, -math.inf, np.float32(np.nan), jnp.array(0.0)
-]
+BAD_MAX_NORMS = [0, 0.0, -1.0, -3, math.nan, math.inf, -math.inf, np.float32(np.nan), jnp.array(0.0)]
 
 
 @pytest.mark.parametrize("max_norm", BAD_MAX_NORMS)
@@ -296,9 +290,7 @@ def test_non_float_leaf_raises_type_error_naming_path() -> None:
         global_norm({"layer": [jnp.ones(2), jnp.arange(3)]})
 
 
-@pytest.mark.parametrize(
-    "max_norm", [2, 2.0, np.float32(2.0), np.int64(2), jnp.bfloat16(2.0), jnp.array(2.0)]
-)
+@pytest.mark.parametrize("max_norm", [2, 2.0, np.float32(2.0), np.int64(2), jnp.bfloat16(2.0), jnp.array(2.0)])
 def test_concrete_max_norm_of_any_real_type_is_accepted(max_norm: object) -> None:
     clipped, _ = clip_by_global_norm({"w": jnp.array([3.0, 4.0])}, max_norm)
     np.testing.assert_allclose(np.asarray(clipped["w"]), [1.2, 1.6], rtol=1e-6)

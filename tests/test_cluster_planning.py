@@ -14,14 +14,25 @@ import sys
 from pathlib import Path
 
 import pytest
-from workers import run_worker
 
 from leanstep.cost_model import ACCELERATORS, collective_seconds, get_accelerator
 from leanstep.plan_records import Plan
+from workers import run_worker
 
-TINY = {"model": "transformer", "size": "tiny", "batch_size": 16, "seq_len": 16, "precision": "float32", "loss_scale": "none"}
-GRID = {"meshes": [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}], "remat_policies": ["none", "full"],
-            "reductions": ["auto"], "microbatches": [1, 2]}
+TINY = {
+    "model": "transformer",
+    "size": "tiny",
+    "batch_size": 16,
+    "seq_len": 16,
+    "precision": "float32",
+    "loss_scale": "none",
+}
+GRID = {
+    "meshes": [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}],
+    "remat_policies": ["none", "full"],
+    "reductions": ["auto"],
+    "microbatches": [1, 2],
+}
 LAYERS, WIDTH, ROWS = 4, 256, 64
 
 
@@ -42,10 +53,21 @@ def worker(out: Path) -> None:
     results = {}
     # 1. The MLP stack's FLOPs and bytes on three layouts, 4-device nodes (data=2 crosses them).
     work = scaling.mlp_stack(layers=LAYERS, width=WIDTH, batch=ROWS)
-    stack = plan_cluster(lambda _: work.loss, work.params, work.batch, optax.adam(1e-3), num_devices=8,
-                         budget_bytes="1GiB", accelerator=get_accelerator("h100", node_size=4), rules=work.rules,
-                         meshes=[{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 4}], remat_policies=["full"],
-                         reductions=["auto"], microbatches=[1], exhaustive=True)
+    stack = plan_cluster(
+        lambda _: work.loss,
+        work.params,
+        work.batch,
+        optax.adam(1e-3),
+        num_devices=8,
+        budget_bytes="1GiB",
+        accelerator=get_accelerator("h100", node_size=4),
+        rules=work.rules,
+        meshes=[{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 4}],
+        remat_policies=["full"],
+        reductions=["auto"],
+        microbatches=[1],
+        exhaustive=True,
+    )
     results["stack"] = stack.to_json()
 
     # 2. The tiny transformer: the pruned search against every candidate compiled.
@@ -56,8 +78,9 @@ def worker(out: Path) -> None:
 
     # 3. The executable a run compiles (XLA's default options, real arrays' shardings) for the choice.
     s = exhaustive.chosen.setting
-    run_config = dataclasses.replace(config, mesh=s.mesh, reduce=s.reduce, microbatches=s.num_microbatches,
-                                     remat=s.remat)
+    run_config = dataclasses.replace(
+        config, mesh=s.mesh, reduce=s.reduce, microbatches=s.num_microbatches, remat=s.remat
+    )
     run = build_run(run_config)
     mesh = device_mesh(shape=parse_mesh(s.mesh))
     from leanstep.sharding import batch_sharding, state_shardings
@@ -65,11 +88,16 @@ def worker(out: Path) -> None:
     state = run.abstract_state()
     shardings = state_shardings(state, mesh, rules=run.model.rules)
     state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), state, shardings)
-    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=batch_sharding(mesh)),
-                         run.batch_spec())
+    batch = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=batch_sharding(mesh)), run.batch_spec()
+    )
     memory = run.make_step(mesh=mesh).lower(state, batch).compile().memory_analysis()
-    results["run_peak_bytes"] = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                 - memory.alias_size_in_bytes + memory.temp_size_in_bytes)
+    results["run_peak_bytes"] = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
 
     # 4. A budget nothing fits.
     try:
@@ -98,8 +126,11 @@ def test_flops_and_bytes_equal_hand_counts_for_the_mlp_stack(plans):
     # Data parallel: one all-reduce of the gradient; FSDP: gathers (forward, recompute) and a
     # reduce-scatter per layer; hybrid: those over fsdp=4 and the fsdp shard all-reduced over data=2.
     scalars = 1024  # the loss, the gradient norm, the finiteness flag
-    hand = {"data=8": LAYERS * layer, "fsdp=8": 3 * LAYERS * layer, "data=2,fsdp=4": 3 * LAYERS * layer
-            + LAYERS * layer // 4}
+    hand = {
+        "data=8": LAYERS * layer,
+        "fsdp=8": 3 * LAYERS * layer,
+        "data=2,fsdp=4": 3 * LAYERS * layer + LAYERS * layer // 4,
+    }
     for mesh, expected in hand.items():
         assert 0 <= found[mesh]["bytes_per_step"] - expected < scalars
 
@@ -110,9 +141,11 @@ def test_the_cost_model_prices_the_mlp_stack_as_computed_by_hand(plans):
     total = LAYERS * WIDTH * WIDTH * 4
     bandwidth = {"in": accelerator.bandwidth * 0.8, "across": accelerator.inter_bandwidth * 0.8}
     # Every group of data=8 and fsdp=8 spans both 4-device nodes; data=2 (stride 4) too; fsdp=4 does not.
-    hand = {"data=8": 2 * 7 / 8 * total / bandwidth["across"],
-            "fsdp=8": 3 * 7 / 8 * total / bandwidth["across"],
-            "data=2,fsdp=4": 3 * 3 / 4 * total / bandwidth["in"] + 2 * 1 / 2 * (total / 4) / bandwidth["across"]}
+    hand = {
+        "data=8": 2 * 7 / 8 * total / bandwidth["across"],
+        "fsdp=8": 3 * 7 / 8 * total / bandwidth["across"],
+        "data=2,fsdp=4": 3 * 3 / 4 * total / bandwidth["in"] + 2 * 1 / 2 * (total / 4) / bandwidth["across"],
+    }
     for mesh, seconds in hand.items():
         c = found[mesh]
         assert c["communication_seconds"] - c["collectives"] * accelerator.latency == pytest.approx(seconds, rel=1e-3)

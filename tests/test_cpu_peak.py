@@ -110,8 +110,9 @@ def test_sapphire_rapids_avx512_uses_16_lanes_and_the_cpufreq_max_clock():
 
 
 def test_a_cgroup_quota_below_the_affinity_mask_limits_the_cores():
-    peak = theoretical_cpu_peak(SAPPHIRE_RAPIDS, cores=4, max_freq_khz="3800000",
-                                cgroup_cpus=parse_cgroup_cpu_limit("150000 100000"))
+    peak = theoretical_cpu_peak(
+        SAPPHIRE_RAPIDS, cores=4, max_freq_khz="3800000", cgroup_cpus=parse_cgroup_cpu_limit("150000 100000")
+    )
     # 1.5 CPUs x 3.8 x 16 x 2 x 2 = 364.8.
     assert peak.gflops == pytest.approx(364.8) and peak.cores == 1.5
     assert "cgroup CPU quota (1.5 CPUs; 4 in the affinity mask)" == peak.cores_source

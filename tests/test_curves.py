@@ -9,10 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from metrics_lines import eval_line, png_size, realistic_lines, train_line, write
 
 from leanstep.training.curves import plot_curves, report
 from leanstep.training.metrics_log import RunMetrics, read_metrics
+from metrics_lines import eval_line, png_size, realistic_lines, train_line, write
 
 
 def test_plot_curves_writes_a_full_size_png(tmp_path):
@@ -28,10 +28,13 @@ def test_plot_curves_writes_a_full_size_png(tmp_path):
     [
         pytest.param([train_line(1)], id="one-step"),
         pytest.param([train_line(s) for s in range(1, 6)], id="no-eval"),
-        pytest.param([train_line(s, loss=math.nan, grad_norm=math.inf, skipped=True,
-                                 consecutive_skips=s) for s in range(1, 6)], id="all-skipped"),
-        pytest.param([train_line(1, loss=math.nan), train_line(2, loss=math.inf),
-                      eval_line(2, math.nan)], id="nan-losses"),
+        pytest.param(
+            [train_line(s, loss=math.nan, grad_norm=math.inf, skipped=True, consecutive_skips=s) for s in range(1, 6)],
+            id="all-skipped",
+        ),
+        pytest.param(
+            [train_line(1, loss=math.nan), train_line(2, loss=math.inf), eval_line(2, math.nan)], id="nan-losses"
+        ),
         pytest.param([eval_line(5, 2.0)], id="eval-only"),
         pytest.param([], id="empty"),
     ],
@@ -60,8 +63,13 @@ def test_plotting_leaves_pyplot_and_the_backend_alone(tmp_path):
         f"1.0),)), {str(tmp_path / 'c.png')!r}); "
         "print('matplotlib.pyplot' in sys.modules, matplotlib.get_backend() == before)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True, env={**os.environ, "MPLBACKEND": "svg"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "MPLBACKEND": "svg"},
+    )
     assert result.stdout.split() == ["False", "True"]
 
 
@@ -92,9 +100,11 @@ def test_report_of_a_missing_run_directory_names_the_path(tmp_path):
 
 @pytest.mark.parametrize(
     ("config", "message"),
-    [("{not json", r"config.json is not valid JSON"),
-     ("[1]", r"config.json holds list; expected an object"),
-     ('{"max_grad_norm": -1}', r"config.json: max_grad_norm=-1; expected a positive")],
+    [
+        ("{not json", r"config.json is not valid JSON"),
+        ("[1]", r"config.json holds list; expected an object"),
+        ('{"max_grad_norm": -1}', r"config.json: max_grad_norm=-1; expected a positive"),
+    ],
 )
 def test_report_rejects_bad_config(tmp_path, config, message):
     write(tmp_path / "metrics.jsonl", [train_line(1)])

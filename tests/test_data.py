@@ -230,5 +230,6 @@ def test_a_limited_heldout_sample_is_spread_over_all_of_the_data():
     batches = heldout_batches(data, 4, 10, max_batches=2)  # 8 of the 199 windows
     starts = [10 * (j * 199 // 8) for j in range(8)]  # window i starts at byte 10 i
     assert starts[-1] > 1700  # the sample reaches the end of the held-out data, not only its start
-    np.testing.assert_array_equal(np.concatenate([b["tokens"] for b in batches]),
-                                  np.stack([data[s : s + 11] for s in starts]))
+    np.testing.assert_array_equal(
+        np.concatenate([b["tokens"] for b in batches]), np.stack([data[s : s + 11] for s in starts])
+    )

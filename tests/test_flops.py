@@ -19,6 +19,7 @@ def _xla_flops(fn, *args):
 
 # --- FLOPs --------------------------------------------------------------------------------------
 
+
 # Sizes >= 2: XLA rewrites a dot with a size-1 dimension as a multiply (1 FLOP an element).
 @settings(max_examples=25, deadline=None)
 @given(st.integers(2, 5), st.integers(2, 5), st.integers(2, 5), st.integers(2, 5))

@@ -25,8 +25,7 @@ from leanstep.frameworks import equinox as leqx
 from leanstep.frameworks import linen as llinen
 from leanstep.frameworks import nnx as lnnx
 
-EVERYTHING = dict(precision="params=float32,compute=bfloat16,output=float32", num_microbatches=4,
-                  max_grad_norm=1.0)
+EVERYTHING = dict(precision="params=float32,compute=bfloat16,output=float32", num_microbatches=4, max_grad_norm=1.0)
 TX = optax.adamw(1e-2)
 
 
@@ -118,8 +117,9 @@ def nnx_runs():
     plain, _ = run(leanstep.make_train_step(lnnx.loss(graphdef, cnn_loss), has_state=True), state, batches[:SHORT])
     graphdef, params, model_state = lnnx.split(CNN(remat="dots", rngs=nnx.Rngs(0)))
     state = leanstep.TrainState.create(params, TX, model_state=model_state, loss_scale="dynamic")
-    _, losses = run(leanstep.make_train_step(lnnx.loss(graphdef, cnn_loss), has_state=True, **EVERYTHING),
-                    state, batches)
+    _, losses = run(
+        leanstep.make_train_step(lnnx.loss(graphdef, cnn_loss), has_state=True, **EVERYTHING), state, batches
+    )
     return {"graphdef": graphdef, "plain": plain, "short": short, "losses": losses, "ref_losses": ref_losses}
 
 
@@ -146,8 +146,9 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool):
         h = nn.LayerNorm(dtype=self.dtype)(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype, deterministic=not train,
-                                            dropout_rate=0.1)(h, mask=nn.make_causal_mask(x[..., 0]))
+        h = nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype, deterministic=not train, dropout_rate=0.1)(
+            h, mask=nn.make_causal_mask(x[..., 0])
+        )
         x = x + nn.Dropout(0.1, deterministic=not train)(h)
         h = nn.Dense(2 * self.width, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
         return x + nn.Dense(self.width, dtype=self.dtype)(nn.gelu(h))
@@ -171,8 +172,9 @@ class LM(nn.Module):
 def token_batches(steps: int, rows: int = 8, length: int = 9) -> list[dict]:
     """Two batches of sequences counting up mod 32 from a random start, taken in turn."""
     rng = np.random.default_rng(1)
-    two = [{"tokens": jnp.asarray((rng.integers(0, 32, (rows, 1)) + np.arange(length)) % 32, jnp.int32)}
-           for _ in range(2)]
+    two = [
+        {"tokens": jnp.asarray((rng.integers(0, 32, (rows, 1)) + np.arange(length)) % 32, jnp.int32)} for _ in range(2)
+    ]
     return [two[t % 2] for t in range(steps)]
 
 
@@ -180,6 +182,7 @@ def lm_loss(module):
     def loss_fn(params, batch, key):
         logits = module.apply({"params": params}, batch["tokens"][:, :-1], train=True, rngs={"dropout": key})
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
     return loss_fn
 
 
@@ -195,7 +198,9 @@ def linen_reference(module, params, batches, seed=0):
 
     losses, short, base = [], None, jax.random.key(seed)
     for t, batch in enumerate(batches):  # leanstep's keys: fold_in(fold_in(key, step), microbatch)
-        params, opt_state, loss = train_step(params, opt_state, batch, jax.random.fold_in(jax.random.fold_in(base, t), 0))
+        params, opt_state, loss = train_step(
+            params, opt_state, batch, jax.random.fold_in(jax.random.fold_in(base, t), 0)
+        )
         losses.append(float(loss))
         short = snapshot(params) if t + 1 == SHORT else short
     return short, losses
@@ -207,12 +212,19 @@ def linen_runs():
     params, model_state = llinen.split(LM().init(jax.random.key(0), batches[0]["tokens"][:, :-1]))
     assert model_state == {}
     short, ref_losses = linen_reference(LM(), params, batches)
-    plain, _ = run(leanstep.make_train_step(lm_loss(LM()), uses_rng=True), leanstep.TrainState.create(params, TX),
-                   batches[:SHORT])
+    plain, _ = run(
+        leanstep.make_train_step(lm_loss(LM()), uses_rng=True), leanstep.TrainState.create(params, TX), batches[:SHORT]
+    )
     state = leanstep.TrainState.create(params, TX, loss_scale="dynamic")
     _, losses = run(leanstep.make_train_step(lm_loss(LM(remat="dots")), uses_rng=True, **EVERYTHING), state, batches)
-    return {"short": short, "plain": plain, "losses": losses, "ref_losses": ref_losses, "params": params,
-            "batch": batches[0]}
+    return {
+        "short": short,
+        "plain": plain,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": params,
+        "batch": batches[0],
+    }
 
 
 def test_linen_float32_one_microbatch_equals_the_linen_loop(linen_runs):
@@ -224,11 +236,15 @@ def test_linen_with_every_technique_learns_like_the_loop(linen_runs):
 
 
 def test_a_linen_model_built_in_float32_under_bf16_warns_once(linen_runs):
-    step = leanstep.make_train_step(lm_loss(LM(dtype=jnp.float32)), uses_rng=True, precision="compute=bfloat16",
-                                    jit=False)
+    step = leanstep.make_train_step(
+        lm_loss(LM(dtype=jnp.float32)), uses_rng=True, precision="compute=bfloat16", jit=False
+    )
     state = leanstep.TrainState.create(linen_runs["params"], TX)
-    with pytest.warns(leanstep.PrecisionWarning, match=r"compute dtype bfloat16, but none of the loss's \d+ matmuls "
-                      r"runs in it \(float32 x float32: \d+\).*dtype="):
+    with pytest.warns(
+        leanstep.PrecisionWarning,
+        match=r"compute dtype bfloat16, but none of the loss's \d+ matmuls "
+        r"runs in it \(float32 x float32: \d+\).*dtype=",
+    ):
         jax.make_jaxpr(step)(state, linen_runs["batch"])
 
 
@@ -239,7 +255,7 @@ def test_linen_batch_stats_are_model_state():
 
     def loss_fn(params, model_state, batch):
         y, model_state = llinen.apply(module, params, model_state, batch["x"])
-        return jnp.mean(y ** 2), model_state
+        return jnp.mean(y**2), model_state
 
     state = leanstep.TrainState.create(params, optax.sgd(0.1), model_state=model_state)
     state, _ = leanstep.make_train_step(loss_fn, has_state=True)(state, {"x": x})
@@ -272,7 +288,8 @@ class Net(eqx.Module):
 
 def net_loss(model, model_state, batch):
     logits, model_state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
-        batch["x"], model_state)
+        batch["x"], model_state
+    )
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), model_state
 
 
@@ -302,8 +319,11 @@ def equinox_runs():
     params, static = leqx.split(model)
     short, ref_losses = equinox_reference(batches)
     loss_fn = leqx.stateful_loss(static, net_loss)
-    plain, _ = run(leanstep.make_train_step(loss_fn, has_state=True),
-                   leanstep.TrainState.create(params, TX, model_state=model_state), batches[:SHORT])
+    plain, _ = run(
+        leanstep.make_train_step(loss_fn, has_state=True),
+        leanstep.TrainState.create(params, TX, model_state=model_state),
+        batches[:SHORT],
+    )
     state = leanstep.TrainState.create(params, TX, model_state=model_state, loss_scale="dynamic")
     _, losses = run(leanstep.make_train_step(loss_fn, has_state=True, **EVERYTHING), state, batches)
     return {"static": static, "plain": plain, "short": short, "losses": losses, "ref_losses": ref_losses}
@@ -334,8 +354,11 @@ def test_a_framework_model_passed_as_params_is_refused_with_the_split_to_use():
     with pytest.raises(TypeError, match=r"Linen collections 'params' and \['batch_stats'\].*linen.split\(variables\)"):
         leanstep.TrainState.create(variables, TX)
     mlp = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))  # its activation is a field, not static
-    with pytest.raises(TypeError, match=r"params\.activation is a .* in an Equinox module; train only its floating "
-                                        r"arrays: params, static = leanstep.frameworks.equinox.split\(model\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"params\.activation is a .* in an Equinox module; train only its floating "
+        r"arrays: params, static = leanstep.frameworks.equinox.split\(model\)",
+    ):
         leanstep.TrainState.create(mlp, TX)
 
 
@@ -366,12 +389,14 @@ def test_remat_of_modules_is_exact_and_saves_less():
 
 def test_plan_takes_a_framework_model_whose_remat_policy_is_its_own_parameter():
     """The CNN's remat policy is a constructor argument, so planning needs no patching."""
+
     def make_loss_fn(policy):
         graphdef, _, _ = lnnx.split(CNN(remat=policy, rngs=nnx.Rngs(0)))
         return lnnx.loss(graphdef, cnn_loss)
 
     _, params, model_state = lnnx.split(CNN(rngs=nnx.Rngs(0)))
-    result = leanstep.plan(make_loss_fn, params, image_batches(1)[0], TX, budget_bytes="1GiB",
-                           model_state=model_state, has_state=True)
+    result = leanstep.plan(
+        make_loss_fn, params, image_batches(1)[0], TX, budget_bytes="1GiB", model_state=model_state, has_state=True
+    )
     assert result.chosen.setting[:2] == (1, "none") and result.compiles == 1
     assert "1 compile" in str(result)

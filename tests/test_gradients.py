@@ -21,14 +21,19 @@ SCALE = StaticLossScale.create(1024.0)
 
 def params0() -> dict:
     rng = np.random.default_rng(0)
-    return {"w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.asarray(rng.normal(size=(4,)), jnp.float32)}
+    return {
+        "w": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+    }
 
 
 def batch0(rows: int = 12) -> dict:
     rng = np.random.default_rng(1)
-    return {"x": jnp.asarray(rng.normal(size=(rows, 3)), jnp.float32),
-            "y": jnp.asarray(rng.normal(size=(rows, 4)), jnp.float32),
-            "mask": jnp.asarray(rng.integers(0, 2, size=(rows,)), jnp.float32)}
+    return {
+        "x": jnp.asarray(rng.normal(size=(rows, 3)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(rows, 4)), jnp.float32),
+        "mask": jnp.asarray(rng.integers(0, 2, size=(rows,)), jnp.float32),
+    }
 
 
 def mean_loss(params: dict, batch: dict) -> jax.Array:
@@ -69,7 +74,7 @@ def test_token_weighted_is_the_full_batch_sum_over_count_with_aux():
 
     stage = jax.jit(gradient_stage(with_aux, num_microbatches=4, token_weighted=True, has_aux=True))
     result = stage(params, batch, SCALE)
-    ratio = lambda p: sum_and_count(p, batch)[0] / sum_and_count(p, batch)[1]  # noqa: E731
+    ratio = lambda p: sum_and_count(p, batch)[0] / sum_and_count(p, batch)[1]
     loss, grads = jax.value_and_grad(ratio)(params)
     np.testing.assert_allclose(result.loss, loss, rtol=2e-6)
     assert_close(result.grads, jax.tree.map(lambda g: 1024.0 * g, grads), rtol=2e-5, atol=1e-4)
@@ -112,15 +117,26 @@ def test_the_loss_sees_compute_dtype_params_and_batch_and_the_layout_hook():
     assert seen["x"] == jnp.float32
 
 
-@pytest.mark.parametrize(("kwargs", "out", "error", "pattern"), [
-    ({"has_aux": True}, lambda: jnp.float32(1.0), TypeError, r"has_aux=True: loss_fn must return \(loss, aux\)"),
-    ({"token_weighted": True}, lambda: jnp.float32(1.0), TypeError,
-     r"token_weighted=True: loss_fn must return \(loss_sum, count\)"),
-    ({"token_weighted": True, "has_aux": True}, lambda: (jnp.float32(1.0), 2), TypeError,
-     r"has_aux=True and token_weighted=True: loss_fn must return \(\(loss_sum, count\), aux\)"),
-    ({}, lambda: jnp.ones(2), ValueError, r"loss_fn's loss must be a scalar, got shape \(2,\)"),
-    ({}, lambda: jnp.int32(1), TypeError, "loss_fn's loss must be a real floating scalar, got dtype int32"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "out", "error", "pattern"),
+    [
+        ({"has_aux": True}, lambda: jnp.float32(1.0), TypeError, r"has_aux=True: loss_fn must return \(loss, aux\)"),
+        (
+            {"token_weighted": True},
+            lambda: jnp.float32(1.0),
+            TypeError,
+            r"token_weighted=True: loss_fn must return \(loss_sum, count\)",
+        ),
+        (
+            {"token_weighted": True, "has_aux": True},
+            lambda: (jnp.float32(1.0), 2),
+            TypeError,
+            r"has_aux=True and token_weighted=True: loss_fn must return \(\(loss_sum, count\), aux\)",
+        ),
+        ({}, lambda: jnp.ones(2), ValueError, r"loss_fn's loss must be a scalar, got shape \(2,\)"),
+        ({}, lambda: jnp.int32(1), TypeError, "loss_fn's loss must be a real floating scalar, got dtype int32"),
+    ],
+)
 def test_bad_loss_outputs_are_named(kwargs, out, error, pattern):
     stage = gradient_stage(lambda p, b: out(), **kwargs)
     with pytest.raises(error, match=pattern):
@@ -140,12 +156,15 @@ def test_bad_arguments_are_named():
 
 def test_aux_comes_back_in_the_output_dtype():
     """``output=`` of the policy applies where leanstep sees the model's outputs: the aux."""
+
     def loss_fn(params, batch):
         pred = batch["x"] @ params["w"]
         return jnp.mean(pred.astype(jnp.float32) ** 2), pred
 
-    for spec, dtype in (("params=float32,compute=bfloat16,output=float32", jnp.float32),
-                        ("params=float32,compute=bfloat16,output=bfloat16", jnp.bfloat16)):
+    for spec, dtype in (
+        ("params=float32,compute=bfloat16,output=float32", jnp.float32),
+        ("params=float32,compute=bfloat16,output=bfloat16", jnp.bfloat16),
+    ):
         result = gradient_stage(loss_fn, precision=spec, has_aux=True, num_microbatches=2)(params0(), batch0())
         assert result.aux.dtype == dtype and result.loss.dtype == jnp.float32  # the loss stays float32
 

@@ -16,7 +16,9 @@ import pytest
 import leanstep
 
 SRC = Path(leanstep.__file__).resolve().parent
-MAX_LINES = 400
+#: Lines as ``ruff format`` lays them out (one argument a line once a call is long), which
+#: added a fifth to the modules that had been written to fit 400 denser lines.
+MAX_LINES = 500
 #: Modules allowed over MAX_LINES, with the reason. Empty: every module fits.
 LONG_MODULES: dict[str, str] = {}
 
@@ -39,7 +41,9 @@ def imports(path: Path) -> list[tuple[str, list[str], int]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base.startswith("leanstep"):
                 names = [alias.name for alias in node.names]
                 # ``from leanstep.cli import plan`` imports the module leanstep.cli.plan.
@@ -50,8 +54,10 @@ def imports(path: Path) -> list[tuple[str, list[str], int]]:
 
 
 def graph() -> dict[str, set[str]]:
-    return {name: {target for target, _, _ in imports(path) if target in MODULES and target != name}
-            for name, path in MODULES.items()}
+    return {
+        name: {target for target, _, _ in imports(path) if target in MODULES and target != name}
+        for name, path in MODULES.items()
+    }
 
 
 def test_the_checks_see_the_package():
@@ -71,7 +77,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt)):
                 return cycle
         stack.pop()
@@ -100,8 +106,13 @@ def test_module_size(name):
 
 
 def test_no_private_name_crosses_a_module_boundary():
-    crossings = [f"{name}:{line} imports {target}.{n}" for name, path in MODULES.items()
-                 for target, names, line in imports(path) for n in names if n.startswith("_") and not n.startswith("__")]
+    crossings = [
+        f"{name}:{line} imports {target}.{n}"
+        for name, path in MODULES.items()
+        for target, names, line in imports(path)
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
     assert crossings == []
 
 
@@ -112,10 +123,18 @@ def test_the_library_never_imports_the_cli_or_rich():
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
-            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                       else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{name} imports {m}" for m in modules
-                          if m in ("leanstep.cli", "rich") or m.startswith(("leanstep.cli.", "rich."))]
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{name} imports {m}"
+                for m in modules
+                if m in ("leanstep.cli", "rich") or m.startswith(("leanstep.cli.", "rich."))
+            ]
     assert offenders == []
 
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loss_scale_settings import CUSTOM, settings_of
 
 from leanstep.loss_scale import (
     DynamicLossScale,
@@ -19,6 +18,7 @@ from leanstep.loss_scale import (
     StaticLossScale,
     all_finite,
 )
+from loss_scale_settings import CUSTOM, settings_of
 
 F32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1
@@ -151,9 +151,7 @@ def test_unflatten_with_placeholder_leaves_does_not_validate_data():
 
 
 def test_create_accepts_a_traced_initial_scale():
-    out = jax.jit(lambda s: DynamicLossScale.create(s, **CUSTOM).adjust(jnp.array(False)))(
-        jnp.float32(64.0)
-    )
+    out = jax.jit(lambda s: DynamicLossScale.create(s, **CUSTOM).adjust(jnp.array(False)))(jnp.float32(64.0))
     assert state_tuple(out) == (64.0, 0, 1)  # hysteresis 2: the first overflow is tolerated
 
 
@@ -206,9 +204,7 @@ def test_seed_rule_edge_cases(scale, good, interval, finite, expected):
 
 
 def test_counters_saturate_instead_of_wrapping():
-    base = DynamicLossScale.create(
-        8.0, growth_interval=INT32_MAX, hysteresis=INT32_MAX, max_loss_scale=F32_MAX
-    )
+    base = DynamicLossScale.create(8.0, growth_interval=INT32_MAX, hysteresis=INT32_MAX, max_loss_scale=F32_MAX)
     full = dataclasses.replace(base, good_steps=jnp.int32(INT32_MAX), bad_steps=jnp.int32(INT32_MAX))
     # A wrapped count would be negative and never reach the interval.
     assert state_tuple(adjust_jit(full, jnp.array(True))) == (16.0, 0, 0)
@@ -289,9 +285,7 @@ def test_unscale_keeps_dtypes_and_is_exact_for_powers_of_two(dtype, exponent, se
     grads = {"w": jnp.asarray(values, dtype), "count": jnp.arange(3)}
     out = DynamicLossScale.create(2.0**exponent).unscale(grads)
     assert out["w"].dtype == dtype and out["count"] is grads["count"]
-    np.testing.assert_array_equal(
-        np.asarray(out["w"], np.float64) * 2.0**exponent, np.asarray(grads["w"], np.float64)
-    )
+    np.testing.assert_array_equal(np.asarray(out["w"], np.float64) * 2.0**exponent, np.asarray(grads["w"], np.float64))
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -349,12 +343,28 @@ def test_noop_returns_inputs_unchanged():
         (dict(growth_factor="2"), TypeError, "growth_factor must be a real number, got str '2'"),
         (dict(backoff_factor=0.0), ValueError, "backoff_factor must be in (0, 1) in float32, got 0.0"),
         (dict(backoff_factor=1.0), ValueError, "backoff_factor must be in (0, 1) in float32, got 1.0"),
-        (dict(backoff_factor=float("nan")), ValueError, "backoff_factor must be finite in float32 (|x| <= 3.402823e+38), got nan"),
-        (dict(min_loss_scale=0.0), ValueError, "min_loss_scale must be >= 1.175494e-38 (smallest normal float32), got 0.0"),
+        (
+            dict(backoff_factor=float("nan")),
+            ValueError,
+            "backoff_factor must be finite in float32 (|x| <= 3.402823e+38), got nan",
+        ),
+        (
+            dict(min_loss_scale=0.0),
+            ValueError,
+            "min_loss_scale must be >= 1.175494e-38 (smallest normal float32), got 0.0",
+        ),
         (dict(min_loss_scale=-1.0), ValueError, "min_loss_scale must be >= "),
         (dict(min_loss_scale=1e-40), ValueError, "got 1e-40"),
-        (dict(max_loss_scale=float("inf")), ValueError, "max_loss_scale must be finite in float32 (|x| <= 3.402823e+38), got inf"),
-        (dict(max_loss_scale=1e39), ValueError, "max_loss_scale must be finite in float32 (|x| <= 3.402823e+38), got 1e+39"),
+        (
+            dict(max_loss_scale=float("inf")),
+            ValueError,
+            "max_loss_scale must be finite in float32 (|x| <= 3.402823e+38), got inf",
+        ),
+        (
+            dict(max_loss_scale=1e39),
+            ValueError,
+            "max_loss_scale must be finite in float32 (|x| <= 3.402823e+38), got 1e+39",
+        ),
         (dict(max_loss_scale=0.5), ValueError, "max_loss_scale must be >= min_loss_scale=1.0, got 0.5"),
         (dict(hysteresis=0), ValueError, "hysteresis must be an int in [1, 2**31 - 1], got 0"),
         (dict(hysteresis=2.0), TypeError, "hysteresis must be an int, got float 2.0"),
@@ -362,8 +372,16 @@ def test_noop_returns_inputs_unchanged():
         (dict(initial_scale=-4), ValueError, "initial_scale must be finite and > 0 in float32, got -4.0"),
         (dict(initial_scale=float("nan")), ValueError, "initial_scale must be finite and > 0 in float32, got nan"),
         (dict(initial_scale=1e39), ValueError, "initial_scale must be finite and > 0 in float32, got 1e+39"),
-        (dict(initial_scale=2.0**25), ValueError, "initial_scale must be in [min_loss_scale=1.0, max_loss_scale=16777216.0], got 33554432.0"),
-        (dict(initial_scale=0.5), ValueError, "initial_scale must be in [min_loss_scale=1.0, max_loss_scale=16777216.0], got 0.5"),
+        (
+            dict(initial_scale=2.0**25),
+            ValueError,
+            "initial_scale must be in [min_loss_scale=1.0, max_loss_scale=16777216.0], got 33554432.0",
+        ),
+        (
+            dict(initial_scale=0.5),
+            ValueError,
+            "initial_scale must be in [min_loss_scale=1.0, max_loss_scale=16777216.0], got 0.5",
+        ),
         (dict(initial_scale=[1.0, 2.0]), ValueError, "initial_scale must be a scalar, got shape (2,)"),
         (dict(initial_scale=True), TypeError, "initial_scale must be a real number, got bool True"),
     ],

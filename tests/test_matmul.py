@@ -66,8 +66,9 @@ def test_a_slow_dtype_is_measured_at_the_largest_probe_size_that_fits_the_call_c
 def test_max_seconds_leaves_out_the_sizes_that_would_not_fit_but_measures_one():
     # 100 GFLOP/s: about 0.78 s spent by the end of 2048; 4096 would take 4 calls x 1.37 s.
     fake = ScriptedMatmul(rate_gflops=100.0)
-    result = measure_matmul_gflops(fake.make, "float32", sizes=(1024, 2048, 4096), repeats=3, max_call_s=10.0,
-                                   max_seconds=2.0, clock=fake.clock)
+    result = measure_matmul_gflops(
+        fake.make, "float32", sizes=(1024, 2048, 4096), repeats=3, max_call_s=10.0, max_seconds=2.0, clock=fake.clock
+    )
     assert [entry["size"] for entry in result["by_size"]] == [1024, 2048] and result["skipped_sizes"] == [4096]
     tiny = measure_matmul_gflops(fake.make, "float32", repeats=3, max_seconds=1e-9, clock=fake.clock)
     assert [entry["size"] for entry in tiny["by_size"]] == [1024]

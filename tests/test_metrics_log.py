@@ -11,10 +11,10 @@ import tempfile
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from metrics_lines import eval_line, train_line, write
 
 from leanstep.training.metrics_log import MetricsWriter, read_metrics, truncate_metrics
 from leanstep.training.records import EvalRecord, Note, TrainRecord, parse_record
+from metrics_lines import eval_line, train_line, write
 
 
 def train_record(step: int, loss: float = 2.0, **overrides: object) -> TrainRecord:
@@ -33,8 +33,7 @@ def test_resume_duplicates_last_occurrence_wins_and_sorted(tmp_path):
     second.insert(2, eval_line(10, 5.0))
     m = read_metrics(write(tmp_path / "r" / "metrics.jsonl", first + second))
     assert [r.step for r in m.train] == list(range(1, 16))
-    assert [r.loss for r in m.train] == [10.0 + s for s in range(1, 9)] + [
-        20.0 + s for s in range(9, 16)]
+    assert [r.loss for r in m.train] == [10.0 + s for s in range(1, 9)] + [20.0 + s for s in range(9, 16)]
     assert [(e.step, e.heldout_loss) for e in m.eval] == [(5, 7.0), (10, 5.0)]
     assert m.resumed_at == (9,)
     assert m.name == "r"
@@ -93,9 +92,11 @@ def test_fragment_followed_by_appended_record_is_recovered(tmp_path):
 
 
 def test_non_finite_tokens_and_null_read_as_floats(tmp_path):
-    lines = ['{"kind": "train", "step": 1, "loss": NaN, "grad_norm": Infinity, '
-             '"loss_scale": 32768.0, "skipped": true, "clipped": false, "consecutive_skips": 1, '
-             '"tokens_per_sec": -Infinity, "elapsed_s": null, "lr": 0}']
+    lines = [
+        '{"kind": "train", "step": 1, "loss": NaN, "grad_norm": Infinity, '
+        '"loss_scale": 32768.0, "skipped": true, "clipped": false, "consecutive_skips": 1, '
+        '"tokens_per_sec": -Infinity, "elapsed_s": null, "lr": 0}'
+    ]
     (r,) = read_metrics(write(tmp_path / "metrics.jsonl", lines)).train
     assert math.isnan(r.loss) and r.grad_norm == math.inf and r.tokens_per_sec == -math.inf
     assert math.isnan(r.elapsed_s) and r.lr == 0.0 and isinstance(r.lr, float)
@@ -125,8 +126,10 @@ def test_missing_file_names_the_path(tmp_path):
         ('{"kind": "train", "step": 1} garbage}', r"metrics.jsonl:2 is not JSON"),
         ("[1, 2]", r"metrics.jsonl:2 is \[1, 2\]; expected a JSON object"),
         ('{"step": 1}', r"metrics.jsonl:2 has no 'kind' field"),
-        (json.dumps({k: v for k, v in train_line(2).items() if k != "lr"}),
-         r"metrics.jsonl:2 \('train' record\) lacks the field 'lr'"),
+        (
+            json.dumps({k: v for k, v in train_line(2).items() if k != "lr"}),
+            r"metrics.jsonl:2 \('train' record\) lacks the field 'lr'",
+        ),
         (json.dumps({**train_line(2), "step": 2.5}), r"field 'step' is 2.5; expected int"),
         (json.dumps(train_line(2, loss="low")), r"field 'loss' is 'low'; expected float"),
         (json.dumps(train_line(2, skipped="yes")), r"field 'skipped' is 'yes'; expected bool"),
@@ -181,8 +184,10 @@ def test_writer_makes_one_write_and_flush_per_call(tmp_path, monkeypatch):
     step, evaluation = train_record(1), EvalRecord.from_loss(1, 2.0)
     with MetricsWriter(path) as log:
         log.write(step, evaluation)
-        assert calls == [("write", json.dumps(step.to_json()) + "\n" + json.dumps(evaluation.to_json())
-                          + "\n"), ("flush",)]
+        assert calls == [
+            ("write", json.dumps(step.to_json()) + "\n" + json.dumps(evaluation.to_json()) + "\n"),
+            ("flush",),
+        ]
         monkeypatch.undo()
         # Flushed: another reader sees both lines while the writer is still open.
         assert len(path.read_text(encoding="utf-8").splitlines()) == 2
@@ -191,8 +196,7 @@ def test_writer_makes_one_write_and_flush_per_call(tmp_path, monkeypatch):
 def test_writer_refuses_notes_and_writes_nothing_of_that_call(tmp_path):
     path = tmp_path / "metrics.jsonl"
     with MetricsWriter(path) as log:
-        with pytest.raises(TypeError, match="metrics.jsonl holds TrainRecord and EvalRecord lines; "
-                                            "got Note"):
+        with pytest.raises(TypeError, match="metrics.jsonl holds TrainRecord and EvalRecord lines; got Note"):
             log.write(train_record(1), Note("warning: hi"))
         with pytest.raises(TypeError, match="got dict"):
             log.write(train_line(1))  # the old dict form is no record
@@ -200,16 +204,14 @@ def test_writer_refuses_notes_and_writes_nothing_of_that_call(tmp_path):
 
 
 def test_writer_lets_os_errors_propagate(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        with MetricsWriter(tmp_path / "missing-dir" / "metrics.jsonl"):
-            pass
+    with pytest.raises(FileNotFoundError), MetricsWriter(tmp_path / "missing-dir" / "metrics.jsonl"):
+        pass
     with pytest.raises(IsADirectoryError):
         MetricsWriter(tmp_path).__enter__()
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full to fail a write")
-    with MetricsWriter("/dev/full") as log:
-        with pytest.raises(OSError):  # ENOSPC, at the latest on the flush
-            log.write(train_record(1))
+    with MetricsWriter("/dev/full") as log, pytest.raises(OSError):  # ENOSPC, at the latest on the flush
+        log.write(train_record(1))
 
 
 def test_writer_outside_a_with_block_raises(tmp_path):
@@ -228,15 +230,15 @@ def test_writer_outside_a_with_block_raises(tmp_path):
 
 def test_truncate_keeps_lines_up_to_the_checkpoint_and_drops_cut_off_ones(tmp_path):
     cut = json.dumps(train_line(7))[:25]
-    lines = [train_line(s) for s in range(1, 7)] + [eval_line(5, 3.0), eval_line(6, 2.0),
-                                                     train_line(5, loss=math.nan)]
+    lines = [train_line(s) for s in range(1, 7)] + [eval_line(5, 3.0), eval_line(6, 2.0), train_line(5, loss=math.nan)]
     lines += [cut + json.dumps(train_line(4)), '{"kind": "note"}', '"just a string"', cut]
     path = write(tmp_path / "metrics.jsonl", lines, tail="")
     truncate_metrics(path, 5)
     kept = path.read_text(encoding="utf-8")
     assert kept.endswith("\n")
-    assert kept.splitlines() == [json.dumps(x) for x in [train_line(s) for s in range(1, 6)]
-                                 + [eval_line(5, 3.0), train_line(5, loss=math.nan)]]
+    assert kept.splitlines() == [
+        json.dumps(x) for x in [train_line(s) for s in range(1, 6)] + [eval_line(5, 3.0), train_line(5, loss=math.nan)]
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no .tmp left
     truncate_metrics(path, 0)
     assert path.read_text() == ""
@@ -253,8 +255,9 @@ def test_write_kill_truncate_resume_reads_as_one_timeline(tmp_path):
     path.parent.mkdir()
     with MetricsWriter(path) as log:
         for step in range(1, 13):
-            log.write(train_record(step, loss=10.0 + step),
-                      *([EvalRecord.from_loss(step, 1.0)] if step % 4 == 0 else []))
+            log.write(
+                train_record(step, loss=10.0 + step), *([EvalRecord.from_loss(step, 1.0)] if step % 4 == 0 else [])
+            )
     with path.open("a", encoding="utf-8") as file:  # killed while writing step 13
         file.write(json.dumps(train_record(13).to_json())[:40])
     truncate_metrics(path, 8)  # the newest checkpoint is step 8
@@ -263,6 +266,7 @@ def test_write_kill_truncate_resume_reads_as_one_timeline(tmp_path):
             log.write(train_record(step, loss=20.0 + step))
     m = read_metrics(path)
     assert [(r.step, r.loss) for r in m.train] == [(s, 10.0 + s) for s in range(1, 9)] + [
-        (s, 20.0 + s) for s in range(9, 16)]
+        (s, 20.0 + s) for s in range(9, 16)
+    ]
     assert [e.step for e in m.eval] == [4, 8]
     assert m.resumed_at == () and m.dropped_lines == ()

@@ -65,7 +65,7 @@ def test_split_strided_microbatches_matches_numpy(rows, num_mb, width):
         block = rows // num_shards
         for d in range(num_shards):
             own = set(range(d * size // num_shards, (d + 1) * size // num_shards))
-            held = set(np.asarray(split["ids"][:, d * block:(d + 1) * block]).ravel().tolist())
+            held = set(np.asarray(split["ids"][:, d * block : (d + 1) * block]).ravel().tolist())
             assert held == own
 
 
@@ -79,8 +79,11 @@ def test_split_strided_microbatches_errors():
 def test_presplit_passes_a_split_batch_through_and_refuses_others():
     split = split_microbatches({"x": jnp.arange(6.0), "y": jnp.zeros((6, 2))}, 3)
     assert presplit_microbatches(split, 3) is split
-    with pytest.raises(ValueError, match=r"batch\['x'\] has shape \(3, 2\); a presplit batch needs leaves of shape "
-                                         r"\(num_microbatches=2, rows, ...\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch\['x'\] has shape \(3, 2\); a presplit batch needs leaves of shape "
+        r"\(num_microbatches=2, rows, ...\)",
+    ):
         presplit_microbatches(split, 2)
     with pytest.raises(ValueError, match="share their rows axis"):
         presplit_microbatches({"x": jnp.zeros((2, 3)), "y": jnp.zeros((2, 4))}, 2)
@@ -90,7 +93,7 @@ def test_presplit_passes_a_split_batch_through_and_refuses_others():
 
 def test_get_splitter_resolves_names_and_callables():
     assert {name: get_splitter(name) for name in SPLITS} == SPLITS
-    custom = lambda batch, num_microbatches: batch  # noqa: E731
+    custom = lambda batch, num_microbatches: batch
     assert get_splitter(custom) is custom
     with pytest.raises(ValueError, match="unknown split='row'; expected one of 'contiguous', 'strided', 'presplit'"):
         get_splitter("row")

@@ -21,14 +21,20 @@ from leanstep.step import make_train_step
 def counting_loss(params, model_state, batch):
     """Counts microbatches and keeps a running mean of x, as BatchNorm keeps its statistics."""
     loss = jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
-    new_state = {"count": model_state["count"] + 1,
-                 "mean": 0.5 * model_state["mean"] + 0.5 * jnp.mean(batch["x"].astype(jnp.float32), axis=0)}
+    new_state = {
+        "count": model_state["count"] + 1,
+        "mean": 0.5 * model_state["mean"] + 0.5 * jnp.mean(batch["x"].astype(jnp.float32), axis=0),
+    }
     return (loss, (model_state["count"], model_state["mean"].dtype == jnp.float32)), new_state
 
 
 def state0(**kw) -> TrainState:
-    return TrainState.create({"w": jnp.ones((3, 1), jnp.float32) * 0.1}, optax.sgd(0.1),
-                             model_state={"count": jnp.int32(5), "mean": jnp.zeros(3, jnp.float32)}, **kw)
+    return TrainState.create(
+        {"w": jnp.ones((3, 1), jnp.float32) * 0.1},
+        optax.sgd(0.1),
+        model_state={"count": jnp.int32(5), "mean": jnp.zeros(3, jnp.float32)},
+        **kw,
+    )
 
 
 def batch0(rows: int = 8, poison: bool = False) -> dict:
@@ -39,8 +45,9 @@ def batch0(rows: int = 8, poison: bool = False) -> dict:
     return {"x": jnp.asarray(x), "y": jnp.asarray(rng.normal(size=(rows, 1)).astype(np.float32))}
 
 
-STEP = make_train_step(counting_loss, has_state=True, has_aux=True, num_microbatches=4,
-                       precision="compute=bfloat16", donate=False)
+STEP = make_train_step(
+    counting_loss, has_state=True, has_aux=True, num_microbatches=4, precision="compute=bfloat16", donate=False
+)
 
 
 def test_the_state_threads_through_the_microbatches_in_order():
@@ -51,8 +58,9 @@ def test_the_state_threads_through_the_microbatches_in_order():
     assert int(state.model_state["count"]) == 9 and bool(np.all(float32_seen))  # never cast to bf16
     mean = np.zeros(3)
     for j in range(4):  # the running mean over the microbatches, in order, in float64
-        mean = 0.5 * mean + 0.5 * np.asarray(batch["x"], np.float64)[2 * j: 2 * j + 2].astype(
-            jnp.bfloat16).astype(np.float64).mean(axis=0)
+        mean = 0.5 * mean + 0.5 * np.asarray(batch["x"], np.float64)[2 * j : 2 * j + 2].astype(jnp.bfloat16).astype(
+            np.float64
+        ).mean(axis=0)
     np.testing.assert_allclose(state.model_state["mean"], mean, rtol=1e-6)
     assert state.model_state["mean"].dtype == jnp.float32
     # The optimizer never sees the state: the optimizer state is the params' alone.
@@ -92,8 +100,11 @@ def test_state_mismatches_are_named():
         make_train_step(lambda p, b: jnp.mean(b["x"] @ p["w"]))(state0(), batch0())
     with pytest.raises(TypeError, match="has_state=True: loss_fn must return a new model state of the structure"):
         make_train_step(lambda p, s, b: (jnp.mean(b["x"] @ p["w"]), {"count": s["count"]}), has_state=True)(
-            state0(), batch0())
+            state0(), batch0()
+        )
     with pytest.raises(TypeError, match=r"has_state=True: loss_fn must return \(out, new_model_state\)"):
         make_train_step(lambda p, s, b: jnp.mean(b["x"] @ p["w"]), has_state=True)(state0(), batch0())
-    with pytest.raises(TypeError, match=r"model_state\['f'\] is a PjitFunction; the model state must be a pytree of arrays"):
+    with pytest.raises(
+        TypeError, match=r"model_state\['f'\] is a PjitFunction; the model state must be a pytree of arrays"
+    ):
         TrainState.create({"w": jnp.ones(2)}, optax.sgd(0.1), model_state={"f": jnp.sin})

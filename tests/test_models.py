@@ -232,8 +232,12 @@ def test_residual_block_reproduces_seed_example():
     block = remat(residual_block, "dots")
     loss, grads = jax.value_and_grad(lambda p: jnp.mean((block(x, p) - y) ** 2))(params)
     np.testing.assert_allclose(loss, 0.408815, atol=1e-6)
-    np.testing.assert_allclose(grads["w1"], [[0.332859, -0.197498, -0.033156], [-0.665719, 0.394996, 0.066313]], atol=1e-6)
-    np.testing.assert_allclose(grads["w2"], [[-0.089534, -0.24773], [0.234075, 0.647654], [-0.293898, -0.813177]], atol=1e-6)
+    np.testing.assert_allclose(
+        grads["w1"], [[0.332859, -0.197498, -0.033156], [-0.665719, 0.394996, 0.066313]], atol=1e-6
+    )
+    np.testing.assert_allclose(
+        grads["w2"], [[-0.089534, -0.24773], [0.234075, 0.647654], [-0.293898, -0.813177]], atol=1e-6
+    )
     np.testing.assert_allclose(grads["b2"], [-0.307348, -0.850392], atol=1e-6)
 
 
@@ -322,7 +326,11 @@ def test_build_model_binds_config_and_validates():
     assert model.config.n_layers == 3 and model.seq_len == model.config.seq_len
     assert build_model("mlp").config == MLPConfig(d_model=128, d_hidden=512, n_layers=2, seq_len=128)
     assert model.flops_per_token == transformer_flops_per_token(model.config)
-    for bound, fn in ((model.loss, transformer_loss), (model.loss_sum, transformer_loss_sum), (model.init, init_transformer)):
+    for bound, fn in (
+        (model.loss, transformer_loss),
+        (model.loss_sum, transformer_loss_sum),
+        (model.init, init_transformer),
+    ):
         assert bound.func is fn and bound.keywords == {"config": model.config}
     mlp = build_model("mlp", "tiny")
     assert mlp.loss.func is residual_mlp_loss and mlp.loss.keywords == {"config": MLP}

@@ -56,7 +56,7 @@ def worker(mode: str, args: list[str]) -> None:
         x = rng.normal(size=(BATCH, SIZES[0])).astype(np.float32)
         if t == NAN_STEP:
             x[NAN_ROW, 0] = np.nan
-        return {"x": x, "y": np.cos(x[:, :SIZES[2]])}
+        return {"x": x, "y": np.cos(x[:, : SIZES[2]])}
 
     rng = np.random.default_rng(0)
     params = {"w1": rng.normal(size=SIZES[:2]).astype(np.float32), "w2": rng.normal(size=SIZES[1:]).astype(np.float32)}
@@ -67,8 +67,11 @@ def worker(mode: str, args: list[str]) -> None:
     runs = {"dp": (mesh, False), "fsdp": (mesh, True), "hybrid": (hybrid, False)}
     if mode == "single":
         runs["unsharded"] = (None, False)
-    result = {"process_count": jax.process_count(), "device_count": jax.device_count(),
-              "local_device_count": jax.local_device_count()}
+    result = {
+        "process_count": jax.process_count(),
+        "device_count": jax.device_count(),
+        "local_device_count": jax.local_device_count(),
+    }
     arrays = {}
     for name, (run_mesh, fsdp) in runs.items():
         step = make_train_step(loss_fn, num_microbatches=2, max_grad_norm=1.0, mesh=run_mesh, fsdp=fsdp)
@@ -81,8 +84,12 @@ def worker(mode: str, args: list[str]) -> None:
             state, metrics = step(state, batch)
             losses.append(float(metrics.loss))  # replicated: readable on every process
             skipped.append(bool(metrics.skipped))
-        result[name] = {"losses": losses, "skipped": skipped, "loss_scale": float(state.loss_scale.loss_scale),
-                        "w1_spec": str(state.params["w1"].sharding.spec) if run_mesh is not None else None}
+        result[name] = {
+            "losses": losses,
+            "skipped": skipped,
+            "loss_scale": float(state.loss_scale.loss_scale),
+            "w1_spec": str(state.params["w1"].sharding.spec) if run_mesh is not None else None,
+        }
         gathered = multihost_utils.process_allgather(state.params, tiled=True) if run_mesh is not None else state.params
         arrays.update({f"{name}/{k}": np.asarray(v) for k, v in gathered.items()})
     np.savez(Path(out) / "params.npz", **arrays)
@@ -109,11 +116,17 @@ def test_two_processes_train_like_one(tmp_path):
     outs = {name: tmp_path / name for name in ("p0", "p1", "single")}
     for out in outs.values():
         out.mkdir()
-    commands = {"p0": ["multi", str(port), "0", str(outs["p0"])], "p1": ["multi", str(port), "1", str(outs["p1"])],
-                "single": ["single", str(outs["single"])]}
-    procs = {name: subprocess.Popen([sys.executable, __file__, *cmd], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-             for name, cmd in commands.items()}
+    commands = {
+        "p0": ["multi", str(port), "0", str(outs["p0"])],
+        "p1": ["multi", str(port), "1", str(outs["p1"])],
+        "single": ["single", str(outs["single"])],
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, __file__, *cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name, cmd in commands.items()
+    }
     logs = {}
     try:
         deadline = time.monotonic() + TIMEOUT_S

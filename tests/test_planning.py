@@ -47,15 +47,21 @@ def make_loss_fn(policy):
 
 def _params():
     rng = np.random.default_rng(0)
-    return {"layers": {"w1": rng.normal(size=(LAYERS, D, H)).astype(np.float32) / 3,
-                       "w2": rng.normal(size=(LAYERS, H, D)).astype(np.float32) / 6},
-            "head": rng.normal(size=(D, 2)).astype(np.float32)}
+    return {
+        "layers": {
+            "w1": rng.normal(size=(LAYERS, D, H)).astype(np.float32) / 3,
+            "w2": rng.normal(size=(LAYERS, H, D)).astype(np.float32) / 6,
+        },
+        "head": rng.normal(size=(D, 2)).astype(np.float32),
+    }
 
 
 def _batch():
     rng = np.random.default_rng(1)
-    return {"x": rng.normal(size=(BATCH, T, D)).astype(np.float32),
-            "y": rng.normal(size=(BATCH, T, 2)).astype(np.float32)}
+    return {
+        "x": rng.normal(size=(BATCH, T, D)).astype(np.float32),
+        "y": rng.normal(size=(BATCH, T, 2)).astype(np.float32),
+    }
 
 
 def _plan(budget, **kw):
@@ -74,6 +80,7 @@ def _nbytes(tree):
 
 
 # --- what XLA reports, and the peak formula ---------------------------------------------------------
+
 
 def test_every_candidate_has_xla_memory_and_the_documented_peak(everything):
     state = TrainState.create(_params(), OPT)
@@ -105,11 +112,16 @@ def test_the_plan_equals_the_executable_a_run_compiles_from_real_arrays(everythi
     """Abstract inputs and LLVM -O0 (planning) against real arrays and XLA's defaults (a run)."""
     for c in [everything.chosen]:
         s = c.setting
-        step = make_train_step(make_loss_fn(s.remat), precision=s.precision, num_microbatches=s.num_microbatches,
-                               max_grad_norm=1.0)
+        step = make_train_step(
+            make_loss_fn(s.remat), precision=s.precision, num_microbatches=s.num_microbatches, max_grad_norm=1.0
+        )
         memory = step.lower(TrainState.create(_params(), OPT), _batch()).compile().memory_analysis()
-        assert (memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes,
-                memory.temp_size_in_bytes) == (c.argument_bytes, c.output_bytes, c.alias_bytes, c.temp_bytes)
+        assert (
+            memory.argument_size_in_bytes,
+            memory.output_size_in_bytes,
+            memory.alias_size_in_bytes,
+            memory.temp_size_in_bytes,
+        ) == (c.argument_bytes, c.output_bytes, c.alias_bytes, c.temp_bytes)
 
 
 def test_the_chosen_executable_runs_the_same_step(everything):
@@ -125,14 +137,16 @@ def test_the_chosen_executable_runs_the_same_step(everything):
 
 # --- the choice ------------------------------------------------------------------------------------
 
+
 def _reference_choice(candidates, budget, rtol=0.02):
     """The documented rule, by brute force over every candidate."""
     fitting = [c for c in candidates if c.peak_bytes <= budget]
     if not fitting:
         return None
     least = min(c.flops for c in fitting)
-    return min((c for c in fitting if c.flops <= (1 + rtol) * least),
-               key=lambda c: (c.setting.num_microbatches, c.flops)).setting
+    return min(
+        (c for c in fitting if c.flops <= (1 + rtol) * least), key=lambda c: (c.setting.num_microbatches, c.flops)
+    ).setting
 
 
 def _lazy_choice(candidates, budget, rtol=0.02):
@@ -165,8 +179,9 @@ def _families(draw):
         flops = draw(st.floats(1e6, 1.1e6))
         peaks = sorted(draw(st.lists(st.integers(1, 100), min_size=len(counts), max_size=len(counts))), reverse=True)
         for m, peak in zip(sorted(counts), peaks):
-            candidates.append(Candidate(Setting(m, f"policy{f}", "float32"), flops * (1 + m * 1e-4), 0.0,
-                                        peak_bytes=peak))
+            candidates.append(
+                Candidate(Setting(m, f"policy{f}", "float32"), flops * (1 + m * 1e-4), 0.0, peak_bytes=peak)
+            )
     return candidates, draw(st.integers(0, 101))
 
 
@@ -194,7 +209,10 @@ def test_a_real_lazy_plan_compiles_less_and_chooses_as_brute_force(everything):
     assert result.chosen.setting == _reference_choice(everything.candidates, budget)
     assert result.chosen.peak_bytes <= budget
     assert sum(c.compiled for c in result.candidates) < len(everything.candidates)
-    assert "*" in str(result) and json.loads(json.dumps(result.to_json()))["chosen"]["remat"] == result.chosen.setting.remat
+    assert (
+        "*" in str(result)
+        and json.loads(json.dumps(result.to_json()))["chosen"]["remat"] == result.chosen.setting.remat
+    )
 
 
 def test_a_budget_too_small_names_the_smallest_peak_and_its_setting(everything):
@@ -205,8 +223,10 @@ def test_a_budget_too_small_names_the_smallest_peak_and_its_setting(everything):
     assert isinstance(info.value, ValueError)
     assert info.value.smallest.setting == smallest.setting and info.value.smallest.peak_bytes == smallest.peak_bytes
     s = smallest.setting
-    assert f"the smallest peak found is {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes:,} bytes), " \
-           f"with num_microbatches={s.num_microbatches}, remat={s.remat!r}" in str(info.value)
+    assert (
+        f"the smallest peak found is {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes:,} bytes), "
+        f"with num_microbatches={s.num_microbatches}, remat={s.remat!r}" in str(info.value)
+    )
 
 
 def test_arguments_over_the_budget_stop_the_search_after_one_compile(everything):
@@ -229,21 +249,29 @@ def test_arguments_over_the_budget_stop_the_search_after_one_compile(everything)
 
 # --- grids, bad input ---------------------------------------------------------------------------
 
+
 def test_settings_grid_uses_the_divisors():
     assert [s.num_microbatches for s in settings_grid(12, remat_policies=("none",))] == [1, 2, 3, 4, 6, 12]
     with pytest.raises(ValueError, match="batch_size must be a positive int, got 0"):
         settings_grid(0)
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), [
-    (dict(candidates=[(3, "none", "float32")]), ValueError, "num_microbatches=3 must be a positive divisor of the batch size 4"),
-    (dict(candidates=[(1, "sometimes", "float32")]), ValueError, "unknown policy='sometimes'"),
-    (dict(candidates=[(1, "none")]), TypeError, "triples"),
-    (dict(candidates=[]), ValueError, "candidates is empty"),
-    (dict(flops_rtol=1.5), ValueError, "flops_rtol must be a number in"),
-    (dict(compiler_options="fast"), TypeError, "compiler_options must be a dict"),
-    (dict(budget_bytes="a lot"), ValueError, "is not a size"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            dict(candidates=[(3, "none", "float32")]),
+            ValueError,
+            "num_microbatches=3 must be a positive divisor of the batch size 4",
+        ),
+        (dict(candidates=[(1, "sometimes", "float32")]), ValueError, "unknown policy='sometimes'"),
+        (dict(candidates=[(1, "none")]), TypeError, "triples"),
+        (dict(candidates=[]), ValueError, "candidates is empty"),
+        (dict(flops_rtol=1.5), ValueError, "flops_rtol must be a number in"),
+        (dict(compiler_options="fast"), TypeError, "compiler_options must be a dict"),
+        (dict(budget_bytes="a lot"), ValueError, "is not a size"),
+    ],
+)
 def test_plan_rejects_bad_input_before_compiling(kwargs, error, match):
     kwargs.setdefault("budget_bytes", "1MiB")
     with pytest.raises(error, match=match):
@@ -269,8 +297,22 @@ def _cli(argv):
 
 def test_cli_plan_for_a_cluster_plans_in_a_subprocess_and_names_the_flags(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["plan", "--devices", "2", "--mesh", "data=2", *TINY_MLP, "--microbatch-counts", "1",
-            "--remat-policies", "none", "--accelerator", "a100", "--json", str(out)]
+    argv = [
+        "plan",
+        "--devices",
+        "2",
+        "--mesh",
+        "data=2",
+        *TINY_MLP,
+        "--microbatch-counts",
+        "1",
+        "--remat-policies",
+        "none",
+        "--accelerator",
+        "a100",
+        "--json",
+        str(out),
+    ]
     assert _cli(argv) == 0  # this process runs one device: the planner runs in a child with 2
     saved = json.loads(out.read_text())
     assert saved["num_devices"] == 2 and saved["accelerator"]["name"] == "a100" and saved["compiles"] == 1
@@ -280,8 +322,18 @@ def test_cli_plan_for_a_cluster_plans_in_a_subprocess_and_names_the_flags(tmp_pa
 
 def test_cli_plan_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    argv = ["plan", "--budget", "64MiB", *TINY_MLP, "--microbatch-counts", "1,2", "--remat-policies", "none,dots",
-            "--json", str(out)]
+    argv = [
+        "plan",
+        "--budget",
+        "64MiB",
+        *TINY_MLP,
+        "--microbatch-counts",
+        "1,2",
+        "--remat-policies",
+        "none,dots",
+        "--json",
+        str(out),
+    ]
     assert _cli(argv) == 0
     saved = json.loads(out.read_text())
     assert (saved["chosen"]["num_microbatches"], saved["chosen"]["remat"]) == (1, "none")
@@ -307,12 +359,15 @@ def test_cli_plan_reports_a_budget_too_small(tmp_path, capsys, monkeypatch, ever
     assert "no setting fits" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("argv", "match"), [
-    (["plan", "--budget", "lots"], "--budget: memory size 'lots' is not a size"),
-    (["plan", "--budget", "1MiB", "--microbatch-counts", "3"], "num_microbatches=3 must be a positive divisor"),
-    (["plan", "--budget", "1MiB", "--remat-policies", "sometimes"], "unknown policy='sometimes'"),
-    (["plan", "--budget", "1MiB", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["plan", "--budget", "lots"], "--budget: memory size 'lots' is not a size"),
+        (["plan", "--budget", "1MiB", "--microbatch-counts", "3"], "num_microbatches=3 must be a positive divisor"),
+        (["plan", "--budget", "1MiB", "--remat-policies", "sometimes"], "unknown policy='sometimes'"),
+        (["plan", "--budget", "1MiB", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    ],
+)
 def test_cli_plan_rejects_bad_flags(argv, match):
     with pytest.raises(InputError, match=match):
         _cli(argv)

@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from bits import count_differences, leaves_bit_equal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bits import count_differences, leaves_bit_equal
 from leanstep.precision import Precision, get_precision
 
 BF16 = jnp.bfloat16
@@ -39,13 +39,16 @@ def test_fields_are_normalized_and_static():
     assert Precision(F32, F32, F32, strict=np.True_).strict is True  # a NumPy bool becomes a bool
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"compute_dtype": jnp.int32}, ValueError, "compute_dtype=int32"),
-    ({"param_dtype": jnp.complex64}, ValueError, "param_dtype=complex64"),
-    ({"output_dtype": "float8_e4m3fn"}, ValueError, "output_dtype=float8_e4m3fn"),
-    ({"output_dtype": object()}, TypeError, "output_dtype=<object"),
-    ({"strict": "yes"}, TypeError, "strict must be a bool, got str 'yes'"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"compute_dtype": jnp.int32}, ValueError, "compute_dtype=int32"),
+        ({"param_dtype": jnp.complex64}, ValueError, "param_dtype=complex64"),
+        ({"output_dtype": "float8_e4m3fn"}, ValueError, "output_dtype=float8_e4m3fn"),
+        ({"output_dtype": object()}, TypeError, "output_dtype=<object"),
+        ({"strict": "yes"}, TypeError, "strict must be a bool, got str 'yes'"),
+    ],
+)
 def test_bad_fields_raise(kwargs, error, match):
     fields = {"param_dtype": F32, "compute_dtype": BF16, "output_dtype": F32, **kwargs}
     with pytest.raises(error, match=match):
@@ -55,10 +58,21 @@ def test_bad_fields_raise(kwargs, error, match):
 def test_casts_touch_only_floating_leaves():
     p = Precision(jnp.float32, jnp.bfloat16, jnp.float16)
     ints, flags, cplx = jnp.arange(3), jnp.array([True, False]), jnp.ones(2, jnp.complex64)
-    tree = {"f32": jnp.ones(2), "f16": jnp.ones(2, jnp.float16), "np": np.ones(2, np.float32),
-            "ints": ints, "flags": flags, "cplx": cplx, "py": 1.5, "none": None}
-    for cast, dtype in [(p.cast_to_param, F32), (p.cast_to_compute, jnp.dtype(BF16)),
-                        (p.cast_to_output, jnp.dtype(jnp.float16))]:
+    tree = {
+        "f32": jnp.ones(2),
+        "f16": jnp.ones(2, jnp.float16),
+        "np": np.ones(2, np.float32),
+        "ints": ints,
+        "flags": flags,
+        "cplx": cplx,
+        "py": 1.5,
+        "none": None,
+    }
+    for cast, dtype in [
+        (p.cast_to_param, F32),
+        (p.cast_to_compute, jnp.dtype(BF16)),
+        (p.cast_to_output, jnp.dtype(jnp.float16)),
+    ]:
         out = cast(tree)
         assert out["f32"].dtype == out["f16"].dtype == out["np"].dtype == dtype
         assert isinstance(out["np"], np.ndarray)  # NumPy stays NumPy (as in jmp)
@@ -67,20 +81,23 @@ def test_casts_touch_only_floating_leaves():
     np.testing.assert_array_equal(p.cast_to_compute(jnp.array([1.00390625])), [1.0])
 
 
-@pytest.mark.parametrize(("spec", "expected"), [
-    # jmp's grammar: params default f32, compute follows params, output follows compute.
-    ("p=f32,c=bf16,o=f32", ("float32", "bfloat16", "float32")),
-    ("params=float32,compute=bfloat16,output=float32", ("float32", "bfloat16", "float32")),
-    ("c=f16", ("float32", "float16", "float16")),
-    ("p=f16,c=bf16", ("float16", "bfloat16", "bfloat16")),
-    ("p=bf16", ("bfloat16", "bfloat16", "bfloat16")),
-    ("o=bf16", ("float32", "float32", "bfloat16")),
-    ("p=full,c=half,o=f64", ("float32", "float16", "float64")),
-    ("half", ("float16",) * 3),
-    ("full", ("float32",) * 3),
-    ("bf16", ("bfloat16",) * 3),
-    (" P = F32 , C = BFloat16 ", ("float32", "bfloat16", "bfloat16")),
-])
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        # jmp's grammar: params default f32, compute follows params, output follows compute.
+        ("p=f32,c=bf16,o=f32", ("float32", "bfloat16", "float32")),
+        ("params=float32,compute=bfloat16,output=float32", ("float32", "bfloat16", "float32")),
+        ("c=f16", ("float32", "float16", "float16")),
+        ("p=f16,c=bf16", ("float16", "bfloat16", "bfloat16")),
+        ("p=bf16", ("bfloat16", "bfloat16", "bfloat16")),
+        ("o=bf16", ("float32", "float32", "bfloat16")),
+        ("p=full,c=half,o=f64", ("float32", "float16", "float64")),
+        ("half", ("float16",) * 3),
+        ("full", ("float32",) * 3),
+        ("bf16", ("bfloat16",) * 3),
+        (" P = F32 , C = BFloat16 ", ("float32", "bfloat16", "bfloat16")),
+    ],
+)
 @pytest.mark.parametrize("strict", [False, True])
 def test_jmp_strings_parse(spec, expected, strict):
     p = Precision.from_string(spec + (",strict" if strict else ""))
@@ -99,18 +116,21 @@ def test_string_round_trip(param, compute, output, strict):
     assert str(p).endswith(",strict") == strict
 
 
-@pytest.mark.parametrize(("spec", "match"), [
-    ("p=f32,c=bf8", r"unknown dtype name 'bf8'.*expected one of .*bfloat16"),
-    ("param=f32", r"unknown key 'param'.*expected one of p, params"),
-    ("p=f32,c=", r"unknown dtype name ''"),
-    ("int8", r"unknown dtype name 'int8'"),
-    ("p=f32,params=bf16", r"key 'params' sets param_dtype twice"),
-    ("p=f32,,c=bf16", r"empty part"),
-    ("", r"empty part"),
-    ("bf16,c=f32", r"bare dtype 'bf16'"),
-    ("strict", r"no dtype"),
-    ("bf16,strict,strict", r"'strict' more than once"),
-])
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("p=f32,c=bf8", r"unknown dtype name 'bf8'.*expected one of .*bfloat16"),
+        ("param=f32", r"unknown key 'param'.*expected one of p, params"),
+        ("p=f32,c=", r"unknown dtype name ''"),
+        ("int8", r"unknown dtype name 'int8'"),
+        ("p=f32,params=bf16", r"key 'params' sets param_dtype twice"),
+        ("p=f32,,c=bf16", r"empty part"),
+        ("", r"empty part"),
+        ("bf16,c=f32", r"bare dtype 'bf16'"),
+        ("strict", r"no dtype"),
+        ("bf16,strict,strict", r"'strict' more than once"),
+    ],
+)
 def test_bad_strings_name_the_bad_part(spec, match):
     with pytest.raises(ValueError, match=match):
         Precision.from_string(spec)

@@ -6,7 +6,8 @@ import leanstep
 
 
 def test_all_names_exist_and_are_documented():
-    assert sorted(leanstep.__all__) == leanstep.__all__
+    # Sorted as ruff's RUF022 sorts it (constants, classes, functions), which `ruff check` enforces.
+    assert len(set(leanstep.__all__)) == len(leanstep.__all__)
     for name in leanstep.__all__:
         obj = getattr(leanstep, name)
         if inspect.isfunction(obj) or inspect.isclass(obj):

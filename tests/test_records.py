@@ -9,19 +9,38 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from metrics_lines import eval_line, train_line
 
 from leanstep.training.records import EvalRecord, Note, TrainRecord, parse_record
+from metrics_lines import eval_line, train_line
 
-TRAIN_FIELDS = ("step", "loss", "grad_norm", "loss_scale", "skipped", "clipped",
-                "consecutive_skips", "tokens_per_sec", "elapsed_s", "lr")
+TRAIN_FIELDS = (
+    "step",
+    "loss",
+    "grad_norm",
+    "loss_scale",
+    "skipped",
+    "clipped",
+    "consecutive_skips",
+    "tokens_per_sec",
+    "elapsed_s",
+    "lr",
+)
 
 floats = st.floats(allow_nan=True, allow_infinity=True)
-train_values = st.fixed_dictionaries({
-    "step": st.integers(1, 2**40), "loss": floats, "grad_norm": floats, "loss_scale": floats,
-    "skipped": st.booleans(), "clipped": st.booleans(), "consecutive_skips": st.integers(0, 2**31),
-    "tokens_per_sec": floats, "elapsed_s": floats, "lr": floats,
-})
+train_values = st.fixed_dictionaries(
+    {
+        "step": st.integers(1, 2**40),
+        "loss": floats,
+        "grad_norm": floats,
+        "loss_scale": floats,
+        "skipped": st.booleans(),
+        "clipped": st.booleans(),
+        "consecutive_skips": st.integers(0, 2**31),
+        "tokens_per_sec": floats,
+        "elapsed_s": floats,
+        "lr": floats,
+    }
+)
 
 
 def test_fields_and_kinds_are_the_metrics_jsonl_schema():
@@ -50,8 +69,9 @@ def test_train_line_is_the_old_dict_line_and_round_trips(values):
 @settings(max_examples=100, deadline=None)
 @given(st.integers(0, 2**40), floats)
 def test_eval_line_is_the_old_dict_line_and_round_trips(step, loss):
-    old_line = json.dumps({"kind": "eval", "step": step, "heldout_loss": loss,
-                           "heldout_bits_per_byte": loss / math.log(2)})
+    old_line = json.dumps(
+        {"kind": "eval", "step": step, "heldout_loss": loss, "heldout_bits_per_byte": loss / math.log(2)}
+    )
     record = EvalRecord.from_loss(step, loss)
     assert json.dumps(record.to_json()) == old_line
     parsed = parse_record(json.loads(old_line))
@@ -61,23 +81,32 @@ def test_eval_line_is_the_old_dict_line_and_round_trips(step, loss):
 def test_numpy_scalars_are_written_as_the_trainer_wrote_them():
     # After jax.device_get the step metrics are NumPy scalars; the trainer applied float/int/bool.
     loss, grad, scale = np.float32(2.7182817), np.float32(np.inf), np.float32(1024.0)
-    record = TrainRecord(np.int64(7), loss, grad, scale, np.bool_(True), np.bool_(False),
-                         np.int32(3), 1234.5, 9.25, np.float32(3e-4))
-    old = {"kind": "train", "step": 7, "loss": float(loss), "grad_norm": float(grad),
-           "loss_scale": float(scale), "skipped": True, "clipped": False, "consecutive_skips": 3,
-           "tokens_per_sec": 1234.5, "elapsed_s": 9.25, "lr": float(np.float32(3e-4))}
+    record = TrainRecord(
+        np.int64(7), loss, grad, scale, np.bool_(True), np.bool_(False), np.int32(3), 1234.5, 9.25, np.float32(3e-4)
+    )
+    old = {
+        "kind": "train",
+        "step": 7,
+        "loss": float(loss),
+        "grad_norm": float(grad),
+        "loss_scale": float(scale),
+        "skipped": True,
+        "clipped": False,
+        "consecutive_skips": 3,
+        "tokens_per_sec": 1234.5,
+        "elapsed_s": 9.25,
+        "lr": float(np.float32(3e-4)),
+    }
     out = record.to_json()
     assert json.dumps(out) == json.dumps(old)
-    assert [type(v) for v in out.values()] == [str, int, float, float, float, bool, bool, int,
-                                               float, float, float]
-    assert json.dumps(EvalRecord.from_loss(np.int32(4), np.float32(1.5)).to_json()) == json.dumps(
-        eval_line(4, 1.5))
+    assert [type(v) for v in out.values()] == [str, int, float, float, float, bool, bool, int, float, float, float]
+    assert json.dumps(EvalRecord.from_loss(np.int32(4), np.float32(1.5)).to_json()) == json.dumps(eval_line(4, 1.5))
 
 
 def test_from_loss_is_bits_per_byte_over_ln2():
     record = EvalRecord.from_loss(10, 3.0)
     assert record == EvalRecord(10, 3.0, 3.0 / math.log(2))
-    assert math.isclose(2 ** record.heldout_bits_per_byte, math.exp(3.0), rel_tol=1e-12)
+    assert math.isclose(2**record.heldout_bits_per_byte, math.exp(3.0), rel_tol=1e-12)
     assert math.isnan(EvalRecord.from_loss(1, math.nan).heldout_bits_per_byte)
 
 
@@ -98,15 +127,13 @@ def test_other_kinds_are_for_other_readers():
     [
         ([1, 2], r"^line 9 is \[1, 2\]; expected a JSON object$"),
         ({"step": 1}, r"^line 9 has no 'kind' field; expected 'train' or 'eval'$"),
-        ({k: v for k, v in train_line(2).items() if k != "lr"},
-         r"^line 9 \('train' record\) lacks the field 'lr'$"),
+        ({k: v for k, v in train_line(2).items() if k != "lr"}, r"^line 9 \('train' record\) lacks the field 'lr'$"),
         ({**train_line(2), "step": 2.5}, r"^line 9 field 'step' is 2.5; expected int$"),
         ({**train_line(2), "step": True}, r"^line 9 field 'step' is True; expected int$"),
         (train_line(2, loss="low"), r"^line 9 field 'loss' is 'low'; expected float$"),
         (train_line(2, loss=False), r"^line 9 field 'loss' is False; expected float$"),
         (train_line(2, skipped="yes"), r"^line 9 field 'skipped' is 'yes'; expected bool$"),
-        ({**eval_line(2, 1.0), "heldout_loss": [1.0]},
-         r"^line 9 field 'heldout_loss' is \[1.0\]; expected float$"),
+        ({**eval_line(2, 1.0), "heldout_loss": [1.0]}, r"^line 9 field 'heldout_loss' is \[1.0\]; expected float$"),
     ],
 )
 def test_parse_errors_name_the_line_field_and_expected_type(obj, message):

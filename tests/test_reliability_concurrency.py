@@ -38,8 +38,13 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _env(cache: Path) -> dict[str, str]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
     env.pop("XLA_FLAGS", None)
     return env
 
@@ -48,10 +53,16 @@ def _env(cache: Path) -> dict[str, str]:
 def trials(tmp_path_factory, corpus) -> dict[str, list[dict]]:
     """Both kinds of trials, each in its own worker process, side by side (mostly Python, not XLA)."""
     root = tmp_path_factory.mktemp("trials")
-    procs = {mode: subprocess.Popen([sys.executable, str(WORKER), mode, str(TRIALS), str(seed), str(root), str(corpus)],
-                                    env=_env(root / f"jax-cache-{mode}"), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
-             for mode, seed in (("writers", 16), ("signals", 17))}
+    procs = {
+        mode: subprocess.Popen(
+            [sys.executable, str(WORKER), mode, str(TRIALS), str(seed), str(root), str(corpus)],
+            env=_env(root / f"jax-cache-{mode}"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for mode, seed in (("writers", 16), ("signals", 17))
+    }
     results = {}
     for mode, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=900)
@@ -82,33 +93,68 @@ def test_double_and_triple_signals_during_a_save_commit_it_then_stop(trials):
     for result in results:
         # The save the signals hit is committed, with its manifest, and the run stops right after it,
         # naming the signal handled first (CPython runs pending handlers in signal-number order).
-        assert any(result["outcome"].startswith(f"stopped({128 + sig}) {sig.name} received: stopped at step "
-                                                f"{result['at_save']} after saving a checkpoint")
-                   for sig in map(signal.Signals.__getitem__, result["signals"])), result
+        assert any(
+            result["outcome"].startswith(
+                f"stopped({128 + sig}) {sig.name} received: stopped at step "
+                f"{result['at_save']} after saving a checkpoint"
+            )
+            for sig in map(signal.Signals.__getitem__, result["signals"])
+        ), result
         assert result["committed"][-1] == result["at_save"], result
         assert result["consistent"] and result["identical"], result
 
 
 def test_a_second_process_is_refused_at_once_naming_the_holder_and_a_dead_holders_lock_is_taken_over(
-        tmp_path, corpus, capsys):
+    tmp_path, corpus, capsys
+):
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from leanstep.training.run_lock import RunLock
         RunLock({str(out)!r}).acquire()
         print("locked", flush=True)
         time.sleep(600)
-        """)], stdout=subprocess.PIPE, text=True)
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         started = time.monotonic()
-        refused = subprocess.run([sys.executable, "-m", "leanstep.cli.main", "train", "--model", "mlp", "--size",
-                                  "tiny", "--steps", "2", "--data", str(corpus), "--out", str(out)],
-                                 capture_output=True, text=True, timeout=300, env=_env(tmp_path / "cache"), check=False)
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "leanstep.cli.main",
+                "train",
+                "--model",
+                "mlp",
+                "--size",
+                "tiny",
+                "--steps",
+                "2",
+                "--data",
+                str(corpus),
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=_env(tmp_path / "cache"),
+            check=False,
+        )
         assert refused.returncode == 2 and refused.stdout == ""
         assert refused.stderr.count("\n") == 1, refused.stderr
-        assert (f"--out {str(out)!r} is in use by another leanstep train (pid {holder.pid} on host "
-                f"{socket.gethostname()}, since ") in refused.stderr
+        assert (
+            f"--out {str(out)!r} is in use by another leanstep train (pid {holder.pid} on host "
+            f"{socket.gethostname()}, since "
+        ) in refused.stderr
         assert time.monotonic() - started < 60  # at once: no data loaded, nothing compiled first
         assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # and nothing written
         with pytest.raises(RunDirectoryInUse, match=f"pid {holder.pid} on host"):
@@ -118,8 +164,17 @@ def test_a_second_process_is_refused_at_once_naming_the_holder_and_a_dead_holder
         holder.wait()
         holder.stdout.close()
     notes = []
-    config = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, steps=2, eval_batches=1, progress=False,
-                       data=str(corpus), out=str(out))
+    config = RunConfig(
+        model="mlp",
+        size="tiny",
+        batch_size=4,
+        seq_len=8,
+        steps=2,
+        eval_batches=1,
+        progress=False,
+        data=str(corpus),
+        out=str(out),
+    )
     train(config, on_record=lambda *records: notes.extend(r.message for r in records if hasattr(r, "message")))
     assert any(f"took over the run directory's lock from pid {holder.pid} on host" in n for n in notes), notes
     assert (out / LOCK_NAME).read_text() == ""  # released cleanly: the next run has nothing to take over
@@ -137,10 +192,34 @@ def test_a_save_that_fails_for_lack_of_space_stops_in_one_line_and_leaves_no_hal
         sys.exit(main(sys.argv[1:]))
         """)
     out = tmp_path / "full"
-    proc = subprocess.run([sys.executable, "-c", script, "train", "--model", "mlp", "--size", "small", "--batch-size",
-                           "4", "--seq-len", "8", "--steps", "2", "--no-progress", "--data", str(corpus), "--out",
-                           str(out)], capture_output=True, text=True, timeout=120, check=False, env={**os.environ,
-                                                                                        "JAX_PLATFORMS": "cpu"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "train",
+            "--model",
+            "mlp",
+            "--size",
+            "small",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "8",
+            "--steps",
+            "2",
+            "--no-progress",
+            "--data",
+            str(corpus),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
@@ -152,9 +231,27 @@ def test_a_save_that_fails_for_lack_of_space_stops_in_one_line_and_leaves_no_hal
 
 @pytest.mark.parametrize("platform", ["bogus", "cuda"])
 def test_a_jax_platforms_that_names_a_missing_backend_is_one_line(tmp_path, platform):
-    proc = subprocess.run([sys.executable, "-m", "leanstep.cli.main", "train", "--model", "mlp", "--size", "tiny",
-                           "--steps", "1", "--out", str(tmp_path / "run")], capture_output=True, text=True,
-                          timeout=300, check=False, env={**os.environ, "JAX_PLATFORMS": platform})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "leanstep.cli.main",
+            "train",
+            "--model",
+            "mlp",
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "JAX_PLATFORMS": platform},
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"leanstep train: error: JAX_PLATFORMS={platform!r}: JAX cannot start a backend")

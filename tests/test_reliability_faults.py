@@ -76,14 +76,18 @@ F16 = "params=float32,compute=float16,output=float32"
 
 def clean_batch(rng: np.random.Generator) -> dict[str, np.ndarray]:
     # Multiples of 1/16 in [-1, 1]: every float16 sum and power-of-two scaling below is exact.
-    return {"x": rng.integers(-16, 17, (ROWS, 3)).astype(np.float32) / 16,
-            "t": rng.integers(-16, 17, (ROWS,)).astype(np.float32) / 16,
-            "poison": np.zeros(ROWS, np.float32), "delta": np.zeros(ROWS, np.float32)}
+    return {
+        "x": rng.integers(-16, 17, (ROWS, 3)).astype(np.float32) / 16,
+        "t": rng.integers(-16, 17, (ROWS,)).astype(np.float32) / 16,
+        "poison": np.zeros(ROWS, np.float32),
+        "delta": np.zeros(ROWS, np.float32),
+    }
 
 
 def init_state(optimizer: optax.GradientTransformation, loss_scale: Any) -> TrainState:
-    return TrainState.create({"w": jnp.array([0.125, -0.25, 0.375]), "b": jnp.float32(0.5)}, optimizer,
-                             loss_scale=loss_scale)
+    return TrainState.create(
+        {"w": jnp.array([0.125, -0.25, 0.375]), "b": jnp.float32(0.5)}, optimizer, loss_scale=loss_scale
+    )
 
 
 def host(tree: Any) -> list[np.ndarray]:
@@ -115,9 +119,13 @@ INJECTIONS = [
 def jitted_steps() -> dict[str, Any]:
     """One compiled step per precision, shared by every injection (batches differ, shapes do not)."""
     optimizer = optax.adam(1e-2)
-    return {precision: (make_train_step(linear_loss, precision=precision,
-                                        num_microbatches=MICROBATCHES, max_grad_norm=1.0), optimizer)
-            for precision in ("float32", "params=float32,compute=bfloat16,output=float32", F16)}
+    return {
+        precision: (
+            make_train_step(linear_loss, precision=precision, num_microbatches=MICROBATCHES, max_grad_norm=1.0),
+            optimizer,
+        )
+        for precision in ("float32", "params=float32,compute=bfloat16,output=float32", F16)
+    }
 
 
 def _injection_params() -> list[Any]:
@@ -127,11 +135,13 @@ def _injection_params() -> list[Any]:
     return cases
 
 
-@pytest.mark.parametrize("precision", ["float32", "params=float32,compute=bfloat16,output=float32", F16],
-                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize(
+    "precision", ["float32", "params=float32,compute=bfloat16,output=float32", F16], ids=["f32", "bf16", "f16"]
+)
 @pytest.mark.parametrize(("where", "row", "value", "loss_finite"), _injection_params())
-def test_a_non_finite_step_is_skipped_and_leaves_the_state_bit_identical(jitted_steps, precision, where, row,
-                                                                         value, loss_finite):
+def test_a_non_finite_step_is_skipped_and_leaves_the_state_bit_identical(
+    jitted_steps, precision, where, row, value, loss_finite
+):
     step, optimizer = jitted_steps[precision]
     rng = np.random.default_rng(row)
     state = init_state(optimizer, DynamicLossScale.create(2.0**12, growth_interval=3))
@@ -154,8 +164,7 @@ def test_a_non_finite_step_is_skipped_and_leaves_the_state_bit_identical(jitted_
 def test_overflow_only_under_the_loss_scale_backs_off_then_applies_the_exact_gradient():
     """x = 96 in one row: the float16 scaled gradient S * 96 / 2 overflows for S >= 2**11 only."""
     optimizer = optax.sgd(0.5)
-    step = make_train_step(linear_loss, precision=F16, num_microbatches=MICROBATCHES,
-                           max_grad_norm=100.0)
+    step = make_train_step(linear_loss, precision=F16, num_microbatches=MICROBATCHES, max_grad_norm=100.0)
     state = init_state(optimizer, DynamicLossScale.create(2.0**15))
     batch = clean_batch(np.random.default_rng(7))
     batch["x"][1, 2] = 96.0
@@ -195,8 +204,10 @@ KINDS = ("clean", "input", "grad_leaf", "overflow", "loss")
 
 
 def _bits(tree: Any) -> list[jax.Array]:
-    return [jax.lax.bitcast_convert_type(leaf, jnp.uint32) if leaf.dtype == jnp.float32 else leaf
-            for leaf in jax.tree.leaves(tree)]
+    return [
+        jax.lax.bitcast_convert_type(leaf, jnp.uint32) if leaf.dtype == jnp.float32 else leaf
+        for leaf in jax.tree.leaves(tree)
+    ]
 
 
 def _same_bits(a: Any, b: Any) -> jax.Array:
@@ -207,30 +218,45 @@ def _same_bits(a: Any, b: Any) -> jax.Array:
 def adversarial_run() -> Any:
     """The raw step (``jit=False``) scanned over a sequence of batches: one compile for every sequence."""
     optimizer = optax.adam(1e-3)
-    step = make_train_step(linear_loss, precision=F16, num_microbatches=MICROBATCHES,
-                           max_grad_norm=1.0, jit=False)
+    step = make_train_step(linear_loss, precision=F16, num_microbatches=MICROBATCHES, max_grad_norm=1.0, jit=False)
 
     @jax.jit
     def run(state: TrainState, batches: dict) -> dict:
         def body(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
             new, m = step(state, batch)
-            return new, {"skipped": m.skipped, "used": m.loss_scale, "next": new.loss_scale.loss_scale,
-                         "consecutive": m.consecutive_skips, "loss": m.loss, "norm": m.grad_norm,
-                         "same_params": _same_bits(new.params, state.params),
-                         "same_opt": _same_bits(new.opt_state, state.opt_state),
-                         "finite_params": all_finite(new.params)}
+            return new, {
+                "skipped": m.skipped,
+                "used": m.loss_scale,
+                "next": new.loss_scale.loss_scale,
+                "consecutive": m.consecutive_skips,
+                "loss": m.loss,
+                "norm": m.grad_norm,
+                "same_params": _same_bits(new.params, state.params),
+                "same_opt": _same_bits(new.opt_state, state.opt_state),
+                "finite_params": all_finite(new.params),
+            }
+
         return jax.lax.scan(body, state, batches)[1]
 
     def go(batches: dict) -> dict:
-        state = init_state(optimizer, DynamicLossScale.create(
-            INIT_SCALE, growth_interval=GROWTH, min_loss_scale=MIN_SCALE, max_loss_scale=MAX_SCALE,
-            hysteresis=HYSTERESIS))
+        state = init_state(
+            optimizer,
+            DynamicLossScale.create(
+                INIT_SCALE,
+                growth_interval=GROWTH,
+                min_loss_scale=MIN_SCALE,
+                max_loss_scale=MAX_SCALE,
+                hysteresis=HYSTERESIS,
+            ),
+        )
         return jax.device_get(run(state, batches))
 
     return go
 
 
-def adversarial_batches(seed: int, kinds: tuple[str, ...], clean_fraction: float) -> tuple[dict, np.ndarray, np.ndarray]:
+def adversarial_batches(
+    seed: int, kinds: tuple[str, ...], clean_fraction: float
+) -> tuple[dict, np.ndarray, np.ndarray]:
     """Batches with one fault each (in one row, so in one microbatch), and bursts of faults."""
     n, rng = ADVERSARIAL_STEPS, np.random.default_rng(seed)
     x = rng.integers(-16, 17, (n, ROWS, 3)).astype(np.float32) / 16
@@ -239,7 +265,7 @@ def adversarial_batches(seed: int, kinds: tuple[str, ...], clean_fraction: float
     kind = rng.choice(np.array(kinds), size=n)
     kind[rng.random(n) < clean_fraction] = "clean"
     for start in np.flatnonzero(rng.random(n) < 0.003):  # bursts drive the scale to its minimum
-        kind[start:start + 40] = "input"
+        kind[start : start + 40] = "input"
     # And for certain: a clean stretch up to the maximum scale, then a faulty one down to the minimum.
     kind[:40], kind[40:100] = "clean", "input"
     row, col = rng.integers(0, ROWS, n), rng.integers(0, 3, n)
@@ -325,18 +351,45 @@ def corpus(tmp_path_factory) -> Path:
 
 
 # In-process runs: the smallest model in float32, so each run compiles fast.
-FAST = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--microbatches", "2",
-        "--precision", "float32", "--remat", "none", "--eval-every", "1000", "--eval-batches", "1",
-        "--no-progress", "--schedule", "constant", "--lr", "1e-2"]
-FAST_CONFIG = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, precision="float32", remat="none",
-                        schedule="constant", lr=1e-2)
+FAST = [
+    "--model",
+    "mlp",
+    "--size",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "8",
+    "--microbatches",
+    "2",
+    "--precision",
+    "float32",
+    "--remat",
+    "none",
+    "--eval-every",
+    "1000",
+    "--eval-batches",
+    "1",
+    "--no-progress",
+    "--schedule",
+    "constant",
+    "--lr",
+    "1e-2",
+]
+FAST_CONFIG = RunConfig(
+    model="mlp", size="tiny", batch_size=4, seq_len=8, precision="float32", remat="none", schedule="constant", lr=1e-2
+)
 
 
 def template_state(config: RunConfig, loss_scale: float = 2.0**15) -> TrainState:
     model = build_model(config.model, config.size, seq_len=config.seq_len)
     optimizer, _ = build_optimizer(config)
-    return TrainState.create(model.init(jax.random.key(config.seed)), optimizer,
-                             loss_scale=DynamicLossScale.create(loss_scale), seed=config.seed)
+    return TrainState.create(
+        model.init(jax.random.key(config.seed)),
+        optimizer,
+        loss_scale=DynamicLossScale.create(loss_scale),
+        seed=config.seed,
+    )
 
 
 def restore(run: Path, template: TrainState, step: int | None = None) -> Any:
@@ -366,7 +419,8 @@ def no_plot(monkeypatch):
 
 
 def test_a_run_stuck_at_the_minimum_loss_scale_stops_and_keeps_its_last_good_checkpoint(
-        tmp_path, corpus, capsys, monkeypatch, no_plot):
+    tmp_path, corpus, capsys, monkeypatch, no_plot
+):
     """From step 5 on every batch carries a NaN. The scale backs off 16 -> 1 over steps 5-8 (skips
     that are the loss scale doing its job), then sits at 1 for steps 9, 10, 11: stop after 3."""
     real_make_train_step = build.make_train_step
@@ -374,6 +428,7 @@ def test_a_run_stuck_at_the_minimum_loss_scale_stops_and_keeps_its_last_good_che
     def make_poisoned_step(loss_fn, **kwargs):
         def loss(params, batch):
             return loss_fn(params, {"tokens": batch["tokens"]}) * (1 + jnp.mean(batch["poison"]))
+
         return real_make_train_step(loss, **kwargs)
 
     class PoisonedSampler(trainer.BatchSampler):
@@ -384,9 +439,26 @@ def test_a_run_stuck_at_the_minimum_loss_scale_stops_and_keeps_its_last_good_che
     monkeypatch.setattr(build, "make_train_step", make_poisoned_step)
     monkeypatch.setattr(trainer, "BatchSampler", PoisonedSampler)
     run = tmp_path / "stuck"
-    code = main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "40",
-                 "--initial-loss-scale", "16", "--checkpoint-every", "2", "--keep-checkpoints", "10",
-                 "--max-consecutive-skips", "3"])
+    code = main(
+        [
+            "train",
+            *FAST,
+            "--data",
+            str(corpus),
+            "--out",
+            str(run),
+            "--steps",
+            "40",
+            "--initial-loss-scale",
+            "16",
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "10",
+            "--max-consecutive-skips",
+            "3",
+        ]
+    )
     assert code == 1
     message = one_line_error(capsys)
     assert "stopped at step 11: the loss scale sat at its minimum (1) for 3 skipped steps in a row" in message
@@ -462,20 +534,53 @@ CORRUPTIONS = {
 def finished_run(tmp_path_factory, corpus) -> Path:
     """Six steps, checkpoints at 2, 4 and 6."""
     run = tmp_path_factory.mktemp("corrupt") / "base"
-    assert main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "6",
-                 "--checkpoint-every", "2", "--keep-checkpoints", "3"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *FAST,
+                "--data",
+                str(corpus),
+                "--out",
+                str(run),
+                "--steps",
+                "6",
+                "--checkpoint-every",
+                "2",
+                "--keep-checkpoints",
+                "3",
+            ]
+        )
+        == 0
+    )
     return run
 
 
 def _resume(run: Path, corpus: Path, steps: int) -> int:
     # --steps equal to the step it falls back to: the resume restores, reports and stops, no compile.
-    return main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", str(steps),
-                 "--checkpoint-every", "2", "--keep-checkpoints", "3", "--resume"])
+    return main(
+        [
+            "train",
+            *FAST,
+            "--data",
+            str(corpus),
+            "--out",
+            str(run),
+            "--steps",
+            str(steps),
+            "--checkpoint-every",
+            "2",
+            "--keep-checkpoints",
+            "3",
+            "--resume",
+        ]
+    )
 
 
 @pytest.mark.parametrize("corrupt", list(CORRUPTIONS), ids=lambda f: f.__name__.strip("_"))
-def test_a_corrupt_latest_checkpoint_is_passed_over_with_a_warning(tmp_path, corpus, capsys, finished_run,
-                                                                   no_plot, corrupt):
+def test_a_corrupt_latest_checkpoint_is_passed_over_with_a_warning(
+    tmp_path, corpus, capsys, finished_run, no_plot, corrupt
+):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     corrupt(run / "checkpoints" / "6")
@@ -511,8 +616,9 @@ def test_two_corrupt_checkpoints_fall_back_two_steps(tmp_path, corpus, capsys, f
     assert Checkpointer(run / "checkpoints").all_steps() == [2]
 
 
-def test_no_intact_checkpoint_stops_with_a_clear_error_and_deletes_nothing(tmp_path, corpus, capsys,
-                                                                            finished_run, no_plot):
+def test_no_intact_checkpoint_stops_with_a_clear_error_and_deletes_nothing(
+    tmp_path, corpus, capsys, finished_run, no_plot
+):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     for step, corrupt in ((2, _truncate), (4, _delete_manifest), (6, _flip_bit)):
@@ -529,8 +635,9 @@ def test_resuming_with_fewer_steps_than_the_run_reached_is_a_clear_error(tmp_pat
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     assert _resume(run, corpus, 4) == 2
-    assert capsys.readouterr().err == ("leanstep train: error: --steps 4 is below step 6, which the run has "
-                                       "reached; pass --steps 6 or more\n")
+    assert capsys.readouterr().err == (
+        "leanstep train: error: --steps 4 is below step 6, which the run has reached; pass --steps 6 or more\n"
+    )
     assert Checkpointer(run / "checkpoints").all_steps() == [2, 4, 6]
     assert json.loads((run / "config.json").read_text())["run"]["steps"] == 6
 
@@ -541,8 +648,28 @@ def test_a_checkpoint_written_by_another_config_is_refused(tmp_path, corpus, cap
     config = json.loads((run / "config.json").read_text())
     config["run"]["seed"] = 5  # config.json now claims another run, the checkpoints do not
     (run / "config.json").write_text(json.dumps(config))
-    assert main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "6", "--seed", "5",
-                 "--checkpoint-every", "2", "--keep-checkpoints", "3", "--resume"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *FAST,
+                "--data",
+                str(corpus),
+                "--out",
+                str(run),
+                "--steps",
+                "6",
+                "--seed",
+                "5",
+                "--checkpoint-every",
+                "2",
+                "--keep-checkpoints",
+                "3",
+                "--resume",
+            ]
+        )
+        == 2
+    )
     assert "--resume: checkpoint step 6 in " in capsys.readouterr().err
     assert Checkpointer(run / "checkpoints").all_steps() == [2, 4, 6]
 
@@ -554,8 +681,9 @@ def _enospc() -> OSError:
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
-def test_a_checkpoint_write_that_hits_a_full_disk_stops_and_keeps_the_earlier_ones(tmp_path, corpus, capsys,
-                                                                                   monkeypatch, no_plot):
+def test_a_checkpoint_write_that_hits_a_full_disk_stops_and_keeps_the_earlier_ones(
+    tmp_path, corpus, capsys, monkeypatch, no_plot
+):
     real_save = leanstep.checkpoint.ocp.AsyncCheckpointer.save
 
     def save(self, directory, *args, **kwargs):
@@ -565,8 +693,10 @@ def test_a_checkpoint_write_that_hits_a_full_disk_stops_and_keeps_the_earlier_on
 
     monkeypatch.setattr(leanstep.checkpoint.ocp.AsyncCheckpointer, "save", save)
     run = tmp_path / "full"
-    assert main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "10",
-                 "--checkpoint-every", "2"]) == 1
+    assert (
+        main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "10", "--checkpoint-every", "2"])
+        == 1
+    )
     message = one_line_error(capsys)
     assert "stopped at step 4: its checkpoint could not be written" in message
     assert "No space left on device" in message and "the last checkpoint (step 2) is intact" in message
@@ -574,8 +704,9 @@ def test_a_checkpoint_write_that_hits_a_full_disk_stops_and_keeps_the_earlier_on
     assert restored.step == 2 and restored.skipped == ()
 
 
-def test_a_metrics_write_that_hits_a_full_disk_stops_and_keeps_the_checkpoints(tmp_path, corpus, capsys,
-                                                                               monkeypatch, no_plot):
+def test_a_metrics_write_that_hits_a_full_disk_stops_and_keeps_the_checkpoints(
+    tmp_path, corpus, capsys, monkeypatch, no_plot
+):
     real_open = Path.open
 
     class FullAfterThreeWrites:
@@ -597,8 +728,10 @@ def test_a_metrics_write_that_hits_a_full_disk_stops_and_keeps_the_checkpoints(t
 
     monkeypatch.setattr(Path, "open", open_)
     run = tmp_path / "full"
-    assert main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "10",
-                 "--checkpoint-every", "2"]) == 1
+    assert (
+        main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "10", "--checkpoint-every", "2"])
+        == 1
+    )
     message = one_line_error(capsys)
     assert f"cannot write {run / 'metrics.jsonl'}: [Errno 28] No space left on device" in message
     assert "the last checkpoint (step 2) is intact" in message
@@ -610,7 +743,9 @@ def test_an_output_directory_under_a_regular_file_is_a_clear_error(tmp_path, cor
     regular.write_text("x")
     assert main(["train", *FAST, "--data", str(corpus), "--out", str(regular / "run"), "--steps", "2"]) == 2
     err = capsys.readouterr().err
-    assert err == f"leanstep train: error: --out '{regular / 'run'}' cannot be created: '{regular}' is not a directory\n"
+    assert (
+        err == f"leanstep train: error: --out '{regular / 'run'}' cannot be created: '{regular}' is not a directory\n"
+    )
     assert regular.read_text() == "x"
 
 
@@ -619,33 +754,82 @@ def test_an_output_directory_under_a_regular_file_is_a_clear_error(tmp_path, cor
 KILL_STEPS = 20
 # The default precision (bf16 compute, dynamic loss scale, remat) on the smallest model; a
 # checkpoint every step, so that kills land in writes.
-KILL_FLAGS = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--microbatches", "2",
-              "--eval-every", "8", "--eval-batches", "1", "--checkpoint-every", "1", "--no-progress",
-              "--steps", str(KILL_STEPS)]
+KILL_FLAGS = [
+    "--model",
+    "mlp",
+    "--size",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "8",
+    "--microbatches",
+    "2",
+    "--eval-every",
+    "8",
+    "--eval-batches",
+    "1",
+    "--checkpoint-every",
+    "1",
+    "--no-progress",
+    "--steps",
+    str(KILL_STEPS),
+]
 KILL_CONFIG = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, steps=KILL_STEPS)
 # Two chains of (trigger, signal), run side by side: "ckpt+n" fires once the n-th new checkpoint
 # is verified; "write" once a new checkpoint write is under way (after one new checkpoint);
 # "delay" a seeded random time (0-0.3 s) after one new checkpoint, wherever the run then is.
 KILL_PLANS = [
-    [("ckpt+2", signal.SIGKILL), ("write", signal.SIGKILL), ("ckpt+2", signal.SIGTERM), ("delay", signal.SIGKILL),
-     ("write", signal.SIGKILL), ("delay", signal.SIGKILL)],
-    [("delay", signal.SIGKILL), ("write", signal.SIGKILL), ("ckpt+1", signal.SIGINT), ("write", signal.SIGKILL),
-     ("ckpt+2", signal.SIGKILL), ("delay", signal.SIGKILL)],
+    [
+        ("ckpt+2", signal.SIGKILL),
+        ("write", signal.SIGKILL),
+        ("ckpt+2", signal.SIGTERM),
+        ("delay", signal.SIGKILL),
+        ("write", signal.SIGKILL),
+        ("delay", signal.SIGKILL),
+    ],
+    [
+        ("delay", signal.SIGKILL),
+        ("write", signal.SIGKILL),
+        ("ckpt+1", signal.SIGINT),
+        ("write", signal.SIGKILL),
+        ("ckpt+2", signal.SIGKILL),
+        ("delay", signal.SIGKILL),
+    ],
 ]
 
 
 def _subprocess_env(cache: Path) -> dict[str, str]:
     # A shared persistent compilation cache: only the first process compiles the step.
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
 
 
 def _launch(run: Path, corpus: Path, env: dict[str, str], *extra: str) -> tuple[subprocess.Popen, Path]:
     log = run.with_name(run.name + f".stderr.{time.monotonic_ns()}")
     with log.open("w") as stderr:
-        process = subprocess.Popen([sys.executable, "-m", "leanstep.cli.main", "train", *KILL_FLAGS,
-                                    "--data", str(corpus), "--out", str(run), *extra],
-                                   stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "leanstep.cli.main",
+                "train",
+                *KILL_FLAGS,
+                "--data",
+                str(corpus),
+                "--out",
+                str(run),
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+        )
     return process, log
 
 
@@ -657,12 +841,10 @@ def _checkpoint_dir_state(run: Path) -> tuple[int, set[str], list[int]]:
         return 0, set(), []
     steps = [int(e.name) for e in entries if e.name.isdigit()]
     verified = [s for s in steps if (run / "checkpoints" / str(s) / MANIFEST_NAME).exists()]
-    return max(verified, default=0), set(unfinished_saves(run / "checkpoints")), \
-        [s for s in steps if s not in verified]
+    return max(verified, default=0), set(unfinished_saves(run / "checkpoints")), [s for s in steps if s not in verified]
 
 
-def _interrupt(process: subprocess.Popen, run: Path, base: int, trigger: str, sig: int,
-               rng: random.Random) -> bool:
+def _interrupt(process: subprocess.Popen, run: Path, base: int, trigger: str, sig: int, rng: random.Random) -> bool:
     """Sends ``sig`` when ``trigger`` fires; returns whether it did (False: the run ended first)."""
     _, stale, _ = _checkpoint_dir_state(run)
     need = int(trigger.split("+")[1]) if trigger.startswith("ckpt") else 1
@@ -682,8 +864,9 @@ def _interrupt(process: subprocess.Popen, run: Path, base: int, trigger: str, si
     return False
 
 
-def _kill_chain(run: Path, plan: list[tuple[str, int]], corpus: Path, env: dict[str, str], seed: int,
-                restore_lock: threading.Lock) -> dict[str, Any]:
+def _kill_chain(
+    run: Path, plan: list[tuple[str, int]], corpus: Path, env: dict[str, str], seed: int, restore_lock: threading.Lock
+) -> dict[str, Any]:
     """Interrupts the run at every point of ``plan``, checking each aftermath, then lets it finish."""
     rng, template = random.Random(seed), template_state(KILL_CONFIG)
     seen: dict[int, list[np.ndarray]] = {}  # step -> the state a resume takes after an interruption
@@ -711,9 +894,26 @@ def _kill_chain(run: Path, plan: list[tuple[str, int]], corpus: Path, env: dict[
         assert restored.step > base
         base = restored.step
         seen[base] = host(restored.state)
-    final = subprocess.run([sys.executable, "-m", "leanstep.cli.main", "train", *KILL_FLAGS, "--data", str(corpus),
-                            "--out", str(run), "--keep-checkpoints", "2", "--resume"],
-                           env=env, capture_output=True, text=True, timeout=300)
+    final = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "leanstep.cli.main",
+            "train",
+            *KILL_FLAGS,
+            "--data",
+            str(corpus),
+            "--out",
+            str(run),
+            "--keep-checkpoints",
+            "2",
+            "--resume",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert final.returncode == 0, final.stderr
     return {"seen": seen, "kills": kills, "landed_in_write": landed_in_write, "stops": stops}
 
@@ -728,8 +928,10 @@ def test_killed_and_resumed_runs_end_bit_identical_to_an_uninterrupted_run(tmp_p
     lock = threading.Lock()
     runs = [tmp_path / f"killed-{i}" for i in range(len(KILL_PLANS))]
     with concurrent.futures.ThreadPoolExecutor(len(KILL_PLANS)) as pool:
-        futures = [pool.submit(_kill_chain, run, plan, corpus, env, seed, lock)
-                   for seed, (run, plan) in enumerate(zip(runs, KILL_PLANS))]
+        futures = [
+            pool.submit(_kill_chain, run, plan, corpus, env, seed, lock)
+            for seed, (run, plan) in enumerate(zip(runs, KILL_PLANS))
+        ]
         chains = [future.result() for future in futures]
     assert straight.wait(timeout=300) == 0
     assert sum(c["kills"] for c in chains) >= 10 and sum(c["stops"] for c in chains) == 2
@@ -737,8 +939,10 @@ def test_killed_and_resumed_runs_end_bit_identical_to_an_uninterrupted_run(tmp_p
 
     template, timing = template_state(KILL_CONFIG), ("tokens_per_sec", "elapsed_s")
     expected = host(restore(reference, template, step=KILL_STEPS).state)
-    records = lambda path: [{k: v for k, v in json.loads(line).items() if k not in timing}
-                            for line in (path / "metrics.jsonl").read_text().splitlines()]
+    records = lambda path: [
+        {k: v for k, v in json.loads(line).items() if k not in timing}
+        for line in (path / "metrics.jsonl").read_text().splitlines()
+    ]
     for run, chain in zip(runs, chains):
         # Every checkpoint a resume took is the uninterrupted run's, bit for bit; so is the end.
         for step, state in chain["seen"].items():

@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_reliability_input import Case
 
 import leanstep
 from leanstep import audit, checkpoint_name, gradient_stage, remat
@@ -38,6 +37,7 @@ from leanstep.rematerialization import check_saved_names
 from leanstep.state import TrainState
 from leanstep.step import make_train_step
 from leanstep.update import check_opt_state, guarded_update, guarded_update_transform
+from test_reliability_input import Case
 
 F32_TINY = float(np.finfo(np.float32).tiny)
 F32_MAX = float(np.finfo(np.float32).max)
@@ -132,146 +132,371 @@ _ABSTRACT_STATE = jax.eval_shape(_state)
 
 CASES = [
     # --- 1a. a params dtype other than the float32 masters -------------------------------------
-    Case("precision/bf16_masters", lambda p: make_train_step(
-        _loss, precision="params=bfloat16,compute=bfloat16,output=float32"), ValueError,
+    Case(
+        "precision/bf16_masters",
+        lambda p: make_train_step(_loss, precision="params=bfloat16,compute=bfloat16,output=float32"),
+        ValueError,
         "precision='params=bfloat16,compute=bfloat16,output=float32': params must be float32 (the master "
-        "weights), got bfloat16"),
-    Case("precision/bare_bf16_sets_the_masters_too", lambda p: make_train_step(_loss, precision="bf16"), ValueError,
-         "use precision='params=float32,compute=bfloat16,output=bfloat16'"),
-    Case("precision/f16_masters", lambda p: make_train_step(_loss, precision="p=f16,c=f16"), ValueError,
-         "params must be float32 (the master weights), got float16"),
-    Case("precision/f64_masters_object", lambda p: make_train_step(
-        _loss, precision=Precision(jnp.float64, jnp.float32, jnp.float32)), ValueError,
-        "params must be float32 (the master weights), got float64"),
-    Case("precision/gradient_stage_bf16_masters", lambda p: gradient_stage(_loss, precision="params=bf16"),
-         ValueError, "params must be float32 (the master weights), got bfloat16"),
-    Case("precision/check_train_precision_half", lambda p: check_train_precision("half"), ValueError,
-         "precision='half': params must be float32"),
-    Case("precision/state_with_bf16_params", lambda p: _STEP(
-        _state().replace(params={"w": jnp.zeros(2, jnp.bfloat16)}), _batch()), ValueError,
-        "state.params['w'] has dtype bfloat16; the master weights must be float32"),
+        "weights), got bfloat16",
+    ),
+    Case(
+        "precision/bare_bf16_sets_the_masters_too",
+        lambda p: make_train_step(_loss, precision="bf16"),
+        ValueError,
+        "use precision='params=float32,compute=bfloat16,output=bfloat16'",
+    ),
+    Case(
+        "precision/f16_masters",
+        lambda p: make_train_step(_loss, precision="p=f16,c=f16"),
+        ValueError,
+        "params must be float32 (the master weights), got float16",
+    ),
+    Case(
+        "precision/f64_masters_object",
+        lambda p: make_train_step(_loss, precision=Precision(jnp.float64, jnp.float32, jnp.float32)),
+        ValueError,
+        "params must be float32 (the master weights), got float64",
+    ),
+    Case(
+        "precision/gradient_stage_bf16_masters",
+        lambda p: gradient_stage(_loss, precision="params=bf16"),
+        ValueError,
+        "params must be float32 (the master weights), got bfloat16",
+    ),
+    Case(
+        "precision/check_train_precision_half",
+        lambda p: check_train_precision("half"),
+        ValueError,
+        "precision='half': params must be float32",
+    ),
+    Case(
+        "precision/state_with_bf16_params",
+        lambda p: _STEP(_state().replace(params={"w": jnp.zeros(2, jnp.bfloat16)}), _batch()),
+        ValueError,
+        "state.params['w'] has dtype bfloat16; the master weights must be float32",
+    ),
     # --- 1b. a save:NAME remat policy naming a tag the model never sets -------------------------
-    Case("remat/save_misspelled_name", lambda p: _remat_step("save:hiden", num_microbatches=2), ValueError,
-         "remat policy 'save:hiden' saves checkpoint_name tag 'hiden', which loss_fn never sets inside that "
-         "jax.checkpoint region, so nothing is saved for it; the tags it sets: ['hidden']"),
-    Case("remat/save_one_known_one_unknown", lambda p: _remat_step("save:hidden,attn_out"), ValueError,
-         "saves checkpoint_name tag 'attn_out'"),
-    Case("remat/save_two_unknown", lambda p: _remat_step("save:a,b"), ValueError,
-         "saves checkpoint_name tags 'a', 'b'"),
-    Case("remat/save_in_an_untagged_model", lambda p: _remat_step("save:hidden", _untagged_block), ValueError,
-         "it sets no checkpoint_name tag"),
-    Case("remat/raw_save_only_these_names_policy", lambda p: _remat_step(
-        jax.checkpoint_policies.save_only_these_names("nope")), ValueError, "saves checkpoint_name tag 'nope'"),
-    Case("remat/save_unknown_with_bf16_compute", lambda p: _remat_step("save:hiden", precision="compute=bf16"),
-         ValueError, "saves checkpoint_name tag 'hiden'"),
-    Case("remat/gradient_stage_save_unknown", lambda p: gradient_stage(_remat_loss("save:hiden"))(
-        {"w": jnp.eye(2)}, _block_batch()), ValueError, "saves checkpoint_name tag 'hiden'"),
-    Case("remat/audit_of_a_step", lambda p: audit(make_train_step(_remat_loss("save:zz")), _block_state(),
-                                                  _block_batch()), ValueError, "saves checkpoint_name tag 'zz'"),
-    Case("remat/audit_of_a_gradient", lambda p: audit(jax.grad(lambda w: jnp.sum(remat(_block, "save:zz")(
-        w, jnp.ones((4, 2))))), {"w": jnp.eye(2)}), ValueError,
-        "saves checkpoint_name tag 'zz', which the audited program never sets"),
+    Case(
+        "remat/save_misspelled_name",
+        lambda p: _remat_step("save:hiden", num_microbatches=2),
+        ValueError,
+        "remat policy 'save:hiden' saves checkpoint_name tag 'hiden', which loss_fn never sets inside that "
+        "jax.checkpoint region, so nothing is saved for it; the tags it sets: ['hidden']",
+    ),
+    Case(
+        "remat/save_one_known_one_unknown",
+        lambda p: _remat_step("save:hidden,attn_out"),
+        ValueError,
+        "saves checkpoint_name tag 'attn_out'",
+    ),
+    Case(
+        "remat/save_two_unknown", lambda p: _remat_step("save:a,b"), ValueError, "saves checkpoint_name tags 'a', 'b'"
+    ),
+    Case(
+        "remat/save_in_an_untagged_model",
+        lambda p: _remat_step("save:hidden", _untagged_block),
+        ValueError,
+        "it sets no checkpoint_name tag",
+    ),
+    Case(
+        "remat/raw_save_only_these_names_policy",
+        lambda p: _remat_step(jax.checkpoint_policies.save_only_these_names("nope")),
+        ValueError,
+        "saves checkpoint_name tag 'nope'",
+    ),
+    Case(
+        "remat/save_unknown_with_bf16_compute",
+        lambda p: _remat_step("save:hiden", precision="compute=bf16"),
+        ValueError,
+        "saves checkpoint_name tag 'hiden'",
+    ),
+    Case(
+        "remat/gradient_stage_save_unknown",
+        lambda p: gradient_stage(_remat_loss("save:hiden"))({"w": jnp.eye(2)}, _block_batch()),
+        ValueError,
+        "saves checkpoint_name tag 'hiden'",
+    ),
+    Case(
+        "remat/audit_of_a_step",
+        lambda p: audit(make_train_step(_remat_loss("save:zz")), _block_state(), _block_batch()),
+        ValueError,
+        "saves checkpoint_name tag 'zz'",
+    ),
+    Case(
+        "remat/audit_of_a_gradient",
+        lambda p: audit(jax.grad(lambda w: jnp.sum(remat(_block, "save:zz")(w, jnp.ones((4, 2))))), {"w": jnp.eye(2)}),
+        ValueError,
+        "saves checkpoint_name tag 'zz', which the audited program never sets",
+    ),
     # --- 1c. thresholds that are zero, denormal or infinite in float32 ---------------------------
-    Case("threshold/max_grad_norm_denormal", lambda p: make_train_step(_loss, max_grad_norm=1e-45), ValueError,
-         "max_grad_norm must be a positive finite number or None, got 1e-45; it is applied in float32, so it "
-         "must be in [1.1754944e-38, 3.4028235e+38]"),
-    Case("threshold/max_grad_norm_1e-39", lambda p: make_train_step(_loss, max_grad_norm=1e-39), ValueError,
-         "max_grad_norm must be a positive finite number or None, got 1e-39"),
-    Case("threshold/max_grad_norm_inf_in_float32", lambda p: make_train_step(_loss, max_grad_norm=1e39), ValueError,
-         "got 1e+39; it is applied in float32"),
-    Case("threshold/guarded_update_max_grad_norm_denormal", lambda p: guarded_update(
-        _state(), {"w": jnp.ones(2)}, max_grad_norm=1e-40), ValueError, "max_grad_norm must be a positive finite"),
-    Case("threshold/transform_max_grad_norm_inf", lambda p: guarded_update_transform(SGD, max_grad_norm=1e39),
-         ValueError, "must be in [1.1754944e-38, 3.4028235e+38]"),
-    Case("threshold/static_scale_denormal", lambda p: leanstep.get_loss_scale("static", 1e-45), ValueError,
-         "loss_scale must be finite and > 0 in float32, got 1e-45; expected a normal float32 in "
-         "[1.1754944e-38, 3.4028235e+38]"),
-    Case("threshold/static_scale_1e-40", lambda p: StaticLossScale.create(1e-40), ValueError,
-         "loss_scale must be finite and > 0 in float32, got 1e-40"),
-    Case("threshold/static_scale_inf_in_float32", lambda p: StaticLossScale.create(1e39), ValueError,
-         "got 1e+39; expected a normal float32"),
-    Case("threshold/static_scale_zero_array", lambda p: StaticLossScale.create(jnp.float32(0)), ValueError,
-         "loss_scale must be finite and > 0 in float32, got 0.0"),
-    Case("threshold/dynamic_initial_denormal", lambda p: DynamicLossScale.create(1e-39, min_loss_scale=F32_TINY),
-         ValueError, "initial_scale must be finite and > 0 in float32, got 1e-39; expected a normal float32"),
-    Case("threshold/backoff_denormal", lambda p: DynamicLossScale.create(8.0, backoff_factor=1e-40), ValueError,
-         "backoff_factor must be in (0, 1) in float32, got 1e-40; expected a normal float32 in [1.1754944e-38, 1)"),
-    Case("threshold/backoff_smallest_denormal", lambda p: DynamicLossScale.create(8.0, backoff_factor=1e-45),
-         ValueError, "backoff_factor must be in (0, 1) in float32"),
-    Case("threshold/growth_factor_rounds_to_one", lambda p: DynamicLossScale.create(8.0, growth_factor=1 + 1e-9),
-         ValueError, "growth_factor must be > 1 in float32"),
-    Case("threshold/min_loss_scale_denormal", lambda p: DynamicLossScale.create(8.0, min_loss_scale=1e-39),
-         ValueError, "min_loss_scale must be >= 1.175494e-38 (smallest normal float32)"),
-    Case("threshold/max_loss_scale_inf_in_float32", lambda p: DynamicLossScale.create(8.0, max_loss_scale=1e39),
-         ValueError, "max_loss_scale must be finite in float32"),
-    Case("threshold/clip_max_norm_denormal", lambda p: clip_by_global_norm({"w": jnp.ones(2)}, 1e-45), ValueError,
-         "max_norm must be finite and > 0, got max_norm=1e-45; it is applied in float32"),
-    Case("threshold/clip_transform_max_norm_inf", lambda p: clip_by_global_norm_transform(1e39), ValueError,
-         "max_norm must be finite and > 0, got max_norm=1e+39; it is applied in float32"),
+    Case(
+        "threshold/max_grad_norm_denormal",
+        lambda p: make_train_step(_loss, max_grad_norm=1e-45),
+        ValueError,
+        "max_grad_norm must be a positive finite number or None, got 1e-45; it is applied in float32, so it "
+        "must be in [1.1754944e-38, 3.4028235e+38]",
+    ),
+    Case(
+        "threshold/max_grad_norm_1e-39",
+        lambda p: make_train_step(_loss, max_grad_norm=1e-39),
+        ValueError,
+        "max_grad_norm must be a positive finite number or None, got 1e-39",
+    ),
+    Case(
+        "threshold/max_grad_norm_inf_in_float32",
+        lambda p: make_train_step(_loss, max_grad_norm=1e39),
+        ValueError,
+        "got 1e+39; it is applied in float32",
+    ),
+    Case(
+        "threshold/guarded_update_max_grad_norm_denormal",
+        lambda p: guarded_update(_state(), {"w": jnp.ones(2)}, max_grad_norm=1e-40),
+        ValueError,
+        "max_grad_norm must be a positive finite",
+    ),
+    Case(
+        "threshold/transform_max_grad_norm_inf",
+        lambda p: guarded_update_transform(SGD, max_grad_norm=1e39),
+        ValueError,
+        "must be in [1.1754944e-38, 3.4028235e+38]",
+    ),
+    Case(
+        "threshold/static_scale_denormal",
+        lambda p: leanstep.get_loss_scale("static", 1e-45),
+        ValueError,
+        "loss_scale must be finite and > 0 in float32, got 1e-45; expected a normal float32 in "
+        "[1.1754944e-38, 3.4028235e+38]",
+    ),
+    Case(
+        "threshold/static_scale_1e-40",
+        lambda p: StaticLossScale.create(1e-40),
+        ValueError,
+        "loss_scale must be finite and > 0 in float32, got 1e-40",
+    ),
+    Case(
+        "threshold/static_scale_inf_in_float32",
+        lambda p: StaticLossScale.create(1e39),
+        ValueError,
+        "got 1e+39; expected a normal float32",
+    ),
+    Case(
+        "threshold/static_scale_zero_array",
+        lambda p: StaticLossScale.create(jnp.float32(0)),
+        ValueError,
+        "loss_scale must be finite and > 0 in float32, got 0.0",
+    ),
+    Case(
+        "threshold/dynamic_initial_denormal",
+        lambda p: DynamicLossScale.create(1e-39, min_loss_scale=F32_TINY),
+        ValueError,
+        "initial_scale must be finite and > 0 in float32, got 1e-39; expected a normal float32",
+    ),
+    Case(
+        "threshold/backoff_denormal",
+        lambda p: DynamicLossScale.create(8.0, backoff_factor=1e-40),
+        ValueError,
+        "backoff_factor must be in (0, 1) in float32, got 1e-40; expected a normal float32 in [1.1754944e-38, 1)",
+    ),
+    Case(
+        "threshold/backoff_smallest_denormal",
+        lambda p: DynamicLossScale.create(8.0, backoff_factor=1e-45),
+        ValueError,
+        "backoff_factor must be in (0, 1) in float32",
+    ),
+    Case(
+        "threshold/growth_factor_rounds_to_one",
+        lambda p: DynamicLossScale.create(8.0, growth_factor=1 + 1e-9),
+        ValueError,
+        "growth_factor must be > 1 in float32",
+    ),
+    Case(
+        "threshold/min_loss_scale_denormal",
+        lambda p: DynamicLossScale.create(8.0, min_loss_scale=1e-39),
+        ValueError,
+        "min_loss_scale must be >= 1.175494e-38 (smallest normal float32)",
+    ),
+    Case(
+        "threshold/max_loss_scale_inf_in_float32",
+        lambda p: DynamicLossScale.create(8.0, max_loss_scale=1e39),
+        ValueError,
+        "max_loss_scale must be finite in float32",
+    ),
+    Case(
+        "threshold/clip_max_norm_denormal",
+        lambda p: clip_by_global_norm({"w": jnp.ones(2)}, 1e-45),
+        ValueError,
+        "max_norm must be finite and > 0, got max_norm=1e-45; it is applied in float32",
+    ),
+    Case(
+        "threshold/clip_transform_max_norm_inf",
+        lambda p: clip_by_global_norm_transform(1e39),
+        ValueError,
+        "max_norm must be finite and > 0, got max_norm=1e+39; it is applied in float32",
+    ),
     # --- settings of TrainState.create and make_train_step that were taken and then lost ---------
-    Case("state/static_loss_scale_without_a_value", lambda p: _state(loss_scale="static"), ValueError,
-         "loss_scale='static' needs its scale: pass loss_scale=leanstep.StaticLossScale.create(S)"),
-    Case("state/loss_scale_a_number", lambda p: _state(loss_scale=1024.0), TypeError,
-         "loss_scale must be 'dynamic', 'static', 'none' or a LossScale"),
+    Case(
+        "state/static_loss_scale_without_a_value",
+        lambda p: _state(loss_scale="static"),
+        ValueError,
+        "loss_scale='static' needs its scale: pass loss_scale=leanstep.StaticLossScale.create(S)",
+    ),
+    Case(
+        "state/loss_scale_a_number",
+        lambda p: _state(loss_scale=1024.0),
+        TypeError,
+        "loss_scale must be 'dynamic', 'static', 'none' or a LossScale",
+    ),
     Case("state/seed_negative", lambda p: _state(seed=-1), ValueError, "seed must be an int in [0, 2**32 - 1], got -1"),
-    Case("state/seed_wider_than_the_key", lambda p: _state(seed=2**32), ValueError,
-         "seed must be an int in [0, 2**32 - 1], got 4294967296; a PRNG key keeps 32 bits of the seed"),
-    Case("step/donate_a_string", lambda p: make_train_step(_loss, donate="no"), TypeError,
-         "donate must be a bool, got str 'no'"),
+    Case(
+        "state/seed_wider_than_the_key",
+        lambda p: _state(seed=2**32),
+        ValueError,
+        "seed must be an int in [0, 2**32 - 1], got 4294967296; a PRNG key keeps 32 bits of the seed",
+    ),
+    Case(
+        "step/donate_a_string",
+        lambda p: make_train_step(_loss, donate="no"),
+        TypeError,
+        "donate must be a bool, got str 'no'",
+    ),
     Case("step/jit_none", lambda p: make_train_step(_loss, jit=None), TypeError, "jit must be a bool"),
     # --- 2a. an optimizer state of another optimizer, or of other parameters --------------------
-    Case("opt_state/sgd_state_adam_step", lambda p: _other_optimizer(SGD, ADAM), ValueError,
-         "state.opt_state does not match the optimizer the step applies: state.opt_state[0] is an EmptyState, "
-         "optimizer.init(params)[0] is a ScaleByAdamState"),
-    Case("opt_state/adam_state_sgd_step", lambda p: _other_optimizer(ADAM, SGD), ValueError,
-         "state.opt_state[0] is a ScaleByAdamState, optimizer.init(params)[0] is an EmptyState"),
-    Case("opt_state/chain_state_plain_adamw", lambda p: _other_optimizer(
-        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1)), optax.adamw(0.1)), ValueError,
-        "state.opt_state does not match the optimizer the step applies"),
-    Case("opt_state/other_param_shapes", lambda p: _adam_state_of_other_params(), ValueError,
-         "state.opt_state[0].mu['w'] is a float32[2] array, optimizer.init(params)[0].mu['w'] is a float32[3] array"),
-    Case("update/grads_of_other_params", lambda p: guarded_update(_state(), {"v": jnp.ones(2)}), ValueError,
-         "scaled_grads must have the structure of the params (one gradient per parameter)"),
-    Case("update/grads_of_another_shape", lambda p: guarded_update(_state(), {"w": jnp.ones(3)}), ValueError,
-         "scaled_grads['w'] has shape (3,), params['w'] has (2,)"),
+    Case(
+        "opt_state/sgd_state_adam_step",
+        lambda p: _other_optimizer(SGD, ADAM),
+        ValueError,
+        "state.opt_state does not match the optimizer the step applies: state.opt_state[0] is an EmptyState, "
+        "optimizer.init(params)[0] is a ScaleByAdamState",
+    ),
+    Case(
+        "opt_state/adam_state_sgd_step",
+        lambda p: _other_optimizer(ADAM, SGD),
+        ValueError,
+        "state.opt_state[0] is a ScaleByAdamState, optimizer.init(params)[0] is an EmptyState",
+    ),
+    Case(
+        "opt_state/chain_state_plain_adamw",
+        lambda p: _other_optimizer(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1)), optax.adamw(0.1)),
+        ValueError,
+        "state.opt_state does not match the optimizer the step applies",
+    ),
+    Case(
+        "opt_state/other_param_shapes",
+        lambda p: _adam_state_of_other_params(),
+        ValueError,
+        "state.opt_state[0].mu['w'] is a float32[2] array, optimizer.init(params)[0].mu['w'] is a float32[3] array",
+    ),
+    Case(
+        "update/grads_of_other_params",
+        lambda p: guarded_update(_state(), {"v": jnp.ones(2)}),
+        ValueError,
+        "scaled_grads must have the structure of the params (one gradient per parameter)",
+    ),
+    Case(
+        "update/grads_of_another_shape",
+        lambda p: guarded_update(_state(), {"w": jnp.ones(3)}),
+        ValueError,
+        "scaled_grads['w'] has shape (3,), params['w'] has (2,)",
+    ),
     # --- 2b. a donated state used again ------------------------------------------------------------
-    Case("step/donated_state_used_again", lambda p: _reuse_donated_state(), ValueError,
-         "has been deleted; the step donates its input state (donate=True)"),
-    Case("step/donated_params_in_a_new_state", lambda p: _reuse_donated_params(), ValueError,
-         "state.params['w'] has been deleted; the step donates its input state"),
-    Case("step/deleted_batch", lambda p: _deleted_batch(), ValueError,
-         "batch['x'] has been deleted (donated to, or deleted by, an earlier call)"),
+    Case(
+        "step/donated_state_used_again",
+        lambda p: _reuse_donated_state(),
+        ValueError,
+        "has been deleted; the step donates its input state (donate=True)",
+    ),
+    Case(
+        "step/donated_params_in_a_new_state",
+        lambda p: _reuse_donated_params(),
+        ValueError,
+        "state.params['w'] has been deleted; the step donates its input state",
+    ),
+    Case(
+        "step/deleted_batch",
+        lambda p: _deleted_batch(),
+        ValueError,
+        "batch['x'] has been deleted (donated to, or deleted by, an earlier call)",
+    ),
     # --- 2c. a token count that is not a scalar ---------------------------------------------------
-    Case("tokens/count_a_vector", lambda p: _token_step(lambda b: jnp.ones(b["y"].shape[0])), ValueError,
-         "token_weighted=True: loss_fn's count must be a scalar, got shape (2,); reduce it (e.g. jnp.sum(mask))"),
-    Case("tokens/count_complex", lambda p: _token_step(lambda b: jnp.complex64(2)), TypeError,
-         "token_weighted=True: loss_fn's count must be a real scalar, got dtype complex64"),
-    Case("tokens/count_a_string", lambda p: _token_step(lambda b: "2"), TypeError,
-         "token_weighted=True: loss_fn's count must be a real scalar, got str"),
-    Case("tokens/accumulate_count_a_vector", lambda p: _accumulate(_token_loss(lambda b: jnp.ones(2)),
-                                                                   token_weighted=True), ValueError,
-         "loss_fn's count must be a scalar, got shape (2,)"),
-    Case("tokens/accumulate_without_a_count", lambda p: _accumulate(_loss, token_weighted=True), TypeError,
-         "token_weighted=True: loss_fn must return (loss_sum, count), got"),
-    Case("accumulate/loss_a_vector", lambda p: _accumulate(lambda q, b: b["x"] @ q["w"]), ValueError,
-         "loss_fn's loss must be a scalar, got shape (2,); reduce it (e.g. jnp.mean)"),
-    Case("accumulate/loss_an_int", lambda p: _accumulate(lambda q, b: jnp.int32(1)), TypeError,
-         "loss_fn's loss must be a real floating scalar, got dtype int32"),
-    Case("accumulate/has_aux_without_aux", lambda p: _accumulate(_loss, has_aux=True), TypeError,
-         "has_aux=True: loss_fn must return (value, aux)"),
+    Case(
+        "tokens/count_a_vector",
+        lambda p: _token_step(lambda b: jnp.ones(b["y"].shape[0])),
+        ValueError,
+        "token_weighted=True: loss_fn's count must be a scalar, got shape (2,); reduce it (e.g. jnp.sum(mask))",
+    ),
+    Case(
+        "tokens/count_complex",
+        lambda p: _token_step(lambda b: jnp.complex64(2)),
+        TypeError,
+        "token_weighted=True: loss_fn's count must be a real scalar, got dtype complex64",
+    ),
+    Case(
+        "tokens/count_a_string",
+        lambda p: _token_step(lambda b: "2"),
+        TypeError,
+        "token_weighted=True: loss_fn's count must be a real scalar, got str",
+    ),
+    Case(
+        "tokens/accumulate_count_a_vector",
+        lambda p: _accumulate(_token_loss(lambda b: jnp.ones(2)), token_weighted=True),
+        ValueError,
+        "loss_fn's count must be a scalar, got shape (2,)",
+    ),
+    Case(
+        "tokens/accumulate_without_a_count",
+        lambda p: _accumulate(_loss, token_weighted=True),
+        TypeError,
+        "token_weighted=True: loss_fn must return (loss_sum, count), got",
+    ),
+    Case(
+        "accumulate/loss_a_vector",
+        lambda p: _accumulate(lambda q, b: b["x"] @ q["w"]),
+        ValueError,
+        "loss_fn's loss must be a scalar, got shape (2,); reduce it (e.g. jnp.mean)",
+    ),
+    Case(
+        "accumulate/loss_an_int",
+        lambda p: _accumulate(lambda q, b: jnp.int32(1)),
+        TypeError,
+        "loss_fn's loss must be a real floating scalar, got dtype int32",
+    ),
+    Case(
+        "accumulate/has_aux_without_aux",
+        lambda p: _accumulate(_loss, has_aux=True),
+        TypeError,
+        "has_aux=True: loss_fn must return (value, aux)",
+    ),
     # --- 2d. ShapeDtypeStructs (and other non-arrays) where arrays are needed ----------------------
-    Case("abstract/params_of_create", lambda p: TrainState.create({"w": jax.ShapeDtypeStruct((2,), jnp.float32)},
-                                                                  SGD), TypeError,
-         "params['w'] is a jax.ShapeDtypeStruct (a shape without values); TrainState.create needs concrete arrays"),
-    Case("abstract/model_state_of_create", lambda p: _state(model_state={"n": jax.ShapeDtypeStruct((), jnp.int32)}),
-         TypeError, "model_state['n'] is a jax.ShapeDtypeStruct"),
-    Case("abstract/state_of_the_step", lambda p: _STEP(_ABSTRACT_STATE, _batch()), TypeError,
-         "state.step is a jax.ShapeDtypeStruct (a shape without values); the step runs on arrays"),
-    Case("abstract/batch_of_the_step", lambda p: _STEP(_state(), {"x": jax.ShapeDtypeStruct((4, 2), jnp.float32),
-                                                               "y": jnp.ones(4)}), TypeError,
-         "batch['x'] is a jax.ShapeDtypeStruct"),
-    Case("step/batch_string_leaf", lambda p: _STEP(_state(), {"x": "ones", "y": jnp.ones(4)}), TypeError,
-         "batch['x'] is a str; the batch must be a pytree of arrays"),
+    Case(
+        "abstract/params_of_create",
+        lambda p: TrainState.create({"w": jax.ShapeDtypeStruct((2,), jnp.float32)}, SGD),
+        TypeError,
+        "params['w'] is a jax.ShapeDtypeStruct (a shape without values); TrainState.create needs concrete arrays",
+    ),
+    Case(
+        "abstract/model_state_of_create",
+        lambda p: _state(model_state={"n": jax.ShapeDtypeStruct((), jnp.int32)}),
+        TypeError,
+        "model_state['n'] is a jax.ShapeDtypeStruct",
+    ),
+    Case(
+        "abstract/state_of_the_step",
+        lambda p: _STEP(_ABSTRACT_STATE, _batch()),
+        TypeError,
+        "state.step is a jax.ShapeDtypeStruct (a shape without values); the step runs on arrays",
+    ),
+    Case(
+        "abstract/batch_of_the_step",
+        lambda p: _STEP(_state(), {"x": jax.ShapeDtypeStruct((4, 2), jnp.float32), "y": jnp.ones(4)}),
+        TypeError,
+        "batch['x'] is a jax.ShapeDtypeStruct",
+    ),
+    Case(
+        "step/batch_string_leaf",
+        lambda p: _STEP(_state(), {"x": "ones", "y": jnp.ones(4)}),
+        TypeError,
+        "batch['x'] is a str; the batch must be a pytree of arrays",
+    ),
     Case("step/state_a_string", lambda p: _STEP("state", _batch()), TypeError, "state must be a TrainState"),
 ]
 
@@ -296,8 +521,16 @@ def test_bad_setting_or_input_gets_a_clear_error(case: Case):
 # --- 1a. the masters are float32, whatever dtype the params are given in ------------------------
 
 
-@pytest.mark.parametrize("spec", ["float32", "compute=bf16", "params=float32,compute=bfloat16,output=float32",
-                                  "p=f32,c=f16,o=f32,strict", Precision(jnp.float32, jnp.bfloat16, jnp.float32)])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "float32",
+        "compute=bf16",
+        "params=float32,compute=bfloat16,output=float32",
+        "p=f32,c=f16,o=f32,strict",
+        Precision(jnp.float32, jnp.bfloat16, jnp.float32),
+    ],
+)
 def test_check_train_precision_accepts_every_float32_master_policy(spec):
     assert check_train_precision(spec) == get_precision(spec)
 
@@ -355,6 +588,7 @@ def model_losses():
         params = jax.eval_shape(model.init, jax.random.key(0))
         tokens = jax.ShapeDtypeStruct((2, model.seq_len + 1), jnp.int32)
         return jax.make_jaxpr(lambda p, t: model.loss(p, {"tokens": t}, remat_policy=policy))(params, tokens)
+
     return traced
 
 
@@ -405,8 +639,9 @@ def _optimizers() -> dict[str, optax.GradientTransformation]:
         "chain_leanstep_clip": optax.chain(clip_by_global_norm_transform(1.0), optax.sgd(0.1)),
         "inject_hyperparams": optax.inject_hyperparams(optax.adamw)(learning_rate=optax.linear_schedule(0.1, 0.0, 10)),
         "masked": optax.masked(optax.adam(1e-2), decay_mask),
-        "multi_transform": optax.multi_transform({"a": optax.adam(1e-2), "s": optax.sgd(0.1)},
-                                                 {"w": "a", "b": "s", "nested": {"v": "a"}}),
+        "multi_transform": optax.multi_transform(
+            {"a": optax.adam(1e-2), "s": optax.sgd(0.1)}, {"w": "a", "b": "s", "nested": {"v": "a"}}
+        ),
         "adafactor": optax.adafactor(1e-2),
         "lion": optax.lion(1e-3),
         "apply_if_finite": optax.apply_if_finite(optax.adam(1e-2), 3),
@@ -468,9 +703,11 @@ def test_the_checked_step_is_still_the_jitted_one():
 
 def test_an_integer_token_count_gives_the_full_batch_sum_over_count():
     rng = np.random.default_rng(1)
-    batch = {"x": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32), "y": jnp.asarray(rng.normal(size=(4,)),
-                                                                                       jnp.float32),
-             "mask": jnp.asarray([1, 1, 0, 1], jnp.int32)}
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(4, 2)), jnp.float32),
+        "y": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+        "mask": jnp.asarray([1, 1, 0, 1], jnp.int32),
+    }
 
     def loss_fn(params, b):
         errors = (b["x"] @ params["w"] - b["y"]) ** 2

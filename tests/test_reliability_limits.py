@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_reliability_input import CATALOGUE, Case, _t, paths  # noqa: F401 - paths is a fixture
 
 import leanstep.planning
 import leanstep.training
@@ -27,6 +26,7 @@ from leanstep.cli.main import main
 from leanstep.models import build_model
 from leanstep.training import RunConfig
 from leanstep.training.run_lock import RunLock
+from test_reliability_input import CATALOGUE, Case, _t, paths  # noqa: F401 - paths is a fixture
 
 BIG = str(2**31)
 _PLAN = ("--model", "mlp", "--size", "tiny", "--budget", "1GiB")
@@ -34,40 +34,100 @@ HUGE = "1" + "0" * 40
 
 CASES = [
     # counts past int32: refused where parsed, naming the range
-    *[Case(f"train/{flag.strip('-').replace('-', '_')}_{'huge' if value == HUGE else 'past_int32'}", _t(flag, value), 2,
-           f"{flag} must be an integer in [{low}, 2147483647], got {value}")
-      for flag, value, low in (("--steps", BIG, 1), ("--steps", HUGE, 1), ("--batch-size", BIG, 1),
-                               ("--seq-len", BIG, 1), ("--eval-every", BIG, 1), ("--eval-batches", BIG, 1),
-                               ("--checkpoint-every", BIG, 1), ("--keep-checkpoints", HUGE, 1),
-                               ("--max-consecutive-skips", BIG, 1), ("--warmup-steps", BIG, 0),
-                               ("--microbatches", BIG, 1), ("--d-model", BIG, 1), ("--layers", HUGE, 1),
-                               ("--stop-at", BIG, 1))],
-    Case("train/seed_past_32_bits", _t("--seed", str(2**32)), 2,
-         "--seed must be an integer in [0, 4294967295], got 4294967296"),
+    *[
+        Case(
+            f"train/{flag.strip('-').replace('-', '_')}_{'huge' if value == HUGE else 'past_int32'}",
+            _t(flag, value),
+            2,
+            f"{flag} must be an integer in [{low}, 2147483647], got {value}",
+        )
+        for flag, value, low in (
+            ("--steps", BIG, 1),
+            ("--steps", HUGE, 1),
+            ("--batch-size", BIG, 1),
+            ("--seq-len", BIG, 1),
+            ("--eval-every", BIG, 1),
+            ("--eval-batches", BIG, 1),
+            ("--checkpoint-every", BIG, 1),
+            ("--keep-checkpoints", HUGE, 1),
+            ("--max-consecutive-skips", BIG, 1),
+            ("--warmup-steps", BIG, 0),
+            ("--microbatches", BIG, 1),
+            ("--d-model", BIG, 1),
+            ("--layers", HUGE, 1),
+            ("--stop-at", BIG, 1),
+        )
+    ],
+    Case(
+        "train/seed_past_32_bits",
+        _t("--seed", str(2**32)),
+        2,
+        "--seed must be an integer in [0, 4294967295], got 4294967296",
+    ),
     Case("train/seed_huge", _t("--seed", HUGE), 2, f"--seed must be an integer in [0, 4294967295], got {HUGE}"),
-    Case("train/tokens_per_step_past_int32", _t("--batch-size", "65536", "--seq-len", "65536", "--microbatches", "1"),
-         2, "--batch-size 65536 times --seq-len 65536 is more than 2147483647 tokens per step"),
-    Case("train/stop_at_past_steps", _t("--steps", "5", "--stop-at", "9"), 2,
-         "--stop-at 9 is past --steps 5: the run would never stop there"),
+    Case(
+        "train/tokens_per_step_past_int32",
+        _t("--batch-size", "65536", "--seq-len", "65536", "--microbatches", "1"),
+        2,
+        "--batch-size 65536 times --seq-len 65536 is more than 2147483647 tokens per step",
+    ),
+    Case(
+        "train/stop_at_past_steps",
+        _t("--steps", "5", "--stop-at", "9"),
+        2,
+        "--stop-at 9 is past --steps 5: the run would never stop there",
+    ),
     # numbers past float32: a setting that would be inf, or a denormal that flushes to zero
-    *[Case(f"train/{flag.strip('-').replace('-', '_')}_{name}", _t(flag, value), 2,
-           f"{flag} must be in float32's normal range [1.1754944e-38, 3.4028235e+38]")
-      for flag in ("--lr", "--initial-loss-scale", "--max-grad-norm")
-      for name, value in (("past_float32", "1e39"), ("denormal", "1e-40"), ("smallest_denormal", "1.4e-45"))],
-    Case("train/weight_decay_past_float32", _t("--weight-decay", "1e39"), 2,
-         "--weight-decay must be at most 3.4028235e+38 (it becomes a float32), got 1e+39"),
+    *[
+        Case(
+            f"train/{flag.strip('-').replace('-', '_')}_{name}",
+            _t(flag, value),
+            2,
+            f"{flag} must be in float32's normal range [1.1754944e-38, 3.4028235e+38]",
+        )
+        for flag in ("--lr", "--initial-loss-scale", "--max-grad-norm")
+        for name, value in (("past_float32", "1e39"), ("denormal", "1e-40"), ("smallest_denormal", "1.4e-45"))
+    ],
+    Case(
+        "train/weight_decay_past_float32",
+        _t("--weight-decay", "1e39"),
+        2,
+        "--weight-decay must be at most 3.4028235e+38 (it becomes a float32), got 1e+39",
+    ),
     # the run directory: one writer at a time
-    Case("train/out_in_use", _t(out="{locked_run}"), 2, "--out '{locked_run}' is in use by another leanstep train (pid"),
-    Case("train/resume_while_in_use", _t("--resume", out="{locked_run}"), 2,
-         "--out '{locked_run}' is in use by another leanstep train (pid"),
-    Case("plan/node_size_past_int32", ("plan", *_PLAN, "--devices", "8", "--node-size", HUGE), 2,
-         f"--node-size must be an integer in [1, 2147483647], got {HUGE}"),
-    Case("plan/peak_flops_past_float64", ("plan", *_PLAN, "--devices", "8", "--peak-flops", "1e400"), 2,
-         "--peak-flops (Accelerator.flops) must map dtype names to positive FLOP/s"),
-    Case("plan/devices_past_int32", ("plan", *_PLAN, "--devices", BIG), 2,
-         "--devices must be an integer in [1, 2147483647], got 2147483648"),
-    Case("train/run_lock_a_symlink", _t(out="{symlinked_lock_run}"), 1,
-         "cannot lock the run directory --out '{symlinked_lock_run}'"),
+    Case(
+        "train/out_in_use", _t(out="{locked_run}"), 2, "--out '{locked_run}' is in use by another leanstep train (pid"
+    ),
+    Case(
+        "train/resume_while_in_use",
+        _t("--resume", out="{locked_run}"),
+        2,
+        "--out '{locked_run}' is in use by another leanstep train (pid",
+    ),
+    Case(
+        "plan/node_size_past_int32",
+        ("plan", *_PLAN, "--devices", "8", "--node-size", HUGE),
+        2,
+        f"--node-size must be an integer in [1, 2147483647], got {HUGE}",
+    ),
+    Case(
+        "plan/peak_flops_past_float64",
+        ("plan", *_PLAN, "--devices", "8", "--peak-flops", "1e400"),
+        2,
+        "--peak-flops (Accelerator.flops) must map dtype names to positive FLOP/s",
+    ),
+    Case(
+        "plan/devices_past_int32",
+        ("plan", *_PLAN, "--devices", BIG),
+        2,
+        "--devices must be an integer in [1, 2147483647], got 2147483648",
+    ),
+    Case(
+        "train/run_lock_a_symlink",
+        _t(out="{symlinked_lock_run}"),
+        1,
+        "cannot lock the run directory --out '{symlinked_lock_run}'",
+    ),
 ]
 
 
@@ -145,41 +205,116 @@ def test_the_catalogue_has_250_cases_with_unique_ids():
     import test_reliability_outputs
     import test_reliability_solve
 
-    cases = [*CATALOGUE, *CASES, *test_reliability_library.CASES, *test_reliability_outputs.CASES,
-             *test_reliability_solve.CASES]
+    cases = [
+        *CATALOGUE,
+        *CASES,
+        *test_reliability_library.CASES,
+        *test_reliability_outputs.CASES,
+        *test_reliability_solve.CASES,
+    ]
     assert len(cases) >= 250, len(cases)
     assert len({c.id for c in cases}) == len(cases)
 
 
 # --- fuzz: any command line ends in 0, 1 or 2, one line on error, never a traceback or a hang -----
 
-_NUMBERS = st.one_of(st.integers(-(2**70), 2**70).map(str), st.floats(allow_nan=True).map(repr),
-                     st.sampled_from(["0", "-0", "1e39", "1e-45", "inf", "-inf", "nan", "", " ", "0x10", "1_0",
-                                      "٣", "1e308", "4294967296", "2147483648", "ten"]))
-_FLAGS = ["--steps", "--batch-size", "--seq-len", "--microbatches", "--lr", "--initial-loss-scale", "--max-grad-norm",
-          "--weight-decay", "--warmup-steps", "--seed", "--eval-every", "--eval-batches", "--checkpoint-every",
-          "--keep-checkpoints", "--max-consecutive-skips", "--stop-at", "--d-model", "--layers", "--heads", "--d-ff",
-          "--devices"]
-_WORDS = st.sampled_from(["--precision", "--remat", "--loss-scale", "--schedule", "--model", "--size", "--mesh",
-                          "--reduce"])
-_TEXT = st.one_of(st.text(max_size=12), st.sampled_from(
-    ["params=bfloat16,compute=bfloat16,output=float32", "float32", "save:nothing", "dots", "none", "dynamic",
-     "static", "data=2", "data=0", "fsdp=-1", "1GiB", "-1GiB", "1e400B", "[/red]", "~"]))
+_NUMBERS = st.one_of(
+    st.integers(-(2**70), 2**70).map(str),
+    st.floats(allow_nan=True).map(repr),
+    st.sampled_from(
+        [
+            "0",
+            "-0",
+            "1e39",
+            "1e-45",
+            "inf",
+            "-inf",
+            "nan",
+            "",
+            " ",
+            "0x10",
+            "1_0",
+            "٣",
+            "1e308",
+            "4294967296",
+            "2147483648",
+            "ten",
+        ]
+    ),
+)
+_FLAGS = [
+    "--steps",
+    "--batch-size",
+    "--seq-len",
+    "--microbatches",
+    "--lr",
+    "--initial-loss-scale",
+    "--max-grad-norm",
+    "--weight-decay",
+    "--warmup-steps",
+    "--seed",
+    "--eval-every",
+    "--eval-batches",
+    "--checkpoint-every",
+    "--keep-checkpoints",
+    "--max-consecutive-skips",
+    "--stop-at",
+    "--d-model",
+    "--layers",
+    "--heads",
+    "--d-ff",
+    "--devices",
+]
+_WORDS = st.sampled_from(
+    ["--precision", "--remat", "--loss-scale", "--schedule", "--model", "--size", "--mesh", "--reduce"]
+)
+_TEXT = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "params=bfloat16,compute=bfloat16,output=float32",
+            "float32",
+            "save:nothing",
+            "dots",
+            "none",
+            "dynamic",
+            "static",
+            "data=2",
+            "data=0",
+            "fsdp=-1",
+            "1GiB",
+            "-1GiB",
+            "1e400B",
+            "[/red]",
+            "~",
+        ]
+    ),
+)
 
 
 _CODES: list[int] = []  # exit codes the train fuzz saw
 _PLAN_CODES: list[int] = []  # ... and the plan fuzz
 
 
-
-
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(numbers=st.lists(st.tuples(st.sampled_from(_FLAGS), _NUMBERS), max_size=4),
-       words=st.lists(st.tuples(_WORDS, _TEXT), max_size=2))
+@given(
+    numbers=st.lists(st.tuples(st.sampled_from(_FLAGS), _NUMBERS), max_size=4),
+    words=st.lists(st.tuples(_WORDS, _TEXT), max_size=2),
+)
 def test_fuzz_train_command_lines(numbers, words, tmp_path_factory, capsys, monkeypatch_module):
     root = tmp_path_factory.getbasetemp()
-    argv = ["train", "--model", "mlp", "--size", "tiny", "--data", str(root / "fuzz-corpus"), "--out",
-            str(root / "fuzz-run"), "--no-progress"]
+    argv = [
+        "train",
+        "--model",
+        "mlp",
+        "--size",
+        "tiny",
+        "--data",
+        str(root / "fuzz-corpus"),
+        "--out",
+        str(root / "fuzz-run"),
+        "--no-progress",
+    ]
     for flag, value in [*numbers, *words]:
         argv += [flag, value] if not value.startswith("-") else [f"{flag}={value}"]
     code = _run(argv, capsys)
@@ -234,11 +369,42 @@ def monkeypatch_module(tmp_path_factory):
     mp.undo()
 
 
-_PLAN_FLAGS = st.sampled_from(["--budget", "--remat-policies", "--microbatch-counts", "--batch-size", "--seq-len",
-                                "--precision", "--max-grad-norm", "--d-model", "--json"])
-_PLAN_VALUES = st.one_of(_NUMBERS, _TEXT, st.sampled_from(
-    ["64MiB", "0B", "1e30GiB", "-5MiB", "1,2", "0,1", "2,2", "dots,none", "save:x", "", "nothing,dots", "{tmp}/p.json",
-     "{tmp}", "{tmp}/missing/p.json", "/dev/null/x.json"]))
+_PLAN_FLAGS = st.sampled_from(
+    [
+        "--budget",
+        "--remat-policies",
+        "--microbatch-counts",
+        "--batch-size",
+        "--seq-len",
+        "--precision",
+        "--max-grad-norm",
+        "--d-model",
+        "--json",
+    ]
+)
+_PLAN_VALUES = st.one_of(
+    _NUMBERS,
+    _TEXT,
+    st.sampled_from(
+        [
+            "64MiB",
+            "0B",
+            "1e30GiB",
+            "-5MiB",
+            "1,2",
+            "0,1",
+            "2,2",
+            "dots,none",
+            "save:x",
+            "",
+            "nothing,dots",
+            "{tmp}/p.json",
+            "{tmp}",
+            "{tmp}/missing/p.json",
+            "/dev/null/x.json",
+        ]
+    ),
+)
 
 
 @settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -255,13 +421,42 @@ def test_fuzz_plan_command_lines(flags, tmp_path_factory, capsys, monkeypatch_mo
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(metrics=st.one_of(st.binary(max_size=200), st.lists(st.dictionaries(
-    st.sampled_from(["kind", "step", "loss", "grad_norm", "loss_scale", "skipped", "clipped", "consecutive_skips",
-                     "tokens_per_sec", "elapsed_s", "lr", "heldout_loss", "heldout_bits_per_byte"]),
-    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=5),
-              st.sampled_from(["train", "eval"]))), max_size=4).map(
-    lambda rows: "\n".join(json.dumps(r) for r in rows).encode())),
-       config=st.one_of(st.none(), st.binary(max_size=50), st.sampled_from([b"{}", b"[]", b'{"run": 1}'])))
+@given(
+    metrics=st.one_of(
+        st.binary(max_size=200),
+        st.lists(
+            st.dictionaries(
+                st.sampled_from(
+                    [
+                        "kind",
+                        "step",
+                        "loss",
+                        "grad_norm",
+                        "loss_scale",
+                        "skipped",
+                        "clipped",
+                        "consecutive_skips",
+                        "tokens_per_sec",
+                        "elapsed_s",
+                        "lr",
+                        "heldout_loss",
+                        "heldout_bits_per_byte",
+                    ]
+                ),
+                st.one_of(
+                    st.none(),
+                    st.booleans(),
+                    st.integers(-(2**70), 2**70),
+                    st.floats(),
+                    st.text(max_size=5),
+                    st.sampled_from(["train", "eval"]),
+                ),
+            ),
+            max_size=4,
+        ).map(lambda rows: "\n".join(json.dumps(r) for r in rows).encode()),
+    ),
+    config=st.one_of(st.none(), st.binary(max_size=50), st.sampled_from([b"{}", b"[]", b'{"run": 1}'])),
+)
 def test_fuzz_report_of_any_run_directory(metrics, config, tmp_path_factory, capsys, monkeypatch_module):
     run = tmp_path_factory.mktemp("fuzz-report")
     (run / "metrics.jsonl").write_bytes(metrics)

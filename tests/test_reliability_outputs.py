@@ -27,8 +27,6 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from metrics_lines import PNG_SIGNATURE, train_line, write
-from test_reliability_input import Case
 
 from leanstep import files
 from leanstep.bench import runner
@@ -37,6 +35,8 @@ from leanstep.training import analysis, curves, data
 from leanstep.training.curves import plot_curves, report
 from leanstep.training.data import load_corpus
 from leanstep.training.metrics_log import read_metrics
+from metrics_lines import PNG_SIGNATURE, train_line, write
+from test_reliability_input import Case
 
 DEADLINE_S = 20
 
@@ -63,8 +63,20 @@ def _with(module: Any, name: str, value: Any, call: Any, *args: Any) -> Any:
 
 
 def _t(data_path: str) -> tuple[str, ...]:
-    return ("train", "--model", "mlp", "--size", "tiny", "--steps", "1", "--no-progress", "--data", data_path,
-            "--out", "{tmp}/never-written")
+    return (
+        "train",
+        "--model",
+        "mlp",
+        "--size",
+        "tiny",
+        "--steps",
+        "1",
+        "--no-progress",
+        "--data",
+        data_path,
+        "--out",
+        "{tmp}/never-written",
+    )
 
 
 PLAN = ("plan", "--budget", "1GiB", "--model", "mlp", "--size", "tiny")
@@ -72,90 +84,209 @@ BENCH = ("bench", "--quick", "--quiet")
 EXPECTED = "expected a text file or a folder of text files"
 
 API = [
-    Case("files/limit_negative", lambda p: files.read_regular_file(p["regular_file"], what="x", limit=-1), ValueError,
-         "limit must be an int >= 0 (bytes); got -1"),
-    Case("files/over_the_limit", lambda p: files.read_regular_file(p["regular_file"], what="the file", limit=0),
-         ValueError, "the file is 1 B (1 bytes), over the limit of 0 B (0 bytes)"),
-    Case("files/output_empty", lambda p: files.check_output_path("", what="--json"), ValueError,
-         "--json must be a non-empty file path, got ''"),
-    Case("files/fifo_named_directly", lambda p: files.read_regular_file(p["fifo"], what="'f'", limit=10), ValueError,
-         "'f' is a FIFO (named pipe), not a regular file"),
-    Case("data/file_over_the_corpus_limit", lambda p: _with(data, "MAX_CORPUS_BYTES", 100, load_corpus, p["big_file"]),
-         ValueError, "--data file '{big_file}' is 1.2 KiB (1,200 bytes), over the limit of 100 B (100 bytes)"),
-    Case("data/folder_over_the_corpus_limit",
-         lambda p: _with(data, "MAX_CORPUS_BYTES", 1000, load_corpus, p["corpus"]), ValueError,
-         "--data folder '{corpus}' holds more than 1000 B (1,000 bytes) in regular files, the limit"),
-    Case("data/folder_over_the_entry_limit", lambda p: _with(data, "MAX_CORPUS_ENTRIES", 2, load_corpus, p["corpus"]),
-         ValueError, "--data folder '{corpus}' holds more than 2 entries, the limit"),
-    Case("data/fifo_api", lambda p: load_corpus(p["fifo"]), ValueError,
-         f"--data file '{{fifo}}' is a FIFO (named pipe), not a regular file; {EXPECTED}"),
-    Case("report/config_over_the_limit_api",
-         lambda p: _with(curves, "MAX_CONFIG_BYTES", 10, report, p["big_config_run"]), ValueError,
-         "{big_config_run}/config.json is 25 B (25 bytes), over the limit of 10 B (10 bytes)"),
+    Case(
+        "files/limit_negative",
+        lambda p: files.read_regular_file(p["regular_file"], what="x", limit=-1),
+        ValueError,
+        "limit must be an int >= 0 (bytes); got -1",
+    ),
+    Case(
+        "files/over_the_limit",
+        lambda p: files.read_regular_file(p["regular_file"], what="the file", limit=0),
+        ValueError,
+        "the file is 1 B (1 bytes), over the limit of 0 B (0 bytes)",
+    ),
+    Case(
+        "files/output_empty",
+        lambda p: files.check_output_path("", what="--json"),
+        ValueError,
+        "--json must be a non-empty file path, got ''",
+    ),
+    Case(
+        "files/fifo_named_directly",
+        lambda p: files.read_regular_file(p["fifo"], what="'f'", limit=10),
+        ValueError,
+        "'f' is a FIFO (named pipe), not a regular file",
+    ),
+    Case(
+        "data/file_over_the_corpus_limit",
+        lambda p: _with(data, "MAX_CORPUS_BYTES", 100, load_corpus, p["big_file"]),
+        ValueError,
+        "--data file '{big_file}' is 1.2 KiB (1,200 bytes), over the limit of 100 B (100 bytes)",
+    ),
+    Case(
+        "data/folder_over_the_corpus_limit",
+        lambda p: _with(data, "MAX_CORPUS_BYTES", 1000, load_corpus, p["corpus"]),
+        ValueError,
+        "--data folder '{corpus}' holds more than 1000 B (1,000 bytes) in regular files, the limit",
+    ),
+    Case(
+        "data/folder_over_the_entry_limit",
+        lambda p: _with(data, "MAX_CORPUS_ENTRIES", 2, load_corpus, p["corpus"]),
+        ValueError,
+        "--data folder '{corpus}' holds more than 2 entries, the limit",
+    ),
+    Case(
+        "data/fifo_api",
+        lambda p: load_corpus(p["fifo"]),
+        ValueError,
+        f"--data file '{{fifo}}' is a FIFO (named pipe), not a regular file; {EXPECTED}",
+    ),
+    Case(
+        "report/config_over_the_limit_api",
+        lambda p: _with(curves, "MAX_CONFIG_BYTES", 10, report, p["big_config_run"]),
+        ValueError,
+        "{big_config_run}/config.json is 25 B (25 bytes), over the limit of 10 B (10 bytes)",
+    ),
 ]
 
 CLI = [
     # --data that is not a regular file, or a folder of such things
     Case("train/data_fifo", _t("{fifo}"), 2, "--data file '{fifo}' is a FIFO (named pipe), not a regular file"),
-    Case("train/data_folder_of_a_fifo", _t("{fifo_dir}"), 2,
-         "--data folder '{fifo_dir}' holds no readable, non-empty text file (skipped: 1 FIFO (named pipe))"),
+    Case(
+        "train/data_folder_of_a_fifo",
+        _t("{fifo_dir}"),
+        2,
+        "--data folder '{fifo_dir}' holds no readable, non-empty text file (skipped: 1 FIFO (named pipe))",
+    ),
     Case("train/data_symlink_loop", _t("{loop}"), 2, "--data path '{loop}' is a symlink loop"),
     Case("train/data_under_a_symlink_loop", _t("{loop}/x"), 2, "--data path '{loop}/x' is a symlink loop"),
-    Case("train/data_folder_of_a_loop", _t("{loop_dir}"), 2,
-         "--data folder '{loop_dir}' holds no readable, non-empty text file (skipped: 1 symlink loop)"),
+    Case(
+        "train/data_folder_of_a_loop",
+        _t("{loop_dir}"),
+        2,
+        "--data folder '{loop_dir}' holds no readable, non-empty text file (skipped: 1 symlink loop)",
+    ),
     Case("train/data_dev_zero", _t("/dev/zero"), 2, "--data file '/dev/zero' is a character device, not a regular"),
     Case("train/data_dev_null", _t("/dev/null"), 2, "--data file '/dev/null' is a character device, not a regular"),
     Case("train/data_socket", _t("{sock}"), 2, "--data file '{sock}' is a socket, not a regular file"),
-    Case("train/data_folder_of_a_socket", _t("{sock_dir}"), 2, "holds no readable, non-empty text file (skipped: 1 socket)"),
-    Case("train/data_folder_of_devices", _t("{device_dir}"), 2,
-         "--data folder '{device_dir}' holds no readable, non-empty text file (skipped: 2 x character device)"),
+    Case(
+        "train/data_folder_of_a_socket",
+        _t("{sock_dir}"),
+        2,
+        "holds no readable, non-empty text file (skipped: 1 socket)",
+    ),
+    Case(
+        "train/data_folder_of_devices",
+        _t("{device_dir}"),
+        2,
+        "--data folder '{device_dir}' holds no readable, non-empty text file (skipped: 2 x character device)",
+    ),
     Case("train/data_folder_of_broken_links", _t("{broken_dir}"), 2, "(skipped: 1 broken symbolic link)"),
     Case("train/data_under_a_file", _t("{regular_file}/x"), 2, "--data path '{regular_file}/x' does not exist"),
     Case("train/data_tilde_fifo", _t("~/pipe"), 2, "--data file '{home}/pipe' is a FIFO (named pipe)"),
     Case("train/data_tilde_missing", _t("~/no-such-data"), 2, "--data path '{home}/no-such-data' does not exist"),
     # leanstep report: run files that are not regular files; --chart
-    Case("report/metrics_fifo", ("report", "{fifo_metrics_run}"), 2,
-         "{fifo_metrics_run}/metrics.jsonl is a FIFO (named pipe), not a regular file"),
-    Case("report/metrics_symlink_loop", ("report", "{loop_metrics_run}"), 2,
-         "{loop_metrics_run}/metrics.jsonl is a symlink loop"),
-    Case("report/metrics_a_directory", ("report", "{dir_metrics_run}"), 2,
-         "{dir_metrics_run}/metrics.jsonl is a directory, not a regular file"),
-    Case("report/config_fifo", ("report", "{fifo_config_run}"), 2,
-         "{fifo_config_run}/config.json is a FIFO (named pipe), not a regular file"),
-    Case("report/config_dev_zero", ("report", "{zero_config_run}"), 2,
-         "{zero_config_run}/config.json is a character device, not a regular file"),
-    Case("report/config_symlink_loop", ("report", "{loop_config_run}"), 2,
-         "{loop_config_run}/config.json is a symlink loop"),
-    Case("report/config_sparse_huge", ("report", "{huge_config_run}"), 2,
-         "{huge_config_run}/config.json is 65.0 MiB (68,157,440 bytes), over the limit of 64.0 MiB"),
-    Case("report/config_not_utf8", ("report", "{latin1_config_run}"), 2,
-         "{latin1_config_run}/config.json is not valid JSON"),
+    Case(
+        "report/metrics_fifo",
+        ("report", "{fifo_metrics_run}"),
+        2,
+        "{fifo_metrics_run}/metrics.jsonl is a FIFO (named pipe), not a regular file",
+    ),
+    Case(
+        "report/metrics_symlink_loop",
+        ("report", "{loop_metrics_run}"),
+        2,
+        "{loop_metrics_run}/metrics.jsonl is a symlink loop",
+    ),
+    Case(
+        "report/metrics_a_directory",
+        ("report", "{dir_metrics_run}"),
+        2,
+        "{dir_metrics_run}/metrics.jsonl is a directory, not a regular file",
+    ),
+    Case(
+        "report/config_fifo",
+        ("report", "{fifo_config_run}"),
+        2,
+        "{fifo_config_run}/config.json is a FIFO (named pipe), not a regular file",
+    ),
+    Case(
+        "report/config_dev_zero",
+        ("report", "{zero_config_run}"),
+        2,
+        "{zero_config_run}/config.json is a character device, not a regular file",
+    ),
+    Case(
+        "report/config_symlink_loop",
+        ("report", "{loop_config_run}"),
+        2,
+        "{loop_config_run}/config.json is a symlink loop",
+    ),
+    Case(
+        "report/config_sparse_huge",
+        ("report", "{huge_config_run}"),
+        2,
+        "{huge_config_run}/config.json is 65.0 MiB (68,157,440 bytes), over the limit of 64.0 MiB",
+    ),
+    Case(
+        "report/config_not_utf8",
+        ("report", "{latin1_config_run}"),
+        2,
+        "{latin1_config_run}/config.json is not valid JSON",
+    ),
     Case("report/run_dir_symlink_loop", ("report", "{loop}"), 2, "run directory '{loop}' is a symlink loop"),
     Case("report/tilde_missing", ("report", "~/no-such-run"), 2, "run directory not found: {home}/no-such-run"),
-    Case("report/chart_under_a_file", ("report", "{ok_run}", "--chart", "{regular_file}/c.png"), 2,
-         "--chart '{regular_file}/c.png' cannot be created: '{regular_file}' is not a directory"),
-    Case("report/chart_a_directory", ("report", "{ok_run}", "--chart", "{empty_dir}"), 2,
-         "--chart '{empty_dir}' is a directory; expected a file path"),
+    Case(
+        "report/chart_under_a_file",
+        ("report", "{ok_run}", "--chart", "{regular_file}/c.png"),
+        2,
+        "--chart '{regular_file}/c.png' cannot be created: '{regular_file}' is not a directory",
+    ),
+    Case(
+        "report/chart_a_directory",
+        ("report", "{ok_run}", "--chart", "{empty_dir}"),
+        2,
+        "--chart '{empty_dir}' is a directory; expected a file path",
+    ),
     # leanstep bench: outputs checked before a minute of benchmarking
-    Case("bench/json_under_a_file", (*BENCH, "--json", "{regular_file}/b.json"), 2,
-         "--json '{regular_file}/b.json' cannot be created: '{regular_file}' is not a directory"),
-    Case("bench/json_deep_under_a_file", (*BENCH, "--json", "{regular_file}/x/y/b.json"), 2,
-         "cannot be created: '{regular_file}' is not a directory"),
-    Case("bench/json_a_directory", (*BENCH, "--json", "{empty_dir}"), 2,
-         "--json '{empty_dir}' is a directory; expected a file path"),
+    Case(
+        "bench/json_under_a_file",
+        (*BENCH, "--json", "{regular_file}/b.json"),
+        2,
+        "--json '{regular_file}/b.json' cannot be created: '{regular_file}' is not a directory",
+    ),
+    Case(
+        "bench/json_deep_under_a_file",
+        (*BENCH, "--json", "{regular_file}/x/y/b.json"),
+        2,
+        "cannot be created: '{regular_file}' is not a directory",
+    ),
+    Case(
+        "bench/json_a_directory",
+        (*BENCH, "--json", "{empty_dir}"),
+        2,
+        "--json '{empty_dir}' is a directory; expected a file path",
+    ),
     Case("bench/json_symlink_loop", (*BENCH, "--json", "{loop}"), 2, "--json '{loop}' is a symlink loop"),
     Case("bench/json_empty", (*BENCH, "--json", ""), 2, "--json must be a non-empty file path, got ''"),
-    Case("bench/json_tilde_under_a_file", (*BENCH, "--json", "~/file/b.json"), 2,
-         "--json '{home}/file/b.json' cannot be created: '{home}/file' is not a directory"),
-    Case("bench/chart_under_a_file", (*BENCH, "--chart", "{regular_file}/b.png"), 2,
-         "--chart '{regular_file}/b.png' cannot be created: '{regular_file}' is not a directory"),
+    Case(
+        "bench/json_tilde_under_a_file",
+        (*BENCH, "--json", "~/file/b.json"),
+        2,
+        "--json '{home}/file/b.json' cannot be created: '{home}/file' is not a directory",
+    ),
+    Case(
+        "bench/chart_under_a_file",
+        (*BENCH, "--chart", "{regular_file}/b.png"),
+        2,
+        "--chart '{regular_file}/b.png' cannot be created: '{regular_file}' is not a directory",
+    ),
     Case("bench/chart_a_directory", (*BENCH, "--chart", "{empty_dir}"), 2, "--chart '{empty_dir}' is a directory"),
     # leanstep plan: --json checked before planning
-    Case("plan/json_under_a_file", (*PLAN, "--json", "{regular_file}/p.json"), 2,
-         "--json '{regular_file}/p.json' cannot be created: '{regular_file}' is not a directory"),
+    Case(
+        "plan/json_under_a_file",
+        (*PLAN, "--json", "{regular_file}/p.json"),
+        2,
+        "--json '{regular_file}/p.json' cannot be created: '{regular_file}' is not a directory",
+    ),
     Case("plan/json_a_directory", (*PLAN, "--json", "{empty_dir}"), 2, "--json '{empty_dir}' is a directory"),
-    Case("plan/json_tilde_under_a_file", (*PLAN, "--json", "~/file/p.json"), 2,
-         "--json '{home}/file/p.json' cannot be created: '{home}/file' is not a directory"),
+    Case(
+        "plan/json_tilde_under_a_file",
+        (*PLAN, "--json", "~/file/p.json"),
+        2,
+        "--json '{home}/file/p.json' cannot be created: '{home}/file' is not a directory",
+    ),
 ]
 
 CASES = API + CLI
@@ -288,10 +419,20 @@ def test_a_folder_with_pipes_sockets_devices_and_loops_loads_its_text_and_counts
     os.symlink(tmp_path / "a.txt", tmp_path / "sub" / "linked.txt")  # a link to a file: read
     with deadline():
         corpus = load_corpus(tmp_path)
-    assert sorted(corpus.train_files + corpus.heldout_files) == ["a.txt", "sub/b.txt", "sub/deeper/c.txt",
-                                                                 "sub/linked.txt"]
-    expected = {"a FIFO (named pipe)": 2, "a socket": 1, "a character device": 1, "a symlink loop": 1,
-                "a broken symbolic link": 1, "a symlinked folder (not followed)": 1}
+    assert sorted(corpus.train_files + corpus.heldout_files) == [
+        "a.txt",
+        "sub/b.txt",
+        "sub/deeper/c.txt",
+        "sub/linked.txt",
+    ]
+    expected = {
+        "a FIFO (named pipe)": 2,
+        "a socket": 1,
+        "a character device": 1,
+        "a symlink loop": 1,
+        "a broken symbolic link": 1,
+        "a symlinked folder (not followed)": 1,
+    }
     assert corpus.skipped == expected and corpus.describe()["skipped_entries"] == dict(sorted(expected.items()))
 
 
@@ -302,8 +443,9 @@ def test_a_file_has_no_skipped_entries_in_its_description(paths):
 def test_a_fifo_swapped_in_after_the_stat_is_refused_without_blocking(paths, monkeypatch):
     real_stat = os.stat
     as_if_regular = real_stat(paths["regular_file"])
-    monkeypatch.setattr(os, "stat", lambda path, *a, **k: as_if_regular if Path(path) == paths["fifo"]
-                        else real_stat(path, *a, **k))
+    monkeypatch.setattr(
+        os, "stat", lambda path, *a, **k: as_if_regular if Path(path) == paths["fifo"] else real_stat(path, *a, **k)
+    )
     with deadline(), pytest.raises(ValueError, match=r"is a FIFO \(named pipe\), not a regular file"):
         files.read_regular_file(paths["fifo"], what="'swapped'", limit=100)
 
@@ -320,8 +462,7 @@ def test_a_file_whose_size_the_kernel_does_not_report_is_still_read_within_the_l
 
 
 @pytest.mark.parametrize("failing", ["write", "fsync", "replace"])
-def test_a_full_disk_while_writing_curves_png_leaves_no_partial_file_and_names_the_path(tmp_path, monkeypatch,
-                                                                                         failing):
+def test_a_full_disk_while_writing_curves_png_leaves_no_partial_file_and_names_the_path(tmp_path, monkeypatch, failing):
     metrics = read_metrics(write(tmp_path / "metrics.jsonl", [train_line(s) for s in (1, 2, 3)]))
     chart = tmp_path / "curves.png"
     chart.write_bytes(b"the chart of last time")
@@ -352,8 +493,10 @@ def test_report_on_a_full_disk_returns_the_summary_and_the_reason(paths, monkeyp
     monkeypatch.setattr(os, "fsync", full)
     summary = report(paths["ok_run"], chart=paths["tmp"] / "report-full.png")
     assert summary["steps"] == 3 and summary["curves"] is None
-    assert summary["curves_error"] == f"cannot write the chart '{paths['tmp'] / 'report-full.png'}': " \
-                                      "No space left on device"
+    assert (
+        summary["curves_error"] == f"cannot write the chart '{paths['tmp'] / 'report-full.png'}': "
+        "No space left on device"
+    )
     assert not (paths["tmp"] / "report-full.png").exists()
 
 
@@ -384,8 +527,10 @@ def test_report_on_a_read_only_run_prints_the_table_and_one_line_and_exits_1(tmp
     captured = capsys.readouterr()
     assert code == 1
     assert "run ro_run" in captured.out and "max_grad_norm (config)" in captured.out
-    assert captured.err == (f"leanstep report: error: cannot write the chart '{run / 'curves.png'}': Permission "
-                            "denied (the summary above is complete; pass --chart FILE to draw it elsewhere)\n")
+    assert captured.err == (
+        f"leanstep report: error: cannot write the chart '{run / 'curves.png'}': Permission "
+        "denied (the summary above is complete; pass --chart FILE to draw it elsewhere)\n"
+    )
     assert sorted(path.name for path in run.iterdir()) == ["config.json", "metrics.jsonl"]
     with read_only(run, monkeypatch):  # the way out the line suggests
         assert main(["report", str(run), "--chart", str(tmp_path / "elsewhere" / "c.png")]) == 0
@@ -401,8 +546,16 @@ def test_report_prints_paths_with_brackets_as_they_are(tmp_path, capsys):
     assert "run lr]" in out and out.splitlines()[-1] == f"chart: {run / 'curves.png'}"
 
 
-_RESULT = {"rows": [], "ratios": {"x [/b]": 1.0}, "peak_gflops": {}, "matmul": {}, "mfu": {}, "checks": {},
-           "notes": ["a note [/b]"], "machine": {"cpu_model": "cpu [/b]", "cores_available": 2}}
+_RESULT = {
+    "rows": [],
+    "ratios": {"x [/b]": 1.0},
+    "peak_gflops": {},
+    "matmul": {},
+    "mfu": {},
+    "checks": {},
+    "notes": ["a note [/b]"],
+    "machine": {"cpu_model": "cpu [/b]", "cores_available": 2},
+}
 
 
 def _full_disk(path: Any, data: bytes) -> None:
@@ -415,9 +568,11 @@ def test_bench_keeps_its_results_when_the_json_cannot_be_written_at_the_end(tmp_
     target = tmp_path / "b.json"
     assert main([*BENCH, "--chart", "none", "--json", str(target)]) == 1
     captured = capsys.readouterr()
-    assert captured.err == (f"leanstep bench: error: could not write --json '{target}' (No space left on device); "
-                            "the table and the JSON are printed on stdout\n")
-    printed = json.loads(captured.out[captured.out.index('{\n  "rows"'):])
+    assert captured.err == (
+        f"leanstep bench: error: could not write --json '{target}' (No space left on device); "
+        "the table and the JSON are printed on stdout\n"
+    )
+    printed = json.loads(captured.out[captured.out.index('{\n  "rows"') :])
     assert printed["ratios"] == {"x [/b]": 1.0} and "cpu [/b]" in captured.out and not target.exists()
 
 
@@ -436,17 +591,25 @@ def test_bench_logs_paths_with_brackets_as_they_are(tmp_path, monkeypatch, capsy
 
 def test_plan_keeps_its_plan_when_the_json_cannot_be_written_at_the_end(tmp_path, monkeypatch, capsys):
     setting = types.SimpleNamespace(describe=lambda: "--microbatches 1 --remat none")
-    result = types.SimpleNamespace(candidates=[], chosen=types.SimpleNamespace(setting=setting), seconds=0.5,
-                                   compiles=0, compile_seconds=0.0, to_json=lambda: {"chosen": {"remat": "none"}})
+    result = types.SimpleNamespace(
+        candidates=[],
+        chosen=types.SimpleNamespace(setting=setting),
+        seconds=0.5,
+        compiles=0,
+        compile_seconds=0.0,
+        to_json=lambda: {"chosen": {"remat": "none"}},
+    )
     monkeypatch.setattr(analysis, "plan_run", lambda *args, **kwargs: result)
     monkeypatch.setattr(files, "write_bytes_atomic", _full_disk)
     target = tmp_path / "new" / "p.json"
     assert main([*PLAN, "--json", str(target)]) == 1
     captured = capsys.readouterr()
-    assert captured.err == (f"leanstep plan: error: could not write --json '{target}' (No space left on device); "
-                            "the plan is printed on stdout as JSON\n")
+    assert captured.err == (
+        f"leanstep plan: error: could not write --json '{target}' (No space left on device); "
+        "the plan is printed on stdout as JSON\n"
+    )
     assert "chosen: --microbatches 1 --remat none" in captured.out
-    assert json.loads(captured.out[captured.out.index("{"):]) == {"chosen": {"remat": "none"}}
+    assert json.loads(captured.out[captured.out.index("{") :]) == {"chosen": {"remat": "none"}}
 
 
 def test_writing_to_a_pipe_writes_in_place_and_keeps_the_pipe(tmp_path):

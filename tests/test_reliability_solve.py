@@ -46,7 +46,12 @@ class Case:
     fragment: str
 
 
-GNC, GA, MP, CRB = "global-norm-clipping", "gradient-accumulation", "mixed-precision-step", "checkpointed-residual-block"
+GNC, GA, MP, CRB = (
+    "global-norm-clipping",
+    "gradient-accumulation",
+    "mixed-precision-step",
+    "checkpointed-residual-block",
+)
 BIG = "1" + "0" * 400  # 10**400 as JSON text: an integer no float and no int32 can hold
 RANGE = "is outside float32's range (|x| <= 3.4028235e+38)"
 NORMAL = "must be a normal float32 in [1.1754944e-38, 3.4028235e+38] (XLA flushes smaller values to 0)"
@@ -54,10 +59,21 @@ NORMAL = "must be a normal float32 in [1.1754944e-38, 3.4028235e+38] (XLA flushe
 # Valid inputs with tiny shapes; each case swaps one part for text spliced into the JSON.
 _BASE = {
     GNC: {"grads": {"w": [1.0, 2.0], "b": 0.5}, "max_norm": 1.0},
-    GA: {"params": {"w1": [[1.0, 1.0]], "b1": [0.0, 0.0], "w2": [[1.0], [1.0]], "b2": [0.0]},
-         "x": [[1.0], [2.0], [3.0], [4.0]], "y": [[0.0]] * 4, "num_microbatches": 2},
-    MP: {"params": {"w": [[0.5], [-1.25]], "b": [0.1]}, "x": [[1.0, 2.0], [0.5, -1.0]], "y": [[-1.9], [1.5]],
-         "loss_scale": 1024.0, "good_steps": 0, "lr": 0.1, "growth_interval": 2},
+    GA: {
+        "params": {"w1": [[1.0, 1.0]], "b1": [0.0, 0.0], "w2": [[1.0], [1.0]], "b2": [0.0]},
+        "x": [[1.0], [2.0], [3.0], [4.0]],
+        "y": [[0.0]] * 4,
+        "num_microbatches": 2,
+    },
+    MP: {
+        "params": {"w": [[0.5], [-1.25]], "b": [0.1]},
+        "x": [[1.0, 2.0], [0.5, -1.0]],
+        "y": [[-1.9], [1.5]],
+        "loss_scale": 1024.0,
+        "good_steps": 0,
+        "lr": 0.1,
+        "growth_interval": 2,
+    },
     CRB: {"params": {"w1": [[1.0]], "b1": [0.0], "w2": [[1.0]], "b2": [0.0]}, "x": [[1.0]], "y": [[0.0]]},
 }
 
@@ -117,8 +133,9 @@ _FILES: dict[str, str | bytes] = {
     "r_x_33_dims": _with(CRB, "x", _nested(33)),
     "r_w1_a_dict": _with(CRB, "params", '{"w1": {}, "b1": [0.0], "w2": [[1.0]], "b2": [0.0]}'),
     "m_b_a_subtree": _with(MP, "params", '{"w": [[0.5], [-1.25]], "b": {"c": [0.1]}}'),
-    "a_w2_a_list_node": _with(GA, "params", '{"w1": [[1.0, 1.0]], "b1": [0.0, 0.0], "w2": [{"a": [1.0]}], '
-                                            '"b2": [0.0]}'),
+    "a_w2_a_list_node": _with(
+        GA, "params", '{"w1": [[1.0, 1.0]], "b1": [0.0, 0.0], "w2": [{"a": [1.0]}], "b2": [0.0]}'
+    ),
     "latin1": b'{"grads": {"w": [1.0]}, "max_norm": 1.0, "caf\xe9": 1}',
     "utf16": json.dumps(_BASE[GNC]).encode("utf-16"),
 }
@@ -133,8 +150,12 @@ CASES = [
     Case("solve/grads_element_1e39", _s(GNC, "g_elem_1e39"), 2, "grads['w'][1]: 1e+39 " + RANGE),
     Case("solve/grads_element_minus_1e39", _s(GNC, "g_elem_neg_1e39"), 2, "grads['w'][0]: -1e+39 " + RANGE),
     Case("solve/grads_scalar_leaf_3.5e38", _s(GNC, "g_leaf_3_5e38"), 2, "grads['b']: 3.5e+38 " + RANGE),
-    Case("solve/grads_element_10**400", _s(GNC, "g_elem_big_int"), 2,
-         "grads['w'][0][1]: an integer of 401 digits " + RANGE),
+    Case(
+        "solve/grads_element_10**400",
+        _s(GNC, "g_elem_big_int"),
+        2,
+        "grads['w'][0][1]: an integer of 401 digits " + RANGE,
+    ),
     Case("solve/grads_element_2**128", _s(GNC, "g_elem_2_128"), 2, "grads['w'][0]: an integer of 39 digits " + RANGE),
     Case("solve/grads_list_node_1e39", _s(GNC, "g_list_node_1e39"), 2, "grads['layers'][1]['w'][0]: 1e+39 " + RANGE),
     Case("solve/max_norm_1e39", _s(GNC, "g_max_norm_1e39"), 2, "max_norm: 1e+39 " + RANGE),
@@ -142,8 +163,9 @@ CASES = [
     Case("solve/max_norm_subnormal", _s(GNC, "g_max_norm_subnormal"), 2, "max_norm " + NORMAL + ", got 1e-40"),
     Case("solve/max_norm_10**400", _s(GNC, "g_max_norm_big_int"), 2, "max_norm: an integer of 401 digits " + RANGE),
     Case("solve/loss_scale_1e39", _s(MP, "m_loss_scale_1e39"), 2, "loss_scale: 1e+39 " + RANGE),
-    Case("solve/loss_scale_1e-50_flushes_to_0", _s(MP, "m_loss_scale_1e-50"), 2,
-         "loss_scale " + NORMAL + ", got 1e-50"),
+    Case(
+        "solve/loss_scale_1e-50_flushes_to_0", _s(MP, "m_loss_scale_1e-50"), 2, "loss_scale " + NORMAL + ", got 1e-50"
+    ),
     Case("solve/lr_1e39", _s(MP, "m_lr_1e39"), 2, "lr: 1e+39 " + RANGE),
     Case("solve/lr_minus_10**400", _s(MP, "m_lr_neg_big_int"), 2, "lr: a negative integer of 401 digits " + RANGE),
     Case("solve/mixed_params_w_1e39", _s(MP, "m_w_1e39"), 2, "params['w'][1][0]: 1e+39 " + RANGE),
@@ -152,68 +174,148 @@ CASES = [
     Case("solve/accumulate_x_1e39", _s(GA, "a_x_1e39"), 2, "x[3][0]: 1e+39 " + RANGE),
     Case("solve/accumulate_b1_1e39", _s(GA, "a_b1_1e39"), 2, "params['b1'][0]: 1e+39 " + RANGE),
     Case("solve/residual_y_1e39", _s(CRB, "r_y_1e39"), 2, "y[0][0]: 1e+39 " + RANGE),
-    Case("solve/residual_w2_10**400", _s(CRB, "r_w2_big_int"), 2,
-         "params['w2'][0][0]: an integer of 401 digits " + RANGE),
+    Case(
+        "solve/residual_w2_10**400", _s(CRB, "r_w2_big_int"), 2, "params['w2'][0][0]: an integer of 401 digits " + RANGE
+    ),
     # integers past int32 (or no integer at all) where an int32 or a static int is read
-    Case("solve/good_steps_10**400", _s(MP, "m_good_steps_big"), 2,
-         "good_steps must be an integer in [0, 2147483647], got an integer of 401 digits"),
-    Case("solve/good_steps_2**31", _s(MP, "m_good_steps_2_31"), 2,
-         "good_steps must be an integer in [0, 2147483647], got 2147483648"),
-    Case("solve/good_steps_1e20", _s(MP, "m_good_steps_1e20"), 2,
-         "good_steps must be an integer in [0, 2147483647], got 1e+20"),
+    Case(
+        "solve/good_steps_10**400",
+        _s(MP, "m_good_steps_big"),
+        2,
+        "good_steps must be an integer in [0, 2147483647], got an integer of 401 digits",
+    ),
+    Case(
+        "solve/good_steps_2**31",
+        _s(MP, "m_good_steps_2_31"),
+        2,
+        "good_steps must be an integer in [0, 2147483647], got 2147483648",
+    ),
+    Case(
+        "solve/good_steps_1e20",
+        _s(MP, "m_good_steps_1e20"),
+        2,
+        "good_steps must be an integer in [0, 2147483647], got 1e+20",
+    ),
     Case("solve/good_steps_infinity", _s(MP, "m_good_steps_inf"), 2, "good_steps: expected an integer, got inf"),
     Case("solve/good_steps_nan", _s(MP, "m_good_steps_nan"), 2, "good_steps: expected an integer, got nan"),
-    Case("solve/growth_interval_10**400", _s(MP, "m_growth_big"), 2,
-         "growth_interval must be an integer in [1, 2147483647], got an integer of 401 digits"),
-    Case("solve/growth_interval_minus_10**400", _s(MP, "m_growth_neg_big"), 2,
-         "growth_interval must be an integer in [1, 2147483647], got a negative integer of 401 digits"),
-    Case("solve/growth_interval_2**31", _s(MP, "m_growth_2_31"), 2,
-         "growth_interval must be an integer in [1, 2147483647], got 2147483648"),
+    Case(
+        "solve/growth_interval_10**400",
+        _s(MP, "m_growth_big"),
+        2,
+        "growth_interval must be an integer in [1, 2147483647], got an integer of 401 digits",
+    ),
+    Case(
+        "solve/growth_interval_minus_10**400",
+        _s(MP, "m_growth_neg_big"),
+        2,
+        "growth_interval must be an integer in [1, 2147483647], got a negative integer of 401 digits",
+    ),
+    Case(
+        "solve/growth_interval_2**31",
+        _s(MP, "m_growth_2_31"),
+        2,
+        "growth_interval must be an integer in [1, 2147483647], got 2147483648",
+    ),
     Case("solve/growth_interval_infinity", _s(MP, "m_growth_inf"), 2, "growth_interval: expected an integer, got inf"),
-    Case("solve/growth_interval_minus_infinity", _s(MP, "m_growth_neg_inf"), 2,
-         "growth_interval: expected an integer, got -inf"),
-    Case("solve/num_microbatches_10**400", _s(GA, "a_microbatches_big"), 2,
-         "num_microbatches must be an integer in [1, 2147483647], got an integer of 401 digits"),
-    Case("solve/num_microbatches_infinity", _s(GA, "a_microbatches_inf"), 2,
-         "num_microbatches: expected an integer, got inf"),
-    Case("solve/num_microbatches_1e20", _s(GA, "a_microbatches_1e20"), 2,
-         "num_microbatches must be an integer in [1, 2147483647], got 1e+20"),
+    Case(
+        "solve/growth_interval_minus_infinity",
+        _s(MP, "m_growth_neg_inf"),
+        2,
+        "growth_interval: expected an integer, got -inf",
+    ),
+    Case(
+        "solve/num_microbatches_10**400",
+        _s(GA, "a_microbatches_big"),
+        2,
+        "num_microbatches must be an integer in [1, 2147483647], got an integer of 401 digits",
+    ),
+    Case(
+        "solve/num_microbatches_infinity",
+        _s(GA, "a_microbatches_inf"),
+        2,
+        "num_microbatches: expected an integer, got inf",
+    ),
+    Case(
+        "solve/num_microbatches_1e20",
+        _s(GA, "a_microbatches_1e20"),
+        2,
+        "num_microbatches must be an integer in [1, 2147483647], got 1e+20",
+    ),
     # The largest int32 is read; the task then names what is wrong with it.
-    Case("solve/num_microbatches_int32_max", _s(GA, "a_microbatches_int32_max"), 2,
-         "batch size 4 is not divisible by num_microbatches=2147483647"),
-    Case("solve/integer_of_5000_digits", _s(GNC, "g_5000_digits"), 2,
-         "malformed JSON in {g_5000_digits}: an integer has more than 4300 digits"),
+    Case(
+        "solve/num_microbatches_int32_max",
+        _s(GA, "a_microbatches_int32_max"),
+        2,
+        "batch size 4 is not divisible by num_microbatches=2147483647",
+    ),
+    Case(
+        "solve/integer_of_5000_digits",
+        _s(GNC, "g_5000_digits"),
+        2,
+        "malformed JSON in {g_5000_digits}: an integer has more than 4300 digits",
+    ),
     # a subtree where the task takes one array (found by the fuzz below: JAX warned, then went on)
     Case("solve/residual_w1_a_dict", _s(CRB, "r_w1_a_dict"), 2, "params['w1'] must be an array, got dict"),
     Case("solve/mixed_b_a_subtree", _s(MP, "m_b_a_subtree"), 2, "params['b'] must be an array, got dict"),
     Case("solve/accumulate_w2_a_list_node", _s(GA, "a_w2_a_list_node"), 2, "params['w2'] must be an array, got list"),
     # nesting
-    Case("solve/array_100000_deep", _s(GNC, "g_100000_deep"), 2,
-         "malformed JSON in {g_100000_deep}: it nests too deeply for Python's JSON parser"),
-    Case("solve/dicts_100000_deep", _s(GNC, "g_dicts_100000_deep"), 2,
-         "malformed JSON in {g_dicts_100000_deep}: it nests too deeply"),
+    Case(
+        "solve/array_100000_deep",
+        _s(GNC, "g_100000_deep"),
+        2,
+        "malformed JSON in {g_100000_deep}: it nests too deeply for Python's JSON parser",
+    ),
+    Case(
+        "solve/dicts_100000_deep",
+        _s(GNC, "g_dicts_100000_deep"),
+        2,
+        "malformed JSON in {g_dicts_100000_deep}: it nests too deeply",
+    ),
     Case("solve/mixed_x_100000_deep", _s(MP, "m_x_100000_deep"), 2, "it nests too deeply for Python's JSON parser"),
-    Case("solve/array_33_dims", _s(GNC, "g_33_dims"), 2,
-         "grads['w']" + "[0]" * 32 + ": lists nest deeper than 32; expected an array of at most 32 dimensions"),
+    Case(
+        "solve/array_33_dims",
+        _s(GNC, "g_33_dims"),
+        2,
+        "grads['w']" + "[0]" * 32 + ": lists nest deeper than 32; expected an array of at most 32 dimensions",
+    ),
     Case("solve/residual_x_33_dims", _s(CRB, "r_x_33_dims"), 2, "lists nest deeper than 32"),
-    Case("solve/tree_33_levels", _s(GNC, "g_tree_33_levels"), 2,
-         "grads" + "['a']" * 32 + ": the tree nests deeper than 32 levels"),
+    Case(
+        "solve/tree_33_levels",
+        _s(GNC, "g_tree_33_levels"),
+        2,
+        "grads" + "['a']" * 32 + ": the tree nests deeper than 32 levels",
+    ),
     # what --input names
     Case("solve/input_latin1", _s(GNC, "latin1"), 2, "--input: {latin1} is not UTF-8 text (byte 0xe9 at offset 45)"),
     Case("solve/input_utf16", _s(GNC, "utf16"), 2, "--input: {utf16} is not UTF-8 text (byte 0xff at offset 0)"),
     Case("solve/input_fifo", _s(GNC, "fifo"), 2, "--input {fifo} is a FIFO (named pipe), not a regular file"),
-    Case("solve/input_symlink_to_fifo", _s(GNC, "link_to_fifo"), 2, "--input {link_to_fifo} is a FIFO (named pipe), not a regular file"),
-    Case("solve/input_dev_zero", ("solve", GNC, "--input", "/dev/zero"), 2,
-         "--input /dev/zero is a character device, not a regular file"),
+    Case(
+        "solve/input_symlink_to_fifo",
+        _s(GNC, "link_to_fifo"),
+        2,
+        "--input {link_to_fifo} is a FIFO (named pipe), not a regular file",
+    ),
+    Case(
+        "solve/input_dev_zero",
+        ("solve", GNC, "--input", "/dev/zero"),
+        2,
+        "--input /dev/zero is a character device, not a regular file",
+    ),
     Case("solve/input_directory", _s(GNC, "folder"), 2, "--input {folder} is a directory, not a regular file"),
-    Case("solve/input_symlink_loop", _s(GNC, "loop"), 2,
-         "--input {loop} is a symlink loop"),
-    Case("solve/input_dangling_symlink", _s(GNC, "dangling"), 2,
-         "--input {dangling} does not exist"),
-    Case("solve/input_under_a_file", ("solve", GNC, "--input", "{latin1}/x.json"), 2,
-         "--input {latin1}/x.json does not exist (a component of the path is not a directory)"),
-    Case("solve/input_over_64_MiB", _s(GNC, "huge"), 2,
-         "--input {huge} is 64.0 MiB (67,108,865 bytes), over the limit of 64.0 MiB (67,108,864 bytes)"),
+    Case("solve/input_symlink_loop", _s(GNC, "loop"), 2, "--input {loop} is a symlink loop"),
+    Case("solve/input_dangling_symlink", _s(GNC, "dangling"), 2, "--input {dangling} does not exist"),
+    Case(
+        "solve/input_under_a_file",
+        ("solve", GNC, "--input", "{latin1}/x.json"),
+        2,
+        "--input {latin1}/x.json does not exist (a component of the path is not a directory)",
+    ),
+    Case(
+        "solve/input_over_64_MiB",
+        _s(GNC, "huge"),
+        2,
+        "--input {huge} is 64.0 MiB (67,108,865 bytes), over the limit of 64.0 MiB (67,108,864 bytes)",
+    ),
     Case("solve/input_empty_name", ("solve", GNC, "--input", ""), 2, "--input '' is an empty path"),
     Case("solve/input_name_with_a_newline", _s(GNC, "newline"), 2, "new\\nline.json' does not exist"),
 ]
@@ -286,8 +388,13 @@ def test_the_overflow_bound_is_float32s_own_rounding():
     bound = 2.0**128 - 2.0**103
     with np.errstate(over="ignore"):
         assert np.isfinite(np.float32(np.nextafter(bound, 0))) and np.isinf(np.float32(bound))
-    for value, accepted in ((np.nextafter(bound, 0), True), (-np.nextafter(bound, 0), True), (bound, False),
-                            (3.4028235e38, True), (2**128 - 2**103 - 1, False)):  # an int that rounds up to bound
+    for value, accepted in (
+        (np.nextafter(bound, 0), True),
+        (-np.nextafter(bound, 0), True),
+        (bound, False),
+        (3.4028235e38, True),
+        (2**128 - 2**103 - 1, False),
+    ):  # an int that rounds up to bound
         data = {"grads": {"w": [value]}, "max_norm": 1.0}
         if accepted:
             assert solve_cli.parse_input(GNC, data)["grads"]["w"][0] == np.float32(value)
@@ -324,12 +431,18 @@ def test_dash_and_no_input_read_standard_input(monkeypatch):
         assert mismatch(json.loads(out), expected) <= 2  # units of the 6th decimal
 
 
-@pytest.mark.parametrize(("stdin", "fragment"), [
-    (b'{"grads": {"w": [1.0]}, "max_norm": \xff}', "--input: standard input is not UTF-8 text (byte 0xff at offset 36)"),
-    (b"[" * 100_000, "malformed JSON in standard input: it nests too deeply"),
-    (b'{"grads": {"w": [1e39]}, "max_norm": 1}', "grads['w'][0]: 1e+39 " + RANGE),
-    (b"x" * 11, "--input: standard input has more than 10 bytes; the limit is 10 bytes"),
-])
+@pytest.mark.parametrize(
+    ("stdin", "fragment"),
+    [
+        (
+            b'{"grads": {"w": [1.0]}, "max_norm": \xff}',
+            "--input: standard input is not UTF-8 text (byte 0xff at offset 36)",
+        ),
+        (b"[" * 100_000, "malformed JSON in standard input: it nests too deeply"),
+        (b'{"grads": {"w": [1e39]}, "max_norm": 1}', "grads['w'][0]: 1e+39 " + RANGE),
+        (b"x" * 11, "--input: standard input has more than 10 bytes; the limit is 10 bytes"),
+    ],
+)
 def test_standard_input_gets_the_same_checks(monkeypatch, stdin, fragment):
     if fragment.startswith("--input: standard input has more"):
         monkeypatch.setattr(solve_cli, "MAX_INPUT_BYTES", 10)
@@ -341,25 +454,47 @@ def test_standard_input_gets_the_same_checks(monkeypatch, stdin, fragment):
 
 # --- fuzz ----------------------------------------------------------------------------------------
 
-_SPECIAL_FLOATS = [math.inf, -math.inf, math.nan, 1e39, -1e39, 3.4028235e38, 3.5e38, 1e-40, 1e-46, 1e-50, 5e-324,
-                   0.0, -0.0, 2.0**31, 1e20, 0.5]
+_SPECIAL_FLOATS = [
+    math.inf,
+    -math.inf,
+    math.nan,
+    1e39,
+    -1e39,
+    3.4028235e38,
+    3.5e38,
+    1e-40,
+    1e-46,
+    1e-50,
+    5e-324,
+    0.0,
+    -0.0,
+    2.0**31,
+    1e20,
+    0.5,
+]
 _SPECIAL_INTS = [0, 1, -1, 2, 3, 2**31 - 1, 2**31, -(2**31), 2**63, 2**128, 10**400, -(10**400)]
 _NUMBERS = st.one_of(
-    st.integers(-4, 4), st.integers(), st.sampled_from(_SPECIAL_INTS), st.floats(), st.floats(-10.0, 10.0),
+    st.integers(-4, 4),
+    st.integers(),
+    st.sampled_from(_SPECIAL_INTS),
+    st.floats(),
+    st.floats(-10.0, 10.0),
     st.sampled_from(_SPECIAL_FLOATS),
 )
 _LEAVES = st.one_of(st.none(), st.booleans(), _NUMBERS, st.text(max_size=4))
 _JSON = st.recursive(
     _LEAVES,
-    lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(st.text(max_size=3), children,
-                                                                              max_size=3)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3), st.dictionaries(st.text(max_size=3), children, max_size=3)
+    ),
     max_leaves=8,
 )
 _TASKS = st.sampled_from(sorted(TASKS))
 # 200 examples each: 3.5-7 s and 6-16 s on 2 shared cores (jit compiles once per new shape or
 # static value; the inputs are tiny). 1,500 random (not derandomized) examples each found nothing more.
-_FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow])
+_FUZZ = settings(
+    max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _no_constant(name: str) -> None:

@@ -10,6 +10,13 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from leanstep.rematerialization import (
+    REMAT_POLICIES,
+    checkpoint_name,
+    get_remat_policy,
+    remat,
+)
 from residual_blocks import (
     ALL_POLICIES,
     LAYERS,
@@ -22,13 +29,6 @@ from residual_blocks import (
     block,
     loop_stack,
     scan_stack,
-)
-
-from leanstep.rematerialization import (
-    REMAT_POLICIES,
-    checkpoint_name,
-    get_remat_policy,
-    remat,
 )
 
 REMAT_PRIMITIVES = {"remat2", "remat", "checkpoint"}
@@ -71,7 +71,7 @@ def test_policy_names_resolve_to_the_jax_policies():
     assert get_remat_policy("dots_no_batch") is cp.dots_with_no_batch_dims_saveable
     assert get_remat_policy("save:a, b") == cp.save_only_these_names("a", "b")
     assert get_remat_policy("save:a") != cp.save_only_these_names("a", "b")
-    custom = lambda prim, *_, **__: False  # noqa: E731
+    custom = lambda prim, *_, **__: False
     assert get_remat_policy(custom) is custom
 
 
@@ -100,8 +100,11 @@ def test_save_without_names_raises_value_error(bad):
 
 @pytest.mark.parametrize(
     ("bad", "message"),
-    [(None, "policy must be"), (3, "policy must be"),
-     (jax.checkpoint_policies.save_only_these_names, "policy=.* is a policy factory")],
+    [
+        (None, "policy must be"),
+        (3, "policy must be"),
+        (jax.checkpoint_policies.save_only_these_names, "policy=.* is a policy factory"),
+    ],
     ids=["None", "int", "factory"],
 )
 def test_non_policy_raises_type_error(bad, message):
@@ -239,28 +242,45 @@ def test_property_remat_matches_unrematted(policy, w1, b1, w2, b2, x):
 
 SEED_004 = [
     (
-        {"w1": [[0.5, -0.3, 0.8], [0.1, 0.4, -0.6]], "b1": [0.0, 0.1, -0.1],
-         "w2": [[0.2, -0.5], [0.7, 0.3], [-0.4, 0.6]], "b2": [0.05, -0.05]},
-        [[1.0, -2.0]], [[0.5, -1.0]],
+        {
+            "w1": [[0.5, -0.3, 0.8], [0.1, 0.4, -0.6]],
+            "b1": [0.0, 0.1, -0.1],
+            "w2": [[0.2, -0.5], [0.7, 0.3], [-0.4, 0.6]],
+            "b2": [0.05, -0.05],
+        },
+        [[1.0, -2.0]],
+        [[0.5, -1.0]],
         0.408815,
-        {"w1": [[0.332859, -0.197498, -0.033156], [-0.665719, 0.394996, 0.066313]],
-         "b1": [0.332859, -0.197498, -0.033156],
-         "w2": [[-0.089534, -0.24773], [0.234075, 0.647654], [-0.293898, -0.813177]],
-         "b2": [-0.307348, -0.850392]},
+        {
+            "w1": [[0.332859, -0.197498, -0.033156], [-0.665719, 0.394996, 0.066313]],
+            "b1": [0.332859, -0.197498, -0.033156],
+            "w2": [[-0.089534, -0.24773], [0.234075, 0.647654], [-0.293898, -0.813177]],
+            "b2": [-0.307348, -0.850392],
+        },
     ),
     (
         {"w1": [[1.0, 0.0], [0.0, 1.0]], "b1": [0.0, 0.0], "w2": [[1.0, 0.0], [0.0, 1.0]], "b2": [0.0, 0.0]},
-        [[0.5, -0.5], [1.0, 2.0]], [[0.0, 0.0], [0.0, 0.0]],
+        [[0.5, -0.5], [1.0, 2.0]],
+        [[0.0, 0.0], [0.0, 0.0]],
         3.435003,
-        {"w1": [[0.559076, -0.084458], [0.550661, 0.398575]], "b1": [0.74824, -0.273622],
-         "w2": [[0.893115, 0.906388], [0.626807, 1.651008]], "b2": [1.361856, 1.000955]},
+        {
+            "w1": [[0.559076, -0.084458], [0.550661, 0.398575]],
+            "b1": [0.74824, -0.273622],
+            "w2": [[0.893115, 0.906388], [0.626807, 1.651008]],
+            "b2": [1.361856, 1.000955],
+        },
     ),
     (
         {"w1": [[4.0, -3.0], [2.5, 3.5]], "b1": [1.0, -1.0], "w2": [[0.3, -0.2], [0.1, 0.4]], "b2": [0.0, 0.2]},
-        [[2.0, 1.5], [-1.0, -2.0], [0.5, 0.5]], [[1.0, 1.0], [-1.0, 0.0], [0.0, 0.5]],
+        [[2.0, 1.5], [-1.0, -2.0], [0.5, 0.5]],
+        [[1.0, 1.0], [-1.0, 0.0], [0.0, 0.5]],
         1.039321,
-        {"w1": [[3.7e-05, 0.010167], [3.7e-05, 0.006994]], "b1": [7.4e-05, 0.000838],
-         "w2": [[0.780639, 0.623179], [-0.400972, 0.681628]], "b2": [0.514078, -0.710164]},
+        {
+            "w1": [[3.7e-05, 0.010167], [3.7e-05, 0.006994]],
+            "b1": [7.4e-05, 0.000838],
+            "w2": [[0.780639, 0.623179], [-0.400972, 0.681628]],
+            "b2": [0.514078, -0.710164],
+        },
     ),
 ]
 
@@ -276,8 +296,11 @@ _seed_step = jax.jit(jax.value_and_grad(lambda p, x, y: mse(remat(seed_block, "d
 @pytest.mark.parametrize("example", range(len(SEED_004)))
 def test_seed_004_examples(example):
     params, x, y, loss, grads = SEED_004[example]
-    args = ({k: jnp.asarray(v, jnp.float32) for k, v in params.items()},
-            jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+    args = (
+        {k: jnp.asarray(v, jnp.float32) for k, v in params.items()},
+        jnp.asarray(x, jnp.float32),
+        jnp.asarray(y, jnp.float32),
+    )
     got_loss, got_grads = _seed_step(*args)
     assert got_loss.dtype == jnp.float32 and got_loss.shape == ()
     np.testing.assert_allclose(got_loss, loss, rtol=0, atol=1e-6)

@@ -4,6 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from leanstep.rematerialization import REMAT_POLICIES, remat
+from leanstep.residuals import (
+    RESIDUAL_KINDS,
+    ResidualReport,
+    saved_residuals_report,
+    short_dtype_name,
+)
 from residual_blocks import (
     ALL_POLICIES,
     LAYERS,
@@ -17,14 +25,6 @@ from residual_blocks import (
     block,
     loop_stack,
     scan_stack,
-)
-
-from leanstep.rematerialization import REMAT_POLICIES, remat
-from leanstep.residuals import (
-    RESIDUAL_KINDS,
-    ResidualReport,
-    saved_residuals_report,
-    short_dtype_name,
 )
 
 
@@ -72,9 +72,7 @@ def test_none_saves_the_tanh_activations():
     assert rep.activation_bytes >= B * H * 4
 
 
-@pytest.mark.parametrize(
-    ("policy", "names"), [("save:h", {"h"}), ("save:pre", {"pre"}), ("save:pre,h", {"pre", "h"})]
-)
+@pytest.mark.parametrize(("policy", "names"), [("save:h", {"h"}), ("save:pre", {"pre"}), ("save:pre,h", {"pre", "h"})])
 def test_save_names_saves_exactly_the_tagged_values(policy, names):
     rep = report(policy)
     assert {e.name for e in rep.of_kind("named")} == names
@@ -184,9 +182,16 @@ def test_report_table():
     assert isinstance(rep, ResidualReport)
 
 
-@pytest.mark.parametrize(("dtype", "short"), [
-    ("bfloat16", "bf16"), ("float32", "f32"), (np.dtype("int8"), "i8"), ("uint32", "u32"),
-    ("complex64", "c64"), ("bool", "bool"),
-])
+@pytest.mark.parametrize(
+    ("dtype", "short"),
+    [
+        ("bfloat16", "bf16"),
+        ("float32", "f32"),
+        (np.dtype("int8"), "i8"),
+        ("uint32", "u32"),
+        ("complex64", "c64"),
+        ("bool", "bool"),
+    ],
+)
 def test_short_dtype_names(dtype, short):
     assert short_dtype_name(dtype) == short

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from bits import count_differences, leaves_bit_equal
 from jax import lax
 from jax._src.ad_checkpoint import saved_residuals
 
+from bits import count_differences, leaves_bit_equal
 from leanstep.rounding import strict_precision
 
 BF16 = jnp.bfloat16
@@ -56,30 +56,54 @@ def seed_step(params, x, y, loss_scale, good_steps, lr, *, growth_interval, stri
     new_params = jax.tree.map(lambda p, g: jnp.where(finite, p - lr * g, p), params, grads)
     count = jnp.where(finite, good_steps + 1, 0)
     grow = count >= growth_interval
-    new_scale = jnp.where(finite, jnp.where(grow, 2 * loss_scale, loss_scale),
-                          jnp.maximum(loss_scale / 2, 1.0))
-    return {"loss": loss, "params": new_params, "loss_scale": new_scale,
-            "good_steps": jnp.where(grow, 0, count).astype(jnp.int32), "grads_finite": finite}
+    new_scale = jnp.where(finite, jnp.where(grow, 2 * loss_scale, loss_scale), jnp.maximum(loss_scale / 2, 1.0))
+    return {
+        "loss": loss,
+        "params": new_params,
+        "loss_scale": new_scale,
+        "good_steps": jnp.where(grow, 0, count).astype(jnp.int32),
+        "grads_finite": finite,
+    }
 
 
 SEED_CASES = [
-    (({"w": [[0.5], [-1.25]], "b": [0.1]}, [[1.0, 2.0], [0.5, -1.0]], [[-1.9], [1.5]], 1024.0, 0, 0.1, 2),
-     {"loss": 0.005159, "params": {"w": [[0.494775], [-1.240137]], "b": [0.089697]},
-      "loss_scale": 1024.0, "good_steps": 1, "grads_finite": True}),
-    (({"w": [[1.3], [0.7]], "b": [-0.2]}, [[0.9, 1.1], [-0.4, 2.2]], [[1.94], [0.81]], 512.0, 2, 0.05, 3),
-     {"loss": 0.021242, "params": {"w": [[1.309521], [0.709766]], "b": [-0.19043]},
-      "loss_scale": 1024.0, "good_steps": 0, "grads_finite": True}),
-    (({"w": [[0.5], [-1.25]], "b": [0.1]}, [[1.0, 2.0], [0.5, -1.0]], [[40.0], [-30.0]], 3e38, 0, 0.1, 2),
-     {"loss": 1377.068848, "params": {"w": [[0.5], [-1.25]], "b": [0.1]},
-      "loss_scale": 1.5e38, "good_steps": 0, "grads_finite": False}),
+    (
+        ({"w": [[0.5], [-1.25]], "b": [0.1]}, [[1.0, 2.0], [0.5, -1.0]], [[-1.9], [1.5]], 1024.0, 0, 0.1, 2),
+        {
+            "loss": 0.005159,
+            "params": {"w": [[0.494775], [-1.240137]], "b": [0.089697]},
+            "loss_scale": 1024.0,
+            "good_steps": 1,
+            "grads_finite": True,
+        },
+    ),
+    (
+        ({"w": [[1.3], [0.7]], "b": [-0.2]}, [[0.9, 1.1], [-0.4, 2.2]], [[1.94], [0.81]], 512.0, 2, 0.05, 3),
+        {
+            "loss": 0.021242,
+            "params": {"w": [[1.309521], [0.709766]], "b": [-0.19043]},
+            "loss_scale": 1024.0,
+            "good_steps": 0,
+            "grads_finite": True,
+        },
+    ),
+    (
+        ({"w": [[0.5], [-1.25]], "b": [0.1]}, [[1.0, 2.0], [0.5, -1.0]], [[40.0], [-30.0]], 3e38, 0, 0.1, 2),
+        {
+            "loss": 1377.068848,
+            "params": {"w": [[0.5], [-1.25]], "b": [0.1]},
+            "loss_scale": 1.5e38,
+            "good_steps": 0,
+            "grads_finite": False,
+        },
+    ),
 ]
 
 
 def seed_inputs(case):
     params, x, y, scale, good, lr, growth = case
-    f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
-    return (({k: f32(v) for k, v in params.items()}, f32(x), f32(y), f32(scale), jnp.int32(good), f32(lr)),
-            growth)
+    f32 = lambda v: jnp.asarray(v, jnp.float32)
+    return (({k: f32(v) for k, v in params.items()}, f32(x), f32(y), f32(scale), jnp.int32(good), f32(lr)), growth)
 
 
 @pytest.mark.parametrize(("case", "expected"), SEED_CASES)
@@ -101,8 +125,7 @@ def test_seed_contract_unwrapped_jit_keeps_excess_precision():
     plain = seed_step(*args, growth_interval=growth, strict=False)
     assert abs(float(plain["loss"]) - 0.005159) > 1e-4  # 0.005010 on XLA:CPU
     # Op by op, the unwrapped step is what the contract describes.
-    reference = eager(functools.partial(seed_step.__wrapped__, growth_interval=growth,
-                                        strict=False), *args)
+    reference = eager(functools.partial(seed_step.__wrapped__, growth_interval=growth, strict=False), *args)
     leaves_bit_equal(seed_step(*args, growth_interval=growth), reference)
 
 
@@ -117,8 +140,12 @@ def mlp_loss(params, x, y):
 
 def make_mlp(seed, batch=6, d_in=5, hidden=8, d_out=3):
     k = jax.random.split(jax.random.key(seed), 6)
-    params = {"w1": jax.random.normal(k[0], (d_in, hidden)), "b1": jax.random.normal(k[1], (hidden,)),
-              "w2": jax.random.normal(k[2], (hidden, d_out)) / 2, "b2": jax.random.normal(k[3], (d_out,))}
+    params = {
+        "w1": jax.random.normal(k[0], (d_in, hidden)),
+        "b1": jax.random.normal(k[1], (hidden,)),
+        "w2": jax.random.normal(k[2], (hidden, d_out)) / 2,
+        "b2": jax.random.normal(k[3], (d_out,)),
+    }
     return params, jax.random.normal(k[4], (batch, d_in)), jax.random.normal(k[5], (batch, d_out))
 
 
@@ -153,8 +180,7 @@ def numpy_mlp_reference(params, x, y):
     g_out = r(2 * (out - y) / out.size)
     g_h = r(g_out @ p["w2"].T)
     g_pre = r(g_h * r(1 - r(h * h)))
-    grads = {"w1": r(xb.T @ g_pre), "b1": r(g_pre.sum(0)),
-             "w2": r(h.T @ g_out), "b2": r(g_out.sum(0))}
+    grads = {"w1": r(xb.T @ g_pre), "b1": r(g_pre.sum(0)), "w2": r(h.T @ g_out), "b2": r(g_out.sum(0))}
     return loss, out, grads
 
 
@@ -171,7 +197,7 @@ def test_mlp_matches_rounded_float64_reference(seed):
     np.testing.assert_allclose(loss, ref_loss, rtol=2e-2)
     for name, ref in ref_grads.items():
         scale = np.max(np.abs(ref))
-        np.testing.assert_allclose(grads[name], ref, rtol=2 ** -6, atol=2 ** -5 * scale)
+        np.testing.assert_allclose(grads[name], ref, rtol=2**-6, atol=2**-5 * scale)
 
 
 def _native_float16_arithmetic() -> bool:
@@ -191,8 +217,10 @@ def test_float16_is_rounded_with_its_own_bits():
     grad = jax.grad(lambda a, b: jnp.sum(f(a, b) * b), argnums=(0, 1))
     strict_grad = jax.grad(lambda a, b: jnp.sum(strict_precision(f)(a, b) * b), argnums=(0, 1))
     # Rounding float16 results to bfloat16's bits would break these equalities.
-    pairs = [(jax.jit(strict_precision(f))(a, a[::-1]), eager(f, a, a[::-1])),
-             (jax.jit(strict_grad)(a, a[::-1]), eager(grad, a, a[::-1]))]
+    pairs = [
+        (jax.jit(strict_precision(f))(a, a[::-1]), eager(f, a, a[::-1])),
+        (jax.jit(strict_grad)(a, a[::-1]), eager(grad, a, a[::-1])),
+    ]
     if not _native_float16_arithmetic():
         for compiled, op_by_op in pairs:
             leaves_bit_equal(compiled, op_by_op)
@@ -234,8 +262,11 @@ def rnn_loss(params, xs):
 
 def test_scan_and_cond_inside_fn_match_op_by_op():
     k = jax.random.split(jax.random.key(7), 4)
-    params = {"w": jax.random.normal(k[0], (4, 4)) / 2, "u": jax.random.normal(k[1], (3, 4)),
-              "g": jax.random.normal(k[3], (4,))}
+    params = {
+        "w": jax.random.normal(k[0], (4, 4)) / 2,
+        "u": jax.random.normal(k[1], (3, 4)),
+        "g": jax.random.normal(k[3], (4,)),
+    }
     xs = jax.random.normal(k[2], (5, 3))
     grad = jax.value_and_grad(rnn_loss)
     reference = eager(grad, params, xs)  # disable_jit runs scan and cond as Python
@@ -244,10 +275,13 @@ def test_scan_and_cond_inside_fn_match_op_by_op():
     # The loop and branches stay loops and branches, with rounding inside.
     program = jax.make_jaxpr(jax.grad(strict_precision(rnn_loss)))(params, xs)
     for name in ("scan", "cond"):
-        bodies = [sub for eqn in all_eqns(program.jaxpr) if eqn.primitive.name == name
-                  for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
-        assert bodies and all(any(e.primitive.name == "reduce_precision" for e in all_eqns(b))
-                              for b in bodies)
+        bodies = [
+            sub
+            for eqn in all_eqns(program.jaxpr)
+            if eqn.primitive.name == name
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params)
+        ]
+        assert bodies and all(any(e.primitive.name == "reduce_precision" for e in all_eqns(b)) for b in bodies)
 
 
 @jax.custom_vjp
@@ -262,8 +296,7 @@ def rules_loss(w, x):
     """bf16 code through custom_jvp (softmax), custom_vjp, an inner jit and a while loop."""
     logits = jax.jit(lambda a, b: a @ b)(x.astype(BF16), w.astype(BF16) * BF16(1.3))
     probs = clipped_identity(jax.nn.softmax(logits * BF16(3), axis=-1))
-    scale = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * BF16(1.1)),
-                           (0, jnp.sum(probs)))[1]
+    scale = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * BF16(1.1)), (0, jnp.sum(probs)))[1]
     return jnp.sum((probs * lax.stop_gradient(scale)).astype(jnp.float32) ** 2)
 
 
@@ -295,14 +328,17 @@ def test_checkpoint_inside_fn_keeps_values_and_recomputes():
     plain = strict_precision(functools.partial(deep_loss, remat=False))
     reference = eager(jax.value_and_grad(functools.partial(deep_loss, remat=False)), params, x)
     leaves_bit_equal(jax.jit(jax.value_and_grad(remat))(params, x), reference)
+
     # Equal gradients cannot show recomputation; the saved residuals can. The
     # wrapper saves exactly what JAX saves for the unwrapped function: with
     # remat only each layer's (4, 6) input, without it also tanh, 1 - tanh^2, ...
     def residuals(f):
         return sorted((r.shape, str(r.dtype)) for r, _ in saved_residuals(f, params, x) if r.shape)
 
-    for fn, strict_fn in [(functools.partial(deep_loss, remat=True), remat),
-                          (functools.partial(deep_loss, remat=False), plain)]:
+    for fn, strict_fn in [
+        (functools.partial(deep_loss, remat=True), remat),
+        (functools.partial(deep_loss, remat=False), plain),
+    ]:
         assert residuals(strict_fn) == residuals(fn)
     activation = ((4, 6), "bfloat16")
     assert residuals(remat).count(activation) == 3 < residuals(plain).count(activation)
@@ -313,8 +349,9 @@ def test_vmap_and_per_example_gradients():
     per_example = jax.vmap(lambda xi, yi: STRICT_MLP_GRAD(params, xi[None], yi[None]))
     batched = jax.jit(per_example)(x, y)
     for i in range(x.shape[0]):
-        leaves_bit_equal(jax.tree.map(lambda leaf: leaf[i], batched),
-                         JIT_STRICT_MLP_GRAD(params, x[i:i + 1], y[i:i + 1]))
+        leaves_bit_equal(
+            jax.tree.map(lambda leaf: leaf[i], batched), JIT_STRICT_MLP_GRAD(params, x[i : i + 1], y[i : i + 1])
+        )
 
 
 def test_under_outer_scan_matches_python_loop():
@@ -325,6 +362,7 @@ def test_under_outer_scan_matches_python_loop():
     def accumulate(params, xs, ys):
         def body(total, batch):
             return jax.tree.map(jnp.add, total, STRICT_MLP_GRAD(params, *batch)[1]), None
+
         return lax.scan(body, jax.tree.map(jnp.zeros_like, params), (xs, ys))[0]
 
     total = jax.tree.map(jnp.zeros_like, params)
@@ -341,11 +379,9 @@ def test_pytrees_kwargs_statics_and_closures():
 
     params, x = {"w": jnp.linspace(-1, 1, 6).reshape(3, 2)}, jnp.linspace(0.1, 0.9, 6).reshape(2, 3)
     wrapped = strict_precision(f)
-    out = jax.jit(wrapped, static_argnames=("name", "scale"))(params, x, scale=1.1, name="layer",
-                                                   steps=jnp.int32(2))
+    out = jax.jit(wrapped, static_argnames=("name", "scale"))(params, x, scale=1.1, name="layer", steps=jnp.int32(2))
     assert int(out["count"]) == 3 and out["count"].dtype == jnp.int32
-    leaves_bit_equal(out, eager(functools.partial(f, scale=1.1, name="layer", steps=jnp.int32(2)),
-                                params, x))
+    leaves_bit_equal(out, eager(functools.partial(f, scale=1.1, name="layer", steps=jnp.int32(2)), params, x))
 
     def loss(p, x):
         return wrapped(p, x, scale=1.1, name="layer", steps=jnp.int32(0))["sum"]

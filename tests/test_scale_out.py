@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from workers import run_worker
 
 
@@ -31,8 +32,10 @@ def worker(out: Path) -> None:
         for layout in ("dp", "fsdp"):
             results[f"{work.name}/{layout}"] = scaling.measure(work, layout, 4)
     # Both models again, small, in bfloat16 on every layout: no collective may move batch rows.
-    small = (scaling.mlp_stack(layers=4, width=256), scaling.transformer(d_model=64, layers=2, d_ff=128, heads=4,
-                                                                         seq_len=16, batch=32))
+    small = (
+        scaling.mlp_stack(layers=4, width=256),
+        scaling.transformer(d_model=64, layers=2, d_ff=128, heads=4, seq_len=16, batch=32),
+    )
     for work in small:
         for layout in scaling.LAYOUTS:
             results[f"{work.name}/{layout}/bf16"] = scaling.measure(work, layout, 4, "compute=bfloat16")

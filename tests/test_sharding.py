@@ -50,10 +50,12 @@ def mlp_loss(params: dict, batch: dict) -> jax.Array:
 def init_params(seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     d_in, hidden, d_out = SIZES
-    return {"w1": rng.normal(size=(d_in, hidden)).astype(np.float32) / np.sqrt(d_in),
-            "b1": rng.normal(size=(hidden,)).astype(np.float32) * 0.1,
-            "w2": rng.normal(size=(hidden, d_out)).astype(np.float32) / np.sqrt(hidden),
-            "b2": np.zeros((d_out,), np.float32)}
+    return {
+        "w1": rng.normal(size=(d_in, hidden)).astype(np.float32) / np.sqrt(d_in),
+        "b1": rng.normal(size=(hidden,)).astype(np.float32) * 0.1,
+        "w2": rng.normal(size=(hidden, d_out)).astype(np.float32) / np.sqrt(hidden),
+        "b2": np.zeros((d_out,), np.float32),
+    }
 
 
 def batch_at(step: int, nan_row: int | None = None) -> dict:
@@ -78,9 +80,18 @@ def report_rows(compiled, mesh, params) -> list[dict]:
     """The collectives report as plain rows (JSON for the judging process)."""
     from leanstep.collectives import collectives_report
 
-    return [{"kind": c.kind, "name": c.name, "bytes": c.bytes, "trips": c.trips, "moves_batch": c.moves_batch,
-             "scalar": all(not dims for _, dims in c.shapes), "axes": list(c.axes)}
-            for c in collectives_report(compiled, mesh, params=params).collectives]
+    return [
+        {
+            "kind": c.kind,
+            "name": c.name,
+            "bytes": c.bytes,
+            "trips": c.trips,
+            "moves_batch": c.moves_batch,
+            "scalar": all(not dims for _, dims in c.shapes),
+            "axes": list(c.axes),
+        }
+        for c in collectives_report(compiled, mesh, params=params).collectives
+    ]
 
 
 #: name -> (mesh shape, make_train_step options); every layout the sharding layer has.
@@ -88,8 +99,10 @@ LAYOUTS = {
     "dp": ({"data": 8}, {}),
     "fsdp": ({"data": 8}, {"fsdp": True}),
     "hybrid": ({"data": 2, "fsdp": 4}, {}),
-    "tensor": ({"data": 2, "fsdp": 2, "tensor": 2},
-               {"rules": (("w1", (None, "tensor")), ("b1", ("tensor",)), ("w2", ("tensor", None)))}),
+    "tensor": (
+        {"data": 2, "fsdp": 2, "tensor": 2},
+        {"rules": (("w1", (None, "tensor")), ("b1", ("tensor",)), ("w2", ("tensor", None)))},
+    ),
     "fsdpstep": ({"fsdp": 8}, {"reduce": "step"}),
 }
 
@@ -143,14 +156,24 @@ def worker8(out: Path) -> None:
             for t, batch in enumerate(data):
                 before = state.params
                 if t == 1:  # the NaN step: every device's shard of params must be unchanged
-                    before_shards = [[np.array(s.data) for s in leaf.addressable_shards] for leaf in jax.tree.leaves(before)]
+                    before_shards = [
+                        [np.array(s.data) for s in leaf.addressable_shards] for leaf in jax.tree.leaves(before)
+                    ]
                 state, metrics = run(state, shard_batch(batch, mesh))
                 if t == 1:
-                    after_shards = [[np.array(s.data) for s in leaf.addressable_shards] for leaf in jax.tree.leaves(state.params)]
+                    after_shards = [
+                        [np.array(s.data) for s in leaf.addressable_shards] for leaf in jax.tree.leaves(state.params)
+                    ]
                     results[f"{tag}/nan_shards_unchanged"] = [
-                        [a.tobytes() == b.tobytes() for a, b in zip(old, new)] for old, new in zip(before_shards, after_shards)]
-                    results[f"{tag}/nan_scale_per_device"] = [float(s.data) for s in state.loss_scale.loss_scale.addressable_shards]
-                    results[f"{tag}/nan_skips_per_device"] = [int(s.data) for s in state.consecutive_skips.addressable_shards]
+                        [a.tobytes() == b.tobytes() for a, b in zip(old, new)]
+                        for old, new in zip(before_shards, after_shards)
+                    ]
+                    results[f"{tag}/nan_scale_per_device"] = [
+                        float(s.data) for s in state.loss_scale.loss_scale.addressable_shards
+                    ]
+                    results[f"{tag}/nan_skips_per_device"] = [
+                        int(s.data) for s in state.consecutive_skips.addressable_shards
+                    ]
                 arrays.update({f"{tag}/{t}{k}": v for k, v in flat((state, metrics._replace(aux=None))).items()})
             results[f"{tag}/out_specs"] = {k: str(s.spec) for k, s in flat_shardings(state).items()}
             if run is step:
@@ -181,12 +204,15 @@ def worker8(out: Path) -> None:
         compiled = step.lower(shard_train_state(new_state(), mesh), shard_batch(data[0], mesh)).compile()
         results[f"dp{num_mb}/collectives"] = report_rows(compiled, mesh, init_params())
     # The control: the naive contiguous split of a row-sharded batch. It must move rows.
-    naive = jax.jit(microbatched_value_and_grad(mlp_loss, 4),
-                    in_shardings=(NamedSharding(mesh, PartitionSpec()), batch_sharding(mesh)))
+    naive = jax.jit(
+        microbatched_value_and_grad(mlp_loss, 4),
+        in_shardings=(NamedSharding(mesh, PartitionSpec()), batch_sharding(mesh)),
+    )
     results["naive/collectives"] = report_rows(naive.lower(init_params(), data[0]).compile(), mesh, init_params())
     try:
         make_train_step(mlp_loss, num_microbatches=4, mesh=mesh)(
-            new_state(), jax.tree.map(lambda v: v[:16], batch_at(0)))
+            new_state(), jax.tree.map(lambda v: v[:16], batch_at(0))
+        )
         results["indivisible_error"] = None
     except ValueError as error:
         results["indivisible_error"] = str(error)
@@ -212,8 +238,9 @@ def worker4(out: Path) -> None:
             restored = checkpointer.restore(template)
             state = restored.state
             results[f"{name}/step"] = restored.step
-            results[f"{name}/specs"] = {k: str(s.spec) if mesh is not None else None
-                                        for k, s in flat_shardings(state).items()}
+            results[f"{name}/specs"] = {
+                k: str(s.spec) if mesh is not None else None for k, s in flat_shardings(state).items()
+            }
             results[f"{name}/num_devices"] = len(state.params["w1"].sharding.device_set)
             arrays.update({f"{name}/restored{k}": v for k, v in flat(state).items()})
             step = make_train_step(mlp_loss, num_microbatches=4, mesh=mesh, fsdp=fsdp, **STEP_KW)
@@ -228,8 +255,9 @@ def worker4(out: Path) -> None:
 def _run_worker(name: str, out: Path, timeout: float = 240) -> tuple[dict, dict]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, __file__, name, str(out)], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, __file__, name, str(out)], env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     with np.load(out / f"{name}.npz") as npz:
         arrays = dict(npz)
@@ -245,7 +273,7 @@ def multi_device(tmp_path_factory) -> dict:
 
 
 def _prefixed(arrays: dict, prefix: str) -> dict:
-    return {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
 
 
 def assert_close(actual: dict, expected: dict, rtol: float = 2e-5, atol: float = 2e-6) -> None:
@@ -343,7 +371,8 @@ def test_fsdp_checkpoint_restores_onto_other_layouts(multi_device, layout):
 
 def test_batch_indivisible_by_devices_times_microbatches(multi_device):
     assert multi_device["r8"]["indivisible_error"] == (
-        "batch size 16 is not divisible by num_microbatches=4 times the 8 devices of mesh axis 'data'")
+        "batch size 16 is not divisible by num_microbatches=4 times the 8 devices of mesh axis 'data'"
+    )
 
 
 @pytest.mark.parametrize("layout", ["mesh4", "mesh1", "plain"])

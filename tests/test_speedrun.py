@@ -80,8 +80,15 @@ def test_compression_references_match_zlib_and_the_command_line_tools(data):
     assert refs["xz"]["bits_per_byte"] < refs["gzip"]["bits_per_byte"] < 8
 
 
-@pytest.mark.parametrize("heldout, error", [(b"", ValueError), (np.zeros(3, np.int32), ValueError),
-                                            (np.zeros((2, 2), np.uint8), ValueError), ("text", TypeError)])
+@pytest.mark.parametrize(
+    "heldout, error",
+    [
+        (b"", ValueError),
+        (np.zeros(3, np.int32), ValueError),
+        (np.zeros((2, 2), np.uint8), ValueError),
+        ("text", TypeError),
+    ],
+)
 def test_compression_references_refuse_what_is_not_bytes(heldout, error):
     with pytest.raises(error, match="heldout"):
         compression_references(heldout)
@@ -121,7 +128,7 @@ def numpy_loss(weights: dict[str, np.ndarray], tokens: np.ndarray, n_heads: int,
     d = x.shape[-1]
     causal = np.tril(np.ones((time, time), bool))
     for i in range(n_layers):
-        w = {name[len(f"blocks.{i}."):]: v for name, v in weights.items() if name.startswith(f"blocks.{i}.")}
+        w = {name[len(f"blocks.{i}.") :]: v for name, v in weights.items() if name.startswith(f"blocks.{i}.")}
         qkv = _layer_norm(x, w["ln1.weight"], w["ln1.bias"]) @ w["qkv.weight"].T + w["qkv.bias"]
         q, k, v = np.moveaxis(qkv.reshape(batch, time, n_heads, 3, d // n_heads), 3, 0)  # head-major, as leanstep
         scores = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(d // n_heads)
@@ -149,8 +156,18 @@ def test_peer_trains_on_leanstep_batches_under_its_recipe_and_reports_float64_bi
     from leanstep.models import build_model
 
     # Three steps of warmup-cosine with one warmup step: learning rates 0, lr, 0.55 lr (the cosine's midpoint).
-    config = RunConfig(**TINY, steps=3, time_budget=None, warmup_steps=1, lr=1e-2, weight_decay=0.1, schedule="warmup-cosine",
-                       max_grad_norm=0.5, seed=3, data=str(data))
+    config = RunConfig(
+        **TINY,
+        steps=3,
+        time_budget=None,
+        warmup_steps=1,
+        lr=1e-2,
+        weight_decay=0.1,
+        schedule="warmup-cosine",
+        max_grad_norm=0.5,
+        seed=3,
+        data=str(data),
+    )
     peer = train_torch_peer(config, torch_compile=False)
 
     # The reference: full-batch gradients of the same initial model on BatchSampler's batches, then
@@ -183,8 +200,9 @@ def test_peer_trains_on_leanstep_batches_under_its_recipe_and_reports_float64_bi
         np.testing.assert_allclose(trained[name], w, rtol=1e-4, atol=2e-5, err_msg=name)
 
     batches = heldout_batches(corpus.heldout, 4, 16, 3)
-    expected = np.mean([numpy_loss(trained, b["tokens"], model_config.n_heads, model_config.n_layers)
-                        for b in batches]) / math.log(2)
+    expected = np.mean(
+        [numpy_loss(trained, b["tokens"], model_config.n_heads, model_config.n_layers) for b in batches]
+    ) / math.log(2)
     result = peer.result
     assert result["heldout_bits_per_byte"] == pytest.approx(expected, rel=1e-5)
     assert result["heldout_curve"][-1] == [3, result["heldout_bits_per_byte"]]
@@ -217,13 +235,29 @@ def test_peer_sizes_its_run_from_the_measured_step_and_stops_within_the_budget(d
     config = RunConfig(**TINY, time_budget=budget, eval_every=25, data=str(data))
     result = train_torch_peer(config, torch_compile=False).result
     assert result["step_s"] == statistics.median(result["step_times_s"]) and len(result["step_times_s"]) == 4
-    assert result["calibrated_steps"] == plan_steps(budget, result["planned_at_s"], result["step_s"],
-                                                    result["eval_s"], 25, 0.0, config.checkpoint_every, 0.0) >= 1
+    assert (
+        result["calibrated_steps"]
+        == plan_steps(
+            budget, result["planned_at_s"], result["step_s"], result["eval_s"], 25, 0.0, config.checkpoint_every, 0.0
+        )
+        >= 1
+    )
     if result["replan_at"] is not None and result["steps"] >= result["replan_at"]:
         # Planned again as leanstep's loop plans: the time left at the loop's own pace.
         at = result["replan_at"]
-        expected = at + max(1, plan_steps(budget, result["replanned_at_s"], result["loop_step_s"], result["eval_s"],
-                                          25, 0.0, config.checkpoint_every, 0.0))
+        expected = at + max(
+            1,
+            plan_steps(
+                budget,
+                result["replanned_at_s"],
+                result["loop_step_s"],
+                result["eval_s"],
+                25,
+                0.0,
+                config.checkpoint_every,
+                0.0,
+            ),
+        )
         while expected - expected // 5 <= at:  # warmup-stable-decay: the decay never starts before the replan
             expected += 1
         assert result["planned_steps"] == expected
@@ -250,17 +284,26 @@ def test_peer_refuses_a_budget_without_time_for_a_step(data, one_thread):
 
 def _stand_in_train(calls: list):
     """A ``train`` that records its config and writes what the trainer writes (no training)."""
+
     def train(config, *, resume=False, on_record=None):
         calls.append(config)
         out = Path(config.out)
         out.mkdir(parents=True)
         run = {**config.to_json(), "steps": 7, "precision": FLOAT32}
         plan = {"planned_at_s": 1.0, "compile_s": 0.5, "step_s": 0.1, "step_times_s": [0.1] * 4, "eval_s": 0.2}
-        (out / "config.json").write_text(json.dumps({"run": run, "precision_reason": "a stand-in",
-                                                     "time_budget_plan": plan}))
+        (out / "config.json").write_text(
+            json.dumps({"run": run, "precision_reason": "a stand-in", "time_budget_plan": plan})
+        )
         on_record(leanstep.training.Note("7 steps planned"))
-        return {"steps": 7, "final_heldout_bits_per_byte": 5.0, "final_heldout_loss": 5.0 * math.log(2),
-                "final_train_loss": 3.0, "total_time_s": 2.5, "skipped_steps": 0}
+        return {
+            "steps": 7,
+            "final_heldout_bits_per_byte": 5.0,
+            "final_heldout_loss": 5.0 * math.log(2),
+            "final_train_loss": 3.0,
+            "total_time_s": 2.5,
+            "skipped_steps": 0,
+        }
+
     return train
 
 
@@ -276,7 +319,12 @@ def test_run_speedrun_gives_both_contenders_one_config_and_budget(data, tmp_path
     result = run_speedrun(3.0, config=RunConfig(**bf16), out=tmp_path / "sr", data=data, torch_compile=False)
     (config,) = calls
     assert (config.time_budget, config.steps, config.out, config.progress, config.data) == (
-        3.0, None, str(tmp_path / "sr" / "leanstep"), False, str(data))
+        3.0,
+        None,
+        str(tmp_path / "sr" / "leanstep"),
+        False,
+        str(data),
+    )
     assert result["config"] == config.to_json() and result["budget_s"] == 3.0
     lean, peer = result["contenders"]["leanstep"], result["contenders"]["pytorch"]
     assert (lean["steps"], lean["tokens"], lean["heldout_bits_per_byte"], lean["compile_s"]) == (7, 7 * 64, 5.0, 0.5)
@@ -340,18 +388,41 @@ def recorded(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("text, seconds", [("3m", 180.0), ("180s", 180.0), ("180", 180.0), ("1.5m", 90.0),
-                                           ("1h", 3600.0)])
+@pytest.mark.parametrize(
+    "text, seconds", [("3m", 180.0), ("180s", 180.0), ("180", 180.0), ("1.5m", 90.0), ("1h", 3600.0)]
+)
 def test_cli_reads_the_budget_and_writes_table_and_json(text, seconds, recorded, tmp_path, capsys):
-    argv = ["bench", "--speedrun", "--time-budget", text, "--out", str(tmp_path / "runs"), "--json",
-            str(tmp_path / "r.json"), "--quiet", "--size", "tiny", "--batch-size", "4", "--seed", "3",
-            "--data", str(tmp_path), "--no-torch-compile"]
+    argv = [
+        "bench",
+        "--speedrun",
+        "--time-budget",
+        text,
+        "--out",
+        str(tmp_path / "runs"),
+        "--json",
+        str(tmp_path / "r.json"),
+        "--quiet",
+        "--size",
+        "tiny",
+        "--batch-size",
+        "4",
+        "--seed",
+        "3",
+        "--data",
+        str(tmp_path),
+        "--no-torch-compile",
+    ]
     assert main(argv) == 0
     ((budget, kwargs),) = recorded
     assert budget == seconds and kwargs["out"] == str(tmp_path / "runs") and kwargs["torch_compile"] is False
     config = kwargs["config"]
     assert (config.size, config.batch_size, config.seed, config.data, config.time_budget) == (
-        "tiny", 4, 3, str(tmp_path), seconds)
+        "tiny",
+        4,
+        3,
+        str(tmp_path),
+        seconds,
+    )
     assert json.loads((tmp_path / "r.json").read_text())["contenders"] == CANNED["contenders"]
     out = capsys.readouterr().out
     for cell in ("leanstep", "3.4000", "3.5000", "183", "374,784", "gzip -9", "1.8400", "xz -9e", "1.5500", "skipped"):

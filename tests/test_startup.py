@@ -16,8 +16,9 @@ from leanstep.training.build import build_run
 from leanstep.training.step_loop import in_background
 
 
-@pytest.mark.parametrize("changes", [{}, {"model": "mlp", "size": "tiny", "seq_len": 8, "batch_size": 4},
-                                     {"seed": 7, "loss_scale": "none"}])
+@pytest.mark.parametrize(
+    "changes", [{}, {"model": "mlp", "size": "tiny", "seq_len": 8, "batch_size": 4}, {"seed": 7, "loss_scale": "none"}]
+)
 def test_the_compiled_initial_state_is_the_op_by_op_one(changes):
     run = build_run(RunConfig(steps=10, **changes))
     compiled = run.init_state()
@@ -60,8 +61,9 @@ def test_a_background_compile_is_the_one_the_call_uses():
 def test_a_background_compile_that_fails_is_raised_by_the_call_itself_and_the_next_call_still_runs():
     fn = jax.jit(lambda x: x @ x)  # (2, 3) @ (2, 3) cannot be traced
     ran = []
-    wait = in_background(lambda: fn.lower(jax.ShapeDtypeStruct((2, 3), jnp.float32)).compile(),
-                         lambda: ran.append(True))
+    wait = in_background(
+        lambda: fn.lower(jax.ShapeDtypeStruct((2, 3), jnp.float32)).compile(), lambda: ran.append(True)
+    )
     wait()  # the thread's error is dropped, the next call runs ...
     assert ran == [True]
     with pytest.raises(TypeError, match="dot_general"):

@@ -102,7 +102,7 @@ def assert_trees_close(actual, expected, rtol: float = 1e-5, atol: float = 1e-6)
 
 def microbatch(batch: dict, num_microbatches: int, index: int) -> dict:
     rows = jax.tree.leaves(batch)[0].shape[0] // num_microbatches
-    return jax.tree.map(lambda leaf: leaf[index * rows:(index + 1) * rows], batch)
+    return jax.tree.map(lambda leaf: leaf[index * rows : (index + 1) * rows], batch)
 
 
 def grad_probe(learning_rate: float = 1.0) -> optax.GradientTransformation:
@@ -195,9 +195,10 @@ def _reciprocal_events(jaxpr, flags_in, inside_scan=False, events=None):
                 outs = [(dep, False, recip)] * len(eqn.outvars)
             env.update(zip(eqn.outvars, outs))
             continue
-        scale_only = lambda f: f[0] and f[1]  # noqa: E731
+        scale_only = lambda f: f[0] and f[1]
         if (name == "div" and scale_only(ins[1])) or (
-            name in ("integer_pow", "pow", "rsqrt") and scale_only(ins[0])
+            name in ("integer_pow", "pow", "rsqrt")
+            and scale_only(ins[0])
             and (name != "integer_pow" or eqn.params["y"] < 0)
         ):
             events.append(("recip", inside_scan))
@@ -246,8 +247,13 @@ def test_jaxpr_one_scan_with_grad_inside_in_compute_dtype_float32_carry(num_micr
 
     opt = optax.adamw(1e-3)
     state = TrainState.create(init_mlp(), opt, loss_scale="dynamic")
-    step = make_train_step(loss_fn, precision="params=float32,compute=bfloat16,output=float32",
-                           num_microbatches=num_microbatches, max_grad_norm=1.0, jit=False)
+    step = make_train_step(
+        loss_fn,
+        precision="params=float32,compute=bfloat16,output=float32",
+        num_microbatches=num_microbatches,
+        max_grad_norm=1.0,
+        jit=False,
+    )
     closed = jax.make_jaxpr(step)(state, make_batch(0))
     scans = [e for e in _eqns(closed.jaxpr) if e.primitive.name == "scan"]
     assert len(scans) == 1
@@ -287,8 +293,7 @@ def test_one_microbatch_runs_without_a_scan():
 def test_unscale_happens_once_after_the_scan():
     opt = optax.sgd(0.1)
     state = TrainState.create(init_mlp(), opt, loss_scale=StaticLossScale.create(3.0))
-    step = make_train_step(mse_loss, precision="compute=bfloat16", num_microbatches=3,
-                           max_grad_norm=1.0, jit=False)
+    step = make_train_step(mse_loss, precision="compute=bfloat16", num_microbatches=3, max_grad_norm=1.0, jit=False)
     events = _scale_events(step, (state, make_batch(0)), state.loss_scale.loss_scale)
     assert ("recip", False) in events  # the unscale exists, outside the scan
     assert ("recip", True) not in events
@@ -362,8 +367,7 @@ def test_clipping_is_of_the_accumulated_unscaled_gradient():
 
     full = x.astype(np.float64).mean(axis=0)
     after_accumulation = full * min(1.0, 1.0 / np.linalg.norm(full))
-    per_microbatch = np.mean(
-        [g * min(1.0, 1.0 / np.linalg.norm(g)) for g in x[::2].astype(np.float64)], axis=0)
+    per_microbatch = np.mean([g * min(1.0, 1.0 / np.linalg.norm(g)) for g in x[::2].astype(np.float64)], axis=0)
     scaled = 2.0**12 * full
     clipped_scaled = scaled * min(1.0, 1.0 / np.linalg.norm(scaled)) / 2.0**12
     got = np.asarray(state.opt_state["grad"]["w"])
@@ -392,12 +396,14 @@ def test_clipping_matches_optax_reference_on_an_mlp():
     np.testing.assert_allclose(float(metrics.loss), float(loss), rtol=1e-6)
     # Clipping each microbatch to max_norm instead (float64) gives a clearly different update.
     grad_fn = jax.jit(jax.grad(mse_loss))
-    per_mb = [jax.tree.map(lambda g: np.asarray(g, np.float64), grad_fn(init_mlp(), microbatch(batch, 3, j)))
-              for j in range(3)]
+    per_mb = [
+        jax.tree.map(lambda g: np.asarray(g, np.float64), grad_fn(init_mlp(), microbatch(batch, 3, j)))
+        for j in range(3)
+    ]
     norms = [np.sqrt(sum(np.sum(g**2) for g in jax.tree.leaves(tree))) for tree in per_mb]
     per_mb_params = jax.tree.map(
-        lambda p, *g: p - 0.5 * sum(gj * min(1.0, max_norm / n) for gj, n in zip(g, norms)) / 3,
-        init_mlp(), *per_mb)
+        lambda p, *g: p - 0.5 * sum(gj * min(1.0, max_norm / n) for gj, n in zip(g, norms)) / 3, init_mlp(), *per_mb
+    )
     gap = max(np.max(np.abs(a - b)) for a, b in zip(jax.tree.leaves(per_mb_params), jax.tree.leaves(params)))
     assert gap > 1e-3
 
@@ -522,8 +528,7 @@ def test_token_weighted_equals_full_batch_token_mean():
     x = rng.normal(size=(8, 3, 2)).astype(np.float32)
     y = rng.normal(size=(8, 3)).astype(np.float32)
     # Valid tokens per microbatch of 2 rows: 6, 1, 3, 2.
-    mask = np.array([[1, 1, 1], [1, 1, 1], [1, 0, 0], [0, 0, 0],
-                     [1, 1, 0], [0, 1, 0], [0, 0, 0], [1, 0, 1]], bool)
+    mask = np.array([[1, 1, 1], [1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0], [0, 1, 0], [0, 0, 0], [1, 0, 1]], bool)
     batch = {"x": x, "y": y, "mask": mask}
 
     def sum_and_count(params, batch):
@@ -595,8 +600,7 @@ def _matches_reference(loss_fn, params, opt, steps: int = 4) -> None:
 
 
 def test_plain_pytree_with_chained_clip_transform():
-    _matches_reference(mse_loss, init_mlp(1),
-                       optax.chain(clip_by_global_norm_transform(1.0), optax.adam(3e-2)))
+    _matches_reference(mse_loss, init_mlp(1), optax.chain(clip_by_global_norm_transform(1.0), optax.adam(3e-2)))
 
 
 def test_flax_linen_model():
@@ -620,9 +624,10 @@ def test_flax_nnx_model():
 
 
 def test_equinox_model():
-    abstract = eqx.filter_eval_shape(eqx.nn.MLP, 3, 2, width_size=4, depth=1, activation=jnp.tanh,
-                                     key=jax.random.key(0))
-    is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    abstract = eqx.filter_eval_shape(
+        eqx.nn.MLP, 3, 2, width_size=4, depth=1, activation=jnp.tanh, key=jax.random.key(0)
+    )
+    is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)
     arrays, rest = eqx.partition(abstract, is_shape)
     model = eqx.combine(filled(arrays), rest)
     params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -702,8 +707,9 @@ def test_bfloat16_compute_with_dynamic_scale_trains_on_float32_masters():
 
     opt = optax.adam(3e-2)
     state = TrainState.create(init_mlp(2, (3, 8, 2)), opt, loss_scale="dynamic")
-    step = make_train_step(loss_fn, precision="params=float32,compute=bfloat16,output=float32",
-                           num_microbatches=2, max_grad_norm=5.0)
+    step = make_train_step(
+        loss_fn, precision="params=float32,compute=bfloat16,output=float32", num_microbatches=2, max_grad_norm=5.0
+    )
     batch = make_batch(8)
     losses = []
     for _ in range(20):

@@ -29,10 +29,13 @@ def hand_counted_flops_and_dots():
     """FLOPs and dot executions of one step, from the shapes: no remat recomputation under "dots"."""
     rows = CONFIG.batch_size // CONFIG.microbatches
     tokens, time, head_dim = rows * CONFIG.seq_len, CONFIG.seq_len, D // HEADS
-    block = (2 * tokens * D * 3 * D  # QKV
-             + 2 * tokens * D * D  # output projection
-             + 2 * tokens * D * D_FF + 2 * tokens * D_FF * D  # the MLP's two matmuls
-             + 2 * (2 * rows * HEADS * time * time * head_dim))  # Q K^T and P V
+    block = (
+        2 * tokens * D * 3 * D  # QKV
+        + 2 * tokens * D * D  # output projection
+        + 2 * tokens * D * D_FF
+        + 2 * tokens * D_FF * D  # the MLP's two matmuls
+        + 2 * (2 * rows * HEADS * time * time * head_dim)
+    )  # Q K^T and P V
     head = 2 * tokens * D * VOCAB  # logits = h @ embed.T
     # Backward: each forward matmul has two (the gradients of both operands), each as big.
     flops = CONFIG.microbatches * 3 * (LAYERS * block + head)
@@ -94,8 +97,9 @@ def test_the_report_adds_up(profile):
 
 def test_a_convolution_is_listed_and_rebuilt_standalone():
     def conv(x, w):
-        return jax.lax.conv_general_dilated(x, w, (2, 2), ((1, 1), (0, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                                            feature_group_count=2)
+        return jax.lax.conv_general_dilated(
+            x, w, (2, 2), ((1, 1), (0, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2
+        )
 
     x, w = jnp.ones((2, 9, 8, 4)), jnp.ones((3, 3, 2, 6))
     (op,) = list_matmuls(jax.jit(conv).lower(x, w).compile().as_text())

@@ -34,11 +34,18 @@ def _tree(value):
 def _run(task: str, inp: dict):
     if task == "mixed-precision-step":
         return mixed_step(
-            _tree(inp["params"]), _tree(inp["x"]), _tree(inp["y"]), jnp.float32(inp["loss_scale"]),
-            jnp.int32(inp["good_steps"]), jnp.float32(inp["lr"]), growth_interval=inp["growth_interval"],
+            _tree(inp["params"]),
+            _tree(inp["x"]),
+            _tree(inp["y"]),
+            jnp.float32(inp["loss_scale"]),
+            jnp.int32(inp["good_steps"]),
+            jnp.float32(inp["lr"]),
+            growth_interval=inp["growth_interval"],
         )
     if task == "gradient-accumulation":
-        return accumulate(_tree(inp["params"]), _tree(inp["x"]), _tree(inp["y"]), num_microbatches=inp["num_microbatches"])
+        return accumulate(
+            _tree(inp["params"]), _tree(inp["x"]), _tree(inp["y"]), num_microbatches=inp["num_microbatches"]
+        )
     if task == "global-norm-clipping":
         return clip(_tree(inp["grads"]), jnp.float32(inp["max_norm"]))
     return residual(_tree(inp["params"]), _tree(inp["x"]), _tree(inp["y"]))
@@ -92,14 +99,15 @@ Y_HUGE = jnp.array([[3e38], [0.0]])
 
 
 def _mp(loss_scale, good_steps, *, x=X, y=Y, growth_interval=2, lr=0.1):
-    return mixed_step(BASE, x, y, jnp.float32(loss_scale), jnp.int32(good_steps), jnp.float32(lr),
-                      growth_interval=growth_interval)
+    return mixed_step(
+        BASE, x, y, jnp.float32(loss_scale), jnp.int32(good_steps), jnp.float32(lr), growth_interval=growth_interval
+    )
 
 
 def test_without_explicit_rounding_the_first_example_is_off():
     # The trap the contract warns about: XLA's excess precision gives 0.005010, not 0.005159.
     def naive(params, x, y):
-        pred = (x.astype(jnp.bfloat16) @ params["w"].astype(jnp.bfloat16) + params["b"].astype(jnp.bfloat16)[None, :])
+        pred = x.astype(jnp.bfloat16) @ params["w"].astype(jnp.bfloat16) + params["b"].astype(jnp.bfloat16)[None, :]
         return jnp.mean((pred.astype(jnp.float32) - y) ** 2)
 
     assert abs(float(jax.jit(naive)(BASE, X, Y)) - 0.005159) > 1e-4
@@ -159,8 +167,13 @@ def _mixed_precision_reference(params, x, y, scale, lr):
 
 
 @settings(max_examples=12, deadline=None)  # each example compiles
-@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**31 - 1),
-       st.sampled_from([1.0, 256.0, 1024.0, 65536.0]))
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([1.0, 256.0, 1024.0, 65536.0]),
+)
 def test_mixed_precision_matches_a_bf16_rounding_float64_reference(batch, d, k, seed, scale):
     rng = np.random.default_rng(seed)
     params = {"w": rng.normal(size=(d, k)).astype(np.float32), "b": rng.normal(size=k).astype(np.float32)}
@@ -171,15 +184,24 @@ def test_mixed_precision_matches_a_bf16_rounding_float64_reference(batch, d, k, 
     assert bool(out["grads_finite"])
     np.testing.assert_allclose(float(out["loss"]), loss, rtol=1e-5, atol=1e-6)
     # Up to the order of accumulation inside the bf16 reductions: a bf16 ulp of the step.
-    np.testing.assert_allclose(out["params"]["w"], w, rtol=1e-6, atol=0.1 * 2**-7 * (1 + np.abs(w - params["w"]).max() * 10))
-    np.testing.assert_allclose(out["params"]["b"], b, rtol=1e-6, atol=0.1 * 2**-7 * (1 + np.abs(b - params["b"]).max() * 10))
+    np.testing.assert_allclose(
+        out["params"]["w"], w, rtol=1e-6, atol=0.1 * 2**-7 * (1 + np.abs(w - params["w"]).max() * 10)
+    )
+    np.testing.assert_allclose(
+        out["params"]["b"], b, rtol=1e-6, atol=0.1 * 2**-7 * (1 + np.abs(b - params["b"]).max() * 10)
+    )
 
 
 # --- gradient accumulation: traced-program rules and the full-batch reference ---------------------
 
+
 def _mlp_params(rng, d, h, k):
-    return {"w1": rng.normal(size=(d, h)).astype(np.float32), "b1": rng.normal(size=h).astype(np.float32),
-            "w2": rng.normal(size=(h, k)).astype(np.float32), "b2": rng.normal(size=k).astype(np.float32)}
+    return {
+        "w1": rng.normal(size=(d, h)).astype(np.float32),
+        "b1": rng.normal(size=h).astype(np.float32),
+        "w2": rng.normal(size=(h, k)).astype(np.float32),
+        "b2": rng.normal(size=k).astype(np.float32),
+    }
 
 
 def _eqns(jaxpr):
@@ -210,7 +232,9 @@ def test_accumulation_traced_program_rules(batch, num_microbatches):
     params = _mlp_params(rng, 3, 5, 2)  # no parameter shaped like x or y
     x = rng.normal(size=(batch, 3)).astype(np.float32)
     y = rng.normal(size=(batch, 2)).astype(np.float32)
-    closed = jax.make_jaxpr(functools.partial(tasks.accumulate_gradients, num_microbatches=num_microbatches))(params, x, y)
+    closed = jax.make_jaxpr(functools.partial(tasks.accumulate_gradients, num_microbatches=num_microbatches))(
+        params, x, y
+    )
     top = _eqns(closed.jaxpr)
     scans = [e for e in top if e.primitive.name == "scan"]
     assert len(scans) == 1 and scans[0].params["length"] == num_microbatches
@@ -223,7 +247,7 @@ def test_accumulation_traced_program_rules(batch, num_microbatches):
     rows = batch // num_microbatches
     scan = scans[0]
     consts = scan.invars[: scan.params["num_consts"]]
-    xs = scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:]
+    xs = scan.invars[scan.params["num_consts"] + scan.params["num_carry"] :]
     # The scanned-over operands are x and y, split (M, S, ...); the body sees S rows of each.
     assert sorted(v.aval.shape for v in xs) == sorted([(num_microbatches, rows, 3), (num_microbatches, rows, 2)])
     # Neither the full x nor the full y reaches the body as a closed-over constant.
@@ -231,8 +255,15 @@ def test_accumulation_traced_program_rules(batch, num_microbatches):
 
 
 @settings(max_examples=10, deadline=None)  # each example compiles: 10 cover the shapes well
-@given(st.integers(1, 8).flatmap(lambda b: st.tuples(st.just(b), st.sampled_from([m for m in range(1, b + 1) if b % m == 0]))),
-       st.integers(1, 4), st.integers(1, 4), st.integers(1, 4), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 8).flatmap(
+        lambda b: st.tuples(st.just(b), st.sampled_from([m for m in range(1, b + 1) if b % m == 0]))
+    ),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(0, 2**31 - 1),
+)
 def test_accumulation_equals_full_batch_value_and_grad(batch_and_m, d, h, k, seed):
     batch, m = batch_and_m
     rng = np.random.default_rng(seed)
@@ -252,6 +283,7 @@ def test_accumulation_equals_full_batch_value_and_grad(batch_and_m, d, h, k, see
 
 
 # --- clipping -----------------------------------------------------------------------------------
+
 
 def test_all_zero_gradients_come_back_unchanged_with_norm_zero():
     grads = {"a": jnp.zeros((2, 3)), "b": [jnp.zeros(()), jnp.zeros((1, 2, 2))]}
@@ -275,8 +307,11 @@ def test_bf16_leaves_norm_in_float32_and_come_back_bf16():
 def _grad_trees(draw):
     def leaf():
         shape = draw(st.lists(st.integers(1, 3), min_size=0, max_size=3))
-        return np.asarray(draw(st.lists(st.floats(-100, 100, width=32), min_size=int(np.prod(shape)),
-                                        max_size=int(np.prod(shape)))), np.float32).reshape(shape)
+        return np.asarray(
+            draw(st.lists(st.floats(-100, 100, width=32), min_size=int(np.prod(shape)), max_size=int(np.prod(shape)))),
+            np.float32,
+        ).reshape(shape)
+
     n = draw(st.integers(1, 3))
     return {"dense": {"w": leaf(), "b": leaf()}, "layers": [{"w": leaf()} for _ in range(n)]}
 
@@ -296,16 +331,23 @@ def test_clipping_matches_float64_numpy(grads, max_norm):
 
 # --- the checkpointed residual block --------------------------------------------------------------
 
+
 def _block_params(rng, d, h):
-    return {"w1": rng.normal(size=(d, h)).astype(np.float32), "b1": rng.normal(size=h).astype(np.float32),
-            "w2": rng.normal(size=(h, d)).astype(np.float32), "b2": rng.normal(size=d).astype(np.float32)}
+    return {
+        "w1": rng.normal(size=(d, h)).astype(np.float32),
+        "b1": rng.normal(size=h).astype(np.float32),
+        "w2": rng.normal(size=(h, d)).astype(np.float32),
+        "b2": rng.normal(size=d).astype(np.float32),
+    }
 
 
 def test_residual_block_checkpoints_with_dots_saveable():
     rng = np.random.default_rng(0)
     params, x, y = _block_params(rng, 2, 3), rng.normal(size=(5, 2)).astype(np.float32), np.zeros((5, 2), np.float32)
     closed = jax.make_jaxpr(tasks.checkpointed_residual_block)(params, x, y)
-    remats = [e for e in _walk(closed.jaxpr) if e.primitive.name.startswith("remat") or e.primitive.name == "checkpoint"]
+    remats = [
+        e for e in _walk(closed.jaxpr) if e.primitive.name.startswith("remat") or e.primitive.name == "checkpoint"
+    ]
     assert remats, "no jax.checkpoint region in the traced program"
     assert all(e.params["policy"] is jax.checkpoint_policies.dots_saveable for e in remats)
     # tanh is recomputed: in the backward part it appears inside a remat region again.
@@ -353,29 +395,85 @@ def test_residual_block_equals_the_unchecked_function(batch, d, h, seed):
 
 # --- bad input ------------------------------------------------------------------------------------
 
-GOOD_MLP = {"w1": np.ones((2, 3), np.float32), "b1": np.ones(3, np.float32),
-            "w2": np.ones((3, 1), np.float32), "b2": np.ones(1, np.float32)}
+GOOD_MLP = {
+    "w1": np.ones((2, 3), np.float32),
+    "b1": np.ones(3, np.float32),
+    "w2": np.ones((3, 1), np.float32),
+    "b2": np.ones(1, np.float32),
+}
 
 
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
-        (lambda: tasks.mixed_precision_step({"w": np.ones((2, 1))}, X, Y, 1.0, 0, 0.1, 2), ValueError, r"params.*missing \['b'\]"),
-        (lambda: tasks.mixed_precision_step({**BASE, "c": 1.0}, X, Y, 1.0, 0, 0.1, 2), ValueError, r"unexpected \['c'\]"),
-        (lambda: tasks.mixed_precision_step(BASE, np.ones((2, 3)), Y, 1.0, 0, 0.1, 2), ValueError, r"x has shape \(2, 3\)"),
-        (lambda: tasks.mixed_precision_step(BASE, X, np.ones((3, 1)), 1.0, 0, 0.1, 2), ValueError, r"y has shape \(3, 1\)"),
-        (lambda: tasks.mixed_precision_step(BASE, X, Y, 1.0, 0, 0.1, 0), ValueError, "growth_interval must be >= 1, got 0"),
-        (lambda: tasks.mixed_precision_step(BASE, X, Y, 1.0, 0, 0.1, 2.0), TypeError, "growth_interval must be a static Python int"),
+        (
+            lambda: tasks.mixed_precision_step({"w": np.ones((2, 1))}, X, Y, 1.0, 0, 0.1, 2),
+            ValueError,
+            r"params.*missing \['b'\]",
+        ),
+        (
+            lambda: tasks.mixed_precision_step({**BASE, "c": 1.0}, X, Y, 1.0, 0, 0.1, 2),
+            ValueError,
+            r"unexpected \['c'\]",
+        ),
+        (
+            lambda: tasks.mixed_precision_step(BASE, np.ones((2, 3)), Y, 1.0, 0, 0.1, 2),
+            ValueError,
+            r"x has shape \(2, 3\)",
+        ),
+        (
+            lambda: tasks.mixed_precision_step(BASE, X, np.ones((3, 1)), 1.0, 0, 0.1, 2),
+            ValueError,
+            r"y has shape \(3, 1\)",
+        ),
+        (
+            lambda: tasks.mixed_precision_step(BASE, X, Y, 1.0, 0, 0.1, 0),
+            ValueError,
+            "growth_interval must be >= 1, got 0",
+        ),
+        (
+            lambda: tasks.mixed_precision_step(BASE, X, Y, 1.0, 0, 0.1, 2.0),
+            TypeError,
+            "growth_interval must be a static Python int",
+        ),
         (lambda: tasks.mixed_precision_step([1.0], X, Y, 1.0, 0, 0.1, 2), TypeError, "params must be a dict"),
-        (lambda: tasks.accumulate_gradients(GOOD_MLP, np.ones((4, 2)), np.ones((4, 1)), 0), ValueError, "num_microbatches must be >= 1, got 0"),
-        (lambda: tasks.accumulate_gradients(GOOD_MLP, np.ones((6, 2)), np.ones((6, 1)), 4), ValueError, "batch size 6 is not divisible by num_microbatches=4"),
-        (lambda: tasks.accumulate_gradients({k: v for k, v in GOOD_MLP.items() if k != "b2"}, np.ones((4, 2)), np.ones((4, 1)), 2), ValueError, r"missing \['b2'\]"),
-        (lambda: tasks.accumulate_gradients({**GOOD_MLP, "b1": np.ones(4)}, np.ones((4, 2)), np.ones((4, 1)), 2), ValueError, r"params\['b1'\] has shape \(4,\)"),
+        (
+            lambda: tasks.accumulate_gradients(GOOD_MLP, np.ones((4, 2)), np.ones((4, 1)), 0),
+            ValueError,
+            "num_microbatches must be >= 1, got 0",
+        ),
+        (
+            lambda: tasks.accumulate_gradients(GOOD_MLP, np.ones((6, 2)), np.ones((6, 1)), 4),
+            ValueError,
+            "batch size 6 is not divisible by num_microbatches=4",
+        ),
+        (
+            lambda: tasks.accumulate_gradients(
+                {k: v for k, v in GOOD_MLP.items() if k != "b2"}, np.ones((4, 2)), np.ones((4, 1)), 2
+            ),
+            ValueError,
+            r"missing \['b2'\]",
+        ),
+        (
+            lambda: tasks.accumulate_gradients({**GOOD_MLP, "b1": np.ones(4)}, np.ones((4, 2)), np.ones((4, 1)), 2),
+            ValueError,
+            r"params\['b1'\] has shape \(4,\)",
+        ),
         (lambda: tasks.clip_by_global_norm({"g": np.ones(2)}, 0.0), ValueError, "max_norm"),
         (lambda: tasks.clip_by_global_norm({"g": np.ones(2)}, -1.0), ValueError, "max_norm"),
         (lambda: tasks.clip_by_global_norm({}, 1.0), ValueError, "grads must have at least one leaf"),
-        (lambda: tasks.checkpointed_residual_block({**GOOD_MLP, "w2": np.ones((3, 2))}, np.ones((1, 2)), np.ones((1, 2))), ValueError, r"params\['b2'\] has shape \(1,\)"),
-        (lambda: tasks.checkpointed_residual_block({**GOOD_MLP}, np.ones((1, 2)), np.ones((1, 2))), ValueError, r"params\['w2'\] has shape \(3, 1\); expected \(3, 2\)"),
+        (
+            lambda: tasks.checkpointed_residual_block(
+                {**GOOD_MLP, "w2": np.ones((3, 2))}, np.ones((1, 2)), np.ones((1, 2))
+            ),
+            ValueError,
+            r"params\['b2'\] has shape \(1,\)",
+        ),
+        (
+            lambda: tasks.checkpointed_residual_block({**GOOD_MLP}, np.ones((1, 2)), np.ones((1, 2))),
+            ValueError,
+            r"params\['w2'\] has shape \(3, 1\); expected \(3, 2\)",
+        ),
     ],
 )
 def test_bad_input_raises_naming_the_argument(call, error, match):

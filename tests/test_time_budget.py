@@ -34,8 +34,17 @@ from leanstep.training.schedule import (
 )
 
 # The MLP compiles in a few seconds: the budgeted runs below spend their budget on steps.
-FAST = dict(model="mlp", size="tiny", batch_size=4, seq_len=8, microbatches=2, eval_every=25, eval_batches=2,
-            checkpoint_every=1000, progress=False)
+FAST = dict(
+    model="mlp",
+    size="tiny",
+    batch_size=4,
+    seq_len=8,
+    microbatches=2,
+    eval_every=25,
+    eval_batches=2,
+    checkpoint_every=1000,
+    progress=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +63,18 @@ def _records(out: Path, kind: str) -> list[dict]:
 # --- parsing --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("3m", 180.0), ("90s", 90.0), ("1.5h", 5400.0), ("2m30s", 150.0),
-                                               ("45", 45.0), (" 10 min ", 600.0), (".5m", 30.0)])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("3m", 180.0),
+        ("90s", 90.0),
+        ("1.5h", 5400.0),
+        ("2m30s", 150.0),
+        ("45", 45.0),
+        (" 10 min ", 600.0),
+        (".5m", 30.0),
+    ],
+)
 def test_durations_parse(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -66,15 +85,31 @@ def test_bad_durations_name_the_flag(text):
         parse_duration(text)
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--steps", "5", "--time-budget", "1m"], "--steps and --time-budget: give one"),
-    (["--time-budget", "soon"], "--time-budget must be a duration"),
-    (["--time-budget", "31d"], "--time-budget must be a duration"),
-    (["--time-budget", "9999h"], "--time-budget must be a duration in"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "5", "--time-budget", "1m"], "--steps and --time-budget: give one"),
+        (["--time-budget", "soon"], "--time-budget must be a duration"),
+        (["--time-budget", "31d"], "--time-budget must be a duration"),
+        (["--time-budget", "9999h"], "--time-budget must be a duration in"),
+    ],
+)
 def test_cli_refuses_bad_budgets(tmp_path, corpus, capsys, flags, message):
-    code = main(["train", "--model", "mlp", "--size", "tiny", "--data", str(corpus), "--out", str(tmp_path / "r"),
-                 "--no-progress", *flags])
+    code = main(
+        [
+            "train",
+            "--model",
+            "mlp",
+            "--size",
+            "tiny",
+            "--data",
+            str(corpus),
+            "--out",
+            str(tmp_path / "r"),
+            "--no-progress",
+            *flags,
+        ]
+    )
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "r" / "config.json").exists()
 
@@ -83,10 +118,19 @@ def test_cli_refuses_bad_budgets(tmp_path, corpus, capsys, flags, message):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.floats(1, 1e5), st.floats(0, 100), st.floats(1e-4, 10), st.floats(0, 5), st.integers(1, 1000),
-       st.floats(0, 5), st.integers(1, 1000), st.floats(0, 5))
-def test_the_plan_fits_the_budget_and_one_more_step_would_not(budget_s, spent, step, ev, every, ckpt, ckpt_every,
-                                                              finish):
+@given(
+    st.floats(1, 1e5),
+    st.floats(0, 100),
+    st.floats(1e-4, 10),
+    st.floats(0, 5),
+    st.integers(1, 1000),
+    st.floats(0, 5),
+    st.integers(1, 1000),
+    st.floats(0, 5),
+)
+def test_the_plan_fits_the_budget_and_one_more_step_would_not(
+    budget_s, spent, step, ev, every, ckpt, ckpt_every, finish
+):
     n = plan_steps(budget_s, spent, step, ev, every, ckpt, ckpt_every, finish)
 
     def cost(k: int) -> float:  # a plain model of a k-step run: steps, evaluations, checkpoints, the finish
@@ -105,11 +149,13 @@ def test_the_plan_fits_the_budget_and_one_more_step_would_not(budget_s, spent, s
 @pytest.mark.parametrize("name", ["constant", "cosine", "warmup-cosine"])
 def test_the_schedule_is_optaxs_for_every_length(name, total):
     lr, warmup = 3e-3, 30
-    reference = {"constant": optax.constant_schedule(lr),
-                 "cosine": optax.cosine_decay_schedule(lr, total, alpha=0.1),
-                 "warmup-cosine": optax.warmup_cosine_decay_schedule(
-                     0.0, lr, min(warmup, max(total - 1, 0)), max(total, min(warmup, max(total - 1, 0)) + 1),
-                     end_value=0.1 * lr)}[name]
+    reference = {
+        "constant": optax.constant_schedule(lr),
+        "cosine": optax.cosine_decay_schedule(lr, total, alpha=0.1),
+        "warmup-cosine": optax.warmup_cosine_decay_schedule(
+            0.0, lr, min(warmup, max(total - 1, 0)), max(total, min(warmup, max(total - 1, 0)) + 1), end_value=0.1 * lr
+        ),
+    }[name]
     mine = make_schedule(name, lr, warmup)
     counts = np.arange(0, total + 3)
     expected = [float(reference(c)) for c in counts]
@@ -129,10 +175,11 @@ def test_warmup_stable_decay_is_the_piecewise_schedule_it_says(total):
         return 0.1 * lr + 0.9 * lr * min(max((total - c) / max(total - stable_end, 1), 0.0), 1.0)
 
     schedule = make_schedule("warmup-stable-decay", lr, warmup)
-    counts = range(0, total + 3)
+    counts = range(total + 3)
     for xp in (jnp, np):
-        np.testing.assert_allclose([float(schedule(c, total, xp)) for c in counts], [reference(c) for c in counts],
-                                   rtol=1e-5, atol=1e-9)
+        np.testing.assert_allclose(
+            [float(schedule(c, total, xp)) for c in counts], [reference(c) for c in counts], rtol=1e-5, atol=1e-9
+        )
     # Up to the start of the decay the rate does not depend on the length (once the length is
     # past the warmup): the replan's premise.
     if total <= warmup:
@@ -145,8 +192,19 @@ def test_a_replan_never_moves_the_decay_before_the_step_it_is_made_at():
     from leanstep.training.budget import BudgetPlan, replan
 
     config = RunConfig(schedule="warmup-stable-decay", warmup_steps=5, steps=100)
-    plan = BudgetPlan(budget_s=10.0, planned_at_s=1.0, compile_s=1.0, step_s=0.01, step_times_s=(0.01,) * 4,
-                      eval_s=0.0, checkpoint_s=0.0, finish_s=0.0, steps=100, replan_at=75, calibrated_steps=100)
+    plan = BudgetPlan(
+        budget_s=10.0,
+        planned_at_s=1.0,
+        compile_s=1.0,
+        step_s=0.01,
+        step_times_s=(0.01,) * 4,
+        eval_s=0.0,
+        checkpoint_s=0.0,
+        finish_s=0.0,
+        steps=100,
+        replan_at=75,
+        calibrated_steps=100,
+    )
     slow = replan(plan, config, 75, elapsed_s=9.9, step_times_s=[1.0] * 75)  # out of time: one more step fits
     assert slow.steps - slow.steps // 5 > 75 and slow.loop_step_s == 1.0
     fast = replan(plan, config, 75, elapsed_s=2.0, step_times_s=[0.5] * 40 + [0.01] * 35)  # the recent pace
@@ -156,8 +214,9 @@ def test_a_replan_never_moves_the_decay_before_the_step_it_is_made_at():
 def test_adamw_with_the_length_in_its_state_equals_optax_adamw():
     config = RunConfig(size="tiny", steps=40, warmup_steps=5, lr=1e-2, weight_decay=0.1, schedule="warmup-cosine")
     mine, _ = build_run(config).optimizer, None
-    reference = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 40, end_value=1e-3), b1=0.9, b2=0.95,
-                            weight_decay=0.1)
+    reference = optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 40, end_value=1e-3), b1=0.9, b2=0.95, weight_decay=0.1
+    )
     params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.ones(4)}
     a, b = mine.init(params), reference.init(params)
     p, q = params, params
@@ -189,8 +248,10 @@ def test_a_budgeted_run_stops_within_the_budget_plus_one_step_and_records_its_pl
     train(RunConfig(**FAST, data=str(corpus), out=str(tmp_path / "probe"), steps=2))
     out, budget_s = tmp_path / "budgeted", round(max(8.0, 2.5 * (time.perf_counter() - start)), 1)
     start, notes = time.perf_counter(), []
-    train(RunConfig(**FAST, data=str(corpus), out=str(out), time_budget=budget_s),
-          on_record=lambda *records: notes.extend(r.message for r in records if isinstance(r, Note)))
+    train(
+        RunConfig(**FAST, data=str(corpus), out=str(out), time_budget=budget_s),
+        on_record=lambda *records: notes.extend(r.message for r in records if isinstance(r, Note)),
+    )
     wall = time.perf_counter() - start
     saved = json.loads((out / "config.json").read_text())
     plan, steps = saved["time_budget_plan"], saved["run"]["steps"]
@@ -236,8 +297,7 @@ def dataclasses_replace(config, **changes):
     return dataclasses.replace(config, **changes)
 
 
-def test_a_budgeted_run_stopped_and_resumed_is_bit_identical_to_one_of_its_planned_steps(tmp_path, corpus,
-                                                                                          monkeypatch):
+def test_a_budgeted_run_stopped_and_resumed_is_bit_identical_to_one_of_its_planned_steps(tmp_path, corpus, monkeypatch):
     # The plan's timing is fixed (a step "takes" 40 s of a 600 s budget), so the run plans a
     # dozen steps whatever this machine's speed, and never runs out of time.
     monkeypatch.setattr(budget, "calibrate", _fixed_calibration(40.0))

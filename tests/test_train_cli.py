@@ -15,9 +15,27 @@ from leanstep.cli.main import main
 from leanstep.models import build_model
 from leanstep.training import RunConfig, build_optimizer
 
-TINY = ["--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--microbatches", "2",
-        "--eval-every", "10", "--eval-batches", "2", "--checkpoint-every", "10", "--no-progress",
-        "--lr", "1e-2", "--warmup-steps", "5"]
+TINY = [
+    "--size",
+    "tiny",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "16",
+    "--microbatches",
+    "2",
+    "--eval-every",
+    "10",
+    "--eval-batches",
+    "2",
+    "--checkpoint-every",
+    "10",
+    "--no-progress",
+    "--lr",
+    "1e-2",
+    "--warmup-steps",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +97,9 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(tmp_path, corpus, s
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     lines_a = (straight_run / "metrics.jsonl").read_text().splitlines()
     lines_b = (out / "metrics.jsonl").read_text().splitlines()
-    strip = lambda lines: [{k: v for k, v in json.loads(l).items() if k not in ("tokens_per_sec", "elapsed_s")} for l in lines]
+    strip = lambda lines: [
+        {k: v for k, v in json.loads(l).items() if k not in ("tokens_per_sec", "elapsed_s")} for l in lines
+    ]
     assert strip(lines_a) == strip(lines_b)
 
 
@@ -118,8 +138,24 @@ def test_empty_data_and_resume_mismatch(tmp_path, corpus, capsys, straight_run):
     assert main(["train", *TINY, "--data", str(empty), "--out", str(tmp_path / "a")]) == 2
     assert "is empty" in capsys.readouterr().err
     # A run directory that belongs to a different config.
-    assert main(["train", *TINY, "--data", str(corpus), "--out", str(straight_run), "--steps", "30",
-                 "--resume", "--seed", "1"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                *TINY,
+                "--data",
+                str(corpus),
+                "--out",
+                str(straight_run),
+                "--steps",
+                "30",
+                "--resume",
+                "--seed",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "belongs to a different config: seed=0 (now 1)" in capsys.readouterr().err
     # An existing run is never overwritten without --resume.
     assert main(["train", *TINY, "--data", str(corpus), "--out", str(straight_run), "--steps", "30"]) == 2
@@ -128,8 +164,22 @@ def test_empty_data_and_resume_mismatch(tmp_path, corpus, capsys, straight_run):
 
 def test_budget_picks_a_setting_or_says_nothing_fits(tmp_path, corpus, capsys):
     # The MLP with 2 rows: few candidates to compile (the planner itself is tested in test_planning.py).
-    argv = ["train", *TINY, "--model", "mlp", "--batch-size", "2", "--microbatches", "1", "--data", str(corpus),
-            "--steps", "2", "--eval-every", "2"]
+    argv = [
+        "train",
+        *TINY,
+        "--model",
+        "mlp",
+        "--batch-size",
+        "2",
+        "--microbatches",
+        "1",
+        "--data",
+        str(corpus),
+        "--steps",
+        "2",
+        "--eval-every",
+        "2",
+    ]
     assert main([*argv, "--out", str(tmp_path / "small"), "--budget", "1KiB"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--budget: no setting fits the budget of 1.0 KiB" in err
@@ -146,9 +196,27 @@ def test_mesh_of_three_axes_trains_like_one_device(tmp_path, corpus, straight_ru
     out = tmp_path / "mesh"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "leanstep.cli.main", "train", *TINY, "--data", str(corpus), "--out", str(out),
-                           "--steps", "30", "--mesh", "data=2,fsdp=2,tensor=2"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "leanstep.cli.main",
+            "train",
+            *TINY,
+            "--data",
+            str(corpus),
+            "--out",
+            str(out),
+            "--steps",
+            "30",
+            "--mesh",
+            "data=2,fsdp=2,tensor=2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     def losses(run: Path) -> list[float]:

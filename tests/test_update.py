@@ -47,7 +47,8 @@ def reference(params: dict, grads: dict, max_norm: float | None) -> tuple[dict, 
 def test_finite_gradients_match_a_hand_written_update(max_norm):
     state = state0()
     new, info = jax.jit(guarded_update, static_argnames="max_grad_norm")(
-        state, jax.tree.map(lambda g: g * SCALE, grads0()), loss=jnp.float32(1.0), max_grad_norm=max_norm)
+        state, jax.tree.map(lambda g: g * SCALE, grads0()), loss=jnp.float32(1.0), max_grad_norm=max_norm
+    )
     expected, norm = reference(params0(), grads0(), max_norm)
     for a, e in zip(jax.tree.leaves(new.params), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7)
@@ -92,7 +93,10 @@ def test_skip_counter_and_scale_follow_a_plain_python_model():
         elif not finite:
             scale = max(scale / 2, 1.0)
         assert (bool(info.finite), int(state.consecutive_skips), float(state.loss_scale.loss_scale)) == (
-            bool(finite), skips, scale)
+            bool(finite),
+            skips,
+            scale,
+        )
 
 
 def test_skip_counter_saturates():
@@ -102,8 +106,9 @@ def test_skip_counter_saturates():
 
 
 def test_transform_matches_the_function_form_and_chains_with_optax():
-    tx = optax.chain(optax.identity(), guarded_update_transform(OPT, loss_scale=DynamicLossScale.create(SCALE),
-                                                                max_grad_norm=0.5))
+    tx = optax.chain(
+        optax.identity(), guarded_update_transform(OPT, loss_scale=DynamicLossScale.create(SCALE), max_grad_norm=0.5)
+    )
     params = params0()
     opt_state = tx.init(params)
     assert isinstance(opt_state[1], GuardedState)

@@ -21,8 +21,10 @@ def test_above_the_peak_there_is_no_mfu_and_the_row_says_why():
     # The 0.1 run: a torch bf16 row at 4.55 GFLOP/s against a 1.35 GFLOP/s bf16 matmul probe read 337%.
     mfu, note = model_flops_utilization(4.55, 1.35, limit=PROBE)
     assert mfu is None
-    assert note == ("peak meaningless: the row reaches 4.55 GFLOP/s, above the 1.35 GFLOP/s torch bf16 matmul "
-                    "probe (best of 5 at 512x512)")
+    assert note == (
+        "peak meaningless: the row reaches 4.55 GFLOP/s, above the 1.35 GFLOP/s torch bf16 matmul "
+        "probe (best of 5 at 512x512)"
+    )
 
 
 def test_no_peak_no_mfu_and_nothing_to_explain():

@@ -13,7 +13,13 @@ def run_worker(script: str, out: Path, result: str, timeout: float = 600) -> dic
     """``python script worker OUT`` with the CPU platform and no inherited XLA flags; returns ``OUT/result``."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, script, "worker", str(out)], env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
+    proc = subprocess.run(
+        [sys.executable, script, "worker", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads((out / result).read_text())

@@ -68,6 +68,9 @@ __version__ = "0.6.2"
 
 __all__ = [
     "ACCELERATORS",
+    "REDUCTIONS",
+    "REMAT_POLICIES",
+    "SPLITS",
     "Accelerator",
     "AuditReport",
     "BudgetError",
@@ -84,11 +87,8 @@ __all__ = [
     "Plan",
     "Precision",
     "PrecisionWarning",
-    "REDUCTIONS",
-    "REMAT_POLICIES",
     "ResidualReport",
     "RestoreResult",
-    "SPLITS",
     "ShardingLayer",
     "StaticLossScale",
     "StepMetrics",

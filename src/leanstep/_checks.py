@@ -79,8 +79,10 @@ def check_positive(name: str, value: Any, *, optional: bool = False) -> float | 
     if not is_real(value):
         raise TypeError(f"{name} must be a number{none}, got {type(value).__name__} {value!r}")
     if not is_normal_float32(float(value)):
-        raise ValueError(f"{name} must be a positive finite number{none}, got {value!r}; it is applied in float32, "
-                         f"so it must be in {FLOAT32_RANGE} (normal and finite in float32)")
+        raise ValueError(
+            f"{name} must be a positive finite number{none}, got {value!r}; it is applied in float32, "
+            f"so it must be in {FLOAT32_RANGE} (normal and finite in float32)"
+        )
     return float(value)
 
 
@@ -154,8 +156,10 @@ def check_positive_float32_scalar(name: str, value: Any) -> jax.Array:
     if not isinstance(value, jax.core.Tracer):
         as_float = float(np.asarray(value, np.float64))
         if not is_normal_float32(as_float):
-            raise ValueError(f"{name} must be finite and > 0 in float32, got {as_float!r}; expected a normal "
-                             f"float32 in {FLOAT32_RANGE} (XLA flushes a denormal to zero; a larger value is inf)")
+            raise ValueError(
+                f"{name} must be finite and > 0 in float32, got {as_float!r}; expected a normal "
+                f"float32 in {FLOAT32_RANGE} (XLA flushes a denormal to zero; a larger value is inf)"
+            )
     return jnp.asarray(value, jnp.float32)
 
 
@@ -254,9 +258,10 @@ def tree_difference(tree: Any, reference: Any, name: str, reference_name: str) -
         return None
     # The first leaf path that differs leads to the first node that does; then every other path.
     got_paths, want_paths = [tuple(p) for p, _ in got], [tuple(p) for p, _ in want]
-    first = next((i for i, (a, b) in enumerate(zip(got_paths, want_paths)) if a != b),
-                 min(len(got_paths), len(want_paths)))
-    candidates = want_paths[first:first + 1] + got_paths[first:first + 1] + want_paths + got_paths
+    first = next(
+        (i for i, (a, b) in enumerate(zip(got_paths, want_paths)) if a != b), min(len(got_paths), len(want_paths))
+    )
+    candidates = want_paths[first : first + 1] + got_paths[first : first + 1] + want_paths + got_paths
     for path in candidates:
         for depth in range(len(path) + 1):
             a, b = _child(tree, path[:depth]), _child(reference, path[:depth])

@@ -59,8 +59,10 @@ def _check_accum_dtype(accum_dtype: DTypeLike) -> jnp.dtype:
 def _keep_state_types(new: Any, old: Any) -> Any:
     """``new`` state in ``old``'s structure and dtypes: a scan carry must keep its type."""
     if jax.tree.structure(new) != jax.tree.structure(old):
-        raise TypeError("has_state=True: loss_fn must return a new model state of the structure it was given; "
-                        f"got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}")
+        raise TypeError(
+            "has_state=True: loss_fn must return a new model state of the structure it was given; "
+            f"got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}"
+        )
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)), new, old)
 
 
@@ -170,8 +172,10 @@ def microbatched_value_and_grad(
     num_microbatches = check_num_microbatches(num_microbatches)
     dtype = _check_accum_dtype(accum_dtype)
     splitter = get_splitter(split)
-    with_index, has_state, scan_single = (check_bool(name, value) for name, value in (
-        ("with_index", with_index), ("has_state", has_state), ("scan_single", scan_single)))
+    with_index, has_state, scan_single = (
+        check_bool(name, value)
+        for name, value in (("with_index", with_index), ("has_state", has_state), ("scan_single", scan_single))
+    )
     if not (isinstance(unroll, bool) or is_int(unroll) and unroll >= 1):
         raise TypeError(f"unroll must be a bool or an int >= 1, got {unroll!r}")
 
@@ -186,16 +190,21 @@ def microbatched_value_and_grad(
         value, aux = out if has_aux else (out, None)
         if token_weighted:
             if not (isinstance(value, tuple) and len(value) == 2):
-                raise TypeError(f"token_weighted=True: loss_fn must return (loss_sum, count), got "
-                                f"{type(value).__name__}")
+                raise TypeError(
+                    f"token_weighted=True: loss_fn must return (loss_sum, count), got {type(value).__name__}"
+                )
             loss_sum, count = value
-            count = check_scalar_output("token_weighted=True: loss_fn's count", count, integer=True,
-                                        reduce="jnp.sum(mask)")
+            count = check_scalar_output(
+                "token_weighted=True: loss_fn's count", count, integer=True, reduce="jnp.sum(mask)"
+            )
         else:
             loss_sum, count = value, None
         # value_and_grad differentiates a real floating scalar only.
-        loss_sum = check_scalar_output("loss_fn's loss_sum" if token_weighted else "loss_fn's loss", loss_sum,
-                                       reduce="jnp.sum" if token_weighted else "jnp.mean")
+        loss_sum = check_scalar_output(
+            "loss_fn's loss_sum" if token_weighted else "loss_fn's loss",
+            loss_sum,
+            reduce="jnp.sum" if token_weighted else "jnp.mean",
+        )
         if has_state:
             new_state = _keep_state_types(new_state, state)
         return loss_sum, (count, aux, new_state)
@@ -222,7 +231,8 @@ def microbatched_value_and_grad(
             (loss_total, count_total, grads_total, state), auxes = carry, jax.tree.map(lambda a: a[None], aux)
         else:
             (loss_total, count_total, grads_total, state), auxes = jax.lax.scan(
-                body, init, microbatches, length=num_microbatches, unroll=unroll)
+                body, init, microbatches, length=num_microbatches, unroll=unroll
+            )
         denominator = count_total if token_weighted else jnp.float32(num_microbatches)
         loss = loss_total / denominator
         grads = jax.tree.map(lambda g: g / denominator.astype(dtype), grads_total)

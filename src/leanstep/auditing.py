@@ -92,8 +92,9 @@ def _segment(eqn: Any) -> str:
     return name
 
 
-def _walk(jaxpr: Any, path: tuple[str, ...], scan_depth: int, multiplier: float, names: list[set[str]],
-          out: _Collector) -> int:
+def _walk(
+    jaxpr: Any, path: tuple[str, ...], scan_depth: int, multiplier: float, names: list[set[str]], out: _Collector
+) -> int:
     """Visits ``jaxpr``, recording into ``out``; returns its dot_general count, sub-programs included.
 
     ``multiplier`` is the product of the trip counts of the scans around ``jaxpr``; ``names``
@@ -110,8 +111,17 @@ def _walk(jaxpr: Any, path: tuple[str, ...], scan_depth: int, multiplier: float,
         if name == "dot_general":
             matmuls += 1
             preferred = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
-            out.matmuls.append(Matmul(_aval(eqn.invars[0]), _aval(eqn.invars[1]), str(np.dtype(preferred)),
-                                      _aval(eqn.outvars[0])[1], scan_depth, where, equation_flops(eqn) * multiplier))
+            out.matmuls.append(
+                Matmul(
+                    _aval(eqn.invars[0]),
+                    _aval(eqn.invars[1]),
+                    str(np.dtype(preferred)),
+                    _aval(eqn.outvars[0])[1],
+                    scan_depth,
+                    where,
+                    equation_flops(eqn) * multiplier,
+                )
+            )
         if name in HOST_SYNC_PRIMITIVES:
             callback = eqn.params.get("callback")
             func = getattr(callback, "callback_func", callback)
@@ -122,17 +132,25 @@ def _walk(jaxpr: Any, path: tuple[str, ...], scan_depth: int, multiplier: float,
             length, before = eqn.params["length"], len(out.scans)
             body_matmuls = _walk(subs[0][1], inner_path, scan_depth + 1, multiplier * length, names, out)
             num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-            carry = tuple(_aval(v) for v in eqn.invars[num_consts:num_consts + num_carry])
-            out.scans.insert(before, ScanInfo(length, bool(eqn.params["reverse"]), scan_depth, where, carry,
-                                              body_matmuls))
+            carry = tuple(_aval(v) for v in eqn.invars[num_consts : num_consts + num_carry])
+            out.scans.insert(
+                before, ScanInfo(length, bool(eqn.params["reverse"]), scan_depth, where, carry, body_matmuls)
+            )
             matmuls += body_matmuls
         elif is_remat_primitive(name):
             region: set[str] = set()
             before = len(out.remats)
             matmuls += _walk(subs[0][1], inner_path, scan_depth, multiplier, [*names, region], out)
-            out.remats.insert(before, RematRegion(
-                policy_name(eqn.params.get("policy")), bool(eqn.params.get("differentiated", False)),
-                bool(eqn.params.get("prevent_cse", True)), where, tuple(sorted(region))))
+            out.remats.insert(
+                before,
+                RematRegion(
+                    policy_name(eqn.params.get("policy")),
+                    bool(eqn.params.get("differentiated", False)),
+                    bool(eqn.params.get("prevent_cse", True)),
+                    where,
+                    tuple(sorted(region)),
+                ),
+            )
         else:  # cond branches, while's cond and body, call bodies: each one walked
             for _, sub in subs:
                 matmuls += _walk(sub, inner_path, scan_depth, multiplier, names, out)
@@ -199,18 +217,26 @@ class AuditReport:
         problems = []
         top = self.top_level_scans
         if num_microbatches == 1:
-            return [f"a top-level lax.scan of length {s.length} runs in reverse: the gradient was taken through "
-                    "the scan instead of inside its body" for s in top if s.reverse]
+            return [
+                f"a top-level lax.scan of length {s.length} runs in reverse: the gradient was taken through "
+                "the scan instead of inside its body"
+                for s in top
+                if s.reverse
+            ]
         if len(top) != 1:
             lengths = [s.length for s in top]
-            problems.append(f"expected exactly one top-level lax.scan over the microbatches, found {len(top)}"
-                            + (f" (lengths {lengths}, reverse {[s.reverse for s in top]})" if top else ""))
+            problems.append(
+                f"expected exactly one top-level lax.scan over the microbatches, found {len(top)}"
+                + (f" (lengths {lengths}, reverse {[s.reverse for s in top]})" if top else "")
+            )
         for scan in top[:1] if len(top) == 1 else ():
             if scan.length != num_microbatches:
                 problems.append(f"the scan has length {scan.length}; expected num_microbatches={num_microbatches}")
             if scan.reverse:
-                problems.append("the scan runs in reverse: it is a transposed scan, so the gradient was taken "
-                                "through the scan instead of inside its body")
+                problems.append(
+                    "the scan runs in reverse: it is a transposed scan, so the gradient was taken "
+                    "through the scan instead of inside its body"
+                )
             if scan.matmuls == 0:
                 problems.append("the scan body has no dot_general: the forward and backward pass are not in it")
             carried = collections.Counter(shape for shape, _ in scan.carry)
@@ -220,8 +246,9 @@ class AuditReport:
                 wanted = collections.Counter(tuple(np.shape(leaf)) for leaf in jax.tree.leaves(params))
                 missing = wanted - carried
                 if missing:
-                    problems.append(f"the scan carry has no gradient accumulator for parameter shapes "
-                                    f"{sorted(missing.elements())}")
+                    problems.append(
+                        f"the scan carry has no gradient accumulator for parameter shapes {sorted(missing.elements())}"
+                    )
         outside = self.matmuls_outside_scans
         if outside:
             shapes = ", ".join(f"{m.lhs[0]} x {m.rhs[0]}" for m in outside)
@@ -252,18 +279,21 @@ class AuditReport:
         return problems
 
     def __str__(self) -> str:
-        lines = [(f"traced program: {self.equations} equations, {self.flops:,.0f} FLOPs "
-                  "(loop bodies x trip count)")]
+        lines = [(f"traced program: {self.equations} equations, {self.flops:,.0f} FLOPs (loop bodies x trip count)")]
         lines.append(f"scans: {len(self.scans)}")
         for s in self.scans:
             carry = sum(math.prod(shape) * jax.numpy.dtype(d).itemsize for shape, d in s.carry)
-            lines.append(f"  {'  ' * s.depth}length {s.length}{' reversed' if s.reverse else ''}, "
-                         f"{s.matmuls} matmuls in the body, carry {len(s.carry)} values ({carry:,} bytes)  at {s.path}")
+            lines.append(
+                f"  {'  ' * s.depth}length {s.length}{' reversed' if s.reverse else ''}, "
+                f"{s.matmuls} matmuls in the body, carry {len(s.carry)} values ({carry:,} bytes)  at {s.path}"
+            )
         lines.append(f"remat regions: {len(self.remat_regions)}")
         for r in self.remat_regions:
             work = ", ".join(p for p in r.primitives if p in ELEMENTWISE_PRIMITIVES or p == "dot_general")
-            lines.append(f"  policy {r.policy}, {'backward pass' if r.differentiated else 'forward pass'}, "
-                         f"runs {work or '-'}  at {r.path}")
+            lines.append(
+                f"  policy {r.policy}, {'backward pass' if r.differentiated else 'forward pass'}, "
+                f"runs {work or '-'}  at {r.path}"
+            )
         total = sum(m.flops for m in self.matmuls) or 1.0
         lines.append(f"matmuls: {len(self.matmuls)} ({len(self.matmuls_outside_scans)} outside any scan)")
         by_dtype = collections.defaultdict(lambda: [0, 0.0])
@@ -271,11 +301,15 @@ class AuditReport:
             by_dtype[m.dtypes][0] += 1
             by_dtype[m.dtypes][1] += m.flops
         for (lhs, rhs, acc), (count, flops) in sorted(by_dtype.items(), key=lambda kv: -kv[1][1]):
-            lines.append(f"  {short_dtype_name(lhs)} x {short_dtype_name(rhs)} -> {short_dtype_name(acc)}: {count} matmuls, "
-                         f"{100 * flops / total:.1f}% of matmul FLOPs")
+            lines.append(
+                f"  {short_dtype_name(lhs)} x {short_dtype_name(rhs)} -> {short_dtype_name(acc)}: {count} matmuls, "
+                f"{100 * flops / total:.1f}% of matmul FLOPs"
+            )
         for m in self.matmuls_outside_scans:
-            lines.append(f"  outside any scan: {short_dtype_name(m.lhs[1])}{list(m.lhs[0])} x {short_dtype_name(m.rhs[1])}{list(m.rhs[0])}"
-                         f"  at {m.path}")
+            lines.append(
+                f"  outside any scan: {short_dtype_name(m.lhs[1])}{list(m.lhs[0])} x {short_dtype_name(m.rhs[1])}{list(m.rhs[0])}"
+                f"  at {m.path}"
+            )
         lines.append(f"host syncs: {len(self.host_syncs) or 'none'}")
         lines.extend(f"  {h.primitive}{f' ({h.callback})' if h.callback else ''}  at {h.path}" for h in self.host_syncs)
         if self.residuals is not None:
@@ -306,8 +340,15 @@ def audit_jaxpr(closed_jaxpr: Any, *, residuals: ResidualReport | None = None) -
     check_saved_names(jaxpr, "the audited program")
     out = _Collector()
     _walk(jaxpr, (), 0, 1.0, [], out)
-    return AuditReport(tuple(out.scans), tuple(out.remats), tuple(out.matmuls), tuple(out.host_syncs),
-                       residuals, count_flops(jaxpr), out.equations)
+    return AuditReport(
+        tuple(out.scans),
+        tuple(out.remats),
+        tuple(out.matmuls),
+        tuple(out.host_syncs),
+        residuals,
+        count_flops(jaxpr),
+        out.equations,
+    )
 
 
 def audit(

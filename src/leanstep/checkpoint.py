@@ -52,7 +52,7 @@ from leanstep.checkpoint_trees import (
     zero_size_from_template,
 )
 
-__all__ = ["CheckpointError", "Checkpointer", "RestoreResult", "MANIFEST_NAME"]
+__all__ = ["MANIFEST_NAME", "CheckpointError", "Checkpointer", "RestoreResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -210,9 +210,7 @@ class Checkpointer:
         try:
             self._orbax.save(staging_path(self.directory, step), args=args, force=True)
         except Exception as e:
-            raise CheckpointError(
-                f"saving step {step} to {self.directory} failed: {_failure(e)}"
-            ) from e
+            raise CheckpointError(f"saving step {step} to {self.directory} failed: {_failure(e)}") from e
         self._pending.append((step, specs))
         if wait:
             self.wait_until_finished()
@@ -233,9 +231,7 @@ class Checkpointer:
             if jax.process_index() == 0:  # what the failed writes left in staging goes now
                 for step in steps:
                     staging_path(self.directory, step)
-            raise CheckpointError(
-                f"saving step(s) {steps} to {self.directory} failed: {_failure(e)}"
-            ) from e
+            raise CheckpointError(f"saving step(s) {steps} to {self.directory} failed: {_failure(e)}") from e
         # Multi-process: every process saves its own shards (orbax), but the manifest and the
         # commit have one writer, process 0; the others wait for it so that none prunes or
         # restores early.
@@ -329,9 +325,7 @@ class Checkpointer:
                 try:
                     restored = self._orbax.restore(
                         self.directory / str(candidate),
-                        args=ocp.args.Composite(
-                            state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()
-                        ),
+                        args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), extra=ocp.args.JsonRestore()),
                     )
                 except Exception as e:
                     raise RejectedStep(f"orbax could not restore it: {type(e).__name__}: {e}") from e

@@ -25,8 +25,15 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["STAGING", "commit_step", "committed_steps", "remove_unfinished_saves", "retire_step", "staging_path",
-           "unfinished_saves"]
+__all__ = [
+    "STAGING",
+    "commit_step",
+    "committed_steps",
+    "remove_unfinished_saves",
+    "retire_step",
+    "staging_path",
+    "unfinished_saves",
+]
 
 #: The subdirectory steps are written in before they are committed.
 STAGING = ".staging"

@@ -74,9 +74,7 @@ def check_json(value: Any, where: str) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise TypeError(
-                    f"{where} has key {key!r} of type {type(key).__name__}; JSON keys must be str"
-                )
+                raise TypeError(f"{where} has key {key!r} of type {type(key).__name__}; JSON keys must be str")
             check_json(item, f"{where}[{key!r}]")
     elif isinstance(value, list):
         for i, item in enumerate(value):

@@ -123,8 +123,10 @@ def _check_max_norm(max_norm: ArrayLike) -> None:
     if not (math.isfinite(number) and number > 0):
         raise ValueError(f"max_norm must be finite and > 0, got max_norm={max_norm!r}")
     if not is_normal_float32(number):  # the clip runs in float32: denormals flush to 0, the max overflows
-        raise ValueError(f"max_norm must be finite and > 0, got max_norm={max_norm!r}; it is applied in float32, "
-                         f"so it must be in {FLOAT32_RANGE} (normal and finite in float32)")
+        raise ValueError(
+            f"max_norm must be finite and > 0, got max_norm={max_norm!r}; it is applied in float32, "
+            f"so it must be in {FLOAT32_RANGE} (normal and finite in float32)"
+        )
 
 
 def clip_by_global_norm(tree: Tree, max_norm: ArrayLike) -> tuple[Tree, jax.Array]:

@@ -21,8 +21,16 @@ from jax.sharding import PartitionSpec
 from leanstep._checks import is_int
 from leanstep.cost_model import Accelerator, collective_seconds
 
-__all__ = ["Family", "argument_bytes", "communication", "dominates", "format_seconds", "layout_sizes",
-           "mesh_shapes", "mesh_text"]
+__all__ = [
+    "Family",
+    "argument_bytes",
+    "communication",
+    "dominates",
+    "format_seconds",
+    "layout_sizes",
+    "mesh_shapes",
+    "mesh_text",
+]
 
 
 def mesh_shapes(num_devices: int, batch_size: int, *, max_tensor: int | None = None) -> list[dict[str, int]]:
@@ -64,7 +72,8 @@ def argument_bytes(state: Any, shardings: Any, batch: Any, rows: Any) -> int:
     """Per-device bytes of the state (laid out by ``shardings``) and the batch (by ``rows``):
     the arguments of the compiled step, known without compiling it."""
     return sum(_nbytes(a, s) for a, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings))) + sum(
-        _nbytes(a, rows) for a in jax.tree.leaves(batch))
+        _nbytes(a, rows) for a in jax.tree.leaves(batch)
+    )
 
 
 def layout_sizes(params: Any, specs: Any, shape: dict[str, int], compute_dtype: Any) -> dict[str, float]:
@@ -109,8 +118,16 @@ class Family:
     estimate: float = 0.0
 
 
-def communication(shape: dict[str, int], reduce: str, m: int, remat: str, sizes: dict[str, float],
-                   accelerator: Accelerator, *, bound: bool) -> float:
+def communication(
+    shape: dict[str, int],
+    reduce: str,
+    m: int,
+    remat: str,
+    sizes: dict[str, float],
+    accelerator: Accelerator,
+    *,
+    bound: bool,
+) -> float:
     """Seconds of the collectives a layout needs, priced by :func:`leanstep.cost_model.collective_seconds`.
 
     ``bound=True``: what the layout must send under leanstep's schedule, at the
@@ -129,11 +146,13 @@ def communication(shape: dict[str, int], reduce: str, m: int, remat: str, sizes:
     per_step = reduce == "step"
     seconds = 0.0
     if d > 1:
-        seconds += collective_seconds("all-reduce", sizes["shard"], d, ("data",), shape, links,
-                                      trips=m if reduce == "microbatch" else 1)
+        seconds += collective_seconds(
+            "all-reduce", sizes["shard"], d, ("data",), shape, links, trips=m if reduce == "microbatch" else 1
+        )
     if f > 1:
-        seconds += collective_seconds("reduce-scatter", sizes["gradient"], f, ("fsdp",), shape, links,
-                                      trips=1 if per_step else m)
+        seconds += collective_seconds(
+            "reduce-scatter", sizes["gradient"], f, ("fsdp",), shape, links, trips=1 if per_step else m
+        )
         gathers = 1 if per_step else m * (1 if remat == "none" or bound else 2)
         seconds += collective_seconds("all-gather", sizes["gathered"], f, ("fsdp",), shape, links, trips=gathers)
     return seconds
@@ -144,5 +163,8 @@ def dominates(failed: Family, family: Family) -> bool:
     and tensor axis, the same policy and reduction, and no larger fsdp axis: it holds more."""
     rows = lambda s: s.get("data", 1) * s.get("fsdp", 1)
     return (failed.remat, failed.reduce, failed.shape.get("tensor", 1), rows(failed.shape)) == (
-        family.remat, family.reduce, family.shape.get("tensor", 1), rows(family.shape)) and (
-        family.shape.get("fsdp", 1) <= failed.shape.get("fsdp", 1))
+        family.remat,
+        family.reduce,
+        family.shape.get("tensor", 1),
+        rows(family.shape),
+    ) and (family.shape.get("fsdp", 1) <= failed.shape.get("fsdp", 1))

@@ -94,7 +94,6 @@ from leanstep.step import make_train_step
 __all__ = ["plan_cluster"]
 
 
-
 def _devices(num_devices: int) -> list[Any]:
     for devices in (jax.devices(), jax.devices("cpu")):
         if len(devices) >= num_devices:
@@ -103,7 +102,8 @@ def _devices(num_devices: int) -> list[Any]:
         f"num_devices={num_devices}: this process has {len(jax.devices('cpu'))} CPU device(s); planning compiles "
         f"for {num_devices} simulated CPU devices, so call leanstep.configure_devices({num_devices}) before JAX "
         f"starts (or use `leanstep plan --devices {num_devices}`, or leanstep.training.analysis.plan_run, which "
-        "plans in a subprocess)")
+        "plans in a subprocess)"
+    )
 
 
 def plan_cluster(
@@ -170,8 +170,9 @@ def plan_cluster(
     if len(batch_size) != 1:
         raise ValueError(f"batch leaves must share one leading batch axis, got {sorted(batch_size)}")
     (batch_size,) = batch_size
-    shapes = list(meshes) if meshes is not None else mesh_shapes(num_devices, batch_size,
-                                                                 max_tensor=accelerator.node_size)
+    shapes = (
+        list(meshes) if meshes is not None else mesh_shapes(num_devices, batch_size, max_tensor=accelerator.node_size)
+    )
     for shape in shapes:
         if math.prod(shape.values()) != num_devices:
             raise ValueError(f"mesh {shape} does not have num_devices={num_devices} devices")
@@ -210,13 +211,16 @@ def plan_cluster(
             shardings = layer.state_shardings(state)
             specs = layer.param_specs(params)
         except ValueError as error:  # the rules do not fit this mesh (e.g. heads not divisible by tensor)
-            invalid.append(Candidate(Setting(1, policies[0], precision, text, reductions[0]),
-                                     note=f"rules do not fit: {error}"))
+            invalid.append(
+                Candidate(Setting(1, policies[0], precision, text, reductions[0]), note=f"rules do not fit: {error}")
+            )
             continue
         meshes_by_text[text] = mesh
         rows = batch_sharding(mesh)
-        placed[text] = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings),
-                        jax.tree.map(lambda a, r=rows: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=r), batch))
+        placed[text] = (
+            jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings),
+            jax.tree.map(lambda a, r=rows: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=r), batch),
+        )
         arguments = argument_bytes(state, shardings, batch, rows)
         d, f, t = (shape.get(k, 1) for k in ("data", "fsdp", "tensor"))
         per_device_rows = batch_size // (d * f)
@@ -225,25 +229,33 @@ def plan_cluster(
             if reduce == "step" and f == 1:
                 continue  # the same step as "auto" without an fsdp axis
             for policy in policies:
-                ms = [m for m in range(1, per_device_rows + 1) if per_device_rows % m == 0 and (counts is None or m in counts)]
+                ms = [
+                    m
+                    for m in range(1, per_device_rows + 1)
+                    if per_device_rows % m == 0 and (counts is None or m in counts)
+                ]
                 if not ms:
                     continue
                 first = len(candidates)
                 candidates += [Candidate(Setting(m, policy, precision, text, reduce)) for m in ms]
                 compute_bound = global_flops[policy] / num_devices / rate
-                bounds = [compute_bound + communication(shape, reduce, m, policy, sizes, accelerator, bound=True)
-                          for m in ms]
+                bounds = [
+                    compute_bound + communication(shape, reduce, m, policy, sizes, accelerator, bound=True) for m in ms
+                ]
                 family = Family(shape, policy, reduce, list(range(first, len(candidates))), arguments, bounds[0])
                 families.append(family)
                 for i, b in zip(family.members, bounds):
                     candidates[i] = dataclasses.replace(candidates[i], argument_bytes=arguments, bound_seconds=b)
-                family.estimate = compute_bound + communication(shape, reduce, ms[0], policy, sizes, accelerator,
-                                                                 bound=False)
+                family.estimate = compute_bound + communication(
+                    shape, reduce, ms[0], policy, sizes, accelerator, bound=False
+                )
 
     if not families:
-        raise ValueError(f"no candidate for {num_devices} devices: " + "; ".join(
-            f"mesh {c.setting.mesh}: {c.note}" for c in invalid) if invalid else
-            f"no mesh of {num_devices} devices splits the batch of {batch_size} rows")
+        raise ValueError(
+            f"no candidate for {num_devices} devices: " + "; ".join(f"mesh {c.setting.mesh}: {c.note}" for c in invalid)
+            if invalid
+            else f"no mesh of {num_devices} devices splits the batch of {batch_size} rows"
+        )
 
     compiles: dict[int, Any] = {}
     tensor_costs: dict[int, float] = {}
@@ -253,29 +265,48 @@ def plan_cluster(
         s = c.setting
         t0 = time.perf_counter()
         mesh = meshes_by_text[s.mesh]
-        step = make_train_step(loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches,
-                               max_grad_norm=max_grad_norm, mesh=ShardingLayer(mesh, rules=rules, reduce=s.reduce),
-                               **step_kwargs)
+        step = make_train_step(
+            loss_fns[s.remat],
+            precision=s.precision,
+            num_microbatches=s.num_microbatches,
+            max_grad_norm=max_grad_norm,
+            mesh=ShardingLayer(mesh, rules=rules, reduce=s.reduce),
+            **step_kwargs,
+        )
         placed_state, placed_batch = placed[s.mesh]
         traced = step.trace(placed_state, placed_batch)
         c = dataclasses.replace(c, trace_seconds=time.perf_counter() - t0)
         c = compile_candidate(c, traced, budget, compiler_options)
         hlo = c.executable.as_text()  # once: printing a large module takes seconds
         report = collectives_report(hlo, mesh, params=state.params)
-        cost = step_cost(dot_flops(hlo), report, dict(mesh.shape), accelerator, compute_dtype,
-                         promoted_to_float32=devices[0].platform == "cpu")
-        c = dataclasses.replace(c, flops=cost.flops, bytes_per_step=cost.bytes, collectives=cost.collectives,
-                                compute_seconds=cost.compute_seconds, communication_seconds=cost.communication_seconds,
-                                predicted_seconds=cost.seconds,
-                                compile_seconds=time.perf_counter() - t0 - (c.trace_seconds or 0.0),
-                                executable=c.executable if keep_executables else None)
+        cost = step_cost(
+            dot_flops(hlo),
+            report,
+            dict(mesh.shape),
+            accelerator,
+            compute_dtype,
+            promoted_to_float32=devices[0].platform == "cpu",
+        )
+        c = dataclasses.replace(
+            c,
+            flops=cost.flops,
+            bytes_per_step=cost.bytes,
+            collectives=cost.collectives,
+            compute_seconds=cost.compute_seconds,
+            communication_seconds=cost.communication_seconds,
+            predicted_seconds=cost.seconds,
+            compile_seconds=time.perf_counter() - t0 - (c.trace_seconds or 0.0),
+            executable=c.executable if keep_executables else None,
+        )
         compiles[i] = c.executable
         tensor_costs[i] = sum(v for axes, v in cost.by_axes.items() if axes == ("tensor",))
         candidates[i] = c
         if progress is not None:
-            progress(f"compiled {s.describe()}: peak {format_bytes(c.peak_bytes)}, predicted "
-                     f"{format_seconds(c.predicted_seconds)} (bound {format_seconds(c.bound_seconds)}), "
-                     f"{c.compile_seconds:.1f} s")
+            progress(
+                f"compiled {s.describe()}: peak {format_bytes(c.peak_bytes)}, predicted "
+                f"{format_seconds(c.predicted_seconds)} (bound {format_seconds(c.bound_seconds)}), "
+                f"{c.compile_seconds:.1f} s"
+            )
         return c
 
     def fits(i: int) -> bool:
@@ -307,9 +338,15 @@ def plan_cluster(
             bound = fam.bound + tensor_part(fam)
             # Members that could still win: fewer microbatches than a cheaper policy fitted with,
             # and a bound (which grows with the count under per-microbatch reductions) below the best.
-            members = [i for i in fam.members if (fewest is None or candidates[i].setting.num_microbatches < fewest)
-                       and (best is None or (candidates[i].bound_seconds + tensor_part(fam)) * (1 + rtol)
-                            < best.predicted_seconds)]
+            members = [
+                i
+                for i in fam.members
+                if (fewest is None or candidates[i].setting.num_microbatches < fewest)
+                and (
+                    best is None
+                    or (candidates[i].bound_seconds + tensor_part(fam)) * (1 + rtol) < best.predicted_seconds
+                )
+            ]
             if fam.argument_bytes > budget:
                 note = f"state and batch alone take {format_bytes(fam.argument_bytes)} a device"
             elif not exhaustive and not members and fewest is not None:
@@ -338,8 +375,11 @@ def plan_cluster(
                 continue
             fewest, fitted_policy = candidates[found].setting.num_microbatches, fam.remat
             for i in fam.members:
-                if candidates[i].compiled and candidates[i].fits and (
-                        best is None or candidates[i].predicted_seconds < best.predicted_seconds):
+                if (
+                    candidates[i].compiled
+                    and candidates[i].fits
+                    and (best is None or candidates[i].predicted_seconds < best.predicted_seconds)
+                ):
                     best = candidates[i]
 
     if best is None:
@@ -367,8 +407,7 @@ def plan_cluster(
             note = "fewer microbatches fit"
         candidates[i] = dataclasses.replace(c, note=note)
     order = {id(c): k for k, c in enumerate(candidates)}
-    ranked = tuple(sorted(candidates, key=lambda c: (c.predicted_seconds is None, c.predicted_seconds or 0.0,
-                                                     order[id(c)]))) + tuple(invalid)
+    ranked = tuple(
+        sorted(candidates, key=lambda c: (c.predicted_seconds is None, c.predicted_seconds or 0.0, order[id(c)]))
+    ) + tuple(invalid)
     return Plan(budget, ranked, chosen, time.perf_counter() - start, num_devices, accelerator)
-
-

@@ -45,8 +45,15 @@ from leanstep.hlo_text import trip_counts as _trips
 
 __all__ = ["Collective", "CollectivesReport", "collectives_report"]
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "collective-broadcast",
-         "ragged-all-to-all")
+KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "ragged-all-to-all",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +111,10 @@ class CollectivesReport:
             shape = ", ".join(f"{dt}[{','.join(map(str, dims))}]" for dt, dims in c.shapes)
             shape = shape if len(shape) <= 32 else shape[:29] + "..."
             flag = " MOVES BATCH ROWS" if c.moves_batch else ""
-            rows.append(f"{c.kind:<15}{','.join(c.axes) or '-':<16}{shape:<34}{c.trips:>6}{c.bytes / 1e6:>10.3f}"
-                        f"{c.bytes_per_step / 1e6:>10.3f}  {c.payload}{flag}")
+            rows.append(
+                f"{c.kind:<15}{','.join(c.axes) or '-':<16}{shape:<34}{c.trips:>6}{c.bytes / 1e6:>10.3f}"
+                f"{c.bytes_per_step / 1e6:>10.3f}  {c.payload}{flag}"
+            )
         for kind in dict.fromkeys(c.kind for c in self.collectives):
             rows.append(f"total {kind}: {self.executions(kind)} per step, {self.bytes_per_step(kind) / 1e6:.3f} MB")
         return "\n".join(rows)
@@ -116,17 +125,17 @@ def _braced(text: str) -> str:
     for end, char in enumerate(text):
         depth += (char == "{") - (char == "}")
         if depth == 0:
-            return text[:end + 1]
+            return text[: end + 1]
     return text
 
 
 def _groups(inst: _Instruction, num_devices: int) -> list[list[int]]:
     """The replica groups, in any of XLA's three spellings (explicit, iota, mesh axes)."""
     if "source_target_pairs=" in inst.rest:
-        pairs = _braced(inst.rest[inst.rest.index("source_target_pairs=") + 20:])
+        pairs = _braced(inst.rest[inst.rest.index("source_target_pairs=") + 20 :])
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs)]
     at = inst.rest.find("replica_groups=")
-    text = "" if at < 0 else inst.rest[at + 15:]
+    text = "" if at < 0 else inst.rest[at + 15 :]
     iota = re.match(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", text)
     mesh = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
     if iota:
@@ -180,8 +189,14 @@ def _element(name: str, index: int, users: dict[str, list[_Instruction]]) -> str
     return None
 
 
-def _only_sliced(name: str, by_name: dict[str, _Instruction], users: dict[str, list[_Instruction]],
-                 computations: dict[str, list[_Instruction]], fraction: int, depth: int = 0) -> bool:
+def _only_sliced(
+    name: str,
+    by_name: dict[str, _Instruction],
+    users: dict[str, list[_Instruction]],
+    computations: dict[str, list[_Instruction]],
+    fraction: int,
+    depth: int = 0,
+) -> bool:
     """Whether ``name``'s value reaches nothing but slices of ``1/fraction`` of it."""
     size = _nbytes(_shapes(by_name[name].type_text)) if name in by_name else 0
     uses = users.get(name, [])
@@ -191,8 +206,17 @@ def _only_sliced(name: str, by_name: dict[str, _Instruction], users: dict[str, l
         if use.op in ("dynamic-slice", "slice"):
             if _nbytes(_shapes(use.type_text)) * fraction != size:
                 return False
-        elif use.op in ("bitcast", "copy", "transpose", "get-tuple-element", "add", "multiply", "subtract", "divide",
-                        "convert"):
+        elif use.op in (
+            "bitcast",
+            "copy",
+            "transpose",
+            "get-tuple-element",
+            "add",
+            "multiply",
+            "subtract",
+            "divide",
+            "convert",
+        ):
             # elementwise on the whole reduced value (e.g. two reduced contributions summed)
             if _nbytes(_shapes(use.type_text)) != size and use.op != "convert":
                 return False
@@ -214,8 +238,9 @@ def _only_sliced(name: str, by_name: dict[str, _Instruction], users: dict[str, l
     return True
 
 
-def collectives_report(compiled: Any, mesh: Mesh | None = None, *, params: Any = None,
-                       batch_axes: Sequence[str] | None = None) -> CollectivesReport:
+def collectives_report(
+    compiled: Any, mesh: Mesh | None = None, *, params: Any = None, batch_axes: Sequence[str] | None = None
+) -> CollectivesReport:
     """The collectives of a compiled step (or of its HLO text).
 
     Args:
@@ -256,25 +281,44 @@ def collectives_report(compiled: Any, mesh: Mesh | None = None, *, params: Any =
             continue
         shapes = _shapes(inst.type_text)
         if inst.op.endswith("-start") and op != "all-reduce":
-            shapes = shapes[len(shapes) // 2:]  # async (operands, results): the results
+            shapes = shapes[len(shapes) // 2 :]  # async (operands, results): the results
         groups = _groups(inst, num_devices)
         group_size = max((len(g) for g in groups), default=1)
         axes = _axes_of(groups[0] if groups else (), mesh)
         over_batch = any(a in batch_axes for a in axes) or (mesh is None and group_size > 1)
         # A tuple collective (XLA combines small ones) is reported element by element.
-        parts = [(name, shapes, name)] if len(shapes) <= 1 else [
-            (f"{name}#{i}", (shape,), _element(name, i, users)) for i, shape in enumerate(shapes)]
+        parts = (
+            [(name, shapes, name)]
+            if len(shapes) <= 1
+            else [(f"{name}#{i}", (shape,), _element(name, i, users)) for i, shape in enumerate(shapes)]
+        )
         for part_name, part_shapes, value in parts:
             kind, via, size = op, "", _nbytes(part_shapes)
-            if op == "all-reduce" and group_size > 1 and value is not None and _only_sliced(
-                    value, by_name, users, computations, group_size):
+            if (
+                op == "all-reduce"
+                and group_size > 1
+                and value is not None
+                and _only_sliced(value, by_name, users, computations, group_size)
+            ):
                 kind, via = "reduce-scatter", "all-reduce + slice"
             if op == "reduce-scatter":
                 size *= group_size  # the input: every member's share
             parameter_like = all(tuple(sorted(d for d in dims if d != 1)) in allowed for _, dims in part_shapes)
             moves = op in ("all-to-all", "collective-permute", "ragged-all-to-all") or (
-                over_batch and not parameter_like)
-            found.append(Collective(kind=kind, name=part_name, shapes=part_shapes, bytes=size,
-                                    trips=trips.get(inst.computation, 0), group_size=group_size, axes=axes,
-                                    payload="parameters" if parameter_like else "batch", moves_batch=moves, via=via))
+                over_batch and not parameter_like
+            )
+            found.append(
+                Collective(
+                    kind=kind,
+                    name=part_name,
+                    shapes=part_shapes,
+                    bytes=size,
+                    trips=trips.get(inst.computation, 0),
+                    group_size=group_size,
+                    axes=axes,
+                    payload="parameters" if parameter_like else "batch",
+                    moves_batch=moves,
+                    via=via,
+                )
+            )
     return CollectivesReport(tuple(found))

@@ -48,10 +48,13 @@ def unused_compute_dtype(fn: Callable[..., Any], args: tuple[Any, ...], compute_
         return None
     jaxpr = jax.make_jaxpr(fn)(*args)
     kinds = collections.Counter(
-        tuple(str(v.aval.dtype) for v in eqn.invars[:2]) for eqn in equations(jaxpr) if eqn.primitive.name in _MATMULS)
+        tuple(str(v.aval.dtype) for v in eqn.invars[:2]) for eqn in equations(jaxpr) if eqn.primitive.name in _MATMULS
+    )
     if not kinds or any(compute_dtype.name in kind for kind in kinds):
         return None
     found = ", ".join(f"{' x '.join(kind)}: {count}" for kind, count in kinds.most_common())
-    return (f"compute dtype {compute_dtype.name}, but none of the loss's {sum(kinds.values())} matmuls runs in it "
-            f"({found}): the model casts its inputs back up. The usual cause is a framework dtype= argument "
-            "(e.g. flax.linen.Dense(dtype=jnp.float32)); build the model with dtype=None or the compute dtype")
+    return (
+        f"compute dtype {compute_dtype.name}, but none of the loss's {sum(kinds.values())} matmuls runs in it "
+        f"({found}): the model casts its inputs back up. The usual cause is a framework dtype= argument "
+        "(e.g. flax.linen.Dense(dtype=jnp.float32)); build the model with dtype=None or the compute dtype"
+    )

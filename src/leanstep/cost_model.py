@@ -94,7 +94,9 @@ class Accelerator:
         if not all(is_real(v) and math.isfinite(v) and v > 0 for v in self.flops.values()) or not self.flops:
             raise ValueError(f"Accelerator.flops must map dtype names to positive FLOP/s, got {self.flops!r}")
         if self.inter_bandwidth is not None and not (is_real(self.inter_bandwidth) and self.inter_bandwidth > 0):
-            raise ValueError(f"Accelerator.inter_bandwidth must be a positive number or None, got {self.inter_bandwidth!r}")
+            raise ValueError(
+                f"Accelerator.inter_bandwidth must be a positive number or None, got {self.inter_bandwidth!r}"
+            )
         if not (isinstance(self.node_size, int) and self.node_size >= 1):
             raise ValueError(f"Accelerator.node_size must be an int >= 1, got {self.node_size!r}")
 
@@ -103,8 +105,9 @@ class Accelerator:
         name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
         name = {"float16": "bfloat16"}.get(name, name)
         if name not in self.flops:
-            raise ValueError(f"accelerator {self.name!r} has no FLOP/s for compute dtype {name}; "
-                             f"it knows {', '.join(self.flops)}")
+            raise ValueError(
+                f"accelerator {self.name!r} has no FLOP/s for compute dtype {name}; it knows {', '.join(self.flops)}"
+            )
         return self.flops[name]
 
     def replace(self, **changes: Any) -> Accelerator:
@@ -121,8 +124,9 @@ ACCELERATORS: dict[str, Accelerator] = {
     "h200": Accelerator("h200", 141 * _GB, {"bfloat16": 989e12, "float32": 495e12}, 8, 450 * _GB, 50 * _GB),
     "a100": Accelerator("a100", 80 * _GB, {"bfloat16": 312e12, "float32": 156e12}, 8, 300 * _GB, 25 * _GB),
     "tpu-v4": Accelerator("tpu-v4", 32 * 2**30, {"bfloat16": 275e12, "float32": 275e12}, 4096, 1.1e15 / 4096, None),
-    "tpu-v5e": Accelerator("tpu-v5e", 16 * _GB, {"bfloat16": 197e12, "float32": 197e12}, 256, 51.2e12 / 256,
-                           2 * 100e9 / 8 / 8),
+    "tpu-v5e": Accelerator(
+        "tpu-v5e", 16 * _GB, {"bfloat16": 197e12, "float32": 197e12}, 256, 51.2e12 / 256, 2 * 100e9 / 8 / 8
+    ),
 }
 
 
@@ -146,19 +150,32 @@ def get_accelerator(accelerator: str | Accelerator, **overrides: Any) -> Acceler
 def _group_in_node(axes: Sequence[str], mesh_shape: dict[str, int], node_size: int) -> bool:
     """Whether a group spanning ``axes`` (all others fixed) lies in one node of ``node_size`` devices."""
     names, sizes = list(mesh_shape), list(mesh_shape.values())
-    strides = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+    strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
     last = sum((sizes[i] - 1) * strides[i] for i, n in enumerate(names) if n in axes)
     return last < node_size
 
 
-_SENT = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-         "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
-         "ragged-all-to-all": lambda n: (n - 1) / n, "collective-permute": lambda n: 1.0,
-         "collective-broadcast": lambda n: (n - 1) / n}
+_SENT = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "ragged-all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+    "collective-broadcast": lambda n: (n - 1) / n,
+}
 
 
-def collective_seconds(kind: str, nbytes: float, group_size: int, axes: Sequence[str], mesh_shape: dict[str, int],
-                       accelerator: Accelerator, *, trips: int = 1) -> float:
+def collective_seconds(
+    kind: str,
+    nbytes: float,
+    group_size: int,
+    axes: Sequence[str],
+    mesh_shape: dict[str, int],
+    accelerator: Accelerator,
+    *,
+    trips: int = 1,
+) -> float:
     """Seconds for ``trips`` executions of one collective (see the module doc).
 
     Example:
@@ -171,8 +188,10 @@ def collective_seconds(kind: str, nbytes: float, group_size: int, axes: Sequence
     within = _group_in_node(axes, mesh_shape, accelerator.node_size)
     bandwidth = accelerator.bandwidth if within else accelerator.inter_bandwidth
     if bandwidth is None:
-        raise ValueError(f"a {kind} over {','.join(axes)} spans more than one {accelerator.name} node of "
-                         f"{accelerator.node_size} devices, and the preset models no link between nodes")
+        raise ValueError(
+            f"a {kind} over {','.join(axes)} spans more than one {accelerator.name} node of "
+            f"{accelerator.node_size} devices, and the preset models no link between nodes"
+        )
     sent = _SENT.get(kind, lambda n: 1.0)(group_size) * nbytes
     return trips * (accelerator.latency + sent / (bandwidth * accelerator.link_efficiency))
 
@@ -202,8 +221,15 @@ class StepCost:
         return self.compute_seconds + self.communication_seconds
 
 
-def step_cost(flops: float, report: Any, mesh_shape: dict[str, int], accelerator: Accelerator, compute_dtype: Any,
-              *, promoted_to_float32: bool = False) -> StepCost:
+def step_cost(
+    flops: float,
+    report: Any,
+    mesh_shape: dict[str, int],
+    accelerator: Accelerator,
+    compute_dtype: Any,
+    *,
+    promoted_to_float32: bool = False,
+) -> StepCost:
     """Prices a compiled step: its per-device dot FLOPs and its :class:`leanstep.CollectivesReport`.
 
     Args:

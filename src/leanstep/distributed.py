@@ -40,10 +40,13 @@ def parse_mesh(text: str) -> dict[str, int]:
     for part in str(text).split(","):
         name, _, size = part.strip().partition("=")
         if name not in MESH_AXES or name in shape or not size.isdigit() or int(size) < 1 or int(size) > 2**20:
-            raise ValueError(f"--mesh must be name=size pairs of the axes {', '.join(MESH_AXES)} (each once, sizes "
-                             f"1..2**20), e.g. data=2,fsdp=2,tensor=2; got {text!r}")
+            raise ValueError(
+                f"--mesh must be name=size pairs of the axes {', '.join(MESH_AXES)} (each once, sizes "
+                f"1..2**20), e.g. data=2,fsdp=2,tensor=2; got {text!r}"
+            )
         shape[name] = int(size)
     return shape
+
 
 _ADDRESS = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})$")
 
@@ -100,8 +103,10 @@ def configure_devices(
             f"coordinator={coordinator!r}, num_processes={num_processes!r}, process_id={process_id!r}"
         )
     if coordinator is not None:
-        if not isinstance(coordinator, str) or not _ADDRESS.match(coordinator) or not (
-            0 < int(coordinator.rsplit(":", 1)[1]) < 65536
+        if (
+            not isinstance(coordinator, str)
+            or not _ADDRESS.match(coordinator)
+            or not (0 < int(coordinator.rsplit(":", 1)[1]) < 65536)
         ):
             raise ValueError(f"coordinator must be HOST:PORT with a port in 1..65535, got {coordinator!r}")
         num_processes = _check_count("num_processes", num_processes, 1)
@@ -129,8 +134,9 @@ def configure_devices(
         )
 
 
-def device_mesh(num_devices: int | None = None, data_axis: str = "data", *,
-                shape: dict[str, int] | None = None) -> Mesh:
+def device_mesh(
+    num_devices: int | None = None, data_axis: str = "data", *, shape: dict[str, int] | None = None
+) -> Mesh:
     """A one-dimensional data mesh over the first ``num_devices`` local devices of every process.
 
     Args:
@@ -159,8 +165,10 @@ def device_mesh(num_devices: int | None = None, data_axis: str = "data", *,
         if shape is None:
             return mesh
         if math.prod(shape.values()) != mesh.size:
-            raise ValueError(f"--mesh {','.join(f'{k}={v}' for k, v in shape.items())} needs "
-                             f"{math.prod(shape.values())} devices; the run has {mesh.size}")
+            raise ValueError(
+                f"--mesh {','.join(f'{k}={v}' for k, v in shape.items())} needs "
+                f"{math.prod(shape.values())} devices; the run has {mesh.size}"
+            )
         return Mesh(np.asarray(mesh.devices).reshape(tuple(shape.values())), tuple(shape))
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))

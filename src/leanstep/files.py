@@ -28,8 +28,17 @@ from typing import NamedTuple
 
 from leanstep.memory_sizes import format_bytes
 
-__all__ = ["RegularFiles", "check_output_path", "describe_mode", "describe_skipped", "expand_path",
-           "read_regular_file", "stat_path", "walk_regular_files", "write_bytes_atomic"]
+__all__ = [
+    "RegularFiles",
+    "check_output_path",
+    "describe_mode",
+    "describe_skipped",
+    "expand_path",
+    "read_regular_file",
+    "stat_path",
+    "walk_regular_files",
+    "write_bytes_atomic",
+]
 
 _CHUNK = 1 << 20
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
@@ -47,10 +56,15 @@ def describe_mode(mode: int) -> str:
       >>> describe_mode(stat.S_IFIFO), describe_mode(stat.S_IFCHR | 0o666)
       ('a FIFO (named pipe)', 'a character device')
     """
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
-                       (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISLNK, "a symbolic link")):
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
         if test(mode):
             return name
     return "a file of unknown kind"
@@ -156,8 +170,10 @@ def read_regular_file(path: str | os.PathLike[str], *, what: str, limit: int) ->
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(f"{what} is {describe_mode(info.st_mode)}, not a regular file")
     if info.st_size > limit:
-        raise ValueError(f"{what} is {format_bytes(info.st_size)} ({info.st_size:,} bytes), over the limit of "
-                         f"{format_bytes(limit)} ({limit:,} bytes)")
+        raise ValueError(
+            f"{what} is {format_bytes(info.st_size)} ({info.st_size:,} bytes), over the limit of "
+            f"{format_bytes(limit)} ({limit:,} bytes)"
+        )
     content = _read_open(path, what, limit)
     if len(content) > limit:
         raise ValueError(f"{what} holds more than {format_bytes(limit)} ({limit:,} bytes), the limit")
@@ -184,9 +200,12 @@ def describe_skipped(skipped: dict[str, int]) -> str:
       >>> describe_skipped({"a symlink loop": 2, "a FIFO (named pipe)": 1})
       '1 FIFO (named pipe), 2 x symlink loop'
     """
-    return ", ".join(f"{count} {kind.removeprefix('a ').removeprefix('an ')}" if count == 1 else
-                     f"{count} x {kind.removeprefix('a ').removeprefix('an ')}"
-                     for kind, count in sorted(skipped.items(), key=lambda item: item[0].lower()))
+    return ", ".join(
+        f"{count} {kind.removeprefix('a ').removeprefix('an ')}"
+        if count == 1
+        else f"{count} x {kind.removeprefix('a ').removeprefix('an ')}"
+        for kind, count in sorted(skipped.items(), key=lambda item: item[0].lower())
+    )
 
 
 def walk_regular_files(
@@ -260,8 +279,10 @@ def walk_regular_files(
                 continue
             total += len(content)
             if total > max_bytes:
-                raise ValueError(f"{what} holds more than {format_bytes(max_bytes)} ({max_bytes:,} bytes) in "
-                                 "regular files, the limit")
+                raise ValueError(
+                    f"{what} holds more than {format_bytes(max_bytes)} ({max_bytes:,} bytes) in "
+                    "regular files, the limit"
+                )
             found.append((path.relative_to(root).as_posix(), content))
     return RegularFiles(tuple(sorted(found, key=lambda item: item[0])), skipped)
 
@@ -379,7 +400,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)

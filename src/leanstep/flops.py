@@ -27,17 +27,13 @@ from leanstep._jaxpr import is_remat_primitive, sub_jaxprs
 __all__ = ["ELEMENTWISE_PRIMITIVES", "REDUCTION_PRIMITIVES", "count_flops", "equation_flops"]
 
 #: Primitives that cost one FLOP per output element.
-ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset("""
-    abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp cos cosh div eq erf
-    erf_inv erfc exp exp2 expm1 floor ge gt igamma imag integer_pow is_finite le lgamma log log1p
-    logistic lt max min mul ne neg nextafter not or pow real reduce_precision rem round rsqrt
-    select_n sign sin sinh sqrt square sub tan tanh xor
-""".split())
+ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
+    ["abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil", "clamp", "cos", "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "igamma", "imag", "integer_pow", "is_finite", "le", "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or", "pow", "real", "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "sub", "tan", "tanh", "xor"]
+)
 #: Primitives that cost one FLOP per input element.
-REDUCTION_PRIMITIVES: frozenset[str] = frozenset("""
-    argmax argmin cumlogsumexp cummax cummin cumprod cumsum reduce_and reduce_max reduce_min
-    reduce_or reduce_prod reduce_sum reduce_xor
-""".split())
+REDUCTION_PRIMITIVES: frozenset[str] = frozenset(
+    ["argmax", "argmin", "cumlogsumexp", "cummax", "cummin", "cumprod", "cumsum", "reduce_and", "reduce_max", "reduce_min", "reduce_or", "reduce_prod", "reduce_sum", "reduce_xor"]
+)
 
 
 def _size(var: Any) -> int:

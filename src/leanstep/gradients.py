@@ -65,14 +65,16 @@ class Gradients(NamedTuple):
 
 def _check_loss(value: Any, name: str) -> jax.Array:
     """``loss_fn``'s ``name`` output as float32, checked at trace time (shape and dtype are static)."""
-    return check_scalar_output(f"loss_fn's {name}", value, reduce="jnp.sum" if name == "loss_sum" else
-                               "jnp.mean").astype(jnp.float32)
+    return check_scalar_output(
+        f"loss_fn's {name}", value, reduce="jnp.sum" if name == "loss_sum" else "jnp.mean"
+    ).astype(jnp.float32)
 
 
 def _check_count(value: Any) -> jax.Array:
     """``loss_fn``'s token count as float32: a real scalar, the number of terms ``loss_sum`` adds up."""
-    return check_scalar_output("token_weighted=True: loss_fn's count", value, integer=True,
-                               reduce="jnp.sum(mask)").astype(jnp.float32)
+    return check_scalar_output(
+        "token_weighted=True: loss_fn's count", value, integer=True, reduce="jnp.sum(mask)"
+    ).astype(jnp.float32)
 
 
 def _unpack(out: Any, *, has_aux: bool, token_weighted: bool) -> tuple[Any, Any]:
@@ -83,8 +85,9 @@ def _unpack(out: Any, *, has_aux: bool, token_weighted: bool) -> tuple[Any, Any]
     pair = isinstance(out, tuple) and len(out) == 2
     value, aux = out if has_aux and pair else (out, None)
     if (has_aux and not pair) or (token_weighted and not (isinstance(value, tuple) and len(value) == 2)):
-        flags = " and ".join(f"{flag}=True" for flag, on in (("has_aux", has_aux), ("token_weighted", token_weighted))
-                             if on)
+        flags = " and ".join(
+            f"{flag}=True" for flag, on in (("has_aux", has_aux), ("token_weighted", token_weighted)) if on
+        )
         raise TypeError(f"{flags}: loss_fn must return {expected}, got {type(out).__name__}")
     return value, aux
 
@@ -164,16 +167,27 @@ def gradient_stage(
     num_microbatches = check_num_microbatches(num_microbatches)
     splitter = get_splitter(split)
     has_aux, token_weighted, uses_rng, cast_batch, has_state = (
-        check_bool(name, value) for name, value in (("has_aux", has_aux), ("token_weighted", token_weighted),
-                                                    ("uses_rng", uses_rng), ("cast_batch", cast_batch),
-                                                    ("has_state", has_state)))
+        check_bool(name, value)
+        for name, value in (
+            ("has_aux", has_aux),
+            ("token_weighted", token_weighted),
+            ("uses_rng", uses_rng),
+            ("cast_batch", cast_batch),
+            ("has_state", has_state),
+        )
+    )
     if params_layout is not None:
         check_callable("params_layout", params_layout)
     model_loss = policy.wrap(loss_fn)
     checked = []  # the compute-dtype check runs on the first trace only
 
-    def gradients(params: Any, batch: Any, loss_scale: LossScale | None = None,
-                  key: jax.Array | None = None, model_state: Any = None) -> Gradients:
+    def gradients(
+        params: Any,
+        batch: Any,
+        loss_scale: LossScale | None = None,
+        key: jax.Array | None = None,
+        model_state: Any = None,
+    ) -> Gradients:
         scale = NoOpLossScale() if loss_scale is None else loss_scale
         if uses_rng and key is None:
             raise ValueError("uses_rng=True: pass the step's PRNG key as key=")
@@ -186,8 +200,9 @@ def gradient_stage(
             out = model_loss(params_c, *state, microbatch, *extra)
             if has_state:
                 if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(f"has_state=True: loss_fn must return (out, new_model_state), got "
-                                    f"{type(out).__name__}")
+                    raise TypeError(
+                        f"has_state=True: loss_fn must return (out, new_model_state), got {type(out).__name__}"
+                    )
                 out, new_state = out
             value, aux = _unpack(out, has_aux=has_aux, token_weighted=token_weighted)
             aux = policy.cast_to_output(aux)
@@ -201,20 +216,32 @@ def gradient_stage(
             return (result, new_state) if has_state else result
 
         accumulate = microbatched_value_and_grad(
-            scaled_loss, num_microbatches, has_aux=True, token_weighted=token_weighted, split=splitter,
-            with_index=uses_rng, has_state=has_state, unroll=unroll, scan_single=False)
+            scaled_loss,
+            num_microbatches,
+            has_aux=True,
+            token_weighted=token_weighted,
+            split=splitter,
+            with_index=uses_rng,
+            has_state=has_state,
+            unroll=unroll,
+            scan_single=False,
+        )
         data = policy.cast_to_compute(batch) if cast_batch else batch
         params_c = policy.cast_to_compute(params)
         state_in = model_state if has_state else None
         if params_layout is not None:
+
             def probe(p: Any) -> None:  # the loss on abstract values, for the layer to see what it gathers
-                jax.eval_shape(model_loss, *_abstract_loss_args(p, state_in, data, splitter, num_microbatches,
-                                                                uses_rng))
+                jax.eval_shape(
+                    model_loss, *_abstract_loss_args(p, state_in, data, splitter, num_microbatches, uses_rng)
+                )
+
             params_c = params_layout(params_c, probe)
         (value, scaled_grads) = accumulate(params_c, data, model_state) if has_state else accumulate(params_c, data)
         if not checked:  # after the outputs' own checks; marked only once passed, so a caught error comes again
-            _check_traced_loss(model_loss, params_c, state_in, data, splitter, num_microbatches, uses_rng,
-                               policy.compute_dtype)
+            _check_traced_loss(
+                model_loss, params_c, state_in, data, splitter, num_microbatches, uses_rng, policy.compute_dtype
+            )
             checked.append(True)
         (_, per_microbatch), new_state = value if has_state else (value, None)
         count = None
@@ -232,8 +259,9 @@ def gradient_stage(
     return gradients
 
 
-def _abstract_loss_args(params_c: Any, model_state: Any, batch: Any, splitter: Splitter, num_microbatches: int,
-                        uses_rng: bool) -> tuple[Any, ...]:
+def _abstract_loss_args(
+    params_c: Any, model_state: Any, batch: Any, splitter: Splitter, num_microbatches: int, uses_rng: bool
+) -> tuple[Any, ...]:
     """The loss's arguments for one microbatch, as ``jax.ShapeDtypeStruct`` s."""
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
     microbatches = jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)
@@ -244,8 +272,16 @@ def _abstract_loss_args(params_c: Any, model_state: Any, batch: Any, splitter: S
     return args
 
 
-def _check_traced_loss(loss_fn: Callable[..., Any], params_c: Any, model_state: Any, batch: Any,
-                       splitter: Splitter, num_microbatches: int, uses_rng: bool, compute_dtype: Any) -> None:
+def _check_traced_loss(
+    loss_fn: Callable[..., Any],
+    params_c: Any,
+    model_state: Any,
+    batch: Any,
+    splitter: Splitter,
+    num_microbatches: int,
+    uses_rng: bool,
+    compute_dtype: Any,
+) -> None:
     """The loss, traced once on abstract values (nothing runs), checked for what a setting would not do.
 
     A ``"save:NAME"`` remat policy naming a tag the loss never sets is a ValueError

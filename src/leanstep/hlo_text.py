@@ -24,8 +24,25 @@ from typing import Any
 __all__ = ["ITEMSIZE", "Instruction", "dot_flops", "nbytes", "parse_hlo", "shapes_of", "trip_counts"]
 
 #: Bytes per element of HLO's element types.
-ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-            "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+ITEMSIZE = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%(\S+)\s*\(.*\{\s*$")
@@ -38,8 +55,11 @@ def shapes_of(type_text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
       >>> shapes_of("(f32[8,4]{1,0}, bf16[3]{0})")
       (('f32', (8, 4)), ('bf16', (3,)))
     """
-    return tuple((dtype, tuple(int(d) for d in dims.split(",") if d)) for dtype, dims in _SHAPE.findall(type_text)
-                 if dtype in ITEMSIZE)
+    return tuple(
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _SHAPE.findall(type_text)
+        if dtype in ITEMSIZE
+    )
 
 
 def nbytes(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
@@ -113,8 +133,11 @@ def trip_counts(computations: dict[str, list[Instruction]], entry: str) -> dict[
                 n = int(count.group(1)) if count else 1
                 targets = [(inst.attribute(k) or "", n) for k in ("body", "condition")]
             else:
-                targets = [(t, 1) for k in ("calls", "to_apply", "branch_computations")
-                           for t in re.findall(r"%([^\s,{}]+)", inst.attribute(k) or "")]
+                targets = [
+                    (t, 1)
+                    for k in ("calls", "to_apply", "branch_computations")
+                    for t in re.findall(r"%([^\s,{}]+)", inst.attribute(k) or "")
+                ]
             edges.setdefault(name, []).extend((t.lstrip("%"), n) for t, n in targets if t.lstrip("%") in computations)
     # The call graph is a DAG: count in topological order, so every caller is done first.
     order: list[str] = []

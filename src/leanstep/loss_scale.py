@@ -200,18 +200,18 @@ class DynamicLossScale(_ScaleByArray):
             raise ValueError(f"growth_factor must be > 1 in float32, got {given['growth_factor']!r}")
         # A denormal factor is flushed to zero by XLA: every back-off would drop to min_loss_scale.
         if not _F32_TINY <= self.backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1) in float32, got {given['backoff_factor']!r}; "
-                             f"expected a normal float32 in [{_F32_TINY:.8g}, 1)")
+            raise ValueError(
+                f"backoff_factor must be in (0, 1) in float32, got {given['backoff_factor']!r}; "
+                f"expected a normal float32 in [{_F32_TINY:.8g}, 1)"
+            )
         # A denormal floor would be flushed to zero by XLA; real scales are far above it.
         if not self.min_loss_scale >= _F32_TINY:
             raise ValueError(
-                f"min_loss_scale must be >= {_F32_TINY:.7g} (smallest normal float32), "
-                f"got {given['min_loss_scale']!r}"
+                f"min_loss_scale must be >= {_F32_TINY:.7g} (smallest normal float32), got {given['min_loss_scale']!r}"
             )
         if not self.max_loss_scale >= self.min_loss_scale:
             raise ValueError(
-                f"max_loss_scale must be >= min_loss_scale={given['min_loss_scale']!r}, "
-                f"got {given['max_loss_scale']!r}"
+                f"max_loss_scale must be >= min_loss_scale={given['min_loss_scale']!r}, got {given['max_loss_scale']!r}"
             )
 
     @classmethod
@@ -254,8 +254,17 @@ class DynamicLossScale(_ScaleByArray):
         """
         scale = check_positive_float32_scalar("initial_scale", initial_scale)
         zero = jnp.zeros((), jnp.int32)
-        state = cls(scale, zero, zero, growth_interval, growth_factor, backoff_factor,
-                    min_loss_scale, max_loss_scale, hysteresis)
+        state = cls(
+            scale,
+            zero,
+            zero,
+            growth_interval,
+            growth_factor,
+            backoff_factor,
+            min_loss_scale,
+            max_loss_scale,
+            hysteresis,
+        )
         if not isinstance(initial_scale, jax.core.Tracer):
             value = float(scale)
             if not state.min_loss_scale <= value <= state.max_loss_scale:

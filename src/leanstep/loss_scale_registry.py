@@ -30,9 +30,7 @@ __all__ = ["LOSS_SCALES", "get_loss_scale"]
 LOSS_SCALES: tuple[str, ...] = ("dynamic", "static", "none")
 
 
-def get_loss_scale(
-    spec: str | LossScale, initial_scale: ArrayLike | None = None, **settings: Any
-) -> LossScale:
+def get_loss_scale(spec: str | LossScale, initial_scale: ArrayLike | None = None, **settings: Any) -> LossScale:
     """Builds a loss scale from a name, or passes an existing one through.
 
     Args:
@@ -61,8 +59,7 @@ def get_loss_scale(
     if isinstance(spec, LossScale):
         if initial_scale is not None or settings:
             raise ValueError(
-                "initial_scale and settings apply only to a spec name, "
-                f"not to the instance {type(spec).__name__}"
+                f"initial_scale and settings apply only to a spec name, not to the instance {type(spec).__name__}"
             )
         return spec
     if not isinstance(spec, str):

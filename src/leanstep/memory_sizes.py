@@ -9,8 +9,18 @@ import numpy as np
 
 __all__ = ["format_bytes", "parse_bytes"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
 
 
@@ -31,8 +41,10 @@ def parse_bytes(text: str | int) -> int:
     elif isinstance(text, str) and (m := _SIZE.fullmatch(text)) and m[2].lower() in _UNITS:
         value = decimal.Decimal(m[1]) * _UNITS[m[2].lower()]
     else:
-        raise ValueError(f"memory size {text!r} is not a size; expected e.g. 512MiB, 2GiB, 1.5GB or a "
-                         f"number of bytes (units: {', '.join(u for u in _UNITS if u)}; KiB = 1024 B)")
+        raise ValueError(
+            f"memory size {text!r} is not a size; expected e.g. 512MiB, 2GiB, 1.5GB or a "
+            f"number of bytes (units: {', '.join(u for u in _UNITS if u)}; KiB = 1024 B)"
+        )
     if value != value.to_integral_value():
         raise ValueError(f"memory size {text!r} is {value} bytes, not a whole number of bytes")
     if value <= 0:

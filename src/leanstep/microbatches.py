@@ -49,8 +49,10 @@ def _leading_size(batch: Any, *, axis_name: str = "leading") -> int:
         if size is None:
             size, first = shape[0], name
         elif shape[0] != size:
-            raise ValueError(f"{name} has leading size {shape[0]} but {first} has {size}; "
-                             f"every batch leaf must share the {axis_name} axis")
+            raise ValueError(
+                f"{name} has leading size {shape[0]} but {first} has {size}; "
+                f"every batch leaf must share the {axis_name} axis"
+            )
     return size
 
 
@@ -153,8 +155,10 @@ def presplit_microbatches(batch: Tree, num_microbatches: int) -> Tree:
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         shape = jnp.shape(leaf)
         if size != num_microbatches or len(shape) < 2:
-            raise ValueError(f"batch{jax.tree_util.keystr(path)} has shape {shape}; a presplit batch needs "
-                             f"leaves of shape (num_microbatches={num_microbatches}, rows, ...)")
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} has shape {shape}; a presplit batch needs "
+                f"leaves of shape (num_microbatches={num_microbatches}, rows, ...)"
+            )
     rows = {jnp.shape(leaf)[1] for leaf in jax.tree.leaves(batch)}
     if len(rows) != 1:
         raise ValueError(f"the leaves of a presplit batch must share their rows axis, got sizes {sorted(rows)}")
@@ -189,10 +193,13 @@ def get_splitter(split: str | Splitter) -> Splitter:
     if isinstance(split, str):
         if split not in SPLITS:
             known = ", ".join(repr(name) for name in SPLITS)
-            raise ValueError(f"unknown split={split!r}; expected one of {known} or a callable "
-                             "splitter(batch, num_microbatches)")
+            raise ValueError(
+                f"unknown split={split!r}; expected one of {known} or a callable splitter(batch, num_microbatches)"
+            )
         return SPLITS[split]
     if not callable(split):
-        raise TypeError(f"split must be a name or a callable splitter(batch, num_microbatches), got "
-                        f"{type(split).__name__} {split!r}")
+        raise TypeError(
+            f"split must be a name or a callable splitter(batch, num_microbatches), got "
+            f"{type(split).__name__} {split!r}"
+        )
     return split

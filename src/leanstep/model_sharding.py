@@ -59,8 +59,10 @@ def sharding_context(axes: MeshAxes, specs: Any, params: Any, *, manual: Any = (
       The set of parameter paths the model gathered, filled as it is traced.
     """
     ranks = {param_path(path): len(jax.numpy.shape(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
-    flat = {param_path(path): (ranks[param_path(path)], spec) for path, spec in
-            jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))}
+    flat = {
+        param_path(path): (ranks[param_path(path)], spec)
+        for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    }
     context = _Context(axes, flat, frozenset(manual))
     token = _CONTEXT.set(context)
     try:
@@ -111,15 +113,19 @@ def gathered(tree: Any, path: str = "") -> Any:
         name = "/".join(p for p in (path.strip("/"), param_path(subpath)) if p)
         if name not in context.specs:
             known = ", ".join(sorted(context.specs)[:6])
-            raise ValueError(f"gathered(..., path={path!r}): {name!r} is not a parameter path (paths are keys "
-                             f"joined by '/', e.g. {known})")
+            raise ValueError(
+                f"gathered(..., path={path!r}): {name!r} is not a parameter path (paths are keys "
+                f"joined by '/', e.g. {known})"
+            )
         rank, spec = context.specs[name]
         entries = tuple(spec) + (None,) * (rank - len(spec))
         if leaf.ndim == rank - 1:
             entries = entries[1:]  # one layer of a parameter stacked over layers
         elif leaf.ndim != rank:
-            raise ValueError(f"gathered: {name!r} has rank {rank} but the value given has shape {leaf.shape}: pass "
-                             "the parameter or one layer of it")
+            raise ValueError(
+                f"gathered: {name!r} has rank {rank} but the value given has shape {leaf.shape}: pass "
+                "the parameter or one layer of it"
+            )
         context.record.add(name)
         return constrain_spec(leaf, context.axes.mesh, make_spec(entries, drop={fsdp}), context.manual)
 

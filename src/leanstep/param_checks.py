@@ -30,20 +30,26 @@ def _check_nnx(params: Any) -> None:
     if nnx is None:
         return
     if isinstance(params, nnx.Module):
-        raise TypeError(f"params is an nnx.Module ({type(params).__name__}); train its nnx.Param variables and "
-                        f"carry the rest as model state: {_NNX_SPLIT}")
+        raise TypeError(
+            f"params is an nnx.Module ({type(params).__name__}); train its nnx.Param variables and "
+            f"carry the rest as model state: {_NNX_SPLIT}"
+        )
     variables = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for path, leaf in variables:
         if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param):
-            raise TypeError(f"params{jax.tree_util.keystr(path)} is an nnx.{type(leaf).__name__}, not an nnx.Param: "
-                            f"the optimizer would update it; split the model instead: {_NNX_SPLIT}")
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} is an nnx.{type(leaf).__name__}, not an nnx.Param: "
+                f"the optimizer would update it; split the model instead: {_NNX_SPLIT}"
+            )
 
 
 def _check_linen(params: Any) -> None:
     if isinstance(params, Mapping) and "params" in params and len(params) > 1:
         others = sorted(str(k) for k in params if k != "params")
-        raise TypeError(f"params holds the Linen collections 'params' and {others}: train variables['params'] and "
-                        f"carry the other collections as model state: {_LINEN_SPLIT}")
+        raise TypeError(
+            f"params holds the Linen collections 'params' and {others}: train variables['params'] and "
+            f"carry the other collections as model state: {_LINEN_SPLIT}"
+        )
 
 
 def _check_equinox(params: Any) -> None:
@@ -52,8 +58,10 @@ def _check_equinox(params: Any) -> None:
         return
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if not eqx.is_inexact_array(leaf):
-            raise TypeError(f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__} in an Equinox module; "
-                            f"train only its floating arrays: {_EQUINOX_SPLIT}")
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__} in an Equinox module; "
+                f"train only its floating arrays: {_EQUINOX_SPLIT}"
+            )
 
 
 def check_params(params: Any) -> None:
@@ -76,9 +84,11 @@ def check_params(params: Any) -> None:
         raise ValueError("params must have at least one array leaf, got an empty tree")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if isinstance(leaf, jax.ShapeDtypeStruct):
-            raise TypeError(f"params{jax.tree_util.keystr(path)} is a jax.ShapeDtypeStruct (a shape without values); "
-                            "TrainState.create needs concrete arrays (e.g. model.init(key)); for shapes only, trace it: "
-                            "jax.eval_shape(lambda p: TrainState.create(p, optimizer), params), as leanstep.plan does")
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} is a jax.ShapeDtypeStruct (a shape without values); "
+                "TrainState.create needs concrete arrays (e.g. model.init(key)); for shapes only, trace it: "
+                "jax.eval_shape(lambda p: TrainState.create(p, optimizer), params), as leanstep.plan does"
+            )
     _check_nnx(params)
     _check_linen(params)
     _check_equinox(params)

@@ -54,8 +54,11 @@ def make_spec(entries: Sequence[Any], keep: Any = None, drop: Any = ()) -> Parti
     """
     out = []
     for entry in entries:
-        names = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,))
-                      if a is not None and (keep is None or a in keep) and a not in drop)
+        names = tuple(
+            a
+            for a in (entry if isinstance(entry, tuple) else (entry,))
+            if a is not None and (keep is None or a in keep) and a not in drop
+        )
         out.append(None if not names else names[0] if len(names) == 1 else names)
     while out and out[-1] is None:
         out.pop()
@@ -128,8 +131,9 @@ def check_rules(rules: Any) -> PartitionRules:
         for role in roles:
             for r in role if isinstance(role, tuple) else (role,):
                 if r is not None and r not in ROLES:
-                    raise ValueError(f"rules[{i}] ({pattern!r}) has role {r!r}; roles are 'fsdp', 'tensor', None "
-                                     "or a tuple of them")
+                    raise ValueError(
+                        f"rules[{i}] ({pattern!r}) has role {r!r}; roles are 'fsdp', 'tensor', None or a tuple of them"
+                    )
         checked.append((pattern, tuple(roles)))
     return tuple(checked)
 
@@ -150,16 +154,22 @@ def _leaf_spec(path: str, shape: tuple[int, ...], rules: PartitionRules, axes: M
         if not re.search(pattern, path):
             continue
         if len(roles) > len(shape):
-            raise ValueError(f"partition rule {pattern!r} names {len(roles)} dimensions but parameter {path!r} has "
-                             f"shape {shape}")
+            raise ValueError(
+                f"partition rule {pattern!r} names {len(roles)} dimensions but parameter {path!r} has shape {shape}"
+            )
         entries = []
         for dim, role in enumerate(roles):
-            names = tuple(a for a in (axes.axis_of(r) for r in (role if isinstance(role, tuple) else (role,))
-                                      if r is not None) if a is not None)
+            names = tuple(
+                a
+                for a in (axes.axis_of(r) for r in (role if isinstance(role, tuple) else (role,)) if r is not None)
+                if a is not None
+            )
             if names and shape[dim] % axes.size(names):
-                raise ValueError(f"partition rule {pattern!r} splits dimension {dim} of parameter {path!r} (size "
-                                 f"{shape[dim]}) over mesh axes {names} of {axes.size(names)} devices, which does "
-                                 "not divide it")
+                raise ValueError(
+                    f"partition rule {pattern!r} splits dimension {dim} of parameter {path!r} (size "
+                    f"{shape[dim]}) over mesh axes {names} of {axes.size(names)} devices, which does "
+                    "not divide it"
+                )
             entries.append(names)
         break
     else:
@@ -189,4 +199,5 @@ def param_specs(params: Any, axes: MeshAxes, rules: Any = None) -> Any:
     """
     rules = check_rules(rules)
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: _leaf_spec(param_path(path), tuple(np.shape(leaf)), rules, axes), params)
+        lambda path, leaf: _leaf_spec(param_path(path), tuple(np.shape(leaf)), rules, axes), params
+    )

@@ -32,6 +32,7 @@ def compiler_options_for(options: Any, platform: str) -> dict[str, Any] | None:
 
 def abstract_tree(tree: Any) -> Any:
     """``jax.ShapeDtypeStruct`` stand-ins of a tree of arrays (PRNG keys keep their dtype)."""
+
     def leaf(x: Any) -> jax.ShapeDtypeStruct:
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
         # PRNG keys (a model's own RNG state) keep their extended dtype.
@@ -51,9 +52,18 @@ def compile_candidate(candidate: Candidate, traced: Any, budget: int, options: d
     alias, temp = memory.alias_size_in_bytes, memory.temp_size_in_bytes
     peak = arguments + outputs - alias + temp
     return dataclasses.replace(
-        candidate, argument_bytes=arguments, output_bytes=outputs, alias_bytes=alias, temp_bytes=temp,
-        peak_bytes=peak, xla_flops=(cost or {}).get("flops"), xla_peak_bytes=getattr(memory, "peak_memory_in_bytes", None),
-        fits=peak <= budget, compile_seconds=time.perf_counter() - start, executable=executable)
+        candidate,
+        argument_bytes=arguments,
+        output_bytes=outputs,
+        alias_bytes=alias,
+        temp_bytes=temp,
+        peak_bytes=peak,
+        xla_flops=(cost or {}).get("flops"),
+        xla_peak_bytes=getattr(memory, "peak_memory_in_bytes", None),
+        fits=peak <= budget,
+        compile_seconds=time.perf_counter() - start,
+        executable=executable,
+    )
 
 
 def first_fit(members: list[int], fits: Callable[[int], bool]) -> int | None:

@@ -112,10 +112,16 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         accelerator = None if self.accelerator is None else dataclasses.asdict(self.accelerator)
-        return {"budget_bytes": self.budget_bytes, "seconds": self.seconds, "compiles": self.compiles,
-                "compile_seconds": self.compile_seconds, "num_devices": self.num_devices,
-                "accelerator": accelerator, "chosen": self.chosen.to_json(),
-                "candidates": [c.to_json() for c in self.candidates]}
+        return {
+            "budget_bytes": self.budget_bytes,
+            "seconds": self.seconds,
+            "compiles": self.compiles,
+            "compile_seconds": self.compile_seconds,
+            "num_devices": self.num_devices,
+            "accelerator": accelerator,
+            "chosen": self.chosen.to_json(),
+            "candidates": [c.to_json() for c in self.candidates],
+        }
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Plan:
@@ -130,34 +136,72 @@ class Plan:
         chosen = candidate(value["chosen"])
         chosen = next((c for c in candidates if c.setting == chosen.setting), chosen)
         accelerator = value.get("accelerator")
-        return cls(value["budget_bytes"], candidates, chosen, value["seconds"], value.get("num_devices", 1),
-                   None if accelerator is None else Accelerator(**accelerator))
+        return cls(
+            value["budget_bytes"],
+            candidates,
+            chosen,
+            value["seconds"],
+            value.get("num_devices", 1),
+            None if accelerator is None else Accelerator(**accelerator),
+        )
 
     def __str__(self) -> str:
         cluster = self.num_devices > 1
         header = ("", "microbatches", "remat", "precision", "peak", "temporaries", "GFLOP", "fits")
         if cluster:
-            header = ("", "mesh", "reduce", "microbatches", "remat", "peak", "GFLOP/device", "GB/step",
-                      "predicted", "fits", "why not chosen")
+            header = (
+                "",
+                "mesh",
+                "reduce",
+                "microbatches",
+                "remat",
+                "peak",
+                "GFLOP/device",
+                "GB/step",
+                "predicted",
+                "fits",
+                "why not chosen",
+            )
 
         def row(c: Candidate) -> tuple[str, ...]:
             s, gflop = c.setting, "-" if c.flops is None else f"{c.flops / 1e9:.3f}"
             fits = "skipped" if c.fits is None else ("yes" if c.fits else "no")
             if not cluster:
-                return ("*" if c is self.chosen else "", str(s.num_microbatches), s.remat, s.precision,
-                        format_bytes(c.peak_bytes), format_bytes(c.temp_bytes), gflop, fits)
+                return (
+                    "*" if c is self.chosen else "",
+                    str(s.num_microbatches),
+                    s.remat,
+                    s.precision,
+                    format_bytes(c.peak_bytes),
+                    format_bytes(c.temp_bytes),
+                    gflop,
+                    fits,
+                )
             sent = "-" if c.bytes_per_step is None else f"{c.bytes_per_step / 1e9:.3f}"
             time = "-" if c.predicted_seconds is None else f"{c.predicted_seconds * 1e3:.1f} ms"
-            return ("*" if c is self.chosen else "", s.mesh, s.reduce, str(s.num_microbatches), s.remat,
-                    format_bytes(c.peak_bytes), gflop, sent, time, fits, c.note)
+            return (
+                "*" if c is self.chosen else "",
+                s.mesh,
+                s.reduce,
+                str(s.num_microbatches),
+                s.remat,
+                format_bytes(c.peak_bytes),
+                gflop,
+                sent,
+                time,
+                fits,
+                c.note,
+            )
 
         rows = [header] + [row(c) for c in self.candidates]
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(f"{v:<{w}}" for v, w in zip(r, widths)).rstrip() for r in rows]
         where = f"{self.num_devices} devices, " if cluster else ""
-        lines.append(f"budget {format_bytes(self.budget_bytes)}{' per device' * cluster}; {where}chosen (*): "
-                     f"{self.chosen.setting.describe()}; planned in {self.seconds:.1f} s, "
-                     f"{self.compiles} compile{'s' * (self.compiles != 1)}")
+        lines.append(
+            f"budget {format_bytes(self.budget_bytes)}{' per device' * cluster}; {where}chosen (*): "
+            f"{self.chosen.setting.describe()}; planned in {self.seconds:.1f} s, "
+            f"{self.compiles} compile{'s' * (self.compiles != 1)}"
+        )
         return "\n".join(lines)
 
 

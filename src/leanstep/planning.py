@@ -70,7 +70,6 @@ from leanstep.step import make_train_step
 __all__ = ["BudgetError", "Candidate", "Plan", "Setting", "plan", "settings_grid"]
 
 
-
 def settings_grid(
     batch_size: int,
     *,
@@ -86,7 +85,9 @@ def settings_grid(
     """
     if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    counts = [m for m in range(1, batch_size + 1) if batch_size % m == 0] if microbatches is None else list(microbatches)
+    counts = (
+        [m for m in range(1, batch_size + 1) if batch_size % m == 0] if microbatches is None else list(microbatches)
+    )
     return tuple(Setting(int(m), r, p) for m in counts for r in remat_policies for p in precisions)
 
 
@@ -97,8 +98,10 @@ def _check_setting(setting: Any, batch_size: int) -> Setting:
         raise TypeError(f"candidates must hold (num_microbatches, remat, precision) triples, got {setting!r}") from None
     m = setting.num_microbatches
     if not is_int(m) or m < 1 or batch_size % m:
-        raise ValueError(f"candidate {tuple(setting)}: num_microbatches={m!r} must be a positive divisor of "
-                         f"the batch size {batch_size}")
+        raise ValueError(
+            f"candidate {tuple(setting)}: num_microbatches={m!r} must be a positive divisor of "
+            f"the batch size {batch_size}"
+        )
     get_remat_policy(setting.remat)
     get_precision(setting.precision)
     return Setting(int(m), setting.remat, setting.precision)
@@ -180,13 +183,27 @@ def plan(
         from leanstep.cluster_planning import plan_cluster
 
         if candidates is not None or model_state is not None:
-            raise ValueError("candidates= and model_state= plan one device; for num_devices= give meshes=, "
-                             "remat_policies=, reductions= or microbatches=")
-        return plan_cluster(make_loss_fn, params, batch, optimizer, num_devices=num_devices,
-                            budget_bytes=budget_bytes, accelerator=accelerator, rules=rules,
-                            precision=precision if isinstance(precision, str) else str(precision),
-                            max_grad_norm=max_grad_norm, loss_scale=loss_scale, rtol=flops_rtol,
-                            exhaustive=exhaustive, compiler_options=compiler_options, **step_kwargs)
+            raise ValueError(
+                "candidates= and model_state= plan one device; for num_devices= give meshes=, "
+                "remat_policies=, reductions= or microbatches="
+            )
+        return plan_cluster(
+            make_loss_fn,
+            params,
+            batch,
+            optimizer,
+            num_devices=num_devices,
+            budget_bytes=budget_bytes,
+            accelerator=accelerator,
+            rules=rules,
+            precision=precision if isinstance(precision, str) else str(precision),
+            max_grad_norm=max_grad_norm,
+            loss_scale=loss_scale,
+            rtol=flops_rtol,
+            exhaustive=exhaustive,
+            compiler_options=compiler_options,
+            **step_kwargs,
+        )
     if rules is not None:
         raise ValueError("rules= lay parameters out over a cluster; give num_devices= too")
     start = time.perf_counter()
@@ -197,7 +214,9 @@ def plan(
         raise ValueError(f"flops_rtol must be a number in [0, 1), got {flops_rtol!r}")
     batch_sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
     if len(batch_sizes) != 1 or None in batch_sizes:
-        raise ValueError(f"batch leaves must share one leading batch axis, got leading sizes {sorted(map(str, batch_sizes))}")
+        raise ValueError(
+            f"batch leaves must share one leading batch axis, got leading sizes {sorted(map(str, batch_sizes))}"
+        )
     (batch_size,) = batch_sizes
     precision_name = precision if isinstance(precision, str) else str(precision)
     settings = settings_grid(batch_size, precisions=(precision_name,)) if candidates is None else candidates
@@ -206,8 +225,11 @@ def plan(
         raise ValueError("candidates is empty; give at least one (num_microbatches, remat, precision)")
     compiler_options = compiler_options_for(compiler_options, jax.default_backend())
     scale = get_loss_scale(loss_scale)
-    state = jax.eval_shape(lambda p, m: TrainState.create(p, optimizer, loss_scale=scale, model_state=m),
-                           abstract_tree(params), abstract_tree(model_state))
+    state = jax.eval_shape(
+        lambda p, m: TrainState.create(p, optimizer, loss_scale=scale, model_state=m),
+        abstract_tree(params),
+        abstract_tree(model_state),
+    )
     batch = abstract_tree(batch)
 
     loss_fns: dict[str, Callable[..., Any]] = {}
@@ -217,11 +239,17 @@ def plan(
         s, t0 = candidate.setting, time.perf_counter()
         if s.remat not in loss_fns:
             loss_fns[s.remat] = make_loss_fn(s.remat)
-        step = make_train_step(loss_fns[s.remat], precision=s.precision,
-                               num_microbatches=s.num_microbatches, max_grad_norm=max_grad_norm, **step_kwargs)
+        step = make_train_step(
+            loss_fns[s.remat],
+            precision=s.precision,
+            num_microbatches=s.num_microbatches,
+            max_grad_norm=max_grad_norm,
+            **step_kwargs,
+        )
         traced[s] = step.trace(state, batch)
-        return dataclasses.replace(candidate, flops=count_flops(traced[s].jaxpr),
-                                   trace_seconds=time.perf_counter() - t0)
+        return dataclasses.replace(
+            candidate, flops=count_flops(traced[s].jaxpr), trace_seconds=time.perf_counter() - t0
+        )
 
     def compile_at(i: int, candidate: Candidate) -> Candidate:
         candidate = candidate if candidate.setting in traced else trace(candidate)
@@ -250,8 +278,13 @@ def _choose(candidates: Sequence[Candidate], rtol: float) -> Candidate | None:
     return min(close, key=lambda c: (c.setting.num_microbatches, c.flops)) if close else None
 
 
-def _search(candidates: list[Candidate], compile_at: Callable[[int, Candidate], Candidate], rtol: float,
-            exhaustive: bool, budget: int | None = None) -> tuple[Candidate, ...]:
+def _search(
+    candidates: list[Candidate],
+    compile_at: Callable[[int, Candidate], Candidate],
+    rtol: float,
+    exhaustive: bool,
+    budget: int | None = None,
+) -> tuple[Candidate, ...]:
     """Compiles the candidates the choice depends on (see the module doc); returns all, families in FLOPs order."""
     found = list(candidates)
 
@@ -263,6 +296,7 @@ def _search(candidates: list[Candidate], compile_at: Callable[[int, Candidate], 
     families: dict[tuple[str, str], list[int]] = {}
     for i, candidate in enumerate(found):
         families.setdefault(candidate.setting[1:], []).append(i)
+
     def family_flops(members: list[int]) -> float:
         return min((found[i].flops for i in members if found[i].flops is not None), default=float("inf"))
 

@@ -39,19 +39,23 @@ _DTYPE_NAMES = {
     jnp.dtype(jnp.float64): ("float64", "f64"),
 }
 _NAME_TO_DTYPE = {name: d for d, names in _DTYPE_NAMES.items() for name in names}
-_KEY_TO_FIELD = {"p": "param_dtype", "params": "param_dtype", "c": "compute_dtype",
-                 "compute": "compute_dtype", "o": "output_dtype", "output": "output_dtype"}
+_KEY_TO_FIELD = {
+    "p": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
 
 
 def _check_float_dtype(name: str, value: Any) -> np.dtype:
     try:
         dtype = jnp.dtype(value)
     except TypeError as e:
-        raise TypeError(f"{name}={value!r} is not a dtype; expected one of "
-                        f"{[d.name for d in _FLOAT_DTYPES]}") from e
+        raise TypeError(f"{name}={value!r} is not a dtype; expected one of {[d.name for d in _FLOAT_DTYPES]}") from e
     if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name}={dtype.name} is not supported; expected one of "
-                         f"{[d.name for d in _FLOAT_DTYPES]}")
+        raise ValueError(f"{name}={dtype.name} is not supported; expected one of {[d.name for d in _FLOAT_DTYPES]}")
     return dtype
 
 
@@ -60,6 +64,7 @@ def _cast_floating(tree: T, dtype: np.dtype) -> T:
         if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating):
             return x.astype(dtype)
         return x
+
     return jax.tree.map(cast, tree)
 
 
@@ -173,23 +178,29 @@ class Precision:
             raise ValueError(f"'strict' more than once in precision spec {spec!r}")
         parts = [part for part in parts if part != "strict"]
         if not parts:
-            raise ValueError(f"no dtype in precision spec {spec!r}; expected e.g. "
-                             "'params=float32,compute=bfloat16,strict'")
+            raise ValueError(
+                f"no dtype in precision spec {spec!r}; expected e.g. 'params=float32,compute=bfloat16,strict'"
+            )
         dtypes: dict[str, np.dtype] = {}
         for part in parts:
             if not part:
-                raise ValueError(f"empty part in precision spec {spec!r}; expected comma-separated "
-                                 "'key=dtype' parts or a single dtype name")
+                raise ValueError(
+                    f"empty part in precision spec {spec!r}; expected comma-separated "
+                    "'key=dtype' parts or a single dtype name"
+                )
             if "=" not in part:
                 if len(parts) != 1:
-                    raise ValueError(f"bare dtype {part!r} in precision spec {spec!r}; use a single "
-                                     "dtype name alone or only 'key=dtype' parts")
+                    raise ValueError(
+                        f"bare dtype {part!r} in precision spec {spec!r}; use a single "
+                        "dtype name alone or only 'key=dtype' parts"
+                    )
                 dtype = _parse_dtype_name(part, spec)
                 return cls(dtype, dtype, dtype, strict=strict)
             key, _, name = (t.strip() for t in part.partition("="))
             if key not in _KEY_TO_FIELD:
-                raise ValueError(f"unknown key {key!r} in precision spec {spec!r}; expected one of "
-                                 f"{', '.join(_KEY_TO_FIELD)}")
+                raise ValueError(
+                    f"unknown key {key!r} in precision spec {spec!r}; expected one of {', '.join(_KEY_TO_FIELD)}"
+                )
             field = _KEY_TO_FIELD[key]
             if field in dtypes:
                 raise ValueError(f"key {key!r} sets {field} twice in precision spec {spec!r}")
@@ -205,8 +216,9 @@ class Precision:
 
 def _parse_dtype_name(name: str, spec: str) -> np.dtype:
     if name not in _NAME_TO_DTYPE:
-        raise ValueError(f"unknown dtype name {name!r} in precision spec {spec!r}; expected one of "
-                         f"{', '.join(_NAME_TO_DTYPE)}")
+        raise ValueError(
+            f"unknown dtype name {name!r} in precision spec {spec!r}; expected one of {', '.join(_NAME_TO_DTYPE)}"
+        )
     return _NAME_TO_DTYPE[name]
 
 
@@ -273,5 +285,6 @@ def check_train_precision(spec: str | Precision, name: str = "precision") -> Pre
             f"{name}={given!r}: params must be float32 (the master weights), got {policy.param_dtype.name}; "
             "a train step keeps float32 masters (TrainState.create stores the parameters in float32; the gradient "
             "is accumulated, unscaled and clipped in float32) and runs the loss in the compute dtype; use "
-            f"{name}={str(masters)!r}")
+            f"{name}={str(masters)!r}"
+        )
     return policy

@@ -64,9 +64,14 @@ _NAMED_POLICIES: dict[str, Callable[..., Any]] = {
 # silent one (the factory is callable and its return value is truthy).
 _POLICY_FACTORIES = tuple(
     getattr(_POLICIES, name, None)
-    for name in ("save_only_these_names", "save_any_names_but_these", "save_anything_except_these_names",
-                 "save_from_both_policies", "offload_dot_with_no_batch_dims",
-                 "save_and_offload_only_these_names")
+    for name in (
+        "save_only_these_names",
+        "save_any_names_but_these",
+        "save_anything_except_these_names",
+        "save_from_both_policies",
+        "offload_dot_with_no_batch_dims",
+        "save_and_offload_only_these_names",
+    )
 )
 
 
@@ -117,10 +122,12 @@ def get_remat_policy(policy: str | Callable[..., Any]) -> Callable[..., Any] | N
         if policy in _NAMED_POLICIES:
             return _NAMED_POLICIES[policy]
         if policy.startswith(_SAVE_PREFIX):
-            names = [name.strip() for name in policy[len(_SAVE_PREFIX):].split(",")]
+            names = [name.strip() for name in policy[len(_SAVE_PREFIX) :].split(",")]
             if not all(names):
-                raise ValueError(f"policy={policy!r} names an empty checkpoint_name tag; "
-                                 "expected 'save:NAME1,NAME2' with one or more non-empty names")
+                raise ValueError(
+                    f"policy={policy!r} names an empty checkpoint_name tag; "
+                    "expected 'save:NAME1,NAME2' with one or more non-empty names"
+                )
             return _POLICIES.save_only_these_names(*names)
         valid = ", ".join(repr(name) for name in (*REMAT_POLICIES, "save:NAME1,NAME2"))
         raise ValueError(f"unknown policy={policy!r}; expected one of {valid} or a JAX policy callable")
@@ -215,8 +222,9 @@ def remat(
     return jax.checkpoint(fn, policy=jax_policy, prevent_cse=prevent_cse, static_argnums=argnums)
 
 
-def _framework_remat(fn: Any, policy: Callable[..., Any], prevent_cse: bool,
-                     static_argnums: tuple[int, ...]) -> Callable[..., Any] | None:
+def _framework_remat(
+    fn: Any, policy: Callable[..., Any], prevent_cse: bool, static_argnums: tuple[int, ...]
+) -> Callable[..., Any] | None:
     """The framework's own checkpoint of a module, or None for a plain function.
 
     ``jax.checkpoint`` cannot take a module: it hashes a Linen class's variables and an
@@ -229,14 +237,20 @@ def _framework_remat(fn: Any, policy: Callable[..., Any], prevent_cse: bool,
     owner = getattr(fn, "__self__", None)  # a bound method of an NNX module updates its state too
     if nnx is not None and (isinstance(fn, nnx.Module) or isinstance(owner, nnx.Module)):
         module, name = (fn, "__call__") if isinstance(fn, nnx.Module) else (owner, fn.__name__)
-        call = nnx.remat(lambda module, *args, **kwargs: getattr(module, name)(*args, **kwargs), policy=policy,
-                         prevent_cse=prevent_cse, static_argnums=tuple(i + 1 for i in static_argnums))
+        call = nnx.remat(
+            lambda module, *args, **kwargs: getattr(module, name)(*args, **kwargs),
+            policy=policy,
+            prevent_cse=prevent_cse,
+            static_argnums=tuple(i + 1 for i in static_argnums),
+        )
         return functools.partial(call, module)
     eqx = sys.modules.get("equinox")
     if eqx is not None and isinstance(fn, eqx.Module):
         if static_argnums:
-            raise TypeError("static_argnums does not apply to an Equinox module: equinox.filter_checkpoint "
-                            "already treats every argument that is not an array as static")
+            raise TypeError(
+                "static_argnums does not apply to an Equinox module: equinox.filter_checkpoint "
+                "already treats every argument that is not an array as static"
+            )
         return eqx.filter_checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
     return None
 
@@ -277,8 +291,11 @@ def check_saved_names(jaxpr: Any, what: str = "loss_fn") -> None:
     """
     everywhere = _tagged_names(jaxpr)
     for eqn in equations(jaxpr):
-        saved = getattr(eqn.params.get("policy"), "saveable_names", None) if is_remat_primitive(
-            eqn.primitive.name) else None
+        saved = (
+            getattr(eqn.params.get("policy"), "saveable_names", None)
+            if is_remat_primitive(eqn.primitive.name)
+            else None
+        )
         if not saved:
             continue
         # A region of the backward pass recomputes only what its policy did not save: the saved
@@ -292,7 +309,9 @@ def check_saved_names(jaxpr: Any, what: str = "loss_fn") -> None:
         tags = ", ".join(map(repr, missing))
         plural = len(missing) > 1
         defined = f"the tags it sets: {sorted(everywhere)}" if everywhere else "it sets no checkpoint_name tag"
-        raise ValueError(f"remat policy {policy!r} saves checkpoint_name tag{'s' if plural else ''} {tags}, which "
-                         f"{what} never sets{'' if differentiated else ' inside that jax.checkpoint region'}, so "
-                         f"nothing is saved for {'them' if plural else 'it'}; {defined} (tag a value with "
-                         "leanstep.checkpoint_name(x, NAME) inside the remat'd function)")
+        raise ValueError(
+            f"remat policy {policy!r} saves checkpoint_name tag{'s' if plural else ''} {tags}, which "
+            f"{what} never sets{'' if differentiated else ' inside that jax.checkpoint region'}, so "
+            f"nothing is saved for {'them' if plural else 'it'}; {defined} (tag a value with "
+            "leanstep.checkpoint_name(x, NAME) inside the remat'd function)"
+        )

@@ -78,7 +78,7 @@ def short_dtype_name(dtype: Any) -> str:
     name = str(dtype)
     for long, short in (("bfloat", "bf"), ("float", "f"), ("uint", "u"), ("int", "i"), ("complex", "c")):
         if name.startswith(long):
-            return short + name[len(long):]
+            return short + name[len(long) :]
     return name
 
 
@@ -148,13 +148,15 @@ class ResidualReport:
 
         n_in = sum(e.kind in _INPUT_KINDS for e in self.entries)
         n_act = len(self.entries) - n_in
-        return "\n".join([
-            line(header),
-            *map(line, rows),
-            f"inputs (saved anyway): {n_in} values, {self.input_bytes:,} bytes",
-            f"activations (kept by the policy): {n_act} values, {self.activation_bytes:,} bytes",
-            f"total: {len(self.entries)} values, {self.total_bytes:,} bytes",
-        ])
+        return "\n".join(
+            [
+                line(header),
+                *map(line, rows),
+                f"inputs (saved anyway): {n_in} values, {self.input_bytes:,} bytes",
+                f"activations (kept by the policy): {n_act} values, {self.activation_bytes:,} bytes",
+                f"total: {len(self.entries)} values, {self.total_bytes:,} bytes",
+            ]
+        )
 
 
 def _jax_saved_residuals() -> Callable[..., list[tuple[Any, str]]]:

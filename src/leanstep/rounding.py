@@ -33,8 +33,7 @@ __all__ = ["strict_precision"]
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
-_ROUND_BITS = {jnp.dtype(d): (jnp.finfo(d).nexp, jnp.finfo(d).nmant)
-               for d in (jnp.bfloat16, jnp.float16)}
+_ROUND_BITS = {jnp.dtype(d): (jnp.finfo(d).nexp, jnp.finfo(d).nmant) for d in (jnp.bfloat16, jnp.float16)}
 # Sub-programs rebuilt with rounding inside; any other higher-order primitive runs as-is.
 _REBUILT = ("scan", "while", "cond", "remat2")
 
@@ -47,8 +46,7 @@ def _round(x: Any) -> Any:
 
 
 def _rounded_closed_jaxpr(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
-    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
-             for v in closed.jaxpr.invars]
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type) for v in closed.jaxpr.invars]
     return jax.make_jaxpr(lambda *xs: _eval_rounded(closed.jaxpr, closed.consts, xs))(*specs)
 
 
@@ -125,10 +123,9 @@ def _strict_call(closed: jex_core.ClosedJaxpr, args: list[Any]) -> list[Any]:
             it = iter(float_xs)
             full = [next(it) if f else x for x, f in zip(xs, in_float)]
             outs = jax.core.eval_jaxpr(closed.jaxpr, consts_of(full[num_args:]), *full[:num_args])
-            return ([o for o, f in zip(outs, out_float) if f],
-                    [o for o, f in zip(outs, out_float) if not f])
-        float_outs, vjp_fn, other_outs = jax.vjp(
-            float_outputs, *[x for x, f in zip(xs, in_float) if f], has_aux=True)
+            return ([o for o, f in zip(outs, out_float) if f], [o for o, f in zip(outs, out_float) if not f])
+
+        float_outs, vjp_fn, other_outs = jax.vjp(float_outputs, *[x for x, f in zip(xs, in_float) if f], has_aux=True)
         fl, ot = iter(float_outs), iter(other_outs)
         return [next(fl) if f else next(ot) for f in out_float], vjp_fn
 
@@ -211,6 +208,7 @@ def strict_precision(fn: F) -> F:
       ...     print(f(a, b))  # op by op
       2.21875
     """
+
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         leaves, treedef = jax.tree.flatten((args, kwargs))
@@ -219,7 +217,8 @@ def strict_precision(fn: F) -> F:
         def flat_fn(*arrays: Any) -> Any:
             it = iter(arrays)
             call_args, call_kwargs = jax.tree.unflatten(
-                treedef, [next(it) if a else x for x, a in zip(leaves, is_array)])
+                treedef, [next(it) if a else x for x, a in zip(leaves, is_array)]
+            )
             return fn(*call_args, **call_kwargs)
 
         arrays = [x for x, a in zip(leaves, is_array) if a]

@@ -52,8 +52,9 @@ def check_mesh(mesh: Any, data_axis: Any) -> int:
     return int(mesh.shape[data_axis])
 
 
-def mesh_axes(mesh: Any, data_axis: str = "data", *, fsdp: bool = False, fsdp_axis: str = "fsdp",
-              tensor_axis: str = "tensor") -> MeshAxes:
+def mesh_axes(
+    mesh: Any, data_axis: str = "data", *, fsdp: bool = False, fsdp_axis: str = "fsdp", tensor_axis: str = "tensor"
+) -> MeshAxes:
     """The roles of ``mesh``'s axes, by name.
 
     An axis named ``fsdp_axis`` splits the parameters (and batch rows), one named
@@ -140,8 +141,16 @@ def fsdp_partition_spec(shape: Sequence[int], num_shards: int, data_axis: str = 
     return PartitionSpec(*fallback_spec(tuple(shape), data_axis, num_shards))
 
 
-def state_shardings(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: str = "data", rules: Any = None,
-                    fsdp_axis: str = "fsdp", tensor_axis: str = "tensor") -> Tree:
+def state_shardings(
+    state: Tree,
+    mesh: Mesh,
+    *,
+    fsdp: bool = False,
+    data_axis: str = "data",
+    rules: Any = None,
+    fsdp_axis: str = "fsdp",
+    tensor_axis: str = "tensor",
+) -> Tree:
     """The :class:`NamedSharding` of every leaf of a train state (concrete or abstract).
 
     The leaves of ``state.params`` and ``state.opt_state`` (every leaf, for a state that is
@@ -175,13 +184,14 @@ def state_shardings(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: s
     """
     axes = mesh_axes(mesh, data_axis, fsdp=fsdp, fsdp_axis=fsdp_axis, tensor_axis=tensor_axis)
     replicated = NamedSharding(mesh, PartitionSpec())
-    named = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+    named = lambda spec: NamedSharding(mesh, spec)
     if not isinstance(state, TrainState):
         return jax.tree.map(named, param_specs(state, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec))
     params = jax.tree.map(named, param_specs(state.params, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec))
-    fallback = lambda leaf: named(param_specs(leaf, axes))  # noqa: E731
+    fallback = lambda leaf: named(param_specs(leaf, axes))
     return jax.tree.map(lambda _: replicated, state).replace(
-        params=params, opt_state=_like_params(state.opt_state, state.params, params, fallback))
+        params=params, opt_state=_like_params(state.opt_state, state.params, params, fallback)
+    )
 
 
 def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable[[Any], NamedSharding]) -> Any:
@@ -200,8 +210,16 @@ def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable
     return jax.tree.map(place, opt_state, is_leaf=is_params_like)
 
 
-def shard_train_state(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis: str = "data", rules: Any = None,
-                      fsdp_axis: str = "fsdp", tensor_axis: str = "tensor") -> Tree:
+def shard_train_state(
+    state: Tree,
+    mesh: Mesh,
+    *,
+    fsdp: bool = False,
+    data_axis: str = "data",
+    rules: Any = None,
+    fsdp_axis: str = "fsdp",
+    tensor_axis: str = "tensor",
+) -> Tree:
     """Places ``state`` on ``mesh`` with :func:`state_shardings` (every process passes the same state).
 
     Args and Raises: as :func:`state_shardings`.
@@ -215,8 +233,9 @@ def shard_train_state(state: Tree, mesh: Mesh, *, fsdp: bool = False, data_axis:
       >>> shard_train_state(state, data_mesh()).params["w"].sharding.is_fully_replicated
       True
     """
-    shardings = state_shardings(state, mesh, fsdp=fsdp, data_axis=data_axis, rules=rules, fsdp_axis=fsdp_axis,
-                                tensor_axis=tensor_axis)
+    shardings = state_shardings(
+        state, mesh, fsdp=fsdp, data_axis=data_axis, rules=rules, fsdp_axis=fsdp_axis, tensor_axis=tensor_axis
+    )
     return jax.tree.map(_place, state, shardings)
 
 

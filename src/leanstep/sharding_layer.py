@@ -124,8 +124,13 @@ class ShardingLayer:
         object.__setattr__(self, "rules", check_rules(self.rules))
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"reduce must be one of {REDUCTIONS}, got {self.reduce!r}")
-        object.__setattr__(self, "axes", mesh_axes(self.mesh, self.data_axis, fsdp=self.fsdp,
-                                                   fsdp_axis=self.fsdp_axis, tensor_axis=self.tensor_axis))
+        object.__setattr__(
+            self,
+            "axes",
+            mesh_axes(
+                self.mesh, self.data_axis, fsdp=self.fsdp, fsdp_axis=self.fsdp_axis, tensor_axis=self.tensor_axis
+            ),
+        )
 
     @property
     def num_shards(self) -> int:
@@ -144,8 +149,15 @@ class ShardingLayer:
 
     def state_shardings(self, state: Any) -> Any:
         """:func:`leanstep.state_shardings` for this mesh and these rules."""
-        return state_shardings(state, self.mesh, fsdp=self.fsdp, data_axis=self.data_axis, rules=self.rules,
-                               fsdp_axis=self.fsdp_axis, tensor_axis=self.tensor_axis)
+        return state_shardings(
+            state,
+            self.mesh,
+            fsdp=self.fsdp,
+            data_axis=self.data_axis,
+            rules=self.rules,
+            fsdp_axis=self.fsdp_axis,
+            tensor_axis=self.tensor_axis,
+        )
 
     def param_specs(self, params: Any) -> Any:
         """The :class:`PartitionSpec` of every parameter (:func:`leanstep.param_specs`)."""
@@ -173,9 +185,11 @@ class ShardingLayer:
         specs = self.param_specs(params) if specs is None else specs
         fsdp = axes.axis_of("fsdp")
         if fsdp is not None and fsdp in manual:
+
             def gather(leaf: Any, spec: PartitionSpec) -> Any:
                 dim = _dim_of(spec, fsdp)
                 return leaf if dim is None else jax.lax.all_gather(leaf, fsdp, axis=dim, tiled=True)
+
             return _map_specs(lambda _, leaf, spec: gather(leaf, spec), params, specs)
         gathered_by_model: set[str] = set()
         if fsdp is not None and probe is not None:
@@ -200,13 +214,15 @@ class ShardingLayer:
                 return stage(params, batch, loss_scale, key, model_state)
 
         def with_specs(fn: Callable[..., Gradients]) -> Callable[..., Gradients]:
-            def run(params: Any, batch: Any, loss_scale: Any = None, key: Any = None,
-                    model_state: Any = None) -> Gradients:
+            def run(
+                params: Any, batch: Any, loss_scale: Any = None, key: Any = None, model_state: Any = None
+            ) -> Gradients:
                 token = _SPECS.set(self.param_specs(params))
                 try:
                     return fn(params, batch, loss_scale, key, model_state)
                 finally:
                     _SPECS.reset(token)
+
             return run
 
         if not manual:
@@ -214,14 +230,18 @@ class ShardingLayer:
         batch_manual = tuple(a for a in axes.batch if a in manual)
         devices = axes.size(manual)
 
-        def reduced(params: Any, batch: Any, loss_scale: Any = None, key: Any = None,
-                    model_state: Any = None) -> Gradients:
+        def reduced(
+            params: Any, batch: Any, loss_scale: Any = None, key: Any = None, model_state: Any = None
+        ) -> Gradients:
             if model_state is not None:  # make_train_step refuses this combination; a direct caller learns here
-                raise ValueError("a model state (has_state=True) would differ between devices that reduce their "
-                                 "gradient once per step: use reduce='microbatch'")
+                raise ValueError(
+                    "a model state (has_state=True) would differ between devices that reduce their "
+                    "gradient once per step: use reduce='microbatch'"
+                )
             specs = _SPECS.get()
-            in_params = jax.tree.map(lambda s: make_spec(s, keep=set(manual)), specs,
-                                     is_leaf=lambda x: isinstance(x, PartitionSpec))
+            in_params = jax.tree.map(
+                lambda s: make_spec(s, keep=set(manual)), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+            )
 
             def local(params: Any, batch: Any, loss_scale: Any, key: Any) -> Gradients:
                 if key is not None and devices > 1:  # each device draws its own randomness for its rows
@@ -241,9 +261,12 @@ class ShardingLayer:
 
                 grads = _map_specs(reduce_leaf, out.grads, specs)
                 loss = jax.lax.psum(out.loss * weight, manual) / total
-                mean = lambda tree: jax.tree.map(  # noqa: E731 - floating aux averaged, integer aux summed
-                    lambda a: jax.lax.pmean(a, manual) if jnp.issubdtype(a.dtype, jnp.floating)
-                    else jax.lax.psum(a, manual), tree)
+                mean = lambda tree: jax.tree.map(
+                    lambda a: (
+                        jax.lax.pmean(a, manual) if jnp.issubdtype(a.dtype, jnp.floating) else jax.lax.psum(a, manual)
+                    ),
+                    tree,
+                )
                 if token_weighted and out.aux is not None:  # per-microbatch sums and counts: summed exactly
                     sums, counts, user = out.aux
                     aux = (jax.lax.psum(sums, manual), jax.lax.psum(counts, manual), mean(user))
@@ -253,10 +276,14 @@ class ShardingLayer:
 
             rows = make_spec([batch_manual])
             return jax.shard_map(
-                local, mesh=self.mesh, axis_names=set(manual), check_vma=False,
+                local,
+                mesh=self.mesh,
+                axis_names=set(manual),
+                check_vma=False,
                 in_specs=(in_params, jax.tree.map(lambda _: rows, batch), PartitionSpec(), PartitionSpec()),
-                out_specs=Gradients(loss=PartitionSpec(), grads=in_params, aux=PartitionSpec(), model_state=None,
-                                    count=PartitionSpec()),
+                out_specs=Gradients(
+                    loss=PartitionSpec(), grads=in_params, aux=PartitionSpec(), model_state=None, count=PartitionSpec()
+                ),
             )(params, batch, loss_scale, key)
 
         return with_specs(reduced)
@@ -276,7 +303,7 @@ class ShardingLayer:
         def sharded(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
             batch_size = jax.tree.leaves(batch)[0].shape[0]
             if batch_size % (num_microbatches * self.num_shards):
-                where = (f"mesh axis {batch_axes[0]!r}" if len(batch_axes) == 1 else f"mesh axes {batch_axes}")
+                where = f"mesh axis {batch_axes[0]!r}" if len(batch_axes) == 1 else f"mesh axes {batch_axes}"
                 raise ValueError(
                     f"batch size {batch_size} is not divisible by num_microbatches={num_microbatches} times "
                     f"the {self.num_shards} devices of {where}"
@@ -286,8 +313,11 @@ class ShardingLayer:
             batch = jax.lax.with_sharding_constraint(batch, NamedSharding(self.mesh, batch_spec))
             new_state, metrics = step(state, batch)
             replicated = NamedSharding(self.mesh, PartitionSpec())
-            fixed = {name: jax.lax.with_sharding_constraint(getattr(metrics, name), replicated)
-                     for name in StepMetrics._fields if name != "aux"}
+            fixed = {
+                name: jax.lax.with_sharding_constraint(getattr(metrics, name), replicated)
+                for name in StepMetrics._fields
+                if name != "aux"
+            }
             return jax.lax.with_sharding_constraint(new_state, shardings), metrics._replace(**fixed)
 
         return sharded

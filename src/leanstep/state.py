@@ -107,26 +107,36 @@ class TrainState:
         try:
             hash(optimizer)
         except TypeError:
-            raise TypeError("optimizer must be hashable: it is static metadata of the state, so jax.jit can "
-                            "tell two optimizers apart; build it from optax transformations") from None
+            raise TypeError(
+                "optimizer must be hashable: it is static metadata of the state, so jax.jit can "
+                "tell two optimizers apart; build it from optax transformations"
+            ) from None
         if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
         bits = 63 if jax.config.jax_enable_x64 else 32
         if not 0 <= seed <= 2**bits - 1:
-            raise ValueError(f"seed must be an int in [0, 2**{bits} - 1], got {seed!r}"
-                             + ("" if bits == 63 else "; a PRNG key keeps 32 bits of the seed without jax_enable_x64"))
+            raise ValueError(
+                f"seed must be an int in [0, 2**{bits} - 1], got {seed!r}"
+                + ("" if bits == 63 else "; a PRNG key keeps 32 bits of the seed without jax_enable_x64")
+            )
         if not isinstance(loss_scale, (str, LossScale)):
-            raise TypeError(f"loss_scale must be 'dynamic', 'static', 'none' or a LossScale (e.g. "
-                            f"leanstep.StaticLossScale.create(1024.0)), got {type(loss_scale).__name__} {loss_scale!r}")
+            raise TypeError(
+                f"loss_scale must be 'dynamic', 'static', 'none' or a LossScale (e.g. "
+                f"leanstep.StaticLossScale.create(1024.0)), got {type(loss_scale).__name__} {loss_scale!r}"
+            )
         if isinstance(loss_scale, str) and loss_scale.strip().lower() == "static":
-            raise ValueError("loss_scale='static' needs its scale: pass loss_scale=leanstep.StaticLossScale.create(S) "
-                             "(e.g. S=1024.0)")
+            raise ValueError(
+                "loss_scale='static' needs its scale: pass loss_scale=leanstep.StaticLossScale.create(S) "
+                "(e.g. S=1024.0)"
+            )
         check_params(params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
             where = f"model_state{jax.tree_util.keystr(path)}"
             if isinstance(leaf, jax.ShapeDtypeStruct):
-                raise TypeError(f"{where} is a jax.ShapeDtypeStruct (a shape without values); TrainState.create "
-                                "needs concrete arrays")
+                raise TypeError(
+                    f"{where} is a jax.ShapeDtypeStruct (a shape without values); TrainState.create "
+                    "needs concrete arrays"
+                )
             if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
                 raise TypeError(f"{where} is a {type(leaf).__name__}; the model state must be a pytree of arrays")
         params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)

@@ -151,9 +151,12 @@ def make_train_step(
     """
     if optimizer is not None:
         check_optimizer(optimizer)
-        warnings.warn("make_train_step(loss_fn, optimizer) is deprecated: the optimizer is given once, to "
-                      "TrainState.create(params, optimizer), and the step uses the state's", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "make_train_step(loss_fn, optimizer) is deprecated: the optimizer is given once, to "
+            "TrainState.create(params, optimizer), and the step uses the state's",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     num_microbatches = check_num_microbatches(num_microbatches)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     jit, donate = check_bool("jit", jit), check_bool("donate", donate)
@@ -170,18 +173,30 @@ def make_train_step(
             reduce = "microbatch"  # batch statistics must see whole microbatches, as on one device
         layer = None if mesh is None else ShardingLayer(mesh, data_axis, fsdp=fsdp, rules=rules, reduce=reduce)
     if layer is not None and has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
-        raise ValueError(f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
-                         "device would differ between devices that reduce their gradient once per step; use "
-                         "reduce='microbatch' (the default with has_state)")
+        raise ValueError(
+            f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
+            "device would differ between devices that reduce their gradient once per step; use "
+            "reduce='microbatch' (the default with has_state)"
+        )
     if layer is not None and split == "presplit":
-        raise ValueError("split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
-                         f"{data_axis!r}, and the sharding layer splits it into strided microbatches")
+        raise ValueError(
+            "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
+            f"{data_axis!r}, and the sharding layer splits it into strided microbatches"
+        )
     splitter = get_splitter(split or ("contiguous" if layer is None else "strided"))
     gradients = gradient_stage(
-        loss_fn, precision=precision, num_microbatches=num_microbatches, has_aux=has_aux,
-        token_weighted=token_weighted, uses_rng=uses_rng, cast_batch=cast_batch, has_state=has_state, unroll=unroll,
+        loss_fn,
+        precision=precision,
+        num_microbatches=num_microbatches,
+        has_aux=has_aux,
+        token_weighted=token_weighted,
+        uses_rng=uses_rng,
+        cast_batch=cast_batch,
+        has_state=has_state,
+        unroll=unroll,
         split=splitter if layer is None else layer.split(splitter),
-        params_layout=None if layer is None else layer.model_params)
+        params_layout=None if layer is None else layer.model_params,
+    )
     if layer is not None:
         gradients = layer.gradients(gradients, token_weighted=token_weighted)
 
@@ -189,12 +204,19 @@ def make_train_step(
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if uses_rng else None
         grads = gradients(state.params, batch, state.loss_scale, key, state.model_state)
         run = state if optimizer is None else state.replace(optimizer=optimizer)
-        new_state, info = guarded_update(run, grads.grads, loss=grads.loss, max_grad_norm=max_grad_norm,
-                                         model_state=grads.model_state)
+        new_state, info = guarded_update(
+            run, grads.grads, loss=grads.loss, max_grad_norm=max_grad_norm, model_state=grads.model_state
+        )
         new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1, optimizer=state.optimizer)
         return new_state, StepMetrics(
-            loss=grads.loss, grad_norm=info.grad_norm, loss_scale=jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
-            skipped=~info.finite, clipped=info.clipped, consecutive_skips=new_state.consecutive_skips, aux=grads.aux)
+            loss=grads.loss,
+            grad_norm=info.grad_norm,
+            loss_scale=jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
+            skipped=~info.finite,
+            clipped=info.clipped,
+            consecutive_skips=new_state.consecutive_skips,
+            aux=grads.aux,
+        )
 
     sharded = core if layer is None else layer.around(core, num_microbatches)
 
@@ -202,14 +224,19 @@ def make_train_step(
         if not isinstance(state, TrainState):
             raise TypeError(f"state must be a TrainState (see TrainState.create), got {type(state).__name__}")
         if has_state != (state.model_state is not None):
-            raise ValueError("has_state=True needs TrainState.create(..., model_state=...)" if has_state else
-                             "the state holds a model_state: pass has_state=True, and loss_fn(params, model_state, "
-                             "batch) returning (loss, new_model_state)")
+            raise ValueError(
+                "has_state=True needs TrainState.create(..., model_state=...)"
+                if has_state
+                else "the state holds a model_state: pass has_state=True, and loss_fn(params, model_state, "
+                "batch) returning (loss, new_model_state)"
+            )
         for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
             if jnp.result_type(leaf) != jnp.float32:
-                raise ValueError(f"state.params{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; the "
-                                 "master weights must be float32 (TrainState.create stores them so; the compute dtype "
-                                 "is the precision's)")
+                raise ValueError(
+                    f"state.params{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; the "
+                    "master weights must be float32 (TrainState.create stores them so; the compute dtype "
+                    "is the precision's)"
+                )
         jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)  # the batch's errors, at trace time
         return sharded(state, batch)
 
@@ -221,14 +248,18 @@ def make_train_step(
 def _input_problem(leaf: Any, name: str, donate: bool) -> tuple[type[Exception], str] | None:
     """What is wrong with one input leaf, or None."""
     if isinstance(leaf, jax.ShapeDtypeStruct):
-        return TypeError, ("is a jax.ShapeDtypeStruct (a shape without values); the step runs on arrays. To trace it "
-                           "without data use step.trace(state, batch), jax.eval_shape(step, state, batch) or "
-                           "leanstep.audit(step, state, batch)")
+        return TypeError, (
+            "is a jax.ShapeDtypeStruct (a shape without values); the step runs on arrays. To trace it "
+            "without data use step.trace(state, batch), jax.eval_shape(step, state, batch) or "
+            "leanstep.audit(step, state, batch)"
+        )
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
         if name == "state" and donate:
-            return ValueError, ("has been deleted; the step donates its input state (donate=True), so the state "
-                                "passed to an earlier call is gone: use the state each call returns (state, metrics "
-                                "= step(state, batch)), or build the step with donate=False to keep its input")
+            return ValueError, (
+                "has been deleted; the step donates its input state (donate=True), so the state "
+                "passed to an earlier call is gone: use the state each call returns (state, metrics "
+                "= step(state, batch)), or build the step with donate=False to keep its input"
+            )
         return ValueError, "has been deleted (donated to, or deleted by, an earlier call)"
     if not (hasattr(leaf, "dtype") or hasattr(leaf, "__jax_array__") or isinstance(leaf, (bool, int, float, complex))):
         return TypeError, f"is a {type(leaf).__name__}; the {name} must be a pytree of arrays"
@@ -259,7 +290,8 @@ class _CheckedStep:
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         counter = getattr(state, "step", None)  # one leaf stands for a donated or abstract state: cheap, every call
         if isinstance(counter, jax.ShapeDtypeStruct) or (
-                isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer) and counter.is_deleted()):
+            isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer) and counter.is_deleted()
+        ):
             _check_inputs(state, batch, self._donate)
         try:
             return self._jitted(state, batch)

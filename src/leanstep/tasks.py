@@ -23,12 +23,12 @@ from leanstep.precision import Precision
 from leanstep.rematerialization import remat
 
 __all__ = [
-    "mixed_precision_step",
-    "accumulate_gradients",
-    "clip_by_global_norm",
-    "checkpointed_residual_block",
     "TASKS",
     "Task",
+    "accumulate_gradients",
+    "checkpointed_residual_block",
+    "clip_by_global_norm",
+    "mixed_precision_step",
 ]
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -41,10 +41,7 @@ def _check_keys(tree: Any, expected: tuple[str, ...], name: str) -> None:
     missing = [k for k in expected if k not in tree]
     extra = [k for k in tree if k not in expected]
     if missing or extra:
-        raise ValueError(
-            f"{name} must have exactly the keys {list(expected)}; "
-            f"missing {missing}, unexpected {extra}"
-        )
+        raise ValueError(f"{name} must have exactly the keys {list(expected)}; missing {missing}, unexpected {extra}")
 
 
 def _check_shape(value: Any, shape: tuple[int | None, ...], name: str) -> tuple[int, ...]:
@@ -278,9 +275,7 @@ def _residual_block(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
 _checkpointed_block = remat(_residual_block, "dots")
 
 
-def checkpointed_residual_block(
-    params: dict[str, ArrayLike], x: ArrayLike, y: ArrayLike
-) -> dict[str, Any]:
+def checkpointed_residual_block(params: dict[str, ArrayLike], x: ArrayLike, y: ArrayLike) -> dict[str, Any]:
     r"""Loss and gradients of a residual MLP block that recomputes tanh in the backward pass.
 
     .. math::
@@ -334,11 +329,26 @@ class Task(NamedTuple):
 
 #: Task name (as ``leanstep solve`` calls it) -> :class:`Task`.
 TASKS: dict[str, Task] = {
-    "mixed-precision-step": Task(mixed_precision_step, ("growth_interval",), {
-        "params": "tree", "x": "array", "y": "array", "loss_scale": "positive",
-        "good_steps": "count", "lr": "scalar", "growth_interval": "int"}),
-    "gradient-accumulation": Task(accumulate_gradients, ("num_microbatches",),
-                                  {"params": "tree", "x": "array", "y": "array", "num_microbatches": "int"}),
+    "mixed-precision-step": Task(
+        mixed_precision_step,
+        ("growth_interval",),
+        {
+            "params": "tree",
+            "x": "array",
+            "y": "array",
+            "loss_scale": "positive",
+            "good_steps": "count",
+            "lr": "scalar",
+            "growth_interval": "int",
+        },
+    ),
+    "gradient-accumulation": Task(
+        accumulate_gradients,
+        ("num_microbatches",),
+        {"params": "tree", "x": "array", "y": "array", "num_microbatches": "int"},
+    ),
     "global-norm-clipping": Task(clip_by_global_norm, (), {"grads": "tree", "max_norm": "positive"}),
-    "checkpointed-residual-block": Task(checkpointed_residual_block, (), {"params": "tree", "x": "array", "y": "array"}),
+    "checkpointed-residual-block": Task(
+        checkpointed_residual_block, (), {"params": "tree", "x": "array", "y": "array"}
+    ),
 }

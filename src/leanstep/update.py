@@ -55,8 +55,9 @@ def _saturating_increment(count: jax.Array) -> jax.Array:
     return (jnp.minimum(count, INT32_MAX - 1) + 1).astype(jnp.int32)
 
 
-def check_opt_state(opt_state: Any, optimizer: optax.GradientTransformation, params: Any,
-                    name: str = "state.opt_state") -> None:
+def check_opt_state(
+    opt_state: Any, optimizer: optax.GradientTransformation, params: Any, name: str = "state.opt_state"
+) -> None:
     """Raises unless ``opt_state`` has the structure, shapes and dtypes of ``optimizer.init(params)``.
 
     Compared with ``jax.eval_shape(optimizer.init, params)`` (nothing runs), so an optimizer
@@ -74,26 +75,37 @@ def check_opt_state(opt_state: Any, optimizer: optax.GradientTransformation, par
         return
     difference = tree_difference(opt_state, expected, name, "optimizer.init(params)")
     if difference is not None:
-        raise ValueError(f"{name} does not match the optimizer the step applies: {difference}; was the state built "
-                         "for another optimizer (or other parameters)? Build it with TrainState.create(params, "
-                         "optimizer) for the optimizer that updates it")
+        raise ValueError(
+            f"{name} does not match the optimizer the step applies: {difference}; was the state built "
+            "for another optimizer (or other parameters)? Build it with TrainState.create(params, "
+            "optimizer) for the optimizer that updates it"
+        )
 
 
 def _check_grads(scaled_grads: Any, params: Any) -> None:
     """One gradient per parameter, of its shape (the dtypes may differ: float32 gradients, any masters)."""
     if jax.tree.structure(scaled_grads) != jax.tree.structure(params):
-        raise ValueError("scaled_grads must have the structure of the params (one gradient per parameter): "
-                         f"{tree_difference(scaled_grads, params, 'scaled_grads', 'params')}")
+        raise ValueError(
+            "scaled_grads must have the structure of the params (one gradient per parameter): "
+            f"{tree_difference(scaled_grads, params, 'scaled_grads', 'params')}"
+        )
     for (path, grad), param in zip(jax.tree_util.tree_leaves_with_path(scaled_grads), jax.tree.leaves(params)):
         if jnp.shape(grad) != jnp.shape(param):
             where = jax.tree_util.keystr(path)
-            raise ValueError(f"scaled_grads{where} has shape {jnp.shape(grad)}, params{where} has "
-                             f"{jnp.shape(param)}; a gradient is shaped like its parameter")
+            raise ValueError(
+                f"scaled_grads{where} has shape {jnp.shape(grad)}, params{where} has "
+                f"{jnp.shape(param)}; a gradient is shaped like its parameter"
+            )
 
 
 def _checked_update(
-    scaled_grads: Any, opt_state: Any, params: Any, optimizer: optax.GradientTransformation,
-    loss_scale: LossScale, max_grad_norm: float | None, loss: jax.Array | None,
+    scaled_grads: Any,
+    opt_state: Any,
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    loss_scale: LossScale,
+    max_grad_norm: float | None,
+    loss: jax.Array | None,
 ) -> tuple[Any, Any, UpdateInfo]:
     """The optimizer's updates and next state (that state kept as it was unless finite)."""
     _check_grads(scaled_grads, params)
@@ -115,7 +127,11 @@ def _checked_update(
 
 
 def guarded_update(
-    state: TrainState, scaled_grads: Any, *, loss: jax.Array | None = None, max_grad_norm: float | None = None,
+    state: TrainState,
+    scaled_grads: Any,
+    *,
+    loss: jax.Array | None = None,
+    max_grad_norm: float | None = None,
     model_state: Any = None,
 ) -> tuple[TrainState, UpdateInfo]:
     """Applies ``state.optimizer`` to the scaled gradient if it is finite (see the module doc).
@@ -154,8 +170,9 @@ def guarded_update(
     """
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     check_opt_state(state.opt_state, state.optimizer, state.params)
-    updates, opt_state, info = _checked_update(scaled_grads, state.opt_state, state.params, state.optimizer,
-                                               state.loss_scale, max_grad_norm, loss)
+    updates, opt_state, info = _checked_update(
+        scaled_grads, state.opt_state, state.params, state.optimizer, state.loss_scale, max_grad_norm, loss
+    )
     new_params = optax.apply_updates(state.params, updates)
     skips = jnp.where(info.finite, 0, _saturating_increment(state.consecutive_skips))
     return state.replace(
@@ -163,8 +180,9 @@ def guarded_update(
         opt_state=opt_state,
         loss_scale=state.loss_scale.adjust(info.finite),
         consecutive_skips=skips.astype(jnp.int32),
-        model_state=state.model_state if model_state is None else _where_tree(info.finite, model_state,
-                                                                                  state.model_state),
+        model_state=state.model_state
+        if model_state is None
+        else _where_tree(info.finite, model_state, state.model_state),
     ), info
 
 
@@ -231,17 +249,18 @@ def guarded_update_transform(
     initial_scale = get_loss_scale(loss_scale)
 
     def init_fn(params: Any) -> GuardedState:
-        return GuardedState(optimizer.init(params), initial_scale, jnp.zeros((), jnp.int32),
-                            jnp.zeros((), jnp.float32))
+        return GuardedState(optimizer.init(params), initial_scale, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def update_fn(scaled_grads: Any, state: GuardedState, params: Any = None) -> tuple[Any, GuardedState]:
         if params is None:
             raise ValueError("guarded_update_transform needs params: call update(grads, state, params)")
-        updates, inner, info = _checked_update(scaled_grads, state.inner_state, params, optimizer,
-                                               state.loss_scale, max_grad_norm, None)
+        updates, inner, info = _checked_update(
+            scaled_grads, state.inner_state, params, optimizer, state.loss_scale, max_grad_norm, None
+        )
         updates = _where_tree(info.finite, updates, jax.tree.map(jnp.zeros_like, updates))
         skips = jnp.where(info.finite, 0, _saturating_increment(state.consecutive_skips))
-        return updates, GuardedState(inner, state.loss_scale.adjust(info.finite), skips.astype(jnp.int32),
-                                     info.grad_norm)
+        return updates, GuardedState(
+            inner, state.loss_scale.adjust(info.finite), skips.astype(jnp.int32), info.grad_norm
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)

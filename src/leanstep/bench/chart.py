@@ -44,8 +44,9 @@ def _time_panel(ax: Any, labels: list[str], rows: list[dict[str, Any]], title: s
 def _memory_panel(ax: Any, labels: list[str], rows: list[dict[str, Any]], title: str, xlabel: str) -> None:
     width = 0.27
     positions = range(len(labels))
-    for offset, (kind, key) in zip((-width, 0.0, width), (("temp", "temp_bytes"), ("argument", "argument_bytes"),
-                                                           ("output", "output_bytes"))):
+    for offset, (kind, key) in zip(
+        (-width, 0.0, width), (("temp", "temp_bytes"), ("argument", "argument_bytes"), ("output", "output_bytes"))
+    ):
         values = [(r[key] or 0) / _MIB for r in rows]
         bars = ax.bar([p + offset for p in positions], values, width, label=f"{kind}", color=_COLORS[kind])
         if kind == "temp":
@@ -74,9 +75,15 @@ def _impl_panel(ax: Any, result: dict[str, Any]) -> None:
             seen.add(key)
             unique.append(r)
     short = {"leanstep": "leanstep", "handwritten_jax": "hand JAX", "torch": "torch"}
-    labels = ["\n".join(filter(None, (short[r["impl"]], r["variant"],
-                                       f"{'bf16' if r['precision'] == 'bfloat16' else 'f32'} {r['remat']}")))
-              for r in unique]
+    labels = [
+        "\n".join(
+            filter(
+                None,
+                (short[r["impl"]], r["variant"], f"{'bf16' if r['precision'] == 'bfloat16' else 'f32'} {r['remat']}"),
+            )
+        )
+        for r in unique
+    ]
     medians = [r["step_ms_median"] for r in unique]
     bars = ax.bar(range(len(unique)), medians, color=[_IMPL_COLORS[r["impl"]] for r in unique])
     ax.bar_label(bars, labels=[f"{m:.4g}" for m in medians], padding=2, fontsize=7)
@@ -99,14 +106,19 @@ def _peak_panel(ax: Any, result: dict[str, Any]) -> None:
     for bar, name in zip(bars, names):
         if name in outran:
             bar.set_hatch("//")
-    ax.bar_label(bars, labels=[f"{v:.3g}\n{(matmul.get(n) or {}).get('size', '')}²" for n, v in zip(names, values)],
-                 padding=2, fontsize=7)
+    ax.bar_label(
+        bars,
+        labels=[f"{v:.3g}\n{(matmul.get(n) or {}).get('size', '')}²" for n, v in zip(names, values)],
+        padding=2,
+        fontsize=7,
+    )
     cpu = (result.get("cpu_peak") or {}).get("gflops")
     if cpu:
         ax.axhline(cpu, color="#d62728", linestyle=":", label=f"CPU float32 theoretical: {cpu:.3g} GFLOP/s")
     achieved = result["mfu"]["leanstep_achieved_gflops"]
-    ax.axhline(achieved, color=_IMPL_COLORS["leanstep"], linestyle="--",
-               label=f"leanstep bf16 step: {achieved:.3g} GFLOP/s")
+    ax.axhline(
+        achieved, color=_IMPL_COLORS["leanstep"], linestyle="--", label=f"leanstep bf16 step: {achieved:.3g} GFLOP/s"
+    )
     ax.set_yscale("log")
     ax.set_ylabel("GFLOP/s (log scale)")
     ax.set_title("the limit: best-of-N square matmul vs leanstep's model FLOPs/s", fontsize=10)
@@ -132,14 +144,18 @@ def plot_benchmark(result: dict[str, Any], path: str | os.PathLike[str]) -> str:
     figure = Figure(figsize=(17, 9.5), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.subplots(2, 3)
-    sweep = sorted(_select(result, impl="leanstep", precision="bfloat16", remat=config["remat"]),
-                   key=lambda r: r["num_microbatches"])
+    sweep = sorted(
+        _select(result, impl="leanstep", precision="bfloat16", remat=config["remat"]),
+        key=lambda r: r["num_microbatches"],
+    )
     labels = [str(r["num_microbatches"]) for r in sweep]
     title = f"leanstep bf16, remat '{config['remat']}', batch {config['batch_size']}"
     _time_panel(axes[0, 0], labels, sweep, title, "num_microbatches")
     _memory_panel(axes[1, 0], labels, sweep, title, "num_microbatches")
-    policies = [_select(result, impl="leanstep", precision="bfloat16", remat=p,
-                        num_microbatches=config["num_microbatches"]) for p in config["remat_sweep"]]
+    policies = [
+        _select(result, impl="leanstep", precision="bfloat16", remat=p, num_microbatches=config["num_microbatches"])
+        for p in config["remat_sweep"]
+    ]
     policy_rows = [found[0] for found in policies if found]
     policy_labels = [_wrap_policy(r["remat"]) for r in policy_rows]
     title = f"leanstep bf16, {config['num_microbatches']} microbatches"
@@ -152,7 +168,9 @@ def plot_benchmark(result: dict[str, Any], path: str | os.PathLike[str]) -> str:
         f"leanstep bench: transformer d_model={model['d_model']} layers={model['n_layers']} "
         f"heads={model['n_heads']} d_ff={model['d_ff']} seq={config['seq_len']} | "
         f"{machine['cpu_model']}, {machine['cores_available']} cores | jax {machine['jax']}"
-        + (f", torch {machine['torch']}" if machine.get("torch") else ""), fontsize=11)
+        + (f", torch {machine['torch']}" if machine.get("torch") else ""),
+        fontsize=11,
+    )
     figure.tight_layout(rect=(0, 0, 1, 0.96))
     png = io.BytesIO()
     figure.savefig(png, format="png")

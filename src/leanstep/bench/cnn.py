@@ -43,7 +43,7 @@ class CNN(nnx.Module):
         self.linear2 = nnx.Linear(256, 10, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        pool = lambda h: nnx.avg_pool(h, window_shape=(2, 2), strides=(2, 2))  # noqa: E731
+        pool = lambda h: nnx.avg_pool(h, window_shape=(2, 2), strides=(2, 2))
         x = pool(nnx.relu(self.bn1(self.conv1(x))))
         x = pool(nnx.relu(self.bn2(self.conv2(x))))
         x = self.dropout(x.reshape(x.shape[0], -1))
@@ -71,8 +71,9 @@ def _own_loop(batch: dict[str, jax.Array], tx: optax.GradientTransformation) -> 
 def _leanstep(batch: dict[str, jax.Array], tx: optax.GradientTransformation, **step_kwargs: Any) -> tuple[Any, int]:
     graphdef, params, model_state = leanstep_nnx.split(CNN(rngs=nnx.Rngs(0)))
     state = TrainState.create(params, tx, model_state=model_state)
-    compiled = make_train_step(leanstep_nnx.loss(graphdef, _loss), has_state=True, **step_kwargs).lower(
-        state, batch).compile()
+    compiled = (
+        make_train_step(leanstep_nnx.loss(graphdef, _loss), has_state=True, **step_kwargs).lower(state, batch).compile()
+    )
     holder = [state]
 
     def step() -> None:
@@ -91,23 +92,31 @@ def run_cnn_benchmark(*, batch_size: int = 32, repeats: int = 15, microbatches: 
       {name: median / own loop's median}, "config", "backend"}``.
     """
     rng = np.random.default_rng(0)
-    batch = {"x": jnp.asarray(rng.normal(size=(batch_size, 28, 28, 1)), jnp.float32),
-             "y": jnp.asarray(rng.integers(0, 10, batch_size), jnp.int32)}
+    batch = {
+        "x": jnp.asarray(rng.normal(size=(batch_size, 28, 28, 1)), jnp.float32),
+        "y": jnp.asarray(rng.integers(0, 10, batch_size), jnp.int32),
+    }
     tx = optax.adamw(1e-3)
     contenders = {
         "own loop (nnx.Optimizer)": _own_loop(batch, tx),
         "leanstep, 1 microbatch": _leanstep(batch, tx),
         f"leanstep, {microbatches} microbatches (scan)": _leanstep(batch, tx, num_microbatches=microbatches),
-        f"leanstep, {microbatches} microbatches (unroll=True)": _leanstep(batch, tx, num_microbatches=microbatches,
-                                                                          unroll=True),
+        f"leanstep, {microbatches} microbatches (unroll=True)": _leanstep(
+            batch, tx, num_microbatches=microbatches, unroll=True
+        ),
     }
     times = time_interleaved({name: run for name, (run, _) in contenders.items()}, repeats=repeats)
-    rows = {name: {**summarize_times(times[name]),
-                   "temp_mib": None if temp is None else temp / 2**20} for name, (_, temp) in contenders.items()}
+    rows = {
+        name: {**summarize_times(times[name]), "temp_mib": None if temp is None else temp / 2**20}
+        for name, (_, temp) in contenders.items()
+    }
     base = rows["own loop (nnx.Optimizer)"]["step_ms_median"]
-    return {"rows": rows, "ratios": {name: row["step_ms_median"] / base for name, row in rows.items()},
-            "config": {"batch_size": batch_size, "repeats": repeats, "microbatches": microbatches, "dtype": "float32"},
-            "backend": jax.default_backend()}
+    return {
+        "rows": rows,
+        "ratios": {name: row["step_ms_median"] / base for name, row in rows.items()},
+        "config": {"batch_size": batch_size, "repeats": repeats, "microbatches": microbatches, "dtype": "float32"},
+        "backend": jax.default_backend(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,8 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     result = run_cnn_benchmark(repeats=args.repeats)
     for name, row in result["rows"].items():
         temp = "-" if row["temp_mib"] is None else f"{row['temp_mib']:.1f} MiB"
-        print(f"{name:42s} median {row['step_ms_median']:7.1f} ms  min {row['step_ms_min']:7.1f} ms  "
-              f"x{result['ratios'][name]:.2f}  temp {temp}")
+        print(
+            f"{name:42s} median {row['step_ms_median']:7.1f} ms  min {row['step_ms_min']:7.1f} ms  "
+            f"x{result['ratios'][name]:.2f}  temp {temp}"
+        )
     print(f"({result['backend']}, batch {result['config']['batch_size']}, {time.perf_counter() - start:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

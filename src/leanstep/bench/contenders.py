@@ -15,7 +15,7 @@ from leanstep.bench.timing import compiled_stats, hlo_op_counts
 from leanstep.loss_scale_registry import get_loss_scale
 from leanstep.step import TrainState, make_train_step
 
-__all__ = ["Spec", "Contender", "build_jax_contender", "build_torch_contender"]
+__all__ = ["Contender", "Spec", "build_jax_contender", "build_torch_contender"]
 
 #: leanstep's precision string for each compute dtype the benchmark measures.
 PRECISIONS = {
@@ -69,19 +69,29 @@ def build_jax_contender(
     compute uses none, as a float32 user would. The first step (from ``params``) is
     returned for the equivalence check; its parameters are copied to the host.
     """
+
     def loss_fn(p: Any, b: Any) -> jax.Array:
         return model.loss(p, b, remat_policy=spec.remat)
 
     bf16 = spec.precision == "bfloat16"
     if spec.impl == "leanstep":
-        step = make_train_step(loss_fn, precision=PRECISIONS[spec.precision],
-                               num_microbatches=spec.num_microbatches, max_grad_norm=max_grad_norm)
+        step = make_train_step(
+            loss_fn,
+            precision=PRECISIONS[spec.precision],
+            num_microbatches=spec.num_microbatches,
+            max_grad_norm=max_grad_norm,
+        )
         scale = get_loss_scale("dynamic", initial_loss_scale) if bf16 else "none"
         state = TrainState.create(params, optimizer, loss_scale=scale)
     elif spec.impl == "handwritten_jax":
-        step = make_handwritten_step(loss_fn, optimizer, compute_dtype=jnp.bfloat16 if bf16 else jnp.float32,
-                                     num_microbatches=spec.num_microbatches, max_grad_norm=max_grad_norm,
-                                     dynamic_loss_scale=bf16)
+        step = make_handwritten_step(
+            loss_fn,
+            optimizer,
+            compute_dtype=jnp.bfloat16 if bf16 else jnp.float32,
+            num_microbatches=spec.num_microbatches,
+            max_grad_norm=max_grad_norm,
+            dynamic_loss_scale=bf16,
+        )
         state = init_handwritten_state(params, optimizer, loss_scale=initial_loss_scale if bf16 else 1.0)
     else:
         raise ValueError(f"spec.impl must be 'leanstep' or 'handwritten_jax', got {spec.impl!r}")
@@ -95,8 +105,7 @@ def build_jax_contender(
 
     first_loss = float(take_step())
     first_params = jax.tree.map(np.asarray, holder[0].params)
-    return Contender(spec, take_step, compiled_stats(compiled), first_loss, first_params,
-                     hlo_op_counts(compiled))
+    return Contender(spec, take_step, compiled_stats(compiled), first_loss, first_params, hlo_op_counts(compiled))
 
 
 def build_torch_contender(
@@ -122,10 +131,16 @@ def build_torch_contender(
     from leanstep.bench.torch_step import build_torch_model, make_torch_step
 
     module = build_torch_model(config, remat=spec.remat == "full", seed=seed)
-    step, info = make_torch_step(module, bfloat16=spec.precision == "bfloat16",
-                                 num_microbatches=spec.num_microbatches, max_grad_norm=max_grad_norm,
-                                 lr=lr, weight_decay=weight_decay, initial_loss_scale=initial_loss_scale,
-                                 compile=spec.variant == "compiled")
+    step, info = make_torch_step(
+        module,
+        bfloat16=spec.precision == "bfloat16",
+        num_microbatches=spec.num_microbatches,
+        max_grad_norm=max_grad_norm,
+        lr=lr,
+        weight_decay=weight_decay,
+        initial_loss_scale=initial_loss_scale,
+        compile=spec.variant == "compiled",
+    )
     batch = torch.from_numpy(np.asarray(tokens, np.int64))
     start = time.perf_counter()
     first_loss = step(batch)
@@ -134,6 +149,5 @@ def build_torch_contender(
         start = time.perf_counter()
         step(batch)
         info["second_step_s"] = time.perf_counter() - start
-    stats = {"temp_bytes": None, "argument_bytes": None, "output_bytes": None, "alias_bytes": None,
-             "xla_gflop": None}
+    stats = {"temp_bytes": None, "argument_bytes": None, "output_bytes": None, "alias_bytes": None, "xla_gflop": None}
     return Contender(spec, lambda: step(batch), stats, first_loss, info=info)

@@ -23,8 +23,14 @@ import dataclasses
 import os
 import platform
 
-__all__ = ["FMA_UNITS_ASSUMPTION", "CpuPeak", "parse_cgroup_cpu_limit", "parse_cpuinfo", "read_cpu_peak",
-           "theoretical_cpu_peak"]
+__all__ = [
+    "FMA_UNITS_ASSUMPTION",
+    "CpuPeak",
+    "parse_cgroup_cpu_limit",
+    "parse_cpuinfo",
+    "read_cpu_peak",
+    "theoretical_cpu_peak",
+]
 
 #: Vector FMA units per core, and why: a fact of the core, not in ``/proc/cpuinfo``.
 FMA_UNITS = 2
@@ -89,8 +95,9 @@ def parse_cpuinfo(text: str) -> dict[str, str]:
     return fields
 
 
-def parse_cgroup_cpu_limit(cpu_max: str | None = None, *, cfs_quota_us: str | None = None,
-                           cfs_period_us: str | None = None) -> float | None:
+def parse_cgroup_cpu_limit(
+    cpu_max: str | None = None, *, cfs_quota_us: str | None = None, cfs_period_us: str | None = None
+) -> float | None:
     """CPUs a cgroup quota allows (``quota / period``), or None for no quota.
 
     Args:
@@ -129,8 +136,9 @@ def _vector(fields: dict[str, str], flags: set[str]) -> tuple[int | None, list[s
     return None, []
 
 
-def theoretical_cpu_peak(cpuinfo: str, *, cores: int, max_freq_khz: str | None = None,
-                         cgroup_cpus: float | None = None) -> CpuPeak:
+def theoretical_cpu_peak(
+    cpuinfo: str, *, cores: int, max_freq_khz: str | None = None, cgroup_cpus: float | None = None
+) -> CpuPeak:
     r"""The float32 peak of an x86 CPU from its files' text: :math:`c \cdot f \cdot l \cdot 2 \cdot u`.
 
     Args:
@@ -173,23 +181,35 @@ def theoretical_cpu_peak(cpuinfo: str, *, cores: int, max_freq_khz: str | None =
     ghz, clock_source = None, None
     if max_freq_khz is not None and max_freq_khz.strip().isdigit() and int(max_freq_khz) > 0:
         ghz, clock_source = int(max_freq_khz) / 1e6, "cpufreq cpuinfo_max_freq"
-        notes.append("cpuinfo_max_freq is the one-core turbo clock: all cores busy (or AVX-512 licence "
-                     "clocks) may run slower")
+        notes.append(
+            "cpuinfo_max_freq is the one-core turbo clock: all cores busy (or AVX-512 licence clocks) may run slower"
+        )
     elif fields.get("cpu MHz"):
         try:
             ghz, clock_source = float(fields["cpu MHz"]) / 1e3, "/proc/cpuinfo cpu MHz"
-            notes.append("cpu MHz is the clock when read (in a VM usually the host's nominal clock): "
-                         "the cores may run faster, and a measured matmul can then exceed this peak")
+            notes.append(
+                "cpu MHz is the clock when read (in a VM usually the host's nominal clock): "
+                "the cores may run faster, and a measured matmul can then exceed this peak"
+            )
         except ValueError:
             pass
     if not ghz:
-        return CpuPeak(None, "no clock: neither cpufreq cpuinfo_max_freq nor 'cpu MHz'", model, used, cores_source,
-                       float32_lanes=lanes, bf16_flags=bf16, notes=tuple(notes))
+        return CpuPeak(
+            None,
+            "no clock: neither cpufreq cpuinfo_max_freq nor 'cpu MHz'",
+            model,
+            used,
+            cores_source,
+            float32_lanes=lanes,
+            bf16_flags=bf16,
+            notes=tuple(notes),
+        )
     if "hypervisor" in flags:
         notes.append("a VM: a vCPU may be a hyperthread sharing its core's FMA units with another")
     gflops = used * ghz * lanes * 2 * FMA_UNITS
-    return CpuPeak(gflops, None, model, used, cores_source, ghz, clock_source, lanes, bf16_flags=bf16,
-                   notes=tuple(notes))
+    return CpuPeak(
+        gflops, None, model, used, cores_source, ghz, clock_source, lanes, bf16_flags=bf16, notes=tuple(notes)
+    )
 
 
 def _read(path: str) -> str | None:
@@ -217,8 +237,14 @@ def read_cpu_peak() -> CpuPeak:
     if cpuinfo is None:
         return CpuPeak(None, "/proc/cpuinfo cannot be read")
     cores = len(os.sched_getaffinity(0))
-    cgroup = parse_cgroup_cpu_limit(_read("/sys/fs/cgroup/cpu.max"),
-                                    cfs_quota_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
-                                    cfs_period_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
-    return theoretical_cpu_peak(cpuinfo, cores=cores, cgroup_cpus=cgroup,
-                                max_freq_khz=_read("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"))
+    cgroup = parse_cgroup_cpu_limit(
+        _read("/sys/fs/cgroup/cpu.max"),
+        cfs_quota_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+        cfs_period_us=_read("/sys/fs/cgroup/cpu/cpu.cfs_period_us"),
+    )
+    return theoretical_cpu_peak(
+        cpuinfo,
+        cores=cores,
+        cgroup_cpus=cgroup,
+        max_freq_khz=_read("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"),
+    )

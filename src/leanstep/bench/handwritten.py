@@ -99,6 +99,7 @@ def make_handwritten_step(
       >>> float(metrics["loss"]), round(float(metrics["grad_norm"]), 4)
       (1.0, 2.8284)
     """
+
     def scaled_loss(params_c: Any, microbatch: Any, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
         loss = loss_fn(params_c, microbatch).astype(jnp.float32)
         return loss * scale, loss
@@ -132,7 +133,7 @@ def make_handwritten_step(
 
         updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
         scale, good = state.loss_scale, state.good_steps
         if dynamic_loss_scale:
@@ -144,9 +145,7 @@ def make_handwritten_step(
                 jnp.maximum(scale * 0.5, min_loss_scale),
             )
             good = jnp.where(grow, 0, good)
-        new_state = HandwrittenState(
-            keep(new_params, state.params), keep(new_opt_state, state.opt_state), scale, good
-        )
+        new_state = HandwrittenState(keep(new_params, state.params), keep(new_opt_state, state.opt_state), scale, good)
         return new_state, {"loss": loss_total / num_microbatches, "grad_norm": grad_norm}
 
     return jax.jit(step, donate_argnums=(0,))

@@ -30,14 +30,28 @@ import numpy as np
 
 from leanstep.hlo_text import Instruction, parse_hlo, shapes_of, trip_counts
 
-__all__ = ["Loop", "MatmulOp", "count_executed_ops", "list_loops", "list_matmuls", "repeated_matmul",
-           "standalone_matmul"]
+__all__ = [
+    "Loop",
+    "MatmulOp",
+    "count_executed_ops",
+    "list_loops",
+    "list_matmuls",
+    "repeated_matmul",
+    "standalone_matmul",
+]
 
 Shape = tuple[str, tuple[int, ...]]
 #: Ops that move no data at run time (tuple plumbing, reinterpretations).
 _FREE_OPS = frozenset({"parameter", "get-tuple-element", "tuple", "bitcast", "constant"})
-_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "f64": jnp.float64,
-           "s8": jnp.int8, "s32": jnp.int32, "u8": jnp.uint8}
+_DTYPES = {
+    "f32": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "f64": jnp.float64,
+    "s8": jnp.int8,
+    "s32": jnp.int32,
+    "u8": jnp.uint8,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +169,33 @@ def list_matmuls(hlo: str) -> list[MatmulOp]:
             if not lhs or not rhs:
                 continue
             if inst.op == "dot":
-                numbers: tuple = tuple(inst.dimensions(key) for key in (
-                    "lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims"))
+                numbers: tuple = tuple(
+                    inst.dimensions(key)
+                    for key in ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")
+                )
             else:
                 window = re.search(r"window=\{([^}]*)\}", inst.rest)
-                numbers = (window.group(1) if window else "", inst.attribute("dim_labels") or "",
-                           int(inst.attribute("feature_group_count") or 1),
-                           int(inst.attribute("batch_group_count") or 1))
-            ops.append(MatmulOp(
-                inst.name, inst.op, name, lhs[0], rhs[0], shapes_of(inst.type_text)[0], numbers, trips[name],
-                fusion=caller.name if caller else None, fusion_kind=_fusion_kind(caller) if caller else None,
-                fused_ops=others if caller else ()))
+                numbers = (
+                    window.group(1) if window else "",
+                    inst.attribute("dim_labels") or "",
+                    int(inst.attribute("feature_group_count") or 1),
+                    int(inst.attribute("batch_group_count") or 1),
+                )
+            ops.append(
+                MatmulOp(
+                    inst.name,
+                    inst.op,
+                    name,
+                    lhs[0],
+                    rhs[0],
+                    shapes_of(inst.type_text)[0],
+                    numbers,
+                    trips[name],
+                    fusion=caller.name if caller else None,
+                    fusion_kind=_fusion_kind(caller) if caller else None,
+                    fused_ops=others if caller else (),
+                )
+            )
     return ops
 
 
@@ -185,8 +215,15 @@ def list_loops(hlo: str) -> list[Loop]:
         for inst in instructions:
             if inst.op == "while" and trips.get(name):
                 count = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.rest)
-                loops.append(Loop(inst.name, name, (inst.attribute("body") or "").lstrip("%"),
-                                  int(count.group(1)) if count else None, trips[name]))
+                loops.append(
+                    Loop(
+                        inst.name,
+                        name,
+                        (inst.attribute("body") or "").lstrip("%"),
+                        int(count.group(1)) if count else None,
+                        trips[name],
+                    )
+                )
     return loops
 
 
@@ -214,12 +251,14 @@ def count_executed_ops(hlo: str) -> int:
             continue
         executed.add(name)
         for inst in computations[name]:
-            keys = {"while": ("body", "condition"), "call": ("to_apply",),
-                    "conditional": ("branch_computations", "true_computation", "false_computation")}
+            keys = {
+                "while": ("body", "condition"),
+                "call": ("to_apply",),
+                "conditional": ("branch_computations", "true_computation", "false_computation"),
+            }
             for key in keys.get(inst.op, ()):
                 stack.extend(re.findall(r"%([^\s,{}]+)", inst.attribute(key) or ""))
-    return sum(trips.get(name, 0) for name in executed
-               for inst in computations[name] if inst.op not in _FREE_OPS)
+    return sum(trips.get(name, 0) for name in executed for inst in computations[name] if inst.op not in _FREE_OPS)
 
 
 def _conv_arguments(op: MatmulOp) -> dict[str, Any]:
@@ -235,13 +274,17 @@ def _conv_arguments(op: MatmulOp) -> dict[str, Any]:
     def spec(text: str, first: str, second: str) -> tuple[int, ...]:
         return (text.index(first), text.index(second), *(text.index(str(d)) for d in range(spatial)))
 
-    return {"window_strides": [int(s) for s in sizes("stride", "1")],
-            "padding": [tuple(int(p) for p in pair.split("_")) for pair in sizes("pad", "0_0")],
-            "lhs_dilation": [int(s) for s in sizes("lhs_dilate", "1")],
-            "rhs_dilation": [int(s) for s in sizes("rhs_dilate", "1")],
-            "dimension_numbers": jax.lax.ConvDimensionNumbers(spec(lhs, "b", "f"), spec(rhs, "o", "i"),
-                                                              spec(out, "b", "f")),
-            "feature_group_count": features, "batch_group_count": batches}
+    return {
+        "window_strides": [int(s) for s in sizes("stride", "1")],
+        "padding": [tuple(int(p) for p in pair.split("_")) for pair in sizes("pad", "0_0")],
+        "lhs_dilation": [int(s) for s in sizes("lhs_dilate", "1")],
+        "rhs_dilation": [int(s) for s in sizes("rhs_dilate", "1")],
+        "dimension_numbers": jax.lax.ConvDimensionNumbers(
+            spec(lhs, "b", "f"), spec(rhs, "o", "i"), spec(out, "b", "f")
+        ),
+        "feature_group_count": features,
+        "batch_group_count": batches,
+    }
 
 
 def standalone_matmul(op: MatmulOp) -> tuple[Callable[..., jax.Array], tuple[jax.Array, jax.Array]]:
@@ -261,8 +304,9 @@ def standalone_matmul(op: MatmulOp) -> tuple[Callable[..., jax.Array], tuple[jax
       (2, 8, 3)
     """
     rng = np.random.default_rng(0)  # NumPy: a jitted random draw would compile once per shape
-    args = tuple(jnp.asarray(rng.standard_normal(dims, np.float32).astype(_DTYPES[dtype]))
-                 for dtype, dims in (op.lhs, op.rhs))
+    args = tuple(
+        jnp.asarray(rng.standard_normal(dims, np.float32).astype(_DTYPES[dtype])) for dtype, dims in (op.lhs, op.rhs)
+    )
     result = _DTYPES[op.result[0]]
     if op.op == "dot":
         lhs_contracting, rhs_contracting, lhs_batch, rhs_batch = op.dimension_numbers

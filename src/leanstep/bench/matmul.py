@@ -48,8 +48,9 @@ def _times(run: Callable[[], Any], repeats: int, clock: Callable[[], float]) -> 
     return times
 
 
-def _check(dtype: str, max_size: Any, sizes: Sequence[Any], repeats: Any, max_call_s: Any,
-           max_seconds: Any, probe_size: Any) -> None:
+def _check(
+    dtype: str, max_size: Any, sizes: Sequence[Any], repeats: Any, max_call_s: Any, max_seconds: Any, probe_size: Any
+) -> None:
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     for name, value in (("max_size", max_size), ("repeats", repeats), ("probe_size", probe_size)):
@@ -138,9 +139,15 @@ def measure_matmul_gflops(
     def measure(size: int, run: Callable[[], Any]) -> float:
         times = _times(run, repeats, clock)
         best, median = min(times), statistics.median(times)
-        by_size.append({"size": size, "gflops": 2.0 * size**3 / best / 1e9,
-                        "gflops_median": 2.0 * size**3 / median / 1e9,
-                        "seconds_best": best, "seconds_median": median})
+        by_size.append(
+            {
+                "size": size,
+                "gflops": 2.0 * size**3 / best / 1e9,
+                "gflops_median": 2.0 * size**3 / median / 1e9,
+                "seconds_best": best,
+                "seconds_median": median,
+            }
+        )
         return median
 
     for candidate in candidates:
@@ -158,9 +165,16 @@ def measure_matmul_gflops(
     if not by_size:
         measure(*probe)
     best = max(by_size, key=lambda entry: entry["gflops"])
-    return {"gflops": best["gflops"], "size": best["size"], "repeats": repeats,
-            "seconds_best": best["seconds_best"], "gflops_median": best["gflops_median"],
-            "seconds_median": best["seconds_median"], "by_size": by_size, "skipped_sizes": skipped}
+    return {
+        "gflops": best["gflops"],
+        "size": best["size"],
+        "repeats": repeats,
+        "seconds_best": best["seconds_best"],
+        "gflops_median": best["gflops_median"],
+        "seconds_median": best["seconds_median"],
+        "by_size": by_size,
+        "skipped_sizes": skipped,
+    }
 
 
 def xla_float32_peak(max_seconds: float = 10.0, *, max_size: int = 4096, repeats: int = 5) -> float:
@@ -184,5 +198,6 @@ def xla_float32_peak(max_seconds: float = 10.0, *, max_size: int = 4096, repeats
       >>> xla_float32_peak(5.0, max_size=128, repeats=2) > 0
       True
     """
-    return measure_matmul_gflops(xla_matmul, "float32", max_size=max_size, repeats=repeats,
-                                 max_seconds=max_seconds)["gflops"]
+    return measure_matmul_gflops(xla_matmul, "float32", max_size=max_size, repeats=repeats, max_seconds=max_seconds)[
+        "gflops"
+    ]

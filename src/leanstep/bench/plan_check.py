@@ -98,18 +98,33 @@ def measure_in_child(spec_path: str) -> None:
     jax.block_until_ready((state, metrics))
     rise = _peak_rss_bytes() - before
     devices = 1 if config.mesh is None else len(jax.devices())  # simulated devices share this process's memory
-    print(json.dumps({
-        "compiled_peak_bytes": memory.argument_size_in_bytes + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes + memory.temp_size_in_bytes,
-        "xla_peak_bytes": getattr(memory, "peak_memory_in_bytes", None),
-        "argument_bytes": memory.argument_size_in_bytes, "rss_rise_bytes": rise, "devices": devices,
-        "measured_peak_bytes": (rise + devices * memory.argument_size_in_bytes) / devices, "peak_reset": reset,
-        "loss": float(metrics.loss),
-    }))
+    print(
+        json.dumps(
+            {
+                "compiled_peak_bytes": memory.argument_size_in_bytes
+                + memory.output_size_in_bytes
+                - memory.alias_size_in_bytes
+                + memory.temp_size_in_bytes,
+                "xla_peak_bytes": getattr(memory, "peak_memory_in_bytes", None),
+                "argument_bytes": memory.argument_size_in_bytes,
+                "rss_rise_bytes": rise,
+                "devices": devices,
+                "measured_peak_bytes": (rise + devices * memory.argument_size_in_bytes) / devices,
+                "peak_reset": reset,
+                "loss": float(metrics.loss),
+            }
+        )
+    )
 
 
-def validate_plan(config: RunConfig, budget_bytes: int | str, *, compiler_options: dict[str, Any] | None = None,
-                  timeout: float = 600.0, **plan_options: Any) -> dict[str, Any]:
+def validate_plan(
+    config: RunConfig,
+    budget_bytes: int | str,
+    *,
+    compiler_options: dict[str, Any] | None = None,
+    timeout: float = 600.0,
+    **plan_options: Any,
+) -> dict[str, Any]:
     """Plans ``config`` for the budget, runs the chosen setting once in a subprocess, compares memory.
 
     .. code-block:: text
@@ -137,9 +152,13 @@ def validate_plan(config: RunConfig, budget_bytes: int | str, *, compiler_option
 
     result = plan_run(config, budget_bytes, **plan_options)
     chosen = result.chosen.setting
-    run = dataclasses.replace(config, microbatches=chosen.num_microbatches, remat=chosen.remat,
-                              precision=chosen.precision,  # the plan's ("auto" resolved as it priced it)
-                              **({"mesh": chosen.mesh, "reduce": chosen.reduce, "devices": None} if chosen.mesh else {}))
+    run = dataclasses.replace(
+        config,
+        microbatches=chosen.num_microbatches,
+        remat=chosen.remat,
+        precision=chosen.precision,  # the plan's ("auto" resolved as it priced it)
+        **({"mesh": chosen.mesh, "reduce": chosen.reduce, "devices": None} if chosen.mesh else {}),
+    )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"config": run.to_json(), "compiler_options": compiler_options}, f)
     code = f"from leanstep.bench.plan_check import measure_in_child; measure_in_child({f.name!r})"
@@ -152,10 +171,18 @@ def validate_plan(config: RunConfig, budget_bytes: int | str, *, compiler_option
     measured = json.loads(child.stdout.strip().splitlines()[-1])
     predicted = result.chosen.peak_bytes
     return {
-        "mesh": chosen.mesh, "reduce": chosen.reduce, "num_devices": result.num_devices,
-        "model": config.model, "size": config.size, "batch_size": config.batch_size, "seq_len": config.seq_len,
-        "budget_bytes": result.budget_bytes, "setting": chosen._asdict(), "predicted_peak_bytes": predicted,
-        **measured, "predicted_over_measured": predicted / max(measured["measured_peak_bytes"], 1),
+        "mesh": chosen.mesh,
+        "reduce": chosen.reduce,
+        "num_devices": result.num_devices,
+        "model": config.model,
+        "size": config.size,
+        "batch_size": config.batch_size,
+        "seq_len": config.seq_len,
+        "budget_bytes": result.budget_bytes,
+        "setting": chosen._asdict(),
+        "predicted_peak_bytes": predicted,
+        **measured,
+        "predicted_over_measured": predicted / max(measured["measured_peak_bytes"], 1),
         "predicted_over_compiled": predicted / measured["compiled_peak_bytes"],
         "ran": bool(np.isfinite(measured["loss"])),
         "within_budget": measured["measured_peak_bytes"] <= result.budget_bytes,
@@ -193,12 +220,28 @@ def time_candidates(config: RunConfig, budget_bytes: int | str, *, steps: int = 
                 run[2], metrics = run[1](run[2], run[3])
                 jax.block_until_ready((run[2], metrics))
                 run[4].append(time.perf_counter() - t0)
-    rows = [{**c.setting._asdict(), "peak_bytes": c.peak_bytes, "fits": c.fits, "flops": c.flops,
-             "chosen": c is result.chosen, "seconds": float(np.min(times)), "median_seconds": float(np.median(times)),
-             "default_options_peak_bytes": m.argument_size_in_bytes + m.output_size_in_bytes
-             - m.alias_size_in_bytes + m.temp_size_in_bytes}
-            for c, _, _, _, times, m in runs]
+    rows = [
+        {
+            **c.setting._asdict(),
+            "peak_bytes": c.peak_bytes,
+            "fits": c.fits,
+            "flops": c.flops,
+            "chosen": c is result.chosen,
+            "seconds": float(np.min(times)),
+            "median_seconds": float(np.median(times)),
+            "default_options_peak_bytes": m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            - m.alias_size_in_bytes
+            + m.temp_size_in_bytes,
+        }
+        for c, _, _, _, times, m in runs
+    ]
     chosen = next(r["seconds"] for r in rows if r["chosen"])
     fastest = min(r["seconds"] for r in rows if r["fits"])
-    return {"plan": result.to_json(), "rows": rows, "chosen_seconds": chosen,
-            "fastest_fitting_seconds": fastest, "chosen_over_fastest": chosen / fastest}
+    return {
+        "plan": result.to_json(),
+        "rows": rows,
+        "chosen_seconds": chosen,
+        "fastest_fitting_seconds": fastest,
+        "chosen_over_fastest": chosen / fastest,
+    }

@@ -28,7 +28,7 @@ from leanstep.models import build_model
 from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.training import RunConfig, build_run
 
-__all__ = ["BenchConfig", "run_benchmark", "machine_info"]
+__all__ = ["BenchConfig", "machine_info", "run_benchmark"]
 
 FLOPS_SOURCE = (
     "analytic: model.flops_per_token * batch_size * seq_len (6N + 12 L T d, forward + backward; "
@@ -70,21 +70,35 @@ class BenchConfig:
     seed: int = 0
 
     @classmethod
-    def full(cls, **changes: Any) -> "BenchConfig":
+    def full(cls, **changes: Any) -> BenchConfig:
         """The default run: ``leanstep train``'s model and batch (about 5-8 minutes on 2 cores)."""
         return cls(**changes).validate()
 
     @classmethod
-    def quick(cls, **changes: Any) -> "BenchConfig":
+    def quick(cls, **changes: Any) -> BenchConfig:
         """A small version (tiny model, few repeats, under 2 minutes on 2 cores)."""
-        fields = dict(size="tiny", repeats=50, torch_repeats=5, matmul_size=2048, matmul_repeats=3,
-                      microbatch_sweep=(1, 2, 4), remat_sweep=("full", "dots"))
+        fields = dict(
+            size="tiny",
+            repeats=50,
+            torch_repeats=5,
+            matmul_size=2048,
+            matmul_repeats=3,
+            microbatch_sweep=(1, 2, 4),
+            remat_sweep=("full", "dots"),
+        )
         return cls(**{**fields, **changes}).validate()
 
-    def validate(self) -> "BenchConfig":
+    def validate(self) -> BenchConfig:
         """Checks every field, naming it; returns self. Raises ValueError."""
-        for name in ("batch_size", "num_microbatches", "repeats", "torch_repeats", "matmul_size",
-                     "matmul_repeats", "torch_threads"):
+        for name in (
+            "batch_size",
+            "num_microbatches",
+            "repeats",
+            "torch_repeats",
+            "matmul_size",
+            "matmul_repeats",
+            "torch_threads",
+        ):
             value = getattr(self, name)
             if name == "torch_threads" and value is None:
                 continue
@@ -110,10 +124,21 @@ class BenchConfig:
         overrides = dict(self.model_overrides)
         seq_len = build_model("transformer", self.size, **overrides).seq_len  # the preset's, unless overridden
         sizes = {name: value for name, value in overrides.items() if name != "seq_len"}
-        return RunConfig(model="transformer", size=self.size, seq_len=seq_len, batch_size=self.batch_size,
-                         microbatches=self.num_microbatches, remat=self.remat, lr=self.lr,
-                         weight_decay=self.weight_decay, schedule="constant", max_grad_norm=self.max_grad_norm,
-                         initial_loss_scale=self.initial_loss_scale, seed=self.seed, **sizes)
+        return RunConfig(
+            model="transformer",
+            size=self.size,
+            seq_len=seq_len,
+            batch_size=self.batch_size,
+            microbatches=self.num_microbatches,
+            remat=self.remat,
+            lr=self.lr,
+            weight_decay=self.weight_decay,
+            schedule="constant",
+            max_grad_norm=self.max_grad_norm,
+            initial_loss_scale=self.initial_loss_scale,
+            seed=self.seed,
+            **sizes,
+        )
 
     def specs(self, with_torch: bool) -> list[Spec]:
         """Every contender, deduplicated, in the order they are timed each round."""
@@ -162,8 +187,9 @@ def machine_info() -> dict[str, Any]:
 Limit = tuple[float | None, str]  # (GFLOP/s or None, what it is)
 
 
-def _row(contender: Contender, times: list[float], gflop: float, probes: dict[str, Limit], cpu: Limit,
-         tokens: int) -> dict[str, Any]:
+def _row(
+    contender: Contender, times: list[float], gflop: float, probes: dict[str, Limit], cpu: Limit, tokens: int
+) -> dict[str, Any]:
     spec = contender.spec
     summary = summarize_times(times)
     probe = f"{'torch' if spec.impl == 'torch' else 'xla'}_{spec.precision}"
@@ -190,13 +216,16 @@ def _cpu_limit(cpu_peak: CpuPeak, peaks: dict[str, float | None], notes: list[st
     if cpu_peak.gflops is None:
         notes.append(f"no theoretical CPU peak: {cpu_peak.reason}")
         return None, what
-    beaten = {key: value for key, value in peaks.items() if key.endswith("float32") and value
-              and value > cpu_peak.gflops}
+    beaten = {
+        key: value for key, value in peaks.items() if key.endswith("float32") and value and value > cpu_peak.gflops
+    }
     if beaten:
         key, value = max(beaten.items(), key=lambda item: item[1])
-        notes.append(f"the theoretical float32 CPU peak ({cpu_peak.gflops:.4g} GFLOP/s at {cpu_peak.ghz:.3g} GHz "
-                     f"from {cpu_peak.clock_source}) is below the measured {key} matmul ({value:.4g} GFLOP/s): "
-                     "the cores ran faster than that clock, so it is no limit and no row is reported against it")
+        notes.append(
+            f"the theoretical float32 CPU peak ({cpu_peak.gflops:.4g} GFLOP/s at {cpu_peak.ghz:.3g} GHz "
+            f"from {cpu_peak.clock_source}) is below the measured {key} matmul ({value:.4g} GFLOP/s): "
+            "the cores ran faster than that clock, so it is no limit and no row is reported against it"
+        )
         return None, what
     return cpu_peak.gflops, what
 
@@ -235,8 +264,9 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
     machine = machine_info()
     with_torch = config.torch and torch_available()
     if config.torch and not with_torch:
-        notes.append("torch is not installed: torch rows skipped, torch ratios and peaks are null "
-                     "(pip install -e '.[bench]').")
+        notes.append(
+            "torch is not installed: torch rows skipped, torch ratios and peaks are null (pip install -e '.[bench]')."
+        )
     if with_torch:
         import torch
 
@@ -251,8 +281,12 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
                 continue
             log(f"matmul peak: {backend} {dtype}")
             matmul[f"{backend}_{dtype}"] = measure_matmul_gflops(
-                make, dtype, max_size=config.matmul_size, repeats=config.matmul_repeats,
-                max_seconds=config.matmul_max_seconds)
+                make,
+                dtype,
+                max_size=config.matmul_size,
+                repeats=config.matmul_repeats,
+                max_seconds=config.matmul_max_seconds,
+            )
     peaks = {key: None if value is None else value["gflops"] for key, value in matmul.items()}
     probes = {key: (peaks[key], describe_probe(key, value)) for key, value in matmul.items() if value}
     cpu_peak = read_cpu_peak()
@@ -260,8 +294,9 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
 
     run = build_run(config.run_config())
     model, optimizer, params = run.model, run.optimizer, run.init_params()
-    tokens = np.random.default_rng(config.seed).integers(0, model.config.vocab_size,
-                                                          (config.batch_size, model.seq_len + 1), np.int32)
+    tokens = np.random.default_rng(config.seed).integers(
+        0, model.config.vocab_size, (config.batch_size, model.seq_len + 1), np.int32
+    )
     batch = {"tokens": jnp.asarray(tokens)}
     tokens_per_step = config.batch_size * model.seq_len
     gflop = model.flops_per_token * tokens_per_step / 1e9
@@ -271,30 +306,48 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
         log(f"compile + first step: {spec.key}")
         if spec.impl == "torch":
             contenders[spec.key] = build_torch_contender(
-                spec, model.config, tokens, max_grad_norm=config.max_grad_norm,
-                initial_loss_scale=config.initial_loss_scale, lr=config.lr,
-                weight_decay=config.weight_decay, seed=config.seed)
+                spec,
+                model.config,
+                tokens,
+                max_grad_norm=config.max_grad_norm,
+                initial_loss_scale=config.initial_loss_scale,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                seed=config.seed,
+            )
         else:
             contenders[spec.key] = build_jax_contender(
-                spec, model, params, batch, optimizer, max_grad_norm=config.max_grad_norm,
-                initial_loss_scale=config.initial_loss_scale)
+                spec,
+                model,
+                params,
+                batch,
+                optimizer,
+                max_grad_norm=config.max_grad_norm,
+                initial_loss_scale=config.initial_loss_scale,
+            )
 
     main = Spec("leanstep", "bfloat16", config.num_microbatches, config.remat)
     hand = dataclasses.replace(main, impl="handwritten_jax")
     ours, theirs = contenders[main.key], contenders[hand.key]
-    diffs = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
-                                         ours.first_params, theirs.first_params))
-    checks = {"first_step_loss_leanstep": ours.first_loss, "first_step_loss_handwritten": theirs.first_loss,
-              "first_step_max_abs_param_diff": max(diffs)}
+    diffs = jax.tree.leaves(
+        jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), ours.first_params, theirs.first_params)
+    )
+    checks = {
+        "first_step_loss_leanstep": ours.first_loss,
+        "first_step_loss_handwritten": theirs.first_loss,
+        "first_step_max_abs_param_diff": max(diffs),
+    }
     for contender in contenders.values():  # the first steps are done: free the copies
         contender.first_params = None
 
-    repeats = {key: config.torch_repeats if c.spec.impl == "torch" else config.repeats
-               for key, c in contenders.items()}
+    repeats = {key: config.torch_repeats if c.spec.impl == "torch" else config.repeats for key, c in contenders.items()}
     log(f"timing {len(contenders)} contenders round-robin, {config.repeats} rounds")
-    times = time_interleaved({key: c.run for key, c in contenders.items()}, repeats=repeats,
-                             warmup=config.warmup,
-                             on_round=lambda i, n: log(f"round {i + 1}/{n} done"))
+    times = time_interleaved(
+        {key: c.run for key, c in contenders.items()},
+        repeats=repeats,
+        warmup=config.warmup,
+        on_round=lambda i, n: log(f"round {i + 1}/{n} done"),
+    )
     rows = [_row(c, times[key], gflop, probes, cpu, tokens_per_step) for key, c in contenders.items()]
     paired = [a / b for a, b in zip(times[main.key], times[hand.key])]
 
@@ -302,38 +355,53 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
         found = _find(rows, num_microbatches=config.num_microbatches, **match)
         return min((row["step_ms_median"] for row in found), default=None)
 
-    main_row = _find(rows, impl="leanstep", precision="bfloat16", num_microbatches=config.num_microbatches,
-                     remat=config.remat)[0]
+    main_row = _find(
+        rows, impl="leanstep", precision="bfloat16", num_microbatches=config.num_microbatches, remat=config.remat
+    )[0]
     ratios = {
-        "leanstep_over_handwritten_time": _ratio(median_ms(impl="leanstep", precision="bfloat16", remat=config.remat),
-                                                 median_ms(impl="handwritten_jax")),
+        "leanstep_over_handwritten_time": _ratio(
+            median_ms(impl="leanstep", precision="bfloat16", remat=config.remat), median_ms(impl="handwritten_jax")
+        ),
         "leanstep_over_handwritten_time_paired_median": float(np.median(paired)),
         "leanstep_over_handwritten_temp_bytes": _ratio(ours.stats["temp_bytes"], theirs.stats["temp_bytes"]),
     }
     for precision in ("float32", "bfloat16"):
         ratios[f"leanstep_over_torch_time_{precision}"] = _ratio(
-            median_ms(impl="leanstep", precision=precision, remat="full"),
-            median_ms(impl="torch", precision=precision))
-    mfu = {"flops_source": FLOPS_SOURCE, "model_gflop_per_step": gflop,
-           "leanstep_achieved_gflops": main_row["achieved_gflops"],
-           **{f"leanstep_{key}": main_row[key] for key in ("mfu", "mfu_against", "mfu_note", "cpu_peak_fraction",
-                                                            "cpu_peak_note")},
-           "cpu_float32_peak_gflops": cpu[0]}
+            median_ms(impl="leanstep", precision=precision, remat="full"), median_ms(impl="torch", precision=precision)
+        )
+    mfu = {
+        "flops_source": FLOPS_SOURCE,
+        "model_gflop_per_step": gflop,
+        "leanstep_achieved_gflops": main_row["achieved_gflops"],
+        **{
+            f"leanstep_{key}": main_row[key]
+            for key in ("mfu", "mfu_against", "mfu_note", "cpu_peak_fraction", "cpu_peak_note")
+        },
+        "cpu_float32_peak_gflops": cpu[0],
+    }
     ours_ops, theirs_ops = ours.hlo_ops or {}, theirs.hlo_ops or {}
-    diagnostics = {"hlo_op_count_leanstep": sum(ours_ops.values()),
-                   "hlo_op_count_handwritten": sum(theirs_ops.values()),
-                   "hlo_ops_that_differ": {op: [ours_ops.get(op, 0), theirs_ops.get(op, 0)]
-                                           for op in sorted(set(ours_ops) | set(theirs_ops))
-                                           if ours_ops.get(op, 0) != theirs_ops.get(op, 0)}}
+    diagnostics = {
+        "hlo_op_count_leanstep": sum(ours_ops.values()),
+        "hlo_op_count_handwritten": sum(theirs_ops.values()),
+        "hlo_ops_that_differ": {
+            op: [ours_ops.get(op, 0), theirs_ops.get(op, 0)]
+            for op in sorted(set(ours_ops) | set(theirs_ops))
+            if ours_ops.get(op, 0) != theirs_ops.get(op, 0)
+        },
+    }
     if hasattr(os, "getloadavg"):
         machine["load_average_1min_end"] = os.getloadavg()[0]
         # The start value is other processes' load (this one has not started working yet).
         if machine["load_average_1min"] > machine["cores_available"] / 2:
-            notes.append(f"the machine was busy (1-minute load average {machine['load_average_1min']:.1f} at the "
-                         f"start, {machine['load_average_1min_end']:.1f} at the end, on {machine['cores_available']} "
-                         "cores): times are noisy, and PyTorch's OpenMP threads suffer most from a busy machine.")
-    notes.append("Timings are wall-clock medians of interleaved (round-robin) steps on random tokens; "
-                 "leanstep-vs-torch rows use remat 'full' on both sides (torch.utils.checkpoint per block).")
+            notes.append(
+                f"the machine was busy (1-minute load average {machine['load_average_1min']:.1f} at the "
+                f"start, {machine['load_average_1min_end']:.1f} at the end, on {machine['cores_available']} "
+                "cores): times are noisy, and PyTorch's OpenMP threads suffer most from a busy machine."
+            )
+    notes.append(
+        "Timings are wall-clock medians of interleaved (round-robin) steps on random tokens; "
+        "leanstep-vs-torch rows use remat 'full' on both sides (torch.utils.checkpoint per block)."
+    )
     return {
         "config": {**dataclasses.asdict(config), "model": dataclasses.asdict(model.config),
                    "seq_len": model.seq_len, "tokens_per_step": tokens_per_step},

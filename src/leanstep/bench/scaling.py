@@ -56,33 +56,46 @@ def mlp_stack(layers: int = 8, width: int = 1024, batch: int = 64) -> Workload:
         return constrain(jnp.tanh(x @ gathered(w, "w")), "batch", None), None
 
     def loss(params: Any, data: Any) -> jax.Array:
-        x, _ = jax.lax.scan(remat(layer, "full", prevent_cse=False), constrain(data["x"], "batch", None),
-                            params["w"])
+        x, _ = jax.lax.scan(remat(layer, "full", prevent_cse=False), constrain(data["x"], "batch", None), params["w"])
         return jnp.mean((x - data["y"]) ** 2)
 
     f32 = jnp.float32
-    return Workload("mlp-stack", loss, {"w": jax.ShapeDtypeStruct((layers, width, width), f32)},
-                    {"x": jax.ShapeDtypeStruct((batch, width), f32), "y": jax.ShapeDtypeStruct((batch, width), f32)},
-                    (("^w$", (None, "fsdp")),), "full")
+    return Workload(
+        "mlp-stack",
+        loss,
+        {"w": jax.ShapeDtypeStruct((layers, width, width), f32)},
+        {"x": jax.ShapeDtypeStruct((batch, width), f32), "y": jax.ShapeDtypeStruct((batch, width), f32)},
+        (("^w$", (None, "fsdp")),),
+        "full",
+    )
 
 
-def transformer(d_model: int = 1024, layers: int = 8, d_ff: int = 4096, heads: int = 16, seq_len: int = 128,
-                batch: int = 32) -> Workload:
+def transformer(
+    d_model: int = 1024, layers: int = 8, d_ff: int = 4096, heads: int = 16, seq_len: int = 128, batch: int = 32
+) -> Workload:
     """The built-in transformer (mean loss, full remat)."""
     import jax
     import jax.numpy as jnp
 
     from leanstep.models import build_model
 
-    model = build_model("transformer", "small", d_model=d_model, n_layers=layers, d_ff=d_ff, n_heads=heads,
-                        seq_len=seq_len)
-    loss = lambda params, data: model.loss(params, data, remat_policy="full")  # noqa: E731
-    return Workload(f"transformer-d{d_model}", loss, jax.eval_shape(model.init, jax.random.key(0)),
-                    {"tokens": jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)}, model.rules, "full")
+    model = build_model(
+        "transformer", "small", d_model=d_model, n_layers=layers, d_ff=d_ff, n_heads=heads, seq_len=seq_len
+    )
+    loss = lambda params, data: model.loss(params, data, remat_policy="full")
+    return Workload(
+        f"transformer-d{d_model}",
+        loss,
+        jax.eval_shape(model.init, jax.random.key(0)),
+        {"tokens": jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)},
+        model.rules,
+        "full",
+    )
 
 
-def compile_leanstep(work: Workload, mesh: Any, num_microbatches: int, precision: str = "float32",
-                     reduce: str = "auto") -> Any:
+def compile_leanstep(
+    work: Workload, mesh: Any, num_microbatches: int, precision: str = "float32", reduce: str = "auto"
+) -> Any:
     """leanstep's step (Adam, dynamic loss scale, clipping at 1) compiled for ``mesh``."""
     import jax
     import optax
@@ -94,8 +107,9 @@ def compile_leanstep(work: Workload, mesh: Any, num_microbatches: int, precision
     from leanstep.step import make_train_step
 
     layer = ShardingLayer(mesh, rules=work.rules, reduce=reduce)
-    step = make_train_step(work.loss, precision=precision, num_microbatches=num_microbatches, max_grad_norm=1.0,
-                           mesh=layer)
+    step = make_train_step(
+        work.loss, precision=precision, num_microbatches=num_microbatches, max_grad_norm=1.0, mesh=layer
+    )
     scale = get_loss_scale("dynamic")
     state = jax.eval_shape(lambda p: TrainState.create(p, optax.adam(1e-3), loss_scale=scale), work.params)
     shardings = layer.state_shardings(state)
@@ -128,6 +142,7 @@ def reference_fsdp_step(work: Workload, mesh: Any, num_microbatches: int) -> Any
         micro = jax.tree.map(lambda v: v.reshape(v.shape[0] // m, m, *v.shape[1:]).swapaxes(0, 1), batch)
         micro = jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, PartitionSpec(None, "fsdp")))
         with sharding_context(axes, specs, params):
+
             def body(acc: Any, mb: Any) -> Any:
                 loss, grads = jax.value_and_grad(work.loss)(params_c, mb)
                 return jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads), loss
@@ -142,8 +157,9 @@ def reference_fsdp_step(work: Workload, mesh: Any, num_microbatches: int) -> Any
     adam, *rest = opt_state  # (ScaleByAdamState(count, mu, nu), EmptyState())
     opt_shard = (adam._replace(count=replicated, mu=shard, nu=shard), *jax.tree.map(lambda _: replicated, rest))
     rows = NamedSharding(mesh, PartitionSpec("fsdp"))
-    jitted = jax.jit(step, in_shardings=(shard, opt_shard, rows), out_shardings=(shard, opt_shard, None),
-                     donate_argnums=(0, 1))
+    jitted = jax.jit(
+        step, in_shardings=(shard, opt_shard, rows), out_shardings=(shard, opt_shard, None), donate_argnums=(0, 1)
+    )
     return jitted.lower(work.params, opt_state, work.batch).compile()
 
 
@@ -175,30 +191,41 @@ def measure(work: Workload, layout: str, num_microbatches: int, precision: str =
     report = collectives_report(compiled, mesh, params=work.params)
     gradient_kinds = ("all-reduce", "reduce-scatter")
     return {
-        "model": work.name, "layout": layout, "microbatches": num_microbatches, "precision": precision,
-        "temp_bytes": int(memory.temp_size_in_bytes), "argument_bytes": int(memory.argument_size_in_bytes),
-        "bytes_per_step": report.bytes_per_step(), "minimum_bytes": minimum_bytes(work, layout, num_microbatches,
-                                                                                   precision),
+        "model": work.name,
+        "layout": layout,
+        "microbatches": num_microbatches,
+        "precision": precision,
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "bytes_per_step": report.bytes_per_step(),
+        "minimum_bytes": minimum_bytes(work, layout, num_microbatches, precision),
         "all_reduce_bytes": report.bytes_per_step("all-reduce"),
         "executions": {kind: report.executions(kind) for kind in ("all-reduce", "all-gather", "reduce-scatter")},
         # Executions per step of the most-run gradient reduction (1: once per step, after the scan).
-        "reduction_trips": max((c.trips for c in report.collectives if c.kind in gradient_kinds and c.bytes > 64),
-                               default=0),
+        "reduction_trips": max(
+            (c.trips for c in report.collectives if c.kind in gradient_kinds and c.bytes > 64), default=0
+        ),
         "reduced_bytes": sum(c.bytes_per_step for c in report.collectives if c.kind in gradient_kinds),
-        "moves_batch": len(report.moving_batch), "params": sum(int(p.size) for p in jax.tree.leaves(work.params)),
+        "moves_batch": len(report.moving_batch),
+        "params": sum(int(p.size) for p in jax.tree.leaves(work.params)),
     }
 
 
 def table(rows: list[dict[str, Any]], references: dict[str, int]) -> str:
     """The README table."""
     mib = 2**20
-    lines = ["| model | layout | M | temp MiB/device | hand-written FSDP temp | args MiB/device | MB sent/step | "
-             "minimum MB | batch rows moved |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | layout | M | temp MiB/device | hand-written FSDP temp | args MiB/device | MB sent/step | "
+        "minimum MB | batch rows moved |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ref = references.get(f"{r['model']}/{r['microbatches']}")
-        lines.append(f"| {r['model']} | {r['layout']} | {r['microbatches']} | {r['temp_bytes'] / mib:.1f} | "
-                     f"{ref / mib:.1f} | {r['argument_bytes'] / mib:.1f} | {r['bytes_per_step'] / 1e6:.1f} | "
-                     f"{r['minimum_bytes'] / 1e6:.1f} | {r['moves_batch']} |")
+        lines.append(
+            f"| {r['model']} | {r['layout']} | {r['microbatches']} | {r['temp_bytes'] / mib:.1f} | "
+            f"{ref / mib:.1f} | {r['argument_bytes'] / mib:.1f} | {r['bytes_per_step'] / 1e6:.1f} | "
+            f"{r['minimum_bytes'] / 1e6:.1f} | {r['moves_batch']} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     if jax.device_count() < DEVICES:
         if os.environ.get("LEANSTEP_SCALING_CHILD"):
             raise SystemExit(f"expected {DEVICES} devices, got {jax.device_count()}")
-        env = {**os.environ, "LEANSTEP_SCALING_CHILD": "1", "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}"}
+        env = {
+            **os.environ,
+            "LEANSTEP_SCALING_CHILD": "1",
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}",
+        }
         return subprocess.call([sys.executable, "-m", "leanstep.bench.scaling", *(argv or sys.argv[1:])], env=env)
     from leanstep.distributed import device_mesh
 

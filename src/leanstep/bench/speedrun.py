@@ -85,10 +85,18 @@ def compression_references(heldout: bytes | np.ndarray) -> dict[str, Any]:
     xzipped = lzma.compress(data, format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME)
     return {
         "bytes": len(data),
-        "gzip": {"command": "gzip -9", "library": f"zlib {zlib.ZLIB_RUNTIME_VERSION}",
-                 "compressed_bytes": len(gzipped), "bits_per_byte": _bits_per_byte(gzipped, len(data))},
-        "xz": {"command": "xz -9e", "library": "liblzma",
-               "compressed_bytes": len(xzipped), "bits_per_byte": _bits_per_byte(xzipped, len(data))},
+        "gzip": {
+            "command": "gzip -9",
+            "library": f"zlib {zlib.ZLIB_RUNTIME_VERSION}",
+            "compressed_bytes": len(gzipped),
+            "bits_per_byte": _bits_per_byte(gzipped, len(data)),
+        },
+        "xz": {
+            "command": "xz -9e",
+            "library": "liblzma",
+            "compressed_bytes": len(xzipped),
+            "bits_per_byte": _bits_per_byte(xzipped, len(data)),
+        },
     }
 
 
@@ -102,27 +110,40 @@ def _leanstep_row(summary: dict[str, Any], out: Path, wall_s: float, notes: list
     run, plan = info["run"], info.get("time_budget_plan") or {}
     steps = int(summary["steps"])
     return {
-        "contender": "leanstep", "heldout_bits_per_byte": summary["final_heldout_bits_per_byte"],
-        "heldout_loss": summary["final_heldout_loss"], "final_train_loss": summary["final_train_loss"],
-        "steps": steps, "planned_steps": run["steps"], "tokens": steps * run["batch_size"] * run["seq_len"],
-        "budget_s": run["time_budget"], "wall_s": wall_s, "total_time_s": summary["total_time_s"],
+        "contender": "leanstep",
+        "heldout_bits_per_byte": summary["final_heldout_bits_per_byte"],
+        "heldout_loss": summary["final_heldout_loss"],
+        "final_train_loss": summary["final_train_loss"],
+        "steps": steps,
+        "planned_steps": run["steps"],
+        "tokens": steps * run["batch_size"] * run["seq_len"],
+        "budget_s": run["time_budget"],
+        "wall_s": wall_s,
+        "total_time_s": summary["total_time_s"],
         "stopped_at_budget": steps < run["steps"],
         **{key: plan.get(key) for key in ("planned_at_s", "compile_s", "step_s", "step_times_s", "eval_s")},
-        "precision": np.dtype(get_precision(run["precision"]).compute_dtype).name, "precision_policy": run["precision"],
+        "precision": np.dtype(get_precision(run["precision"]).compute_dtype).name,
+        "precision_policy": run["precision"],
         "precision_reason": info.get("precision_reason") or f"--precision {run['precision']}",
-        "remat": run["remat"], "skipped_steps": summary["skipped_steps"], "out": str(out), "notes": notes,
+        "remat": run["remat"],
+        "skipped_steps": summary["skipped_steps"],
+        "out": str(out),
+        "notes": notes,
     }
 
 
 #: Why the peer runs eager on a CPU unless asked to compile (measured on the 2-core machine:
 #: a cold Inductor compile of the default ``mini`` transformer took 21-40 s for a 3-12% faster
 #: step, 96-99 ms against 101-109 ms eager, which does not pay for itself in three minutes).
-EAGER_ON_CPU = ("eager, as on a CPU torch.compile's cold compile takes tens of seconds of a minutes-long budget "
-                "for a few percent (--torch-compile tries it)")
+EAGER_ON_CPU = (
+    "eager, as on a CPU torch.compile's cold compile takes tens of seconds of a minutes-long budget "
+    "for a few percent (--torch-compile tries it)"
+)
 
 
-def _torch_row(config: RunConfig, torch_compile: bool | None, every_window: list[dict[str, np.ndarray]]
-               ) -> dict[str, Any]:
+def _torch_row(
+    config: RunConfig, torch_compile: bool | None, every_window: list[dict[str, np.ndarray]]
+) -> dict[str, Any]:
     """The PyTorch peer's numbers (``wall_s`` around the whole call), or why there are none."""
     import torch  # imported before the clock starts, as jax is before leanstep's
 
@@ -136,7 +157,9 @@ def _torch_row(config: RunConfig, torch_compile: bool | None, every_window: list
     except ValueError as error:  # the budget left no step after compiling: say so, keep leanstep's numbers
         return {"contender": "pytorch", "skipped": str(error), "wall_s": time.perf_counter() - began}
     wall_s = time.perf_counter() - began
-    every = speedrun_torch.torch_heldout_bits_per_byte(peer.model, every_window, bfloat16=peer.result.get("precision") == "bfloat16")
+    every = speedrun_torch.torch_heldout_bits_per_byte(
+        peer.model, every_window, bfloat16=peer.result.get("precision") == "bfloat16"
+    )
     row = {**peer.result, "wall_s": wall_s, "heldout_bits_per_byte_all": every}
     if torch_compile is None and not compile_it:
         row["torch_compile_reason"] = EAGER_ON_CPU
@@ -179,9 +202,16 @@ def _machine() -> dict[str, Any]:
     return info
 
 
-def run_speedrun(budget_s: float, *, config: RunConfig | None = None, out: str | Path = "runs/speedrun",
-                 data: str | Path | None = None, torch_peer: bool = True, torch_compile: bool | None = None,
-                 log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_speedrun(
+    budget_s: float,
+    *,
+    config: RunConfig | None = None,
+    out: str | Path = "runs/speedrun",
+    data: str | Path | None = None,
+    torch_peer: bool = True,
+    torch_compile: bool | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """leanstep, then its PyTorch peer, each for ``budget_s`` seconds of wall-clock; then gzip and xz.
 
     Args:
@@ -212,13 +242,20 @@ def run_speedrun(budget_s: float, *, config: RunConfig | None = None, out: str |
 
     log = _ignore if log is None else log
     base = RunConfig() if config is None else config
-    config = dataclasses.replace(base, steps=None, time_budget=budget_s, out=str(Path(out) / "leanstep"),
-                                 progress=False, data=base.data if data is None else str(data)).validate()
+    config = dataclasses.replace(
+        base,
+        steps=None,
+        time_budget=budget_s,
+        out=str(Path(out) / "leanstep"),
+        progress=False,
+        data=base.data if data is None else str(data),
+    ).validate()
     if torch_peer and config.model != "transformer":
         raise ValueError(f"--model {config.model}: the PyTorch peer is leanstep's transformer only")
     if any((Path(config.out) / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints")):
-        raise ValueError(f"--out {str(out)!r} holds a speedrun already (leanstep's run in {config.out!r}); "
-                         "choose another --out")
+        raise ValueError(
+            f"--out {str(out)!r} holds a speedrun already (leanstep's run in {config.out!r}); choose another --out"
+        )
     notes: list[str] = []
 
     def on_record(*records: Any) -> None:
@@ -235,8 +272,11 @@ def run_speedrun(budget_s: float, *, config: RunConfig | None = None, out: str |
     if not torch_peer:
         contenders["pytorch"] = {"contender": "pytorch", "skipped": "not asked for (torch_peer=False)"}
     elif not torch_available():
-        contenders["pytorch"] = {"contender": "pytorch", "skipped": "torch is not installed; it is the benchmark "
-                                 "extra: pip install torch==2.13.0 (or pip install 'leanstep[bench]')"}
+        contenders["pytorch"] = {
+            "contender": "pytorch",
+            "skipped": "torch is not installed; it is the benchmark "
+            "extra: pip install torch==2.13.0 (or pip install 'leanstep[bench]')",
+        }
     else:
         log(f"pytorch: training for {budget_s:g} s")
         # The peer computes in the dtype leanstep's run chose (``auto`` resolved once, by
@@ -246,7 +286,15 @@ def run_speedrun(budget_s: float, *, config: RunConfig | None = None, out: str |
     log("gzip -9 and xz -9e on the held-out bytes")
     references = compression_references(corpus.heldout)
     references["windows_bytes"] = 1 + config.seq_len * len(every_window) * config.batch_size
-    return {"budget_s": float(budget_s), "contenders": contenders, "references": references,
-            "config": config.to_json(), "corpus": corpus.describe(), "machine": _machine(),
-            "definitions": {"model": "mean held-out next-byte cross-entropy in nats / ln 2",
-                            "compressor": "8 * compressed bytes / input bytes"}}
+    return {
+        "budget_s": float(budget_s),
+        "contenders": contenders,
+        "references": references,
+        "config": config.to_json(),
+        "corpus": corpus.describe(),
+        "machine": _machine(),
+        "definitions": {
+            "model": "mean held-out next-byte cross-entropy in nats / ln 2",
+            "compressor": "8 * compressed bytes / input bytes",
+        },
+    }

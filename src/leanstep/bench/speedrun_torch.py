@@ -67,8 +67,9 @@ class TorchPeerRun(NamedTuple):
     model: Any
 
 
-def choose_torch_precision(spec: str, *, platform: str, compute_capability: str | None = None,
-                           flags: frozenset[str] | None = None) -> tuple[bool, str]:
+def choose_torch_precision(
+    spec: str, *, platform: str, compute_capability: str | None = None, flags: frozenset[str] | None = None
+) -> tuple[bool, str]:
     """``(bfloat16, reason)``: whether the peer computes under ``torch.autocast(bfloat16)``, and why.
 
     ``auto`` is leanstep's own choice for the device
@@ -98,8 +99,10 @@ def choose_torch_precision(spec: str, *, platform: str, compute_capability: str 
         return True, f"--precision {spec} computes in bfloat16: a CPU with {' and '.join(units)}"
     if chosen == BFLOAT16:
         return True, f"--precision {spec} computes in bfloat16: {why}"
-    return False, (f"--precision {spec} computes in bfloat16, but on {why.split(':')[0]} torch's bfloat16 "
-                   "autocast is emulated (~100x slower than float32), so float32")
+    return False, (
+        f"--precision {spec} computes in bfloat16, but on {why.split(':')[0]} torch's bfloat16 "
+        "autocast is emulated (~100x slower than float32), so float32"
+    )
 
 
 def _device(torch: Any) -> tuple[str, str | None, frozenset[str] | None]:
@@ -144,8 +147,9 @@ def _adamw(torch: Any, model: Any, config: RunConfig) -> tuple[Any, str]:
         return torch.optim.AdamW(model.parameters(), foreach=True, **kwargs), "foreach"
 
 
-def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_compile: bool = True,
-                     initial_params: Any = None) -> TorchPeerRun:
+def train_torch_peer(
+    config: RunConfig, *, corpus: Corpus | None = None, torch_compile: bool = True, initial_params: Any = None
+) -> TorchPeerRun:
     """Trains leanstep's transformer in PyTorch for ``config``'s length (see the module doc).
 
     Args:
@@ -178,16 +182,18 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
         raise ValueError(f"--model {config.model}: the PyTorch peer is leanstep's transformer only")
     platform, capability, flags = _device(torch)
     device = "cuda" if platform == "cuda" else "cpu"
-    bfloat16, precision_reason = choose_torch_precision(config.precision, platform=platform,
-                                                        compute_capability=capability, flags=flags)
+    bfloat16, precision_reason = choose_torch_precision(
+        config.precision, platform=platform, compute_capability=capability, flags=flags
+    )
     corpus = load_corpus(config.data, seq_len=config.seq_len) if corpus is None else corpus
     sampler = BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed)
     eval_data = heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
     # torch.utils.checkpoint recomputes a whole block, which is leanstep's "full"; the selective
     # policies have no counterpart a nanoGPT-style script would write, so those run without.
     remat = config.remat == "full"
-    model = build_torch_model(build_model(config.model, config.size, **model_overrides(config)).config,
-                              remat=remat, seed=config.seed)
+    model = build_torch_model(
+        build_model(config.model, config.size, **model_overrides(config)).config, remat=remat, seed=config.seed
+    )
     if initial_params is not None:
         load_jax_params(model, initial_params)
     model = model.to(device)
@@ -260,14 +266,25 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
         spent, step_s = time.perf_counter() - start, statistics.median(times[1:])
         steps = plan_steps(budget_s, spent, step_s, eval_s, config.eval_every, 0.0, config.checkpoint_every, 0.0)
         if steps < 1:
-            raise ValueError(f"--time-budget {budget_s:g}s leaves the PyTorch peer no time for a step: {spent:.1f} s "
-                             f"went to loading, compiling and timing, a step takes {step_s:.3g} s and an evaluation "
-                             f"{eval_s:.3g} s")
+            raise ValueError(
+                f"--time-budget {budget_s:g}s leaves the PyTorch peer no time for a step: {spent:.1f} s "
+                f"went to loading, compiling and timing, a step takes {step_s:.3g} s and an evaluation "
+                f"{eval_s:.3g} s"
+            )
         at = replan_step(config, steps)
-        budget_plan = BudgetPlan(budget_s=budget_s, planned_at_s=spent, compile_s=times[0], step_s=step_s,
-                                 step_times_s=tuple(times[1:]), eval_s=eval_s, checkpoint_s=0.0, finish_s=0.0,
-                                 steps=steps, replan_at=at if at is not None and at < steps else None,
-                                 calibrated_steps=steps)
+        budget_plan = BudgetPlan(
+            budget_s=budget_s,
+            planned_at_s=spent,
+            compile_s=times[0],
+            step_s=step_s,
+            step_times_s=tuple(times[1:]),
+            eval_s=eval_s,
+            checkpoint_s=0.0,
+            finish_s=0.0,
+            steps=steps,
+            replan_at=at if at is not None and at < steps else None,
+            calibrated_steps=steps,
+        )
     losses, curve, done, stopped, loop_times = [], [], 0, False, []
     while done < steps:
         loss, seconds = step(done, steps)
@@ -280,8 +297,12 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
             steps = budget_plan.steps
         if done < steps and done % config.eval_every == 0:
             curve.append([done, evaluate()])
-        if budget_plan is not None and done < steps and time.perf_counter() - start + \
-                (budget_plan.loop_step_s or budget_plan.step_s) + budget_plan.eval_s > budget_s:
+        if (
+            budget_plan is not None
+            and done < steps
+            and time.perf_counter() - start + (budget_plan.loop_step_s or budget_plan.step_s) + budget_plan.eval_s
+            > budget_s
+        ):
             stopped = True  # slower than planned: the next step and the evaluation would end past the budget
             break
     began = time.perf_counter()
@@ -292,19 +313,37 @@ def train_torch_peer(config: RunConfig, *, corpus: Corpus | None = None, torch_c
     if budget_plan is None:
         plan = {"compile_s": loop_times[0], "step_s": statistics.median(loop_times[1:] or loop_times)}
     else:
-        plan = {key: value for key, value in budget_plan.to_json().items()
-                if key not in ("budget_s", "steps", "checkpoint_s", "finish_s")} | {"replanned_at_s": replanned_at_s}
+        plan = {
+            key: value
+            for key, value in budget_plan.to_json().items()
+            if key not in ("budget_s", "steps", "checkpoint_s", "finish_s")
+        } | {"replanned_at_s": replanned_at_s}
     result = {
-        "contender": "pytorch", "heldout_bits_per_byte": bits, "heldout_loss": bits * math.log(2),
-        "heldout_curve": curve, "final_train_loss": float(np.mean(train_losses)),
-        "steps": done, "planned_steps": steps, "tokens": done * config.batch_size * config.seq_len,
-        "budget_s": budget_s, "elapsed_s": time.perf_counter() - start, "stopped_at_budget": stopped, **plan,
-        "slowest_step_s": max(loop_times), "final_eval_s": final_eval_s,
-        "precision": "bfloat16" if bfloat16 else "float32", "precision_reason": precision_reason,
-        "torch_compile": forward is not model, "torch_compile_reason": compile_reason,
-        "remat": remat, "remat_reason": f"--remat {config.remat}: " + (
-            "torch.utils.checkpoint around each block" if remat else "no activation checkpointing"),
+        "contender": "pytorch",
+        "heldout_bits_per_byte": bits,
+        "heldout_loss": bits * math.log(2),
+        "heldout_curve": curve,
+        "final_train_loss": float(np.mean(train_losses)),
+        "steps": done,
+        "planned_steps": steps,
+        "tokens": done * config.batch_size * config.seq_len,
+        "budget_s": budget_s,
+        "elapsed_s": time.perf_counter() - start,
+        "stopped_at_budget": stopped,
+        **plan,
+        "slowest_step_s": max(loop_times),
+        "final_eval_s": final_eval_s,
+        "precision": "bfloat16" if bfloat16 else "float32",
+        "precision_reason": precision_reason,
+        "torch_compile": forward is not model,
+        "torch_compile_reason": compile_reason,
+        "remat": remat,
+        "remat_reason": f"--remat {config.remat}: "
+        + ("torch.utils.checkpoint around each block" if remat else "no activation checkpointing"),
         "init": "leanstep's initial parameters" if initial_params is not None else f"GPT-2 (seed {config.seed})",
-        "adamw": adamw, "device": device, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "adamw": adamw,
+        "device": device,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
     }
     return TorchPeerRun(result, model)

@@ -42,8 +42,11 @@ __all__ = ["step_pace"]
 
 
 def _summary(times: list[float]) -> dict[str, float]:
-    return {"median_ms": statistics.median(times) * 1e3, "mean_ms": float(np.mean(times)) * 1e3,
-            "p25_ms": float(np.percentile(times, 25)) * 1e3}
+    return {
+        "median_ms": statistics.median(times) * 1e3,
+        "mean_ms": float(np.mean(times)) * 1e3,
+        "p25_ms": float(np.percentile(times, 25)) * 1e3,
+    }
 
 
 def step_pace(config: RunConfig | None = None, *, rounds: int = 12, steps: int = 8) -> dict[str, Any]:
@@ -81,14 +84,20 @@ def step_pace(config: RunConfig | None = None, *, rounds: int = 12, steps: int =
     if config.model != "transformer":
         raise ValueError(f"--model {config.model}: the PyTorch peer is leanstep's transformer only")
     run = build_run(config)
-    sampler = BatchSampler(load_corpus(config.data, seq_len=config.seq_len).train, config.batch_size,
-                           config.seq_len, config.seed)
+    sampler = BatchSampler(
+        load_corpus(config.data, seq_len=config.seq_len).train, config.batch_size, config.seq_len, config.seed
+    )
     step, state = run.make_step(), run.init_state()
     model = build_torch_model(run.model.config, remat=config.remat == "full", seed=config.seed)
     load_jax_params(model, jax.device_get(state.params))
-    peer_step, _ = make_torch_step(model, bfloat16=False, num_microbatches=config.microbatches,
-                                   max_grad_norm=math.inf if config.max_grad_norm is None else config.max_grad_norm,
-                                   lr=config.lr, weight_decay=config.weight_decay)
+    peer_step, _ = make_torch_step(
+        model,
+        bfloat16=False,
+        num_microbatches=config.microbatches,
+        max_grad_norm=math.inf if config.max_grad_norm is None else config.max_grad_norm,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+    )
 
     def leanstep_step(index: int) -> float:
         nonlocal state
@@ -108,7 +117,9 @@ def step_pace(config: RunConfig | None = None, *, rounds: int = 12, steps: int =
                 one(1 + r * steps + i)
                 times[name].append(time.perf_counter() - began)
     return {name: {**_summary(seconds), "first_loss": first[name]} for name, seconds in times.items()} | {
-        "rounds": rounds, "steps": steps}
+        "rounds": rounds,
+        "steps": steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,12 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=32)
     args = parser.parse_args(argv)
-    result = step_pace(RunConfig(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len),
-                       rounds=args.rounds, steps=args.steps)
+    result = step_pace(
+        RunConfig(size=args.size, batch_size=args.batch_size, seq_len=args.seq_len),
+        rounds=args.rounds,
+        steps=args.steps,
+    )
     for name in ("leanstep", "pytorch"):
         row = result[name]
-        print(f"{name:9s} median {row['median_ms']:6.1f} ms   mean {row['mean_ms']:6.1f} ms   "
-              f"p25 {row['p25_ms']:6.1f} ms   ({args.rounds} rounds of {args.steps} steps, in turn)")
+        print(
+            f"{name:9s} median {row['median_ms']:6.1f} ms   mean {row['mean_ms']:6.1f} ms   "
+            f"p25 {row['p25_ms']:6.1f} ms   ({args.rounds} rounds of {args.steps} steps, in turn)"
+        )
 
 
 if __name__ == "__main__":

@@ -76,29 +76,53 @@ def _phase_calls(run: Run, batch: dict[str, jax.Array]) -> dict[str, Callable[[]
     grads = grads_of(state, batch)
     forward_of = jax.jit(forward).lower(state.params, microbatches).compile()
     update_of = jax.jit(update).lower(state, grads).compile()
-    return {"forward": lambda: jax.block_until_ready(forward_of(state.params, microbatches)),
-            "gradients": lambda: jax.block_until_ready(grads_of(state, batch)),
-            "update": lambda: jax.block_until_ready(update_of(state, grads))}
+    return {
+        "forward": lambda: jax.block_until_ready(forward_of(state.params, microbatches)),
+        "gradients": lambda: jax.block_until_ready(grads_of(state, batch)),
+        "update": lambda: jax.block_until_ready(update_of(state, grads)),
+    }
 
 
-def _matmul_rows(groups: dict[tuple, list[MatmulOp]], times: dict[str, list[float]],
-                 prepared: dict[tuple, tuple[Callable[[], Any], int, tuple[str, ...]]]) -> list[dict[str, Any]]:
+def _matmul_rows(
+    groups: dict[tuple, list[MatmulOp]],
+    times: dict[str, list[float]],
+    prepared: dict[tuple, tuple[Callable[[], Any], int, tuple[str, ...]]],
+) -> list[dict[str, Any]]:
     """One row per distinct op: its executions per step, FLOPs and standalone best seconds, slowest first."""
     rows = []
     for index, (key, same) in enumerate(groups.items()):
         op, (_, n, standalone_kinds) = same[0], prepared[key]
         seconds, count = min(times[f"matmul {index}"]) / n, sum(m.trips for m in same)
-        rows.append({"op": op.op, "lhs": op.lhs, "rhs": op.rhs, "result": op.result,
-                     "dimension_numbers": op.dimension_numbers, "names": [m.name for m in same],
-                     "fusion_kinds": sorted({m.fusion_kind or "unfused" for m in same}),
-                     "standalone_kinds": list(standalone_kinds), "count": count, "flops_each": op.flops,
-                     "flops_total": op.flops * count, "seconds_each": seconds, "seconds_total": seconds * count,
-                     "gflops": op.flops / seconds / 1e9})
+        rows.append(
+            {
+                "op": op.op,
+                "lhs": op.lhs,
+                "rhs": op.rhs,
+                "result": op.result,
+                "dimension_numbers": op.dimension_numbers,
+                "names": [m.name for m in same],
+                "fusion_kinds": sorted({m.fusion_kind or "unfused" for m in same}),
+                "standalone_kinds": list(standalone_kinds),
+                "count": count,
+                "flops_each": op.flops,
+                "flops_total": op.flops * count,
+                "seconds_each": seconds,
+                "seconds_total": seconds * count,
+                "gflops": op.flops / seconds / 1e9,
+            }
+        )
     return sorted(rows, key=lambda row: -row["seconds_total"])
 
 
-def profile_step(config: RunConfig, *, repeats: int = 10, peak_size: int = 2048, phases: bool = True,
-                 trace_calls: int = 5, min_call_s: float = 0.02) -> dict[str, Any]:
+def profile_step(
+    config: RunConfig,
+    *,
+    repeats: int = 10,
+    peak_size: int = 2048,
+    phases: bool = True,
+    trace_calls: int = 5,
+    min_call_s: float = 0.02,
+) -> dict[str, Any]:
     r"""Times ``config``'s train step and splits it into its matmuls (timed standalone) and the rest.
 
     .. math::
@@ -171,8 +195,9 @@ def profile_step(config: RunConfig, *, repeats: int = 10, peak_size: int = 2048,
     prepared = {key: repeated_matmul(same[0], min_call_s=min_call_s) for key, same in groups.items()}
     contenders.update({f"matmul {index}": prepared[key][0] for index, key in enumerate(groups)})
     # The peak's calls are long, so a burst of load elsewhere spoils more of them: three times the samples.
-    times = time_interleaved(contenders, repeats={name: repeats * (3 if name == "peak" else 1) for name in contenders},
-                             warmup=2)
+    times = time_interleaved(
+        contenders, repeats={name: repeats * (3 if name == "peak" else 1) for name in contenders}, warmup=2
+    )
 
     step_s = min(times["step"])
     profile: dict[str, Any] = {"step_s": step_s, "step_s_median": statistics.median(times["step"])}
@@ -189,21 +214,35 @@ def profile_step(config: RunConfig, *, repeats: int = 10, peak_size: int = 2048,
     model_flops = float(run.model.flops_per_token) * rows * time_steps
     executed = count_executed_ops(hlo)
     model_config = dataclasses.asdict(run.model.config) if dataclasses.is_dataclass(run.model.config) else {}
-    profile.update({
-        "config": {**model_config, "model": config.model, "batch_size": rows, "seq_len": time_steps,
-                   "microbatches": config.microbatches, "precision": config.precision, "remat": config.remat},
-        "matmuls": matmuls,
-        "loops": [{"name": loop.name, "trip_count": loop.trip_count, "runs": loop.runs} for loop in list_loops(hlo)],
-        "executed_ops": executed,
-        "other_ops": executed - sum(row["count"] for row in matmuls),
-        "matmul_s": matmul_s, "rest_s": step_s - matmul_s,
-        "model_flops": model_flops, "hlo_matmul_flops": matmul_flops,
-        "peak_gflops": peak, "peak_size": peak_size,
-        "model_gflops": model_flops / step_s / 1e9,
-        "matmul_gflops": matmul_flops / matmul_s / 1e9 if matmul_s else float("inf"),
-        "mfu": model_flops / step_s / 1e9 / peak,
-        "mfu_ceiling": model_flops / matmul_s / 1e9 / peak if matmul_s else float("inf"),
-    })
+    profile.update(
+        {
+            "config": {
+                **model_config,
+                "model": config.model,
+                "batch_size": rows,
+                "seq_len": time_steps,
+                "microbatches": config.microbatches,
+                "precision": config.precision,
+                "remat": config.remat,
+            },
+            "matmuls": matmuls,
+            "loops": [
+                {"name": loop.name, "trip_count": loop.trip_count, "runs": loop.runs} for loop in list_loops(hlo)
+            ],
+            "executed_ops": executed,
+            "other_ops": executed - sum(row["count"] for row in matmuls),
+            "matmul_s": matmul_s,
+            "rest_s": step_s - matmul_s,
+            "model_flops": model_flops,
+            "hlo_matmul_flops": matmul_flops,
+            "peak_gflops": peak,
+            "peak_size": peak_size,
+            "model_gflops": model_flops / step_s / 1e9,
+            "matmul_gflops": matmul_flops / matmul_s / 1e9 if matmul_s else float("inf"),
+            "mfu": model_flops / step_s / 1e9 / peak,
+            "mfu_ceiling": model_flops / matmul_s / 1e9 / peak if matmul_s else float("inf"),
+        }
+    )
     return profile
 
 
@@ -217,17 +256,28 @@ def _format_trace(t: dict[str, Any], matmul_flops: float) -> list[str]:
     for group in t["groups"]:
         phases[group["phase"]] = phases.get(group["phase"], 0.0) + group["seconds"]
     ms = {key: t[key] * 1e3 for key in ("wall_s", "kernel_s", "busy_s", "matmul_s", "other_s")}
-    lines = ["", (f"measured inside the step (XLA:CPU profiler; the fastest of {t['calls']} traced steps, "
-                  f"{ms['wall_s']:.1f} ms)"),
-             (f"  kernels       {ms['kernel_s']:9.1f} ms   {t['kernels']:.0f} kernels; busy {ms['busy_s']:.1f} ms "
-              f"(overlap {t['overlap']:.2f}), idle {ms['wall_s'] - ms['busy_s']:.1f} ms"),
-             (f"  matmuls       {ms['matmul_s']:9.1f} ms   {t['matmul_kernels']:.0f} kernels, with what XLA fused "
-              f"into them: {matmul_flops / max(t['matmul_s'], 1e-12) / 1e9:.1f} GFLOP/s"),
-             f"  rest          {ms['other_s']:9.1f} ms   {t['kernels'] - t['matmul_kernels']:.0f} kernels",
-             "  by phase      " + ", ".join(f"{name} {spent * 1e3:.1f} ms" for name, spent in phases.items())]
-    return lines + [f"  {g['phase']:>9} {g['primitive']:<24} {g['seconds'] * 1e3:8.1f} ms "
-                    f"{g['seconds'] / max(t['kernel_s'], 1e-12):6.1%} {g['kernels']:6.0f} kernels"
-                    for g in t["groups"][:12]]
+    lines = [
+        "",
+        (
+            f"measured inside the step (XLA:CPU profiler; the fastest of {t['calls']} traced steps, "
+            f"{ms['wall_s']:.1f} ms)"
+        ),
+        (
+            f"  kernels       {ms['kernel_s']:9.1f} ms   {t['kernels']:.0f} kernels; busy {ms['busy_s']:.1f} ms "
+            f"(overlap {t['overlap']:.2f}), idle {ms['wall_s'] - ms['busy_s']:.1f} ms"
+        ),
+        (
+            f"  matmuls       {ms['matmul_s']:9.1f} ms   {t['matmul_kernels']:.0f} kernels, with what XLA fused "
+            f"into them: {matmul_flops / max(t['matmul_s'], 1e-12) / 1e9:.1f} GFLOP/s"
+        ),
+        f"  rest          {ms['other_s']:9.1f} ms   {t['kernels'] - t['matmul_kernels']:.0f} kernels",
+        "  by phase      " + ", ".join(f"{name} {spent * 1e3:.1f} ms" for name, spent in phases.items()),
+    ]
+    return lines + [
+        f"  {g['phase']:>9} {g['primitive']:<24} {g['seconds'] * 1e3:8.1f} ms "
+        f"{g['seconds'] / max(t['kernel_s'], 1e-12):6.1%} {g['kernels']:6.0f} kernels"
+        for g in t["groups"][:12]
+    ]
 
 
 def format_profile(profile: dict[str, Any]) -> str:
@@ -244,37 +294,61 @@ def format_profile(profile: dict[str, Any]) -> str:
       >>> print(format_profile(profile).splitlines()[2])
         3 dot  f32[8,4] x f32[4,2] -> f32[8,2]  c(1)x(0) b()x()  unfused  0.000128  0.001  0.003  0.128 100.0%
     """
-    header = (f"{'count':>5} {'op':<4} {'lhs x rhs -> result':<44} {'contract/batch dims':<22} {'fusion':<8} "
-              f"{'MFLOP':>8} {'ms/op':>8} {'ms/step':>8} {'GFLOP/s':>8} {'share':>6}")
+    header = (
+        f"{'count':>5} {'op':<4} {'lhs x rhs -> result':<44} {'contract/batch dims':<22} {'fusion':<8} "
+        f"{'MFLOP':>8} {'ms/op':>8} {'ms/step':>8} {'GFLOP/s':>8} {'share':>6}"
+    )
     lines = [header, "-" * len(header)]
     matmul_s = profile["matmul_s"] or float("inf")
     for row in profile["matmuls"]:
         numbers = row["dimension_numbers"]
-        dims = (f"c{numbers[0]}x{numbers[1]} b{numbers[2]}x{numbers[3]}" if row["op"] == "dot"
-                else f"{numbers[1]} {numbers[0]}").replace(",)", ")")
+        dims = (
+            f"c{numbers[0]}x{numbers[1]} b{numbers[2]}x{numbers[3]}"
+            if row["op"] == "dot"
+            else f"{numbers[1]} {numbers[0]}"
+        ).replace(",)", ")")
         kinds = "/".join(kind.replace("kCustom:__", "").replace("_fusion", "") for kind in row["fusion_kinds"])
         shapes = f"{_shape(row['lhs'])} x {_shape(row['rhs'])} -> {_shape(row['result'])}"
-        lines.append(f"{row['count']:>5} {row['op'][:4]:<4} {shapes:<44} {dims:<22} {kinds:<8} "
-                     f"{row['flops_each'] / 1e6:>8.3g} {row['seconds_each'] * 1e3:>8.3g} "
-                     f"{row['seconds_total'] * 1e3:>8.3g} {row['gflops']:>8.3g} "
-                     f"{row['seconds_total'] / matmul_s:>6.1%}")
+        lines.append(
+            f"{row['count']:>5} {row['op'][:4]:<4} {shapes:<44} {dims:<22} {kinds:<8} "
+            f"{row['flops_each'] / 1e6:>8.3g} {row['seconds_each'] * 1e3:>8.3g} "
+            f"{row['seconds_total'] * 1e3:>8.3g} {row['gflops']:>8.3g} "
+            f"{row['seconds_total'] / matmul_s:>6.1%}"
+        )
     p = profile
-    lines += ["", f"step            {p['step_s'] * 1e3:9.1f} ms   ({p['executed_ops']} kernels per step)",
-              (f"  matmuls       {p['matmul_s'] * 1e3:9.1f} ms   {p['matmul_s'] / p['step_s']:.0%} of the step, "
-               f"{p['matmul_gflops']:.1f} GFLOP/s, each op alone at its standalone speed"),
-              (f"  rest          {p['rest_s'] * 1e3:9.1f} ms   {p['rest_s'] / p['step_s']:.0%} of the step, "
-               f"{p['other_ops']} other kernels, {p['rest_s'] / max(p['other_ops'], 1) * 1e6:.0f} us each")]
+    lines += [
+        "",
+        f"step            {p['step_s'] * 1e3:9.1f} ms   ({p['executed_ops']} kernels per step)",
+        (
+            f"  matmuls       {p['matmul_s'] * 1e3:9.1f} ms   {p['matmul_s'] / p['step_s']:.0%} of the step, "
+            f"{p['matmul_gflops']:.1f} GFLOP/s, each op alone at its standalone speed"
+        ),
+        (
+            f"  rest          {p['rest_s'] * 1e3:9.1f} ms   {p['rest_s'] / p['step_s']:.0%} of the step, "
+            f"{p['other_ops']} other kernels, {p['rest_s'] / max(p['other_ops'], 1) * 1e6:.0f} us each"
+        ),
+    ]
     if "forward_s" in p:
-        lines += [f"forward         {p['forward_s'] * 1e3:9.1f} ms   (jitted alone, every microbatch)",
-                  (f"backward        {p['backward_s'] * 1e3:9.1f} ms   (the gradient stage alone "
-                  f"{p['gradients_s'] * 1e3:.1f} ms - forward)"),
-                  (f"update          {p['update_s'] * 1e3:9.1f} ms   (guarded optimizer update alone; "
-                  f"{p['unaccounted_s'] * 1e3:.1f} ms of the step in neither)")]
-    lines += [(f"model FLOPs     {p['model_flops'] / 1e9:9.3f} G    HLO matmul FLOPs "
-               f"{p['hlo_matmul_flops'] / 1e9:.3f} G ({p['hlo_matmul_flops'] / p['model_flops']:.2f}x)"),
-              f"peak            {p['peak_gflops']:9.1f} GFLOP/s (large float32 matmul)",
-              f"model           {p['model_gflops']:9.1f} GFLOP/s   MFU {p['mfu']:.1%}",
-              f"ceiling         MFU {p['mfu_ceiling']:.1%} if only the matmuls ran, at their standalone speed"]
+        lines += [
+            f"forward         {p['forward_s'] * 1e3:9.1f} ms   (jitted alone, every microbatch)",
+            (
+                f"backward        {p['backward_s'] * 1e3:9.1f} ms   (the gradient stage alone "
+                f"{p['gradients_s'] * 1e3:.1f} ms - forward)"
+            ),
+            (
+                f"update          {p['update_s'] * 1e3:9.1f} ms   (guarded optimizer update alone; "
+                f"{p['unaccounted_s'] * 1e3:.1f} ms of the step in neither)"
+            ),
+        ]
+    lines += [
+        (
+            f"model FLOPs     {p['model_flops'] / 1e9:9.3f} G    HLO matmul FLOPs "
+            f"{p['hlo_matmul_flops'] / 1e9:.3f} G ({p['hlo_matmul_flops'] / p['model_flops']:.2f}x)"
+        ),
+        f"peak            {p['peak_gflops']:9.1f} GFLOP/s (large float32 matmul)",
+        f"model           {p['model_gflops']:9.1f} GFLOP/s   MFU {p['mfu']:.1%}",
+        f"ceiling         MFU {p['mfu_ceiling']:.1%} if only the matmuls ran, at their standalone speed",
+    ]
     if "trace" in p:
         lines += _format_trace(p["trace"], p["hlo_matmul_flops"])
     return "\n".join(lines)
@@ -294,19 +368,32 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argp
     parser.add_argument("--trace-calls", type=int, default=5, help="steps to run under the profiler (0: none)")
     parser.add_argument("--json", help="also write the profile here")
     args = parser.parse_args(argv)
-    fields = {"d_model": args.d_model, "n_layers": args.layers, "n_heads": args.heads, "d_ff": args.d_ff,
-              "batch_size": args.batch_size, "seq_len": args.seq_len, "microbatches": args.microbatches,
-              "remat": args.remat}
-    config = RunConfig(model=args.model, size=args.size, precision=args.precision, steps=300,
-                       **{key: value for key, value in fields.items() if value is not None})
+    fields = {
+        "d_model": args.d_model,
+        "n_layers": args.layers,
+        "n_heads": args.heads,
+        "d_ff": args.d_ff,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "microbatches": args.microbatches,
+        "remat": args.remat,
+    }
+    config = RunConfig(
+        model=args.model,
+        size=args.size,
+        precision=args.precision,
+        steps=300,
+        **{key: value for key, value in fields.items() if value is not None},
+    )
     return config, args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m leanstep.bench.step_profile [--d-model N ...]``: prints the profile's table."""
     config, args = config_from_args(argv)
-    profile = profile_step(config.validate(), repeats=args.repeats, phases=not args.no_phases,
-                           trace_calls=args.trace_calls)
+    profile = profile_step(
+        config.validate(), repeats=args.repeats, phases=not args.no_phases, trace_calls=args.trace_calls
+    )
     print(format_profile(profile))
     if args.json:
         with open(args.json, "w") as file:

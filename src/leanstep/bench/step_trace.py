@@ -55,8 +55,15 @@ def kernel_group(inst: Instruction, matmul: bool) -> tuple[str, str]:
     if match is None:
         return "xla", "matmul" if matmul else inst.op
     name = match.group(1)
-    phase = ("backward" if "transpose(jvp" in name else "forward" if "jvp(" in name
-             else "loop" if "/while" in name else "update")
+    phase = (
+        "backward"
+        if "transpose(jvp" in name
+        else "forward"
+        if "jvp(" in name
+        else "loop"
+        if "/while" in name
+        else "update"
+    )
     last = name.split(";")[0].rsplit("/", 1)[-1]
     while (wrapped := re.fullmatch(r"\w+\((.*)\)", last)) is not None:  # jit(_where) -> _where
         last = wrapped.group(1)
@@ -152,18 +159,37 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
         group = groups.setdefault((phase, primitive), [0.0, 0.0])
         group[0] += spent
         group[1] += counts[name]
-        rows.append({"name": name, "op": inst.op, "phase": phase, "primitive": primitive, "seconds": spent,
-                     "kernels": counts[name]})
+        rows.append(
+            {
+                "name": name,
+                "op": inst.op,
+                "phase": phase,
+                "primitive": primitive,
+                "seconds": spent,
+                "kernels": counts[name],
+            }
+        )
     kernel_s = sum(seconds.values())
     matmul_s = sum(row["seconds"] for row in rows if row["primitive"] == "matmul")
     busy_s = _union_ns([event[:2] for event in chosen]) / 1e9
     walls = sorted((end - start) / 1e9 for start, end in windows)
     return {
-        "calls": calls, "wall_s": walls[0], "wall_s_median": walls[len(walls) // 2], "kernel_s": kernel_s,
-        "busy_s": busy_s, "matmul_s": matmul_s, "other_s": kernel_s - matmul_s, "kernels": sum(counts.values()),
+        "calls": calls,
+        "wall_s": walls[0],
+        "wall_s_median": walls[len(walls) // 2],
+        "kernel_s": kernel_s,
+        "busy_s": busy_s,
+        "matmul_s": matmul_s,
+        "other_s": kernel_s - matmul_s,
+        "kernels": sum(counts.values()),
         "matmul_kernels": sum(row["kernels"] for row in rows if row["primitive"] == "matmul"),
         "overlap": kernel_s / busy_s if busy_s else 1.0,
-        "groups": sorted(({"phase": phase, "primitive": primitive, "seconds": spent, "kernels": int(n)}
-                          for (phase, primitive), (spent, n) in groups.items()), key=lambda g: -g["seconds"]),
+        "groups": sorted(
+            (
+                {"phase": phase, "primitive": primitive, "seconds": spent, "kernels": int(n)}
+                for (phase, primitive), (spent, n) in groups.items()
+            ),
+            key=lambda g: -g["seconds"],
+        ),
         "top": sorted(rows, key=lambda row: -row["seconds"])[:top],
     }

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["torch_available", "build_torch_model", "load_jax_params", "make_torch_step"]
+__all__ = ["build_torch_model", "load_jax_params", "make_torch_step", "torch_available"]
 
 
 def torch_available() -> bool:
@@ -154,12 +154,14 @@ def make_torch_step(
 
     info: dict[str, Any] = {"compiled": compile}
     try:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
-                                      weight_decay=weight_decay, fused=True)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, fused=True
+        )
         info["adamw"] = "fused"
     except (RuntimeError, TypeError, ValueError):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95),
-                                      weight_decay=weight_decay, foreach=True)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, foreach=True
+        )
         info["adamw"] = "foreach"
     scaler = torch.amp.GradScaler("cpu", init_scale=initial_loss_scale) if bfloat16 else None
     info["grad_scaler"] = scaler is not None

@@ -23,8 +23,9 @@ def describe_probe(key: str, measurement: dict[str, Any]) -> str:
     return f"{backend} {_SHORT_DTYPES.get(dtype, dtype)} matmul probe (best of {repeats} at {size}x{size})"
 
 
-def model_flops_utilization(achieved_gflops: float, peak_gflops: float | None, *,
-                            limit: str) -> tuple[float | None, str | None]:
+def model_flops_utilization(
+    achieved_gflops: float, peak_gflops: float | None, *, limit: str
+) -> tuple[float | None, str | None]:
     r"""``achieved / peak`` when the peak limits the achieved throughput; otherwise None and why.
 
     .. math::
@@ -59,6 +60,8 @@ def model_flops_utilization(achieved_gflops: float, peak_gflops: float | None, *
     if not is_real(peak_gflops) or not peak_gflops > 0:
         raise ValueError(f"peak_gflops must be a number > 0 or None, got {peak_gflops!r}")
     if achieved_gflops > peak_gflops:
-        return None, (f"peak meaningless: the row reaches {achieved_gflops:.3g} GFLOP/s, above the "
-                      f"{peak_gflops:.3g} GFLOP/s {limit}")
+        return None, (
+            f"peak meaningless: the row reaches {achieved_gflops:.3g} GFLOP/s, above the "
+            f"{peak_gflops:.3g} GFLOP/s {limit}"
+        )
     return achieved_gflops / peak_gflops, None

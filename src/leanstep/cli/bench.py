@@ -49,35 +49,60 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--quick", action="store_true", help="tiny model, fewer settings and repeats")
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write every number as JSON to FILE")
-    p.add_argument("--chart", metavar="FILE", default="bench.png", help="PNG chart path, 'none' for no chart (default bench.png)")
+    p.add_argument(
+        "--chart", metavar="FILE", default="bench.png", help="PNG chart path, 'none' for no chart (default bench.png)"
+    )
     p.add_argument("--size", choices=SIZES, help="model size preset (default: small; tiny with --quick)")
     p.add_argument("--batch-size", type=int, help="batch size (default 16)")
     p.add_argument("--microbatches", type=int, help="microbatches for the comparisons (default 2)")
     p.add_argument("--remat", help="remat policy for leanstep vs hand-written (default dots)")
-    p.add_argument("--microbatch-sweep", type=_int_list, metavar="N,N,...",
-                   help="microbatch counts for the memory sweep (default 1,2,4,8; 1,2,4 with --quick)")
-    p.add_argument("--remat-sweep", type=_policy_list, metavar="P;P;...",
-                   help="';'-separated remat policies for the memory sweep "
-                   "(default none;full;dots;dots_no_batch;save:attn_out,mlp_hidden; full;dots with --quick)")
+    p.add_argument(
+        "--microbatch-sweep",
+        type=_int_list,
+        metavar="N,N,...",
+        help="microbatch counts for the memory sweep (default 1,2,4,8; 1,2,4 with --quick)",
+    )
+    p.add_argument(
+        "--remat-sweep",
+        type=_policy_list,
+        metavar="P;P;...",
+        help="';'-separated remat policies for the memory sweep "
+        "(default none;full;dots;dots_no_batch;save:attn_out,mlp_hidden; full;dots with --quick)",
+    )
     p.add_argument("--repeats", type=int, help="timed steps per JAX contender (default 10; 50 with --quick)")
     p.add_argument("--torch-repeats", type=int, help="timed steps per PyTorch contender (default 3; 5 with --quick)")
     p.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch contenders")
-    p.add_argument("--torch-compile", dest="torch_compile", action="store_true", default=None,
-                   help="also time torch.compile'd models (default on; off with --quick)")
+    p.add_argument(
+        "--torch-compile",
+        dest="torch_compile",
+        action="store_true",
+        default=None,
+        help="also time torch.compile'd models (default on; off with --quick)",
+    )
     p.add_argument("--no-torch-compile", dest="torch_compile", action="store_false")
     p.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: the cores JAX uses)")
-    p.add_argument("--matmul-size", type=int,
-                   help="largest square matmul for the best-of-N peak (default 4096; 2048 with --quick)")
+    p.add_argument(
+        "--matmul-size", type=int, help="largest square matmul for the best-of-N peak (default 4096; 2048 with --quick)"
+    )
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     add_speedrun_flags(p)
     p.set_defaults(run=run_bench)
 
 
-_FIELDS = {"size": "size", "batch_size": "batch_size", "microbatches": "num_microbatches", "remat": "remat",
-           "microbatch_sweep": "microbatch_sweep", "remat_sweep": "remat_sweep", "repeats": "repeats",
-           "torch_repeats": "torch_repeats", "torch_compile": "torch_compile", "torch_threads": "torch_threads",
-           "matmul_size": "matmul_size"}
+_FIELDS = {
+    "size": "size",
+    "batch_size": "batch_size",
+    "microbatches": "num_microbatches",
+    "remat": "remat",
+    "microbatch_sweep": "microbatch_sweep",
+    "remat_sweep": "remat_sweep",
+    "repeats": "repeats",
+    "torch_repeats": "torch_repeats",
+    "torch_compile": "torch_compile",
+    "torch_threads": "torch_threads",
+    "matmul_size": "matmul_size",
+}
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -150,7 +175,8 @@ def run_bench(args: argparse.Namespace) -> int:
         except OSError as error:
             failed.append(f"--chart {str(chart_path)!r} ({error.strerror or error})")
     if failed:
-        print(f"leanstep bench: error: could not write {' nor '.join(failed)}; {shown} printed on stdout",
-              file=sys.stderr)
+        print(
+            f"leanstep bench: error: could not write {' nor '.join(failed)}; {shown} printed on stdout", file=sys.stderr
+        )
         return 1
     return 0

@@ -12,12 +12,23 @@ from leanstep.cli.jsontree import InputError, write_json_or_print
 __all__ = ["add_speedrun_flags", "check_no_speedrun_flags", "render_speedrun", "run_speedrun_command"]
 
 #: ``(flag, RunConfig field)`` that the speedrun takes from ``leanstep bench``'s own flags.
-_RUN_FLAGS = (("--size", "size"), ("--batch-size", "batch_size"), ("--microbatches", "microbatches"),
-              ("--remat", "remat"), ("--seed", "seed"))
+_RUN_FLAGS = (
+    ("--size", "size"),
+    ("--batch-size", "batch_size"),
+    ("--microbatches", "microbatches"),
+    ("--remat", "remat"),
+    ("--seed", "seed"),
+)
 #: Flags of the step benchmark that mean nothing to the speedrun (each defaults to None or False).
-_STEP_BENCH_FLAGS = (("--quick", "quick"), ("--microbatch-sweep", "microbatch_sweep"),
-                     ("--remat-sweep", "remat_sweep"), ("--repeats", "repeats"), ("--torch-repeats", "torch_repeats"),
-                     ("--torch-threads", "torch_threads"), ("--matmul-size", "matmul_size"))
+_STEP_BENCH_FLAGS = (
+    ("--quick", "quick"),
+    ("--microbatch-sweep", "microbatch_sweep"),
+    ("--remat-sweep", "remat_sweep"),
+    ("--repeats", "repeats"),
+    ("--torch-repeats", "torch_repeats"),
+    ("--torch-threads", "torch_threads"),
+    ("--matmul-size", "matmul_size"),
+)
 #: The speedrun's own flags, refused without ``--speedrun``.
 _SPEEDRUN_FLAGS = (("--time-budget", "time_budget"), ("--out", "out"), ("--data", "data"))
 DEFAULT_BUDGET, DEFAULT_OUT, DEFAULT_CHART = "3m", "runs/speedrun", "bench.png"
@@ -25,14 +36,22 @@ DEFAULT_BUDGET, DEFAULT_OUT, DEFAULT_CHART = "3m", "runs/speedrun", "bench.png"
 
 def add_speedrun_flags(parser: argparse.ArgumentParser) -> None:
     """Adds ``--speedrun`` and its flags to ``leanstep bench``'s parser."""
-    group = parser.add_argument_group("speedrun", "held-out bits per byte at equal wall-clock: leanstep's run, "
-                                      "a PyTorch peer of it, gzip -9 and xz -9e")
-    group.add_argument("--speedrun", action="store_true",
-                       help="train leanstep, then the same model in PyTorch, each for --time-budget, and compare "
-                            "held-out bits per byte with gzip -9 and xz -9e (takes --size, --batch-size, "
-                            "--microbatches, --remat, --seed, --no-torch, --torch-compile/--no-torch-compile, --json; the peer compiles by default on a GPU, runs eager on a CPU)")
-    group.add_argument("--time-budget", metavar="DURATION",
-                       help=f"each contender's wall-clock, e.g. 3m, 180s, 1.5m, 1h (default {DEFAULT_BUDGET})")
+    group = parser.add_argument_group(
+        "speedrun",
+        "held-out bits per byte at equal wall-clock: leanstep's run, a PyTorch peer of it, gzip -9 and xz -9e",
+    )
+    group.add_argument(
+        "--speedrun",
+        action="store_true",
+        help="train leanstep, then the same model in PyTorch, each for --time-budget, and compare "
+        "held-out bits per byte with gzip -9 and xz -9e (takes --size, --batch-size, "
+        "--microbatches, --remat, --seed, --no-torch, --torch-compile/--no-torch-compile, --json; the peer compiles by default on a GPU, runs eager on a CPU)",
+    )
+    group.add_argument(
+        "--time-budget",
+        metavar="DURATION",
+        help=f"each contender's wall-clock, e.g. 3m, 180s, 1.5m, 1h (default {DEFAULT_BUDGET})",
+    )
     group.add_argument("--out", metavar="DIR", help=f"leanstep's run goes to DIR/leanstep (default {DEFAULT_OUT})")
     group.add_argument("--data", metavar="PATH", help="the corpus, as for leanstep train (default: the stdlib)")
 
@@ -74,8 +93,10 @@ def render_speedrun(result: dict[str, Any]) -> Any:
     from rich.text import Text
 
     budget = result["budget_s"]
-    table = Table(title=f"speedrun: held-out bits per byte after {budget:g} s of wall-clock each (lower is better)",
-                  title_justify="left")
+    table = Table(
+        title=f"speedrun: held-out bits per byte after {budget:g} s of wall-clock each (lower is better)",
+        title_justify="left",
+    )
     for name in ("contender", "all held-out", "in run", "steps", "tokens", "seconds", "compile s", "precision"):
         table.add_column(name, justify="left" if name in ("contender", "precision") else "right")
     notes = []
@@ -89,27 +110,49 @@ def render_speedrun(result: dict[str, Any]) -> Any:
             continue
         if key == "pytorch":
             label += " (torch.compile)" if row["torch_compile"] else " (eager)"
-            notes.append(f"PyTorch torch.compile: {row['torch_compile_reason']}; {row['remat_reason']}; "
-                         f"AdamW {row['adamw']}; {row['torch_threads']} threads")
+            notes.append(
+                f"PyTorch torch.compile: {row['torch_compile_reason']}; {row['remat_reason']}; "
+                f"AdamW {row['adamw']}; {row['torch_threads']} threads"
+            )
         notes.append(f"{label} precision: {row['precision_reason']}")
         if row.get("stopped_at_budget"):
-            notes.append(f"{label} ran slower than planned and stopped at step {row['steps']} of "
-                         f"{row['planned_steps']}")
-        table.add_row(*(Text(cell) for cell in (
-            label, _number(row.get("heldout_bits_per_byte_all"), ".4f"), _number(row["heldout_bits_per_byte"], ".4f"),
-            f"{row['steps']:,}", f"{row['tokens']:,}",
-            _number(row["wall_s"], ".1f"), _number(row.get("compile_s"), ".1f"), row["precision"])))
+            notes.append(
+                f"{label} ran slower than planned and stopped at step {row['steps']} of {row['planned_steps']}"
+            )
+        table.add_row(
+            *(
+                Text(cell)
+                for cell in (
+                    label,
+                    _number(row.get("heldout_bits_per_byte_all"), ".4f"),
+                    _number(row["heldout_bits_per_byte"], ".4f"),
+                    f"{row['steps']:,}",
+                    f"{row['tokens']:,}",
+                    _number(row["wall_s"], ".1f"),
+                    _number(row.get("compile_s"), ".1f"),
+                    row["precision"],
+                )
+            )
+        )
     references = result["references"]
     for key in ("gzip", "xz"):
         reference = references[key]
-        table.add_row(*(Text(cell) for cell in (
-            reference["command"], f"{reference['bits_per_byte']:.4f}", "-", "-", "-", "-", "-", "-")))
-    notes.append(f"gzip and xz compress all {references['bytes']:,} held-out bytes; 'all held-out' scores each "
-                 f"model's final weights on every window of them ({references['windows_bytes']:,} bytes, after the "
-                 "budget); 'in run' is the run's own estimate, on windows spread over them")
+        table.add_row(
+            *(
+                Text(cell)
+                for cell in (reference["command"], f"{reference['bits_per_byte']:.4f}", "-", "-", "-", "-", "-", "-")
+            )
+        )
+    notes.append(
+        f"gzip and xz compress all {references['bytes']:,} held-out bytes; 'all held-out' scores each "
+        f"model's final weights on every window of them ({references['windows_bytes']:,} bytes, after the "
+        "budget); 'in run' is the run's own estimate, on windows spread over them"
+    )
     machine = result["machine"]
-    notes.append(f"machine: {machine.get('cpu_model')}, {machine.get('cores_available')} cores, jax "
-                 f"{machine.get('jax')}" + (f", torch {machine['torch']}" if "torch" in machine else ""))
+    notes.append(
+        f"machine: {machine.get('cpu_model')}, {machine.get('cores_available')} cores, jax "
+        f"{machine.get('jax')}" + (f", torch {machine['torch']}" if "torch" in machine else "")
+    )
     return Group(table, *(Text(f"  {note}", style="dim") for note in notes))
 
 
@@ -139,8 +182,14 @@ def run_speedrun_command(args: argparse.Namespace) -> int:
             stderr.print(Text(f"[{time.perf_counter() - start:6.1f}s] {message}", style="dim"), highlight=False)
 
     try:
-        result = run_speedrun(budget, config=config, out=DEFAULT_OUT if args.out is None else args.out,
-                              torch_peer=args.torch, torch_compile=args.torch_compile, log=log)
+        result = run_speedrun(
+            budget,
+            config=config,
+            out=DEFAULT_OUT if args.out is None else args.out,
+            torch_peer=args.torch,
+            torch_compile=args.torch_compile,
+            log=log,
+        )
     except ValueError as error:
         raise InputError(str(error)) from None
     except RunStopped as stopped:
@@ -149,7 +198,9 @@ def run_speedrun_command(args: argparse.Namespace) -> int:
     result["command"] = "leanstep bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None
     Console(width=max(Console().width, 120)).print(render_speedrun(result))
     if json_path is not None and (failure := write_json_or_print(json_path, result, log)) is not None:
-        print(f"leanstep bench: error: could not write {failure}; the table and the JSON are printed on stdout",
-              file=sys.stderr)
+        print(
+            f"leanstep bench: error: could not write {failure}; the table and the JSON are printed on stdout",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -32,18 +32,35 @@ def _row_name(row: dict[str, Any]) -> str:
 
 
 def _rows_table(result: dict[str, Any]) -> Table:
-    table = Table(title="train step: time, XLA compiled memory, model FLOPs utilization (MFU: against the best-of-N "
-                  "matmul peak of the row's backend, XLA or torch, in its compute dtype; '-' where the row outruns "
-                  "that probe, see the notes; CPU peak: against the theoretical float32 peak)", title_justify="left")
-    for name, justify in (("impl", "left"), ("compute", "left"), ("mb", "right"), ("remat", "left"),
-                          ("median ms", "right"), ("min ms", "right"), ("max ms", "right"), ("n", "right"),
-                          ("temp MiB", "right"), ("args MiB", "right"), ("out MiB", "right"),
-                          ("GFLOP/s", "right"), ("MFU", "right"), ("of CPU peak", "right")):
+    table = Table(
+        title="train step: time, XLA compiled memory, model FLOPs utilization (MFU: against the best-of-N "
+        "matmul peak of the row's backend, XLA or torch, in its compute dtype; '-' where the row outruns "
+        "that probe, see the notes; CPU peak: against the theoretical float32 peak)",
+        title_justify="left",
+    )
+    for name, justify in (
+        ("impl", "left"),
+        ("compute", "left"),
+        ("mb", "right"),
+        ("remat", "left"),
+        ("median ms", "right"),
+        ("min ms", "right"),
+        ("max ms", "right"),
+        ("n", "right"),
+        ("temp MiB", "right"),
+        ("args MiB", "right"),
+        ("out MiB", "right"),
+        ("GFLOP/s", "right"),
+        ("MFU", "right"),
+        ("of CPU peak", "right"),
+    ):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for row in result["rows"]:
         impl = row["impl"] + (f" ({row['variant']})" if row["variant"] else "")
-        mib = {key: None if row[key] is None else row[key] / _MIB
-               for key in ("temp_bytes", "argument_bytes", "output_bytes")}
+        mib = {
+            key: None if row[key] is None else row[key] / _MIB
+            for key in ("temp_bytes", "argument_bytes", "output_bytes")
+        }
         _add_row(
             table, impl, row["precision"], str(row["num_microbatches"]), row["remat"],
             _fmt(row["step_ms_median"], ".4g"), _fmt(row["step_ms_min"], ".4g"), _fmt(row["step_ms_max"], ".4g"),
@@ -62,23 +79,35 @@ def _summary_table(result: dict[str, Any]) -> Table:
         _add_row(table, key, _fmt(value, ".3f"))
     for key, value in result["peak_gflops"].items():
         measured = result["matmul"].get(key) or {}
-        what = (f" (best of {measured['repeats']}, {measured['size']}x{measured['size']} matmul; median "
-                f"{measured['gflops_median']:.4g})") if "gflops_median" in measured else ""
+        what = (
+            (
+                f" (best of {measured['repeats']}, {measured['size']}x{measured['size']} matmul; median "
+                f"{measured['gflops_median']:.4g})"
+            )
+            if "gflops_median" in measured
+            else ""
+        )
         _add_row(table, f"peak GFLOP/s {key}{what}", _fmt(value, ".4g"))
     cpu = result.get("cpu_peak")
     if cpu is not None:
         if cpu["gflops"] is None:
             _add_row(table, f"theoretical float32 CPU peak GFLOP/s ({cpu['reason']})", "-")
         else:
-            _add_row(table, f"theoretical float32 CPU peak GFLOP/s ({cpu['cores']:g} cores x {cpu['ghz']:.3g} GHz "
-                     f"[{cpu['clock_source']}] x {cpu['float32_lanes']} lanes x 2 x {cpu['fma_units']} FMA units "
-                     "[assumed])", _fmt(cpu["gflops"], ".4g"))
+            _add_row(
+                table,
+                f"theoretical float32 CPU peak GFLOP/s ({cpu['cores']:g} cores x {cpu['ghz']:.3g} GHz "
+                f"[{cpu['clock_source']}] x {cpu['float32_lanes']} lanes x 2 x {cpu['fma_units']} FMA units "
+                "[assumed])",
+                _fmt(cpu["gflops"], ".4g"),
+            )
     mfu = result["mfu"]
     if "leanstep_mfu" in mfu:
-        _add_row(table, f"MFU leanstep bf16 step (against {mfu['leanstep_mfu_against']})",
-                 _percent(mfu["leanstep_mfu"]))
-        _add_row(table, "leanstep bf16 step, fraction of the CPU's float32 peak",
-                 _percent(mfu["leanstep_cpu_peak_fraction"]))
+        _add_row(
+            table, f"MFU leanstep bf16 step (against {mfu['leanstep_mfu_against']})", _percent(mfu["leanstep_mfu"])
+        )
+        _add_row(
+            table, "leanstep bf16 step, fraction of the CPU's float32 peak", _percent(mfu["leanstep_cpu_peak_fraction"])
+        )
     for key, value in result["checks"].items():
         _add_row(table, key, _fmt(value, ".6g"))
     return table
@@ -108,6 +137,10 @@ def render_benchmark(result: dict[str, Any]) -> Group:
     machine = result["machine"]
     header = Text(f"{machine['cpu_model']}, {machine['cores_available']} cores available", style="bold")
     notes = [Text(f"note: {note}", style="dim") for note in result["notes"]]
-    notes += [Text(f"note: {_row_name(row)}: {row[key]}", style="dim") for row in result["rows"]
-              for key in ("mfu_note", "cpu_peak_note") if row.get(key)]
+    notes += [
+        Text(f"note: {_row_name(row)}: {row[key]}", style="dim")
+        for row in result["rows"]
+        for key in ("mfu_note", "cpu_peak_note")
+        if row.get(key)
+    ]
     return Group(header, _rows_table(result), _summary_table(result), *notes)

@@ -37,9 +37,12 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
     model.add_argument("--d-ff", type=int, help="override the preset's MLP width")
     model.add_argument("--batch-size", type=int, default=d.batch_size)
     model.add_argument("--seq-len", type=int, default=d.seq_len)
-    model.add_argument("--precision", default=d.precision,
-                       help="jmp-style: params=...,compute=...,output=...[,strict]; 'auto': bfloat16 compute where XLA "
-                            "multiplies it on bfloat16 matrix units (GPUs from sm_80, AMD GPUs, TPUs), else float32 "
-                            "(every CPU: XLA:CPU does not use AMX or AVX512-BF16)")
+    model.add_argument(
+        "--precision",
+        default=d.precision,
+        help="jmp-style: params=...,compute=...,output=...[,strict]; 'auto': bfloat16 compute where XLA "
+        "multiplies it on bfloat16 matrix units (GPUs from sm_80, AMD GPUs, TPUs), else float32 "
+        "(every CPU: XLA:CPU does not use AMX or AVX512-BF16)",
+    )
     model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")

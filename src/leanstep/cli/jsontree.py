@@ -71,9 +71,7 @@ def float32_number(value: Any, where: str) -> float:
         raise InputError(f"{where}: expected finite numbers, got {value!r}")
     # Checked again as a float: an int just below the bound can round up to it on the way.
     if not (_in_float32(value) and _in_float32(float(value))):
-        raise InputError(
-            f"{where}: {describe(value)} is outside float32's range (|x| <= {FLOAT32_MAX_TEXT})"
-        )
+        raise InputError(f"{where}: {describe(value)} is outside float32's range (|x| <= {FLOAT32_MAX_TEXT})")
     return float(value)
 
 
@@ -87,8 +85,10 @@ def _array_shape(value: Any, where: str, dims: int) -> tuple[int, ...]:
             f"{where}: expected a number or a nested list of numbers, got {type(value).__name__} {describe(value)}"
         )
     if dims == MAX_ARRAY_DIMS:
-        raise InputError(f"{where}: lists nest deeper than {MAX_ARRAY_DIMS}; expected an array of at most "
-                         f"{MAX_ARRAY_DIMS} dimensions")
+        raise InputError(
+            f"{where}: lists nest deeper than {MAX_ARRAY_DIMS}; expected an array of at most "
+            f"{MAX_ARRAY_DIMS} dimensions"
+        )
     shape = None
     for i, item in enumerate(value):
         item_shape = _array_shape(item, f"{where}[{i}]", dims + 1)
@@ -119,7 +119,8 @@ def tree_from_json(value: Any, where: str, *, depth: int = 0) -> Any:
         an array nests too deeply.
     """
     is_node = isinstance(value, dict) or (
-        isinstance(value, list) and value and all(isinstance(item, dict) for item in value))
+        isinstance(value, list) and value and all(isinstance(item, dict) for item in value)
+    )
     if is_node and depth == MAX_TREE_DEPTH:
         raise InputError(f"{where}: the tree nests deeper than {MAX_TREE_DEPTH} levels")
     if isinstance(value, dict):

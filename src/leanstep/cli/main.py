@@ -60,8 +60,10 @@ def _backend_problem() -> str | None:
     except Exception as error:  # noqa: BLE001 - whatever JAX raises here, the backend is the problem
         platforms = os.environ.get("JAX_PLATFORMS")
         named = f"JAX_PLATFORMS={platforms!r}: " if platforms else ""
-        return (f"{named}JAX cannot start a backend ({type(error).__name__}: {_one_line(error) or 'no message'}); "
-                "unset JAX_PLATFORMS or install the jax plugin for that platform")
+        return (
+            f"{named}JAX cannot start a backend ({type(error).__name__}: {_one_line(error) or 'no message'}); "
+            "unset JAX_PLATFORMS or install the jax plugin for that platform"
+        )
     return None
 
 

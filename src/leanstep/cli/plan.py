@@ -39,32 +39,56 @@ def add_parsers(subparsers: Any) -> None:
         "reduction, per device, choosing the setting a cost model of --accelerator predicts fastest.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--budget", default=None,
-                   help="memory budget (per device with --devices): 512MiB, 2GiB, 1.5GB or a number of bytes; "
-                   "with --devices the default is the accelerator's memory")
+    p.add_argument(
+        "--budget",
+        default=None,
+        help="memory budget (per device with --devices): 512MiB, 2GiB, 1.5GB or a number of bytes; "
+        "with --devices the default is the accelerator's memory",
+    )
     add_run_flags(p, d)
     cluster = p.add_argument_group("cluster (--devices)")
     cluster.add_argument("--devices", type=int, default=None, help="plan for this many devices")
-    cluster.add_argument("--accelerator", default="h100", choices=tuple(ACCELERATORS),
-                         help="the device the cost model prices (presets: see leanstep.cost_model)")
+    cluster.add_argument(
+        "--accelerator",
+        default="h100",
+        choices=tuple(ACCELERATORS),
+        help="the device the cost model prices (presets: see leanstep.cost_model)",
+    )
     cluster.add_argument("--mesh", default=None, metavar="AXES", help="plan this mesh only, e.g. data=8,fsdp=8")
     cluster.add_argument("--reductions", default="auto,step", help="comma-separated gradient reductions to consider")
     cluster.add_argument("--peak-flops", type=float, default=None, help="override the preset's peak FLOP/s")
-    cluster.add_argument("--bandwidth", type=float, default=None,
-                         help="override the preset's in-node bandwidth, bytes/s per device one way")
-    cluster.add_argument("--inter-bandwidth", type=float, default=None,
-                         help="override the preset's bandwidth between nodes, bytes/s per device one way")
+    cluster.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="override the preset's in-node bandwidth, bytes/s per device one way",
+    )
+    cluster.add_argument(
+        "--inter-bandwidth",
+        type=float,
+        default=None,
+        help="override the preset's bandwidth between nodes, bytes/s per device one way",
+    )
     cluster.add_argument("--node-size", type=int, default=None, help="override the preset's devices per node")
-    cluster.add_argument("--efficiency", type=float, default=None,
-                         help="override the fraction of peak FLOP/s reached (preset 0.5)")
+    cluster.add_argument(
+        "--efficiency", type=float, default=None, help="override the fraction of peak FLOP/s reached (preset 0.5)"
+    )
     search = p.add_argument_group("search")
-    search.add_argument("--remat-policies", default=",".join(REMAT_POLICIES),
-                        help="comma-separated policies to consider")
-    search.add_argument("--microbatch-counts", type=_int_list, default=None,
-                        help="comma-separated counts to consider (default: %(default)s, meaning every divisor "
-                        "of --batch-size)")
-    search.add_argument("--all", dest="exhaustive", action="store_true",
-                        help="compile every candidate, not only those that could be chosen")
+    search.add_argument(
+        "--remat-policies", default=",".join(REMAT_POLICIES), help="comma-separated policies to consider"
+    )
+    search.add_argument(
+        "--microbatch-counts",
+        type=_int_list,
+        default=None,
+        help="comma-separated counts to consider (default: %(default)s, meaning every divisor of --batch-size)",
+    )
+    search.add_argument(
+        "--all",
+        dest="exhaustive",
+        action="store_true",
+        help="compile every candidate, not only those that could be chosen",
+    )
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write the plan as JSON")
     p.set_defaults(run=run_plan)
 
@@ -101,15 +125,24 @@ def _table(result: Any, budget: int, chosen: Any, precision: str) -> Any:
     from leanstep.memory_sizes import format_bytes
 
     arguments = next((c.argument_bytes for c in result if c.argument_bytes is not None), None)
-    table = Table(title=f"budget {format_bytes(budget)} ({budget:,} bytes), precision {precision}", box=box.SIMPLE,
-                  caption=f"peak = arguments ({format_bytes(arguments)}) + outputs - donated + temporaries; "
-                  "skipped: could not be chosen, not compiled (nor traced: no FLOPs)")
+    table = Table(
+        title=f"budget {format_bytes(budget)} ({budget:,} bytes), precision {precision}",
+        box=box.SIMPLE,
+        caption=f"peak = arguments ({format_bytes(arguments)}) + outputs - donated + temporaries; "
+        "skipped: could not be chosen, not compiled (nor traced: no FLOPs)",
+    )
     for name in ("", "microbatches", "remat", "peak", "temporaries", "FLOPs", "fits"):
         table.add_column(name, justify="left" if name in ("", "remat", "fits") else "right", no_wrap=True)
     for c in result:
         fits = Text("skipped") if c.fits is None else (Text("yes") if c.fits else Text("no", style="red"))
-        cells = ("->" if c is chosen else "", str(c.setting.num_microbatches), c.setting.remat,
-                 format_bytes(c.peak_bytes), format_bytes(c.temp_bytes), "-" if c.flops is None else _si(c.flops))
+        cells = (
+            "->" if c is chosen else "",
+            str(c.setting.num_microbatches),
+            c.setting.remat,
+            format_bytes(c.peak_bytes),
+            format_bytes(c.temp_bytes),
+            "-" if c.flops is None else _si(c.flops),
+        )
         table.add_row(*(Text(str(cell)) for cell in cells), fits, style="bold green" if c is chosen else None)
     return table
 
@@ -169,14 +202,24 @@ def run_plan(args: argparse.Namespace) -> int:
         if cluster:
             accelerator = _accelerator(args)
             log = Console(stderr=True)
-            result = plan_run(config, budget, num_devices=args.devices, accelerator=accelerator,
-                              remat_policies=policies, microbatches=args.microbatch_counts,
-                              progress=lambda line: log.print(line, highlight=False, markup=False),
-                              reductions=[r.strip() for r in args.reductions.split(",") if r.strip()],
-                              exhaustive=args.exhaustive)
+            result = plan_run(
+                config,
+                budget,
+                num_devices=args.devices,
+                accelerator=accelerator,
+                remat_policies=policies,
+                microbatches=args.microbatch_counts,
+                progress=lambda line: log.print(line, highlight=False, markup=False),
+                reductions=[r.strip() for r in args.reductions.split(",") if r.strip()],
+                exhaustive=args.exhaustive,
+            )
         else:
-            candidates = settings_grid(config.batch_size, remat_policies=policies, precisions=(config.precision,),
-                                       microbatches=args.microbatch_counts)
+            candidates = settings_grid(
+                config.batch_size,
+                remat_policies=policies,
+                precisions=(config.precision,),
+                microbatches=args.microbatch_counts,
+            )
             result = plan_run(config, budget, candidates=candidates, exhaustive=args.exhaustive)
     except BudgetError as error:
         if cluster:
@@ -184,8 +227,15 @@ def run_plan(args: argparse.Namespace) -> int:
         else:
             console.print(_table(error.candidates, budget, None, config.precision))
         console.print(Text.assemble(("leanstep plan:", "bold red"), f" {error}"))
-        _write_json(json_path, {"budget_bytes": error.budget_bytes, "chosen": None, "error": str(error),
-                                "candidates": [c.to_json() for c in error.candidates]})
+        _write_json(
+            json_path,
+            {
+                "budget_bytes": error.budget_bytes,
+                "chosen": None,
+                "error": str(error),
+                "candidates": [c.to_json() for c in error.candidates],
+            },
+        )
         return 1
     except (TypeError, ValueError) as error:
         raise InputError(str(error)) from None
@@ -193,8 +243,12 @@ def run_plan(args: argparse.Namespace) -> int:
         console.print(_cluster_table(result.candidates, result.budget_bytes, result.chosen, result.accelerator))
     else:
         console.print(_table(result.candidates, budget, result.chosen, config.precision))
-    console.print(Text(f"chosen: {result.chosen.setting.describe()}  (planned in {result.seconds:.1f} s, "
-                       f"{result.compiles} compiles taking {result.compile_seconds:.1f} s)"))
+    console.print(
+        Text(
+            f"chosen: {result.chosen.setting.describe()}  (planned in {result.seconds:.1f} s, "
+            f"{result.compiles} compiles taking {result.compile_seconds:.1f} s)"
+        )
+    )
     return 0 if _write_json(json_path, result.to_json()) else 1
 
 
@@ -204,13 +258,22 @@ def _accelerator(args: argparse.Namespace) -> Any:
     if args.node_size is not None and not 1 <= args.node_size <= 2**31 - 1:
         raise InputError(f"--node-size must be an integer in [1, 2147483647], got {args.node_size}")
     try:
-        return get_accelerator(args.accelerator, flops=args.peak_flops, bandwidth=args.bandwidth,
-                               inter_bandwidth=args.inter_bandwidth, node_size=args.node_size,
-                               efficiency=args.efficiency)
+        return get_accelerator(
+            args.accelerator,
+            flops=args.peak_flops,
+            bandwidth=args.bandwidth,
+            inter_bandwidth=args.inter_bandwidth,
+            node_size=args.node_size,
+            efficiency=args.efficiency,
+        )
     except ValueError as error:  # named by the flag that set the field
-        flags = {"Accelerator.flops": "--peak-flops", "Accelerator.bandwidth": "--bandwidth",
-                 "Accelerator.inter_bandwidth": "--inter-bandwidth", "Accelerator.node_size": "--node-size",
-                 "Accelerator.efficiency": "--efficiency"}
+        flags = {
+            "Accelerator.flops": "--peak-flops",
+            "Accelerator.bandwidth": "--bandwidth",
+            "Accelerator.inter_bandwidth": "--inter-bandwidth",
+            "Accelerator.node_size": "--node-size",
+            "Accelerator.efficiency": "--efficiency",
+        }
         message = str(error)
         for field, flag in flags.items():
             message = message.replace(field + " ", f"{flag} ({field}) ", 1)
@@ -237,28 +300,64 @@ def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) 
         compiled = [c for c in members if c.compiled]
         return min(fitting, key=lambda c: c.predicted_seconds) if fitting else (compiled or members)[-1]
 
-    rows = sorted((representative(m) for m in families.values()),
-                  key=lambda c: (c is not chosen, c.predicted_seconds is None, c.predicted_seconds or 0.0))
+    rows = sorted(
+        (representative(m) for m in families.values()),
+        key=lambda c: (c is not chosen, c.predicted_seconds is None, c.predicted_seconds or 0.0),
+    )
     compiles = sum(c.compiled for c in candidates)
-    where = "" if accelerator is None else (
-        f"; {accelerator.name}: {accelerator.flops} FLOP/s peak x {accelerator.efficiency}, "
-        f"{accelerator.bandwidth / 1e9:g} GB/s in a node of {accelerator.node_size}, "
-        f"{'-' if accelerator.inter_bandwidth is None else f'{accelerator.inter_bandwidth / 1e9:g}'} GB/s across")
-    table = Table(title=f"budget {format_bytes(budget)} per device{where}", box=box.SIMPLE,
-                  caption=f"{len(candidates)} candidates in {len(families)} families (mesh, reduce, remat), one row "
-                  f"each; {compiles} compiled. peak = per-device arguments + outputs - donated + temporaries; "
-                  "predicted = dot FLOPs / (peak FLOP/s x efficiency) + collectives (leanstep.cost_model)")
-    for name in ("", "mesh", "reduce", "remat", "micro", "peak", "GFLOP/dev", "GB/step", "compute", "comm",
-                 "predicted", "why not chosen"):
-        table.add_column(name, justify="left" if name in ("", "mesh", "reduce", "remat", "why not chosen") else "right",
-                         no_wrap=name not in ("mesh", "why not chosen"), overflow="fold")
+    where = (
+        ""
+        if accelerator is None
+        else (
+            f"; {accelerator.name}: {accelerator.flops} FLOP/s peak x {accelerator.efficiency}, "
+            f"{accelerator.bandwidth / 1e9:g} GB/s in a node of {accelerator.node_size}, "
+            f"{'-' if accelerator.inter_bandwidth is None else f'{accelerator.inter_bandwidth / 1e9:g}'} GB/s across"
+        )
+    )
+    table = Table(
+        title=f"budget {format_bytes(budget)} per device{where}",
+        box=box.SIMPLE,
+        caption=f"{len(candidates)} candidates in {len(families)} families (mesh, reduce, remat), one row "
+        f"each; {compiles} compiled. peak = per-device arguments + outputs - donated + temporaries; "
+        "predicted = dot FLOPs / (peak FLOP/s x efficiency) + collectives (leanstep.cost_model)",
+    )
+    for name in (
+        "",
+        "mesh",
+        "reduce",
+        "remat",
+        "micro",
+        "peak",
+        "GFLOP/dev",
+        "GB/step",
+        "compute",
+        "comm",
+        "predicted",
+        "why not chosen",
+    ):
+        table.add_column(
+            name,
+            justify="left" if name in ("", "mesh", "reduce", "remat", "why not chosen") else "right",
+            no_wrap=name not in ("mesh", "why not chosen"),
+            overflow="fold",
+        )
     for c in rows:
         s = c.setting
         seconds = lambda v: "-" if v is None else format_seconds(v)
-        cells = ("->" if c is chosen else "", s.mesh, s.reduce, s.remat, str(s.num_microbatches),
-                 format_bytes(c.peak_bytes), "-" if c.flops is None else f"{c.flops / 1e9:,.1f}",
-                 "-" if c.bytes_per_step is None else f"{c.bytes_per_step / 1e9:.3f}",
-                 seconds(c.compute_seconds), seconds(c.communication_seconds), seconds(c.predicted_seconds), c.note)
+        cells = (
+            "->" if c is chosen else "",
+            s.mesh,
+            s.reduce,
+            s.remat,
+            str(s.num_microbatches),
+            format_bytes(c.peak_bytes),
+            "-" if c.flops is None else f"{c.flops / 1e9:,.1f}",
+            "-" if c.bytes_per_step is None else f"{c.bytes_per_step / 1e9:.3f}",
+            seconds(c.compute_seconds),
+            seconds(c.communication_seconds),
+            seconds(c.predicted_seconds),
+            c.note,
+        )
         table.add_row(*(Text(str(cell)) for cell in cells), style="bold green" if c is chosen else None)
     return table
 
@@ -278,8 +377,11 @@ def _write_json(path: Path | None, value: Any) -> bool:
         write_bytes_atomic(path, text.encode("utf-8"))
     except OSError as error:
         sys.stdout.write(text)
-        print(f"leanstep plan: error: could not write --json {str(path)!r} ({error.strerror or error}); "
-              "the plan is printed on stdout as JSON", file=sys.stderr)
+        print(
+            f"leanstep plan: error: could not write --json {str(path)!r} ({error.strerror or error}); "
+            "the plan is printed on stdout as JSON",
+            file=sys.stderr,
+        )
         return False
     return True
 
@@ -296,10 +398,17 @@ def run_audit(args: argparse.Namespace) -> int:
     problems = report.accumulation_violations(config.microbatches)
     if config.remat != "none":
         problems += report.remat_violations(config.remat)
-    loop = ("one microbatch: no microbatch loop, no gradient through a scan" if config.microbatches == 1 else
-            "one scan over the microbatches, value_and_grad in its body, no matmul outside a scan")
-    print(f"rules ({loop}" + (f", remat policy {config.remat}" if config.remat != "none" else "") + "): "
-          + ("ok" if not problems else "BROKEN"))
+    loop = (
+        "one microbatch: no microbatch loop, no gradient through a scan"
+        if config.microbatches == 1
+        else "one scan over the microbatches, value_and_grad in its body, no matmul outside a scan"
+    )
+    print(
+        f"rules ({loop}"
+        + (f", remat policy {config.remat}" if config.remat != "none" else "")
+        + "): "
+        + ("ok" if not problems else "BROKEN")
+    )
     for problem in problems:
         print(f"  - {problem}")
     return 0 if not problems else 1

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -46,7 +44,9 @@ class TrainProgress:
       warning: resumed from step 0
     """
 
-    def __init__(self, total: int | None = None, start: int = 0, *, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(
+        self, total: int | None = None, start: int = 0, *, enabled: bool = True, console: Console | None = None
+    ) -> None:
         self._console = console or Console(stderr=True)
         self._enabled = enabled
         self._skipped = 0
@@ -67,11 +67,11 @@ class TrainProgress:
         )
         self._task = self._progress.add_task("train", total=total, completed=start, info=self._info)
 
-    def __enter__(self) -> "TrainProgress":
+    def __enter__(self) -> TrainProgress:
         self._started = False  # the bar appears with the run's first record: a refused run leaves none
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._started:
             self._progress.__exit__(*exc)
 
@@ -106,11 +106,14 @@ class TrainProgress:
             elif isinstance(record, RunStart):
                 self._progress.update(self._task, total=record.steps, completed=record.start_step)
             else:
-                raise TypeError(f"TrainProgress.handle takes TrainRecord, EvalRecord, Note or RunStart; got "
-                                f"{type(record).__name__}")
+                raise TypeError(
+                    f"TrainProgress.handle takes TrainRecord, EvalRecord, Note or RunStart; got {type(record).__name__}"
+                )
         last = self._last
         if last is None:  # nothing to show yet: only an eval or a note so far
             return
-        self._info = (f"loss {last.loss:.3f}{self._heldout}  scale {last.loss_scale:.0f}  "
-                     f"|g| {last.grad_norm:.2f}  skipped {self._skipped}  {last.tokens_per_sec:,.0f} tok/s")
+        self._info = (
+            f"loss {last.loss:.3f}{self._heldout}  scale {last.loss_scale:.0f}  "
+            f"|g| {last.grad_norm:.2f}  skipped {self._skipped}  {last.tokens_per_sec:,.0f} tok/s"
+        )
         self._progress.update(self._task, completed=last.step, info=self._info)

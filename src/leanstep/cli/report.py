@@ -13,8 +13,12 @@ def add_parser(subparsers: Any) -> None:
     """Registers ``leanstep report DIR [--chart FILE]`` on the ``leanstep`` command's subparsers."""
     r = subparsers.add_parser("report", help="re-render the chart and summary of a run directory")
     r.add_argument("dir", help="a run directory written by leanstep train")
-    r.add_argument("--chart", metavar="FILE", default=None,
-                   help="write the chart here instead of DIR/curves.png (for a read-only run directory)")
+    r.add_argument(
+        "--chart",
+        metavar="FILE",
+        default=None,
+        help="write the chart here instead of DIR/curves.png (for a read-only run directory)",
+    )
     r.set_defaults(run=run_report)
 
 

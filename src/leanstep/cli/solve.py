@@ -51,14 +51,21 @@ def add_parser(subparsers: Any) -> None:
         description="Reads the task's input as JSON (from --input FILE or standard input), runs it under "
         "jax.jit and prints the output as one line of JSON.",
     )
-    parser.add_argument("task", nargs="?", choices=_task_names(), metavar="TASK",
-                        help="one of: " + ", ".join(_task_names()))
+    parser.add_argument(
+        "task", nargs="?", choices=_task_names(), metavar="TASK", help="one of: " + ", ".join(_task_names())
+    )
     parser.add_argument("--list", action="store_true", help="list the task names and exit")
-    parser.add_argument("--input", metavar="FILE",
-                        help="read the input JSON from FILE, a regular file of at most 64 MiB "
-                        "(default, or FILE -: standard input)")
-    parser.add_argument("--example", type=int, metavar="N",
-                        help="run the seed's public example N (1-based) and compare with its expected output")
+    parser.add_argument(
+        "--input",
+        metavar="FILE",
+        help="read the input JSON from FILE, a regular file of at most 64 MiB (default, or FILE -: standard input)",
+    )
+    parser.add_argument(
+        "--example",
+        type=int,
+        metavar="N",
+        help="run the seed's public example N (1-based) and compare with its expected output",
+    )
     parser.set_defaults(run=run)
 
 
@@ -197,13 +204,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        raise InputError(f"malformed JSON in {source}: {error.msg} at line {error.lineno} column {error.colno}") from None
+        raise InputError(
+            f"malformed JSON in {source}: {error.msg} at line {error.lineno} column {error.colno}"
+        ) from None
     except RecursionError:
-        raise InputError(f"malformed JSON in {source}: it nests too deeply for Python's JSON parser; "
-                         f"expected arrays of at most {MAX_ARRAY_DIMS} dimensions") from None
+        raise InputError(
+            f"malformed JSON in {source}: it nests too deeply for Python's JSON parser; "
+            f"expected arrays of at most {MAX_ARRAY_DIMS} dimensions"
+        ) from None
     except ValueError:  # the only other: an integer past Python's digit limit for int(str)
-        raise InputError(f"malformed JSON in {source}: an integer has more than "
-                         f"{sys.get_int_max_str_digits()} digits") from None
+        raise InputError(
+            f"malformed JSON in {source}: an integer has more than {sys.get_int_max_str_digits()} digits"
+        ) from None
     print(dumps(solve(args.task, data)))
     return 0
 
@@ -252,5 +264,6 @@ def read_input(name: str | None) -> tuple[str, str]:
     try:
         return source, raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise InputError(f"--input: {source} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset "
-                         f"{error.start})") from None
+        raise InputError(
+            f"--input: {source} is not UTF-8 text (byte 0x{raw[error.start]:02x} at offset {error.start})"
+        ) from None

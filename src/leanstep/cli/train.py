@@ -33,11 +33,20 @@ def add_parser(subparsers: Any) -> None:
     )
     add_run_flags(p, d)
     run = p.add_argument_group("training")
-    run.add_argument("--time-budget", default=None, metavar="DURATION",
-                     help="size the run to this wall-clock time (e.g. 3m, 90s, 1h): steps and the learning-rate "
-                          "schedule are set from the step time measured after compiling, and recorded in config.json "
-                          "(default: 3m, unless --steps is given; %(default)s here means that)")
-    run.add_argument("--steps", type=int, default=None, help="fix the run's length exactly, instead of --time-budget (%(default)s: sized by it)")
+    run.add_argument(
+        "--time-budget",
+        default=None,
+        metavar="DURATION",
+        help="size the run to this wall-clock time (e.g. 3m, 90s, 1h): steps and the learning-rate "
+        "schedule are set from the step time measured after compiling, and recorded in config.json "
+        "(default: 3m, unless --steps is given; %(default)s here means that)",
+    )
+    run.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="fix the run's length exactly, instead of --time-budget (%(default)s: sized by it)",
+    )
     run.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
     run.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
     run.add_argument("--remat", default=d.remat, help=remat_help())
@@ -54,31 +63,62 @@ def add_parser(subparsers: Any) -> None:
     out.add_argument("--eval-batches", type=int, default=d.eval_batches)
     out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     out.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    out.add_argument("--max-consecutive-skips", type=int, default=d.max_consecutive_skips,
-                     help="stop when this many steps in a row are skipped with the loss scale at its minimum")
-    run.add_argument("--budget", default=None, metavar="SIZE",
-                     help="a memory budget (e.g. 512MiB): leanstep plan picks --microbatches and --remat "
-                          "for it before training (overrides both)")
-    out.add_argument("--stop-at", type=int, default=None,
-                     help="stop after this step with a checkpoint, as a preemption would (resume with --resume)")
+    out.add_argument(
+        "--max-consecutive-skips",
+        type=int,
+        default=d.max_consecutive_skips,
+        help="stop when this many steps in a row are skipped with the loss scale at its minimum",
+    )
+    run.add_argument(
+        "--budget",
+        default=None,
+        metavar="SIZE",
+        help="a memory budget (e.g. 512MiB): leanstep plan picks --microbatches and --remat "
+        "for it before training (overrides both)",
+    )
+    out.add_argument(
+        "--stop-at",
+        type=int,
+        default=None,
+        help="stop after this step with a checkpoint, as a preemption would (resume with --resume)",
+    )
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
     scale = p.add_argument_group("scaling out (JAX's mesh sharding and jax.distributed)")
-    scale.add_argument("--devices", type=int, default=None,
-                       help="devices per process, data parallel; on CPU this simulates N devices "
-                            "(default: one device, unsharded)")
-    scale.add_argument("--fsdp", action="store_true",
-                       help="also shard parameters and optimizer state over the devices (ZeRO-3 style)")
-    scale.add_argument("--mesh", default=None, metavar="AXES",
-                       help="a mesh of several axes over every device of every process, e.g. data=2,fsdp=2,tensor=2: "
-                            "data parallel, FSDP (ZeRO-3) and tensor parallel, the first axis across processes; on "
-                            "CPU it simulates the devices it needs. 'auto': leanstep plan chooses the mesh, "
-                            "--microbatches, --remat and --reduce for --budget over --devices (per process)")
-    scale.add_argument("--reduce", choices=("auto", "step", "microbatch"), default=d.reduce,
-                       help="where gradients are reduced over the mesh (see leanstep.ShardingLayer)")
-    scale.add_argument("--accelerator", default="h100",
-                       help="with --mesh auto: the device the plan's cost model prices (leanstep.cost_model)")
-    scale.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="process 0's address for a multi-process run (jax.distributed; gloo on CPU)")
+    scale.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="devices per process, data parallel; on CPU this simulates N devices (default: one device, unsharded)",
+    )
+    scale.add_argument(
+        "--fsdp", action="store_true", help="also shard parameters and optimizer state over the devices (ZeRO-3 style)"
+    )
+    scale.add_argument(
+        "--mesh",
+        default=None,
+        metavar="AXES",
+        help="a mesh of several axes over every device of every process, e.g. data=2,fsdp=2,tensor=2: "
+        "data parallel, FSDP (ZeRO-3) and tensor parallel, the first axis across processes; on "
+        "CPU it simulates the devices it needs. 'auto': leanstep plan chooses the mesh, "
+        "--microbatches, --remat and --reduce for --budget over --devices (per process)",
+    )
+    scale.add_argument(
+        "--reduce",
+        choices=("auto", "step", "microbatch"),
+        default=d.reduce,
+        help="where gradients are reduced over the mesh (see leanstep.ShardingLayer)",
+    )
+    scale.add_argument(
+        "--accelerator",
+        default="h100",
+        help="with --mesh auto: the device the plan's cost model prices (leanstep.cost_model)",
+    )
+    scale.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="HOST:PORT",
+        help="process 0's address for a multi-process run (jax.distributed; gloo on CPU)",
+    )
     scale.add_argument("--num-processes", type=int, default=None, help="processes in a multi-process run")
     scale.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. P-1")
     p.set_defaults(run=run_train)
@@ -106,8 +146,12 @@ def run_train(args: argparse.Namespace) -> int:
             devices = max(1, math.prod(parse_mesh(args.mesh).values()) // (args.num_processes or 1))
         configure_devices(devices, args.coordinator, args.num_processes, args.process_id)
     except ValueError as error:
-        flags = {"num_devices": "--devices", "num_processes": "--num-processes", "process_id": "--process-id",
-                 "coordinator": "--coordinator"}
+        flags = {
+            "num_devices": "--devices",
+            "num_processes": "--num-processes",
+            "process_id": "--process-id",
+            "coordinator": "--coordinator",
+        }
         raise InputError(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(error))) from None
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields}
@@ -136,17 +180,31 @@ def run_train(args: argparse.Namespace) -> int:
         from leanstep.training.analysis import plan_run
 
         try:
-            chosen = plan_run(config, args.budget, accelerator=args.accelerator,
-                              **({"num_devices": jax.device_count()} if auto else {})).chosen
+            chosen = plan_run(
+                config,
+                args.budget,
+                accelerator=args.accelerator,
+                **({"num_devices": jax.device_count()} if auto else {}),
+            ).chosen
         except ValueError as error:  # BudgetError included: nothing fits
             raise InputError(f"--budget: {error}") from None
         setting = chosen.setting
-        config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat,
-                                     **({"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}))
-        predicted = "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
-        console.print(Text(f"--budget {args.budget}: chose {setting.describe()} (predicted peak "
-                           f"{chosen.peak_bytes:,} bytes{' per device' if setting.mesh else ''}{predicted})"),
-                      soft_wrap=True)
+        config = dataclasses.replace(
+            config,
+            microbatches=setting.num_microbatches,
+            remat=setting.remat,
+            **({"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}),
+        )
+        predicted = (
+            "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
+        )
+        console.print(
+            Text(
+                f"--budget {args.budget}: chose {setting.describe()} (predicted peak "
+                f"{chosen.peak_bytes:,} bytes{' per device' if setting.mesh else ''}{predicted})"
+            ),
+            soft_wrap=True,
+        )
     try:
         with TrainProgress(enabled=config.progress, console=console) as progress:
             summary = train(config, resume=args.resume, on_record=progress.handle)

@@ -49,8 +49,9 @@ def merge(params: Any, model_state: Mapping[str, Any]) -> dict[str, Any]:
     return {"params": params, **model_state}
 
 
-def apply(module: nn.Module, params: Any, model_state: Mapping[str, Any], *args: Any,
-          **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+def apply(
+    module: nn.Module, params: Any, model_state: Mapping[str, Any], *args: Any, **kwargs: Any
+) -> tuple[Any, dict[str, Any]]:
     """``module.apply`` with the model state's collections mutable: ``(out, new_model_state)``.
 
     Keyword arguments (``rngs=``, ``train=``, ...) go to ``module.apply``.

@@ -57,6 +57,7 @@ def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., tuple[Any, nnx.
       >>> value.shape, new_state["layers"][1]["mean"][...].shape
       ((), (1,))
     """
+
     def loss_fn(params: nnx.State, model_state: nnx.State, batch: Any, *key: Any) -> tuple[Any, nnx.State]:
         # Fresh variables (copy=True) belong to the trace of the transform calling this
         # (value_and_grad inside leanstep's scan), so the model may update them there.

@@ -49,9 +49,7 @@ def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:
 _MAX_DRAW = 2**31 - 1
 
 
-def normal_arrays(
-    key: jax.Array, specs: Mapping[str, tuple[tuple[int, ...], float]]
-) -> dict[str, jax.Array]:
+def normal_arrays(key: jax.Array, specs: Mapping[str, tuple[tuple[int, ...], float]]) -> dict[str, jax.Array]:
     """Float32 normal draws ``{name: std * N(0, 1) of shape}`` for ``specs = {name: (shape, std)}``.
 
     All values come from ONE ``jax.random.normal`` call, sliced and reshaped: XLA:CPU compiles
@@ -66,8 +64,9 @@ def normal_arrays(
     sizes = [math.prod(shape) for shape, _ in specs.values()]
     if sum(sizes) > _MAX_DRAW:  # a model past 2**31 parameters: one draw per array (int32 offsets)
         keys = jax.random.split(key, len(specs))
-        return {name: std * jax.random.normal(k, shape, jnp.float32)
-                for k, (name, (shape, std)) in zip(keys, specs.items())}
+        return {
+            name: std * jax.random.normal(k, shape, jnp.float32) for k, (name, (shape, std)) in zip(keys, specs.items())
+        }
     flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
     arrays, start = {}, 0
     for (name, (shape, std)), size in zip(specs.items(), sizes):
@@ -125,9 +124,7 @@ def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     return jax.nn.one_hot(ids, table.shape[0], dtype=table.dtype) @ table
 
 
-def split_tokens(
-    batch: Mapping[str, ArrayLike], max_len: int | None = None
-) -> tuple[jax.Array, jax.Array]:
+def split_tokens(batch: Mapping[str, ArrayLike], max_len: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Validates ``batch["tokens"]`` of shape ``(B, T + 1)`` and returns ``(inputs, targets)``.
 
     Raises:
@@ -137,16 +134,13 @@ def split_tokens(
     """
     if not isinstance(batch, Mapping) or "tokens" not in batch:
         raise TypeError(
-            "batch must be a mapping with a 'tokens' entry of shape (B, T + 1); "
-            f"got {type(batch).__name__}"
+            f"batch must be a mapping with a 'tokens' entry of shape (B, T + 1); got {type(batch).__name__}"
         )
     tokens = jnp.asarray(batch["tokens"])
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"batch['tokens'] must hold integer token ids; got dtype {tokens.dtype}")
     if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise ValueError(
-            f"batch['tokens'] must have shape (B, T + 1) with T >= 1; got shape {tokens.shape}"
-        )
+        raise ValueError(f"batch['tokens'] must have shape (B, T + 1) with T >= 1; got shape {tokens.shape}")
     if max_len is not None and tokens.shape[1] - 1 > max_len:
         raise ValueError(
             f"batch['tokens'] has T={tokens.shape[1] - 1} positions to predict, more than the model's "
@@ -155,8 +149,7 @@ def split_tokens(
     targets_shape = (tokens.shape[0], tokens.shape[1] - 1)
     if "mask" in batch and jnp.shape(batch["mask"]) != targets_shape:
         raise ValueError(
-            f"batch['mask'] must have the targets' shape {targets_shape}; "
-            f"got shape {jnp.shape(batch['mask'])}"
+            f"batch['mask'] must have the targets' shape {targets_shape}; got shape {jnp.shape(batch['mask'])}"
         )
     return tokens[:, :-1], tokens[:, 1:]
 

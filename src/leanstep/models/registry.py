@@ -116,9 +116,7 @@ def build_model(name: str, size: str = "small", **overrides: int) -> Model:
     fields = {f.name for f in dataclasses.fields(config_cls)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise TypeError(
-            f"unknown {config_cls.__name__} field(s) {unknown}; expected some of {sorted(fields)}"
-        )
+        raise TypeError(f"unknown {config_cls.__name__} field(s) {unknown}; expected some of {sorted(fields)}")
     config = config_cls(**{**presets[size], **overrides})
     return Model(
         name=name,

@@ -62,9 +62,7 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         check_positive_ints("TransformerConfig", **dataclasses.asdict(self))
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"TransformerConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}"
-            )
+            raise ValueError(f"TransformerConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
 
 
 def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
@@ -242,9 +240,7 @@ def transformer_loss_sum(
       TypeError, ValueError: malformed ``batch`` (see ``layers.split_tokens``).
     """
     inputs, targets = split_tokens(batch, config.seq_len)
-    logits = transformer_logits(
-        params, inputs, config=config, remat_policy=remat_policy, compute_dtype=compute_dtype
-    )
+    logits = transformer_logits(params, inputs, config=config, remat_policy=remat_policy, compute_dtype=compute_dtype)
     nll = token_nll(logits.reshape(-1, config.vocab_size), targets.reshape(-1))
     return weighted_sum(nll.reshape(targets.shape), batch)
 

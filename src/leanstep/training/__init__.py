@@ -19,5 +19,15 @@ from leanstep.training.config import RunConfig
 from leanstep.training.records import EvalRecord, Note, RunStart, TrainRecord
 from leanstep.training.trainer import RunStopped, train
 
-__all__ = ["EvalRecord", "Note", "Run", "RunConfig", "RunStart", "RunStopped", "TrainRecord", "build_optimizer",
-           "build_run", "train"]
+__all__ = [
+    "EvalRecord",
+    "Note",
+    "Run",
+    "RunConfig",
+    "RunStart",
+    "RunStopped",
+    "TrainRecord",
+    "build_optimizer",
+    "build_run",
+    "train",
+]

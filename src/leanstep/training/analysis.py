@@ -22,8 +22,14 @@ from leanstep.training.config import RunConfig
 __all__ = ["audit_run", "plan_run"]
 
 
-def plan_run(config: RunConfig, budget_bytes: int | str | None, *, num_devices: int | None = None,
-             accelerator: Any = "h100", **options: Any) -> Plan:
+def plan_run(
+    config: RunConfig,
+    budget_bytes: int | str | None,
+    *,
+    num_devices: int | None = None,
+    accelerator: Any = "h100",
+    **options: Any,
+) -> Plan:
     """Plans ``config`` (its other fields fixed) under a memory budget: on one device, or on a cluster.
 
     One device (no ``num_devices``, ``devices``, ``fsdp`` or ``mesh``): microbatches and remat,
@@ -52,8 +58,16 @@ def plan_run(config: RunConfig, budget_bytes: int | str | None, *, num_devices: 
         options.setdefault("precision", config.precision)
         if budget_bytes is None:
             raise ValueError("a one-device plan needs a budget (bytes or a size such as 2GiB)")
-        return plan(run.loss_fn, run.abstract_params(), run.batch_spec(), run.optimizer, budget_bytes=budget_bytes,
-                    max_grad_norm=config.max_grad_norm, loss_scale=run.loss_scale, **options)
+        return plan(
+            run.loss_fn,
+            run.abstract_params(),
+            run.batch_spec(),
+            run.optimizer,
+            budget_bytes=budget_bytes,
+            max_grad_norm=config.max_grad_norm,
+            loss_scale=run.loss_scale,
+            **options,
+        )
     from leanstep.cluster_planning import plan_cluster
     from leanstep.distributed import parse_mesh
 
@@ -67,10 +81,20 @@ def plan_run(config: RunConfig, budget_bytes: int | str | None, *, num_devices: 
     if len(jax.devices("cpu")) < num_devices and len(jax.devices()) < num_devices:
         return _plan_in_child(config, budget_bytes, num_devices, accelerator, options)
     run = build_run(dataclasses.replace(config, microbatches=1, remat="none", mesh=None, devices=None))
-    return plan_cluster(run.loss_fn, run.abstract_params(), run.batch_spec(), run.optimizer, num_devices=num_devices,
-                        budget_bytes=budget_bytes, accelerator=accelerator, rules=run.model.rules,
-                        precision=config.precision, max_grad_norm=config.max_grad_norm, loss_scale=run.loss_scale,
-                        **options)
+    return plan_cluster(
+        run.loss_fn,
+        run.abstract_params(),
+        run.batch_spec(),
+        run.optimizer,
+        num_devices=num_devices,
+        budget_bytes=budget_bytes,
+        accelerator=accelerator,
+        rules=run.model.rules,
+        precision=config.precision,
+        max_grad_norm=config.max_grad_norm,
+        loss_scale=run.loss_scale,
+        **options,
+    )
 
 
 def _resolved(candidate: Any, precision: str) -> Any:
@@ -82,8 +106,9 @@ def _resolved(candidate: Any, precision: str) -> Any:
     return (*candidate[:2], precision, *candidate[3:])
 
 
-def _plan_in_child(config: RunConfig, budget_bytes: Any, num_devices: int, accelerator: Any,
-                   options: dict[str, Any]) -> Plan:
+def _plan_in_child(
+    config: RunConfig, budget_bytes: Any, num_devices: int, accelerator: Any, options: dict[str, Any]
+) -> Plan:
     """:func:`plan_run` in a subprocess with ``num_devices`` simulated CPU devices."""
     import json
     import subprocess
@@ -98,8 +123,17 @@ def _plan_in_child(config: RunConfig, budget_bytes: Any, num_devices: int, accel
     with tempfile.TemporaryDirectory() as folder:
         spec, out = f"{folder}/spec.json", f"{folder}/plan.json"
         with open(spec, "w") as f:
-            json.dump({"config": config.to_json(), "budget": budget_bytes, "num_devices": num_devices,
-                       "accelerator": accelerator, "options": options, "out": out}, f)
+            json.dump(
+                {
+                    "config": config.to_json(),
+                    "budget": budget_bytes,
+                    "num_devices": num_devices,
+                    "accelerator": accelerator,
+                    "options": options,
+                    "out": out,
+                },
+                f,
+            )
         code = f"from leanstep.training.analysis import plan_in_child; plan_in_child({spec!r})"
         child = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
         if child.returncode:
@@ -143,12 +177,23 @@ def plan_in_child(spec_path: str) -> None:
     if "meshes" in options:
         options["meshes"] = [dict(m) for m in options["meshes"]]
     try:
-        result = plan_run(RunConfig(**spec["config"]), spec["budget"], num_devices=spec["num_devices"],
-                          accelerator=accelerator, **options)
+        result = plan_run(
+            RunConfig(**spec["config"]),
+            spec["budget"],
+            num_devices=spec["num_devices"],
+            accelerator=accelerator,
+            **options,
+        )
     except BudgetError as error:
         with open(spec["out"], "w") as f:
-            json.dump({"budget_bytes": error.budget_bytes, "smallest": error.smallest.to_json(),
-                       "candidates": [c.to_json() for c in error.candidates]}, f)
+            json.dump(
+                {
+                    "budget_bytes": error.budget_bytes,
+                    "smallest": error.smallest.to_json(),
+                    "candidates": [c.to_json() for c in error.candidates],
+                },
+                f,
+            )
         raise
     with open(spec["out"], "w") as f:
         json.dump(result.to_json(), f)
@@ -170,5 +215,10 @@ def audit_run(config: RunConfig) -> AuditReport:
     run = build_run(config)
     rows = config.batch_size // config.microbatches
     params_c = jax.eval_shape(run.precision.cast_to_compute, run.abstract_params())
-    return audit(run.make_step(), run.abstract_state(), run.batch_spec(), loss_fn=run.precision.wrap(run.loss_fn()),
-                 loss_args=(params_c, run.batch_spec(rows)))
+    return audit(
+        run.make_step(),
+        run.abstract_state(),
+        run.batch_spec(),
+        loss_fn=run.precision.wrap(run.loss_fn()),
+        loss_args=(params_c, run.batch_spec(rows)),
+    )

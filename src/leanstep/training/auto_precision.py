@@ -25,8 +25,15 @@ from typing import Any
 
 import jax
 
-__all__ = ["BFLOAT16", "FLOAT32", "bfloat16_units", "choose_precision", "cpu_flags", "device_precision",
-           "resolve_precision"]
+__all__ = [
+    "BFLOAT16",
+    "FLOAT32",
+    "bfloat16_units",
+    "choose_precision",
+    "cpu_flags",
+    "device_precision",
+    "resolve_precision",
+]
 
 #: The two policies ``auto`` chooses between.
 BFLOAT16 = "params=float32,compute=bfloat16,output=float32"
@@ -59,8 +66,9 @@ def bfloat16_units(flags: frozenset[str] | None) -> list[str]:
     return [] if flags is None else sorted(set(CPU_BF16_FLAGS) & flags)
 
 
-def choose_precision(platform: str, *, compute_capability: str | None = None,
-                     flags: frozenset[str] | None = None) -> tuple[str, str]:
+def choose_precision(
+    platform: str, *, compute_capability: str | None = None, flags: frozenset[str] | None = None
+) -> tuple[str, str]:
     """``(policy, reason)`` for a device of ``platform`` (``jax.Device.platform``).
 
     Args:
@@ -85,8 +93,9 @@ def choose_precision(platform: str, *, compute_capability: str | None = None,
             return BFLOAT16, "a CUDA GPU (compute capability unknown): bfloat16 tensor cores assumed"
         if major >= 8:
             return BFLOAT16, f"a CUDA GPU of compute capability {compute_capability} has bfloat16 tensor cores"
-        return FLOAT32, (f"a CUDA GPU of compute capability {compute_capability} has no bfloat16 tensor cores "
-                         "(8.0 and later do)")
+        return FLOAT32, (
+            f"a CUDA GPU of compute capability {compute_capability} has no bfloat16 tensor cores (8.0 and later do)"
+        )
     if platform == "rocm":
         return BFLOAT16, "an AMD GPU: bfloat16 matrix cores"
     if platform == "tpu":
@@ -96,11 +105,14 @@ def choose_precision(platform: str, *, compute_capability: str | None = None,
             return FLOAT32, "a CPU whose flags cannot be read (no /proc/cpuinfo): float32, bfloat16 may be emulated"
         native = bfloat16_units(flags)
         if native:
-            return FLOAT32, (f"a CPU with {' and '.join(native)}, which XLA:CPU does not multiply bfloat16 on "
-                             "(jaxlib 0.10.2 on a Xeon with AMX: bfloat16 matmuls no faster than float32, the "
-                             "default step 1.4x slower): float32")
-        return FLOAT32, ("a CPU without AMX or AVX512-BF16: XLA:CPU emulates bfloat16 matmuls, so float32 "
-                         "compute is faster")
+            return FLOAT32, (
+                f"a CPU with {' and '.join(native)}, which XLA:CPU does not multiply bfloat16 on "
+                "(jaxlib 0.10.2 on a Xeon with AMX: bfloat16 matmuls no faster than float32, the "
+                "default step 1.4x slower): float32"
+            )
+        return FLOAT32, (
+            "a CPU without AMX or AVX512-BF16: XLA:CPU emulates bfloat16 matmuls, so float32 compute is faster"
+        )
     return FLOAT32, f"an unknown platform {platform!r}: float32"
 
 
@@ -117,8 +129,9 @@ def device_precision(device: Any = None) -> tuple[str, str]:
     device = jax.devices()[0] if device is None else device
     text = cpuinfo_text() if device.platform == "cpu" else None
     flags = None if text is None else cpu_flags(text)
-    return choose_precision(device.platform, compute_capability=getattr(device, "compute_capability", None),
-                            flags=flags)
+    return choose_precision(
+        device.platform, compute_capability=getattr(device, "compute_capability", None), flags=flags
+    )
 
 
 def resolve_precision(spec: str, *, priced_accelerator: bool = False) -> tuple[str, str | None]:

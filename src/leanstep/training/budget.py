@@ -59,8 +59,11 @@ def parse_duration(text: str | float, flag: str = "--time-budget") -> float:
     else:
         parts = re.findall(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(min|[smh]?)", str(text).strip().lower())
         joined = "".join(f"{number}{unit}" for number, unit in parts)
-        if not parts or joined != re.sub(r"\s+", "", str(text).strip().lower()) or \
-                (len(parts) > 1 and any(unit == "" for _, unit in parts)):
+        if (
+            not parts
+            or joined != re.sub(r"\s+", "", str(text).strip().lower())
+            or (len(parts) > 1 and any(unit == "" for _, unit in parts))
+        ):
             raise ValueError(f"{flag} must be a duration like 3m, 90s, 1.5h or 2m30s, got {text!r}")
         seconds = sum(float(number) * _UNITS[unit] for number, unit in parts)
     if not (math.isfinite(seconds) and seconds > 0):
@@ -107,17 +110,29 @@ class BudgetPlan:
     def describe(self) -> str:
         """One line: the budget, what it went to, the steps planned (and when they are planned again)."""
         if self.loop_step_s is not None:
-            return (f"--time-budget {self.budget_s:g}s: {self.steps} steps, planned again after step "
-                    f"{self.replan_at} at {self.loop_step_s * 1e3:.1f} ms a step (the first plan: "
-                    f"{self.calibrated_steps} at {self.step_s * 1e3:.1f} ms)")
+            return (
+                f"--time-budget {self.budget_s:g}s: {self.steps} steps, planned again after step "
+                f"{self.replan_at} at {self.loop_step_s * 1e3:.1f} ms a step (the first plan: "
+                f"{self.calibrated_steps} at {self.step_s * 1e3:.1f} ms)"
+            )
         again = "" if self.replan_at is None else f", planned again after step {self.replan_at}"
-        return (f"--time-budget {self.budget_s:g}s: {self.steps} steps planned at {self.step_s * 1e3:.1f} ms a step "
-                f"({self.planned_at_s:.1f} s spent loading, compiling and timing; an evaluation "
-                f"{self.eval_s:.2f} s{again})")
+        return (
+            f"--time-budget {self.budget_s:g}s: {self.steps} steps planned at {self.step_s * 1e3:.1f} ms a step "
+            f"({self.planned_at_s:.1f} s spent loading, compiling and timing; an evaluation "
+            f"{self.eval_s:.2f} s{again})"
+        )
 
 
-def plan_steps(budget_s: float, spent_s: float, step_s: float, eval_s: float, eval_every: int,
-               checkpoint_s: float, checkpoint_every: int, finish_s: float) -> int:
+def plan_steps(
+    budget_s: float,
+    spent_s: float,
+    step_s: float,
+    eval_s: float,
+    eval_every: int,
+    checkpoint_s: float,
+    checkpoint_every: int,
+    finish_s: float,
+) -> int:
     """The number of steps ``N`` of the module's formula (0 if not even one fits).
 
     Example:
@@ -135,8 +150,15 @@ def _timed(call: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def calibrate(step_fn: Callable[[Any, Any], tuple[Any, Any]], scratch_state: Any, batches: Callable[[int], Any],
-              evaluate: Callable[[Any], Any], *, timed_steps: int = 4, evaluations: int = 2) -> dict[str, Any]:
+def calibrate(
+    step_fn: Callable[[Any, Any], tuple[Any, Any]],
+    scratch_state: Any,
+    batches: Callable[[int], Any],
+    evaluate: Callable[[Any], Any],
+    *,
+    timed_steps: int = 4,
+    evaluations: int = 2,
+) -> dict[str, Any]:
     """Times ``1 + timed_steps`` steps from ``scratch_state`` (whose results are dropped) and ``evaluations``.
 
     Args:
@@ -170,9 +192,16 @@ def calibrate(step_fn: Callable[[Any, Any], tuple[Any, Any]], scratch_state: Any
     return {"compile_s": compile_s, "step_s": statistics.median(times), "step_times_s": times, "eval_s": eval_s}
 
 
-def plan_budget(config: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], scratch_state: Callable[[], Any],
-                batches: Callable[[int], Any], evaluate: Callable[[Any], Any], origin: float, *,
-                evaluations: int = 2) -> BudgetPlan:
+def plan_budget(
+    config: Any,
+    step_fn: Callable[[Any, Any], tuple[Any, Any]],
+    scratch_state: Callable[[], Any],
+    batches: Callable[[int], Any],
+    evaluate: Callable[[Any], Any],
+    origin: float,
+    *,
+    evaluations: int = 2,
+) -> BudgetPlan:
     """Calibrates the run's step and plans ``config.time_budget`` (a :class:`RunConfig` with ``steps=None``).
 
     Args:
@@ -188,24 +217,45 @@ def plan_budget(config: Any, step_fn: Callable[[Any, Any], tuple[Any, Any]], scr
     timing = calibrate(step_fn, scratch_state(), batches, evaluate, evaluations=evaluations)
 
     spent = time.perf_counter() - origin
-    steps = plan_steps(config.time_budget, spent, timing["step_s"], timing["eval_s"], config.eval_every,
-                       CHECKPOINT_ESTIMATE_S, config.checkpoint_every, FINISH_ESTIMATE_S)
+    steps = plan_steps(
+        config.time_budget,
+        spent,
+        timing["step_s"],
+        timing["eval_s"],
+        config.eval_every,
+        CHECKPOINT_ESTIMATE_S,
+        config.checkpoint_every,
+        FINISH_ESTIMATE_S,
+    )
     if jax.process_count() > 1:  # process 0's plan, for every process
         from jax.experimental import multihost_utils
 
         steps = int(multihost_utils.broadcast_one_to_all(np.int32(steps)))
     if steps < 1:
-        raise ValueError(f"--time-budget {config.time_budget:g}s leaves no time for a step: {spent:.1f} s went to "
-                         f"loading and compiling, a step takes {timing['step_s']:.3g} s and an evaluation "
-                         f"{timing['eval_s']:.3g} s; give a longer budget or --steps")
+        raise ValueError(
+            f"--time-budget {config.time_budget:g}s leaves no time for a step: {spent:.1f} s went to "
+            f"loading and compiling, a step takes {timing['step_s']:.3g} s and an evaluation "
+            f"{timing['eval_s']:.3g} s; give a longer budget or --steps"
+        )
     if config.stop_at is not None and config.stop_at > steps:
-        raise ValueError(f"--stop-at {config.stop_at} is past the {steps} steps --time-budget "
-                         f"{config.time_budget:g}s allows: the run would never stop there")
+        raise ValueError(
+            f"--stop-at {config.stop_at} is past the {steps} steps --time-budget "
+            f"{config.time_budget:g}s allows: the run would never stop there"
+        )
     at = replan_step(config, steps)
-    return BudgetPlan(budget_s=float(config.time_budget), planned_at_s=spent, compile_s=timing["compile_s"],
-                      step_s=timing["step_s"], step_times_s=timing["step_times_s"], eval_s=timing["eval_s"],
-                      checkpoint_s=CHECKPOINT_ESTIMATE_S, finish_s=FINISH_ESTIMATE_S, steps=steps,
-                      replan_at=at if at is not None and at < steps else None, calibrated_steps=steps)
+    return BudgetPlan(
+        budget_s=float(config.time_budget),
+        planned_at_s=spent,
+        compile_s=timing["compile_s"],
+        step_s=timing["step_s"],
+        step_times_s=timing["step_times_s"],
+        eval_s=timing["eval_s"],
+        checkpoint_s=CHECKPOINT_ESTIMATE_S,
+        finish_s=FINISH_ESTIMATE_S,
+        steps=steps,
+        replan_at=at if at is not None and at < steps else None,
+        calibrated_steps=steps,
+    )
 
 
 def replan_step(config: Any, steps: int) -> int | None:
@@ -240,10 +290,18 @@ def replan(plan: BudgetPlan, config: Any, step: int, elapsed_s: float, step_time
     ``step_times_s`` (the loop's recent pace), and never fewer than one more than ``step``; for
     ``warmup-stable-decay``, never so few that the decay would have begun by ``step``.
     """
-    times = step_times_s[len(step_times_s) // 2:] or step_times_s
+    times = step_times_s[len(step_times_s) // 2 :] or step_times_s
     step_s = statistics.median(times)
-    more = plan_steps(plan.budget_s, elapsed_s, step_s, plan.eval_s, config.eval_every, plan.checkpoint_s,
-                      config.checkpoint_every, plan.finish_s)
+    more = plan_steps(
+        plan.budget_s,
+        elapsed_s,
+        step_s,
+        plan.eval_s,
+        config.eval_every,
+        plan.checkpoint_s,
+        config.checkpoint_every,
+        plan.finish_s,
+    )
     steps = step + max(1, more)
     while config.schedule == "warmup-stable-decay" and decay_start(steps) <= step:
         steps += 1

@@ -44,8 +44,11 @@ def build_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Ca
       (0.0, 0.003, 0.0003)
     """
     schedule = make_schedule(config.schedule, config.lr, config.warmup_steps)
-    optimizer = optax.chain(optax.scale_by_adam(b1=0.9, b2=0.95), optax.add_decayed_weights(config.weight_decay),
-                            scale_by_run_schedule(schedule, total=config.steps or 0))
+    optimizer = optax.chain(
+        optax.scale_by_adam(b1=0.9, b2=0.95),
+        optax.add_decayed_weights(config.weight_decay),
+        scale_by_run_schedule(schedule, total=config.steps or 0),
+    )
     return optimizer, schedule
 
 
@@ -103,21 +106,27 @@ class Run:
         return TrainState.create(params, self.optimizer, loss_scale=self.loss_scale, seed=self.config.seed)
 
     def _initial_state(self) -> TrainState:
-        return TrainState.create(self.init_params(), self.optimizer, loss_scale=self.loss_scale,
-                                 seed=self.config.seed)
+        return TrainState.create(self.init_params(), self.optimizer, loss_scale=self.loss_scale, seed=self.config.seed)
 
     def abstract_state(self) -> TrainState:
         """Shapes and dtypes of :meth:`init_state`, without computing it."""
         return jax.eval_shape(self.init_state, self.abstract_params())
 
-    def make_step(self, *, mesh: Mesh | None = None, **changes: Any) -> Callable[[TrainState, Any],
-                                                                                tuple[TrainState, StepMetrics]]:
+    def make_step(
+        self, *, mesh: Mesh | None = None, **changes: Any
+    ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
         """The run's jitted train step; ``changes`` override ``microbatches``, ``remat``, ``precision``."""
         config = dataclasses.replace(self.config, **changes)
-        return make_train_step(self.loss_fn(config.remat), precision=config.precision,
-                               num_microbatches=config.microbatches, max_grad_norm=config.max_grad_norm,
-                               mesh=mesh, fsdp=config.fsdp, rules=None if mesh is None else self.model.rules,
-                               **({} if mesh is None else {"reduce": config.reduce}))
+        return make_train_step(
+            self.loss_fn(config.remat),
+            precision=config.precision,
+            num_microbatches=config.microbatches,
+            max_grad_norm=config.max_grad_norm,
+            mesh=mesh,
+            fsdp=config.fsdp,
+            rules=None if mesh is None else self.model.rules,
+            **({} if mesh is None else {"reduce": config.reduce}),
+        )
 
 
 def build_run(config: RunConfig) -> Run:
@@ -146,7 +155,9 @@ def build_run(config: RunConfig) -> Run:
     if "save:" in config.remat:  # every name saved must be one the model tags (one abstract trace)
         microbatch = run.batch_spec(config.batch_size // config.microbatches)
         try:
-            check_saved_names(jax.make_jaxpr(run.loss_fn())(run.abstract_params(), microbatch), f"--model {config.model}")
+            check_saved_names(
+                jax.make_jaxpr(run.loss_fn())(run.abstract_params(), microbatch), f"--model {config.model}"
+            )
         except ValueError as error:
             raise ValueError(f"--remat {config.remat}: {error}") from None
     return run

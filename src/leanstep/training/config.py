@@ -31,8 +31,23 @@ __all__ = ["MODEL_FLAGS", "RESUMABLE_FIELDS", "SCHEDULES", "RunConfig", "config_
 #: replay; a run sized by ``time_budget`` records the steps it chose, and resumes with them;
 #: ``devices`` and ``fsdp`` only lay the same state out differently: a checkpoint restores into
 #: whatever layout the resumed run asks for.)
-RESUMABLE_FIELDS = frozenset({"steps", "time_budget", "stop_at", "eval_every", "checkpoint_every", "keep_checkpoints", "out",
-                              "max_consecutive_skips", "progress", "devices", "fsdp", "mesh", "reduce"})
+RESUMABLE_FIELDS = frozenset(
+    {
+        "steps",
+        "time_budget",
+        "stop_at",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "out",
+        "max_consecutive_skips",
+        "progress",
+        "devices",
+        "fsdp",
+        "mesh",
+        "reduce",
+    }
+)
 
 #: ``(flag, field)`` of the model-size overrides.
 MODEL_FLAGS = (("--d-model", "d_model"), ("--layers", "n_layers"), ("--heads", "n_heads"), ("--d-ff", "d_ff"))
@@ -130,6 +145,7 @@ class RunConfig:
         Raises:
           ValueError: the first field that is wrong, with its flag and what would be right.
         """
+
         def check_int(name: str, minimum: int = 1, maximum: int = INT32_MAX) -> None:
             # Counters and sizes live in int32 (the step counter saturates there), so every one is
             # bounded here, where it is parsed, not where it would overflow.
@@ -139,8 +155,16 @@ class RunConfig:
             if value > maximum:
                 raise ValueError(f"{_flag(name)} must be an integer in [{minimum}, {maximum}], got {value!r}")
 
-        for name in ("batch_size", "seq_len", "microbatches", "eval_every", "eval_batches",
-                     "checkpoint_every", "keep_checkpoints", "max_consecutive_skips"):
+        for name in (
+            "batch_size",
+            "seq_len",
+            "microbatches",
+            "eval_every",
+            "eval_batches",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "max_consecutive_skips",
+        ):
             check_int(name)
         check_int("warmup_steps", 0)
         check_int("seed", 0, 2**32 - 1)  # a PRNG key keeps 32 bits of the seed
@@ -148,12 +172,16 @@ class RunConfig:
             if getattr(self, name) is not None:
                 check_int(name)
         if self.batch_size * self.seq_len > INT32_MAX:
-            raise ValueError(f"--batch-size {self.batch_size} times --seq-len {self.seq_len} is more than "
-                             f"{INT32_MAX} tokens per step")
-        if self.time_budget is not None and not (_is_number(self.time_budget, 0, strict=True)
-                                                 and self.time_budget <= MAX_TIME_BUDGET_S):
-            raise ValueError(f"--time-budget must be a duration in (0 s, 30 days], like 3m or 90s, "
-                             f"got {self.time_budget!r} seconds")
+            raise ValueError(
+                f"--batch-size {self.batch_size} times --seq-len {self.seq_len} is more than "
+                f"{INT32_MAX} tokens per step"
+            )
+        if self.time_budget is not None and not (
+            _is_number(self.time_budget, 0, strict=True) and self.time_budget <= MAX_TIME_BUDGET_S
+        ):
+            raise ValueError(
+                f"--time-budget must be a duration in (0 s, 30 days], like 3m or 90s, got {self.time_budget!r} seconds"
+            )
         if self.steps is None and self.time_budget is None:
             raise ValueError("--steps or --time-budget: give one (how long the run is)")
         if self.stop_at is not None and self.steps is not None and self.stop_at > self.steps:
@@ -171,8 +199,10 @@ class RunConfig:
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"--reduce must be one of {', '.join(REDUCTIONS)}, got {self.reduce!r}")
         if self.devices is not None and self.mesh is None and self.batch_size % (self.microbatches * self.devices):
-            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches "
-                             f"{self.microbatches} times --devices {self.devices}")
+            raise ValueError(
+                f"--batch-size {self.batch_size} is not divisible by --microbatches "
+                f"{self.microbatches} times --devices {self.devices}"
+            )
         # Each of these becomes a float32: a positive one must be a normal float32 (a denormal
         # one flushes to zero, a huge one is inf), and a non-negative one finite in float32.
         for name in ("lr", "initial_loss_scale", "max_grad_norm"):
@@ -182,20 +212,25 @@ class RunConfig:
             if not _is_number(value, 0, strict=True):
                 raise ValueError(f"{_flag(name)} must be a positive finite number{none}, got {value!r}")
             if not FLOAT32_TINY <= value <= FLOAT32_MAX:
-                raise ValueError(f"{_flag(name)} must be in float32's normal range [{FLOAT32_TINY:.8g}, "
-                                 f"{FLOAT32_MAX:.8g}]{none} (it becomes a float32), got {value!r}")
+                raise ValueError(
+                    f"{_flag(name)} must be in float32's normal range [{FLOAT32_TINY:.8g}, "
+                    f"{FLOAT32_MAX:.8g}]{none} (it becomes a float32), got {value!r}"
+                )
         if not _is_number(self.weight_decay, 0, strict=False):
             raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
         if self.weight_decay > FLOAT32_MAX:
-            raise ValueError(f"--weight-decay must be at most {FLOAT32_MAX:.8g} (it becomes a float32), "
-                             f"got {self.weight_decay!r}")
+            raise ValueError(
+                f"--weight-decay must be at most {FLOAT32_MAX:.8g} (it becomes a float32), got {self.weight_decay!r}"
+            )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for flag, value in (("--out", self.out), ("--data", self.data)):
             if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
                 raise ValueError(f"{flag} must be a non-empty path, got {value!r}")
-        for flag, parse, value in (("--precision", _check_precision, self.precision),
-                                   ("--remat", get_remat_policy, self.remat)):
+        for flag, parse, value in (
+            ("--precision", _check_precision, self.precision),
+            ("--remat", get_remat_policy, self.remat),
+        ):
             try:
                 parse(value)
             except (TypeError, ValueError) as error:
@@ -207,8 +242,9 @@ class RunConfig:
         try:  # cheap: builds the config dataclass only, no arrays
             build_model(self.model, self.size, **model_overrides(self))
         except (TypeError, ValueError) as error:
-            flags = "".join(f" {flag} {getattr(self, name)}" for flag, name in MODEL_FLAGS
-                            if getattr(self, name) is not None)
+            flags = "".join(
+                f" {flag} {getattr(self, name)}" for flag, name in MODEL_FLAGS if getattr(self, name) is not None
+            )
             raise ValueError(f"--model {self.model} --size {self.size}{flags}: {error}") from None
         return self
 

@@ -57,8 +57,16 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
 
 def _ticks(ax: Any, steps: np.ndarray, height: float, color: str, label: str) -> None:
     """Vertical ticks at ``steps`` along one edge (``height`` in axes units): never hide data."""
-    ax.plot(steps, np.full(steps.shape, height), "|", color=color, ms=9, mew=1.2,
-            transform=ax.get_xaxis_transform(), label=label)
+    ax.plot(
+        steps,
+        np.full(steps.shape, height),
+        "|",
+        color=color,
+        ms=9,
+        mew=1.2,
+        transform=ax.get_xaxis_transform(),
+        label=label,
+    )
 
 
 def _mark_events(ax: Any, metrics: RunMetrics, skipped: np.ndarray) -> None:
@@ -75,8 +83,16 @@ def _finish(ax: Any, title: str, ylabel: str, has_data: bool) -> None:
     ax.set_ylabel(ylabel)
     ax.grid(True, which="major", alpha=0.35)
     if not has_data:
-        ax.text(0.5, 0.5, "no finite values", ha="center", va="center",
-                transform=ax.transAxes, color="0.4", bbox={"fc": "white", "ec": "none"})
+        ax.text(
+            0.5,
+            0.5,
+            "no finite values",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            color="0.4",
+            bbox={"fc": "white", "ec": "none"},
+        )
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize="small", framealpha=0.8)
 
@@ -114,8 +130,7 @@ def plot_curves(
       b'\\x89PNG\\r\\n\\x1a\\n'
     """
     if max_grad_norm is not None and (
-        not is_real(max_grad_norm)
-        or not math.isfinite(max_grad_norm) or max_grad_norm <= 0
+        not is_real(max_grad_norm) or not math.isfinite(max_grad_norm) or max_grad_norm <= 0
     ):
         raise ValueError(f"max_grad_norm={max_grad_norm!r}; expected a positive finite number")
     path = pathlib.Path(path)
@@ -135,43 +150,67 @@ def plot_curves(
     span = min(100, max(1, round(steps.size / 50)))
     if ok.any():
         # Short runs are drawn as they are; longer ones get a light raw line under an EMA.
-        ax_loss.plot(steps[ok], loss[ok], color="tab:blue", alpha=0.3 if span > 1 else 1.0,
-                     lw=0.8, label="train", **style)
+        ax_loss.plot(
+            steps[ok], loss[ok], color="tab:blue", alpha=0.3 if span > 1 else 1.0, lw=0.8, label="train", **style
+        )
     if span > 1 and ok.any():
-        ax_loss.plot(steps[ok], _ema(loss[ok], span), color="tab:blue", lw=1.8,
-                     label=f"train (EMA, span {span})")
+        ax_loss.plot(steps[ok], _ema(loss[ok], span), color="tab:blue", lw=1.8, label=f"train (EMA, span {span})")
     estep, eloss = metrics.eval_column("step"), metrics.eval_column("heldout_loss")
     eok = np.isfinite(eloss)
     if eok.any():
         final_bpb = metrics.eval[np.flatnonzero(eok)[-1]].heldout_bits_per_byte
-        ax_loss.plot(estep[eok], eloss[eok], "o-", color="tab:orange", ms=4, lw=1,
-                     label=f"held-out (final {final_bpb:.3f} bits/byte)")
+        ax_loss.plot(
+            estep[eok],
+            eloss[eok],
+            "o-",
+            color="tab:orange",
+            ms=4,
+            lw=1,
+            label=f"held-out (final {final_bpb:.3f} bits/byte)",
+        )
     ln2 = math.log(2.0)
-    ax_loss.secondary_yaxis("right", functions=(lambda x: x / ln2, lambda x: x * ln2)
-                            ).set_ylabel("bits/byte")
+    ax_loss.secondary_yaxis("right", functions=(lambda x: x / ln2, lambda x: x * ln2)).set_ylabel("bits/byte")
     _mark_events(ax_loss, metrics, skipped)
     _finish(ax_loss, "train and held-out loss", "loss (nats/byte)", bool(ok.any() or eok.any()))
 
     scale = metrics.train_column("loss_scale")
     ok = np.isfinite(scale) & (scale > 0)
-    ax_scale.plot(steps[ok], scale[ok], color="tab:purple", drawstyle="steps-post",
-                  label="loss scale" if ok.any() else None, **style)
+    ax_scale.plot(
+        steps[ok],
+        scale[ok],
+        color="tab:purple",
+        drawstyle="steps-post",
+        label="loss scale" if ok.any() else None,
+        **style,
+    )
     ax_scale.set_yscale("log", base=2)
     _mark_events(ax_scale, metrics, skipped)
     _finish(ax_scale, "dynamic loss scale", "loss scale (log2)", bool(ok.any()))
 
     grad = metrics.train_column("grad_norm")
     ok = np.isfinite(grad) & (grad > 0)
-    ax_grad.plot(steps[ok], grad[ok], color="tab:green", lw=0.8, alpha=0.35 if span > 1 else 1,
-                 label="grad norm" if ok.any() else None, **style)
+    ax_grad.plot(
+        steps[ok],
+        grad[ok],
+        color="tab:green",
+        lw=0.8,
+        alpha=0.35 if span > 1 else 1,
+        label="grad norm" if ok.any() else None,
+        **style,
+    )
     if span > 1 and ok.any():  # geometric EMA: the panel is logarithmic
-        ax_grad.plot(steps[ok], np.exp(_ema(np.log(grad[ok]), span)), color="tab:green",
-                     lw=1.6, label=f"grad norm (EMA, span {span})")
-    _ticks(ax_grad, steps[metrics.train_column("clipped") > 0], 0.98, "tab:orange",
-           f"clipped ({summary['clipped_steps']})")
+        ax_grad.plot(
+            steps[ok],
+            np.exp(_ema(np.log(grad[ok]), span)),
+            color="tab:green",
+            lw=1.6,
+            label=f"grad norm (EMA, span {span})",
+        )
+    _ticks(
+        ax_grad, steps[metrics.train_column("clipped") > 0], 0.98, "tab:orange", f"clipped ({summary['clipped_steps']})"
+    )
     if max_grad_norm is not None:
-        ax_grad.axhline(max_grad_norm, color="black", ls="--", lw=1,
-                        label=f"max_grad_norm = {max_grad_norm:g}")
+        ax_grad.axhline(max_grad_norm, color="black", ls="--", lw=1, label=f"max_grad_norm = {max_grad_norm:g}")
     ax_grad.set_yscale("log")
     _mark_events(ax_grad, metrics, skipped)
     _finish(ax_grad, "gradient global norm (before clipping)", "grad norm (log)", bool(ok.any()))
@@ -181,12 +220,17 @@ def plot_curves(
     ok = np.isfinite(speed) & ~compiling
     if ok.any():
         left_out = int(compiling.sum())
-        ax_speed.plot(steps[ok], speed[ok], color="tab:cyan", lw=0.9, **style, label=(
-            f"tokens/sec ({left_out} compile step{'s' * (left_out != 1)} left out)"))
+        ax_speed.plot(
+            steps[ok],
+            speed[ok],
+            color="tab:cyan",
+            lw=0.9,
+            **style,
+            label=(f"tokens/sec ({left_out} compile step{'s' * (left_out != 1)} left out)"),
+        )
     mean_speed = summary["mean_tokens_per_sec"]
     if mean_speed is not None:
-        ax_speed.axhline(mean_speed, color="0.3", ls="--", lw=1,
-                         label=f"mean {mean_speed:,.0f} (after compile)")
+        ax_speed.axhline(mean_speed, color="0.3", ls="--", lw=1, label=f"mean {mean_speed:,.0f} (after compile)")
     if ok.any() and speed[ok].max() > 0:  # from zero, so a 2% wobble looks like one
         ax_speed.set_ylim(0, 1.1 * speed[ok].max())
     _finish(ax_speed, "throughput", "tokens/sec", bool(ok.any()))

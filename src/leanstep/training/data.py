@@ -36,9 +36,7 @@ MAX_CORPUS_BYTES = 1 << 30
 MAX_CORPUS_ENTRIES = 1_000_000
 #: Folder names left out of the default corpus: installed packages and the stdlib's own tests
 #: (huge, repetitive generated data files that would dominate the sample).
-EXCLUDED_DIRS = frozenset(
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-)
+EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 
 
 def default_corpus_paths(max_bytes: int = DEFAULT_CORPUS_BYTES) -> list[Path]:
@@ -188,9 +186,13 @@ def load_corpus(
     if path is None:
         root = Path(sysconfig.get_paths()["stdlib"])
         source = f"stdlib:{root}"
-        files = [(p.relative_to(root).as_posix(),
-                  read_regular_file(p, what=f"standard library file {str(p)!r}", limit=DEFAULT_CORPUS_BYTES))
-                 for p in default_corpus_paths()]
+        files = [
+            (
+                p.relative_to(root).as_posix(),
+                read_regular_file(p, what=f"standard library file {str(p)!r}", limit=DEFAULT_CORPUS_BYTES),
+            )
+            for p in default_corpus_paths()
+        ]
     else:
         root = expand_path(path)
         source = str(root)
@@ -203,9 +205,7 @@ def load_corpus(
             raise ValueError(f"{error}; {expected}") from None
         if not files:
             left_out = f" (skipped: {describe_skipped(skipped)})" if skipped else ""
-            raise ValueError(
-                f"--data folder {source!r} holds no readable, non-empty text file{left_out}; {expected}"
-            )
+            raise ValueError(f"--data folder {source!r} holds no readable, non-empty text file{left_out}; {expected}")
         if not files[0][1]:
             raise ValueError(f"--data file {source!r} is empty; {expected}")
 
@@ -245,13 +245,10 @@ def _check_positive(name: str, value: object) -> int:
 def _check_data(data: np.ndarray, seq_len: int, what: str) -> np.ndarray:
     data = np.asarray(data)
     if data.ndim != 1 or not np.issubdtype(data.dtype, np.integer):
-        raise ValueError(
-            f"{what} must be a 1-D integer array of tokens; got shape {data.shape}, dtype {data.dtype}"
-        )
+        raise ValueError(f"{what} must be a 1-D integer array of tokens; got shape {data.shape}, dtype {data.dtype}")
     if data.size < seq_len + 1:
         raise ValueError(
-            f"{what} has {data.size} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
-            "use more data or a shorter seq_len"
+            f"{what} has {data.size} tokens, fewer than seq_len + 1 = {seq_len + 1}; use more data or a shorter seq_len"
         )
     return data
 

@@ -27,14 +27,16 @@ def _is_schedule(node: Any) -> bool:
 
 def to_legacy(opt_state: Any) -> Any:
     """``opt_state`` with each :class:`RunScheduleState` as 0.5 saved it: ``ScaleByScheduleState(count)``."""
-    return jax.tree.map(lambda n: optax.ScaleByScheduleState(count=n.count) if _is_schedule(n) else n, opt_state,
-                        is_leaf=_is_schedule)
+    return jax.tree.map(
+        lambda n: optax.ScaleByScheduleState(count=n.count) if _is_schedule(n) else n, opt_state, is_leaf=_is_schedule
+    )
 
 
 def from_legacy(legacy: Any, template: Any) -> Any:
     """The inverse of :func:`to_legacy`: each count from ``legacy``, each length from ``template``."""
-    return jax.tree.map(lambda t, old: t._replace(count=old.count) if _is_schedule(t) else old, template, legacy,
-                        is_leaf=_is_schedule)
+    return jax.tree.map(
+        lambda t, old: t._replace(count=old.count) if _is_schedule(t) else old, template, legacy, is_leaf=_is_schedule
+    )
 
 
 def restore_state(checkpointer: Checkpointer, template: Any) -> RestoreResult:
@@ -55,5 +57,6 @@ def restore_state(checkpointer: Checkpointer, template: Any) -> RestoreResult:
                 raise error from None
     finally:
         quiet.setLevel(level)
-    return restored._replace(state=restored.state.replace(
-        opt_state=from_legacy(restored.state.opt_state, template.opt_state)))
+    return restored._replace(
+        state=restored.state.replace(opt_state=from_legacy(restored.state.opt_state, template.opt_state))
+    )

@@ -15,13 +15,13 @@ import json
 import os
 import pathlib
 import stat
-from typing import IO, Any
+from typing import IO
 
 import numpy as np
 
 from leanstep.training.records import EvalRecord, TrainRecord, parse_record
 
-__all__ = ["MetricsWriter", "truncate_metrics", "RunMetrics", "read_metrics"]
+__all__ = ["MetricsWriter", "RunMetrics", "read_metrics", "truncate_metrics"]
 
 
 class MetricsWriter:
@@ -66,14 +66,15 @@ class MetricsWriter:
         """
         for record in records:
             if not isinstance(record, (TrainRecord, EvalRecord)):
-                raise TypeError(f"metrics.jsonl holds TrainRecord and EvalRecord lines; got "
-                                f"{type(record).__name__} {record!r}")
+                raise TypeError(
+                    f"metrics.jsonl holds TrainRecord and EvalRecord lines; got {type(record).__name__} {record!r}"
+                )
         if self._file is None:
             raise RuntimeError(f"MetricsWriter({str(self.path)!r}) is not open; use it in a with block")
         self._file.write("".join(json.dumps(record.to_json()) + "\n" for record in records))
         self._file.flush()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._file is not None:
             with contextlib.suppress(OSError):  # a failed write has been raised already
                 self._file.close()

@@ -119,11 +119,11 @@ class RunStart(NamedTuple):
 #: Anything a run emits.
 Record = typing.Union[TrainRecord, EvalRecord, Note, RunStart]
 
-_RECORD_TYPES: dict[str, type[TrainRecord] | type[EvalRecord]] = {
-    "train": TrainRecord, "eval": EvalRecord,
+_RECORD_TYPES: dict[str, type[TrainRecord | EvalRecord]] = {
+    "train": TrainRecord,
+    "eval": EvalRecord,
 }
-_FIELDS = {kind: tuple(typing.get_type_hints(record_type).items())
-           for kind, record_type in _RECORD_TYPES.items()}
+_FIELDS = {kind: tuple(typing.get_type_hints(record_type).items()) for kind, record_type in _RECORD_TYPES.items()}
 
 
 def _to_json(record: TrainRecord | EvalRecord) -> dict[str, Any]:

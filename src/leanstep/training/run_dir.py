@@ -63,12 +63,16 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
     try:
         saved = json.loads(text)
     except (ValueError, RecursionError) as error:  # JSON, UTF-8 or nesting
-        raise ValueError(f"--resume: {str(config_path)!r} is not readable JSON ({error}); expected the "
-                         "config.json that leanstep train writes") from None
+        raise ValueError(
+            f"--resume: {str(config_path)!r} is not readable JSON ({error}); expected the "
+            "config.json that leanstep train writes"
+        ) from None
     run = saved.get("run", saved) if isinstance(saved, dict) else None
     if not isinstance(run, dict):
-        raise ValueError(f"--resume: {str(config_path)!r} holds {type(saved).__name__}; expected the JSON "
-                         "object that leanstep train writes")
+        raise ValueError(
+            f"--resume: {str(config_path)!r} holds {type(saved).__name__}; expected the JSON "
+            "object that leanstep train writes"
+        )
     different = config.mismatches(run)
     if different:
         details = ", ".join(f"{k}={run.get(k)!r} (now {getattr(config, k)!r})" for k in different)
@@ -121,18 +125,23 @@ def check_run(config: RunConfig, resume: bool, corpus: dict[str, Any]) -> dict[s
     config_path = out / "config.json"
     if not resume:
         if any((out / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints")):
-            raise ValueError(f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose "
-                             "another --out")
+            raise ValueError(
+                f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out"
+            )
         return None
     saved = saved_run(config, config_path)
     saved_corpus = saved.get("corpus")
     saved_sha = saved_corpus.get("data_sha256") if isinstance(saved_corpus, dict) else None
     if saved_sha not in (None, corpus["data_sha256"]):
-        raise ValueError(f"--resume: the data behind --data {config.data!r} changed since the run started "
-                         f"(sha256 {str(saved_sha)[:12]}… then, {corpus['data_sha256'][:12]}… now); "
-                         "resuming would not replay the run")
+        raise ValueError(
+            f"--resume: the data behind --data {config.data!r} changed since the run started "
+            f"(sha256 {str(saved_sha)[:12]}… then, {corpus['data_sha256'][:12]}… now); "
+            "resuming would not replay the run"
+        )
     if config.model == "transformer" and saved.get("qkv_layout") != QKV_LAYOUT:
-        raise ValueError(f"--resume: {str(out)!r} was written by leanstep < 0.3, whose transformer ordered the "
-                         "attention weights' columns q|k|v-major (now head-major, for tensor parallelism); its "
-                         "checkpoints would load into the wrong attention: continue it with leanstep 0.2")
+        raise ValueError(
+            f"--resume: {str(out)!r} was written by leanstep < 0.3, whose transformer ordered the "
+            "attention weights' columns q|k|v-major (now head-major, for tensor parallelism); its "
+            "checkpoints would load into the wrong attention: continue it with leanstep 0.2"
+        )
     return saved

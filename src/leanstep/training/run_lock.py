@@ -94,7 +94,8 @@ class RunLock:
             os.close(fd)
             raise RunDirectoryInUse(
                 f"--out {str(self.out)!r} is in use by another leanstep train ({_describe(holder)}); "
-                "wait for it to finish, or choose another --out") from None
+                "wait for it to finish, or choose another --out"
+            ) from None
         except OSError:
             os.close(fd)
             raise

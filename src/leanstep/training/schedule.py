@@ -118,6 +118,7 @@ def scale_by_run_schedule(schedule: Schedule, total: int) -> optax.GradientTrans
       >>> updates["w"].tolist(), int(state.count), int(state.total)
       ([-0.5, -0.5], 1, 10)
     """
+
     def init(params: Any) -> RunScheduleState:
         del params
         return RunScheduleState(jnp.zeros((), jnp.int32), jnp.asarray(total, jnp.int32))
@@ -125,7 +126,7 @@ def scale_by_run_schedule(schedule: Schedule, total: int) -> optax.GradientTrans
     def update(updates: Any, state: RunScheduleState, params: Any = None) -> tuple[Any, RunScheduleState]:
         del params
         step_size = -schedule(state.count, state.total)
-        updates = jax.tree.map(lambda u: (step_size.astype(u.dtype) * u), updates)
+        updates = jax.tree.map(lambda u: step_size.astype(u.dtype) * u, updates)
         return updates, RunScheduleState(optax.safe_int32_increment(state.count), state.total)
 
     return optax.GradientTransformation(init, update)
@@ -139,6 +140,7 @@ def set_total_steps(opt_state: Any, total: int) -> Any:
       >>> int(set_total_steps(tx.init({}), 500).total)
       500
     """
+
     def set_total(node: Any) -> Any:
         if not isinstance(node, RunScheduleState):
             return node

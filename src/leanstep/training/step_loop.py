@@ -20,8 +20,7 @@ from leanstep.state import TrainState
 from leanstep.training.config import RunConfig
 from leanstep.training.data import BatchSampler
 
-__all__ = ["StepLoop", "applied_updates", "evaluate", "in_background", "place_eval_batch", "step_batch",
-           "warming_up"]
+__all__ = ["StepLoop", "applied_updates", "evaluate", "in_background", "place_eval_batch", "step_batch", "warming_up"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +74,10 @@ def in_background(*calls: Callable[[], Any]) -> Callable[[], None]:
     call is dropped (the real use, later, meets the same error and reports it) and the next
     call runs.
     """
+
     def run_all() -> None:
         for call in calls:
-            with contextlib.suppress(Exception):  # noqa: BLE001 - reported by the real use, where it belongs
+            with contextlib.suppress(Exception):
                 call()
 
     thread = threading.Thread(target=run_all, name="leanstep-warm-up", daemon=True)
@@ -101,7 +101,8 @@ def warming_up(loop: StepLoop, params: Any) -> StepLoop:
     """
     calls: list[Callable[[], Any]] = [_import_chart]
     if loop.eval_data:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if loop.mesh is None
-                                                               else x.sharding), params)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if loop.mesh is None else x.sharding), params
+        )
         calls.insert(0, lambda: loop.eval_fn.lower(abstract, loop.eval_data[0]).compile())
     return dataclasses.replace(loop, eval_ready=in_background(*calls))

@@ -21,9 +21,7 @@ def _finite_or_none(value: float) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def summarize(
-    metrics: RunMetrics, config: dict | None = None, *, final_window: int = 10
-) -> dict[str, Any]:
+def summarize(metrics: RunMetrics, config: dict | None = None, *, final_window: int = 10) -> dict[str, Any]:
     """Headline numbers of a run; ``None`` where a number is unavailable.
 
     .. math::
@@ -63,8 +61,7 @@ def summarize(
     train, evals = metrics.train, metrics.eval
     losses = [r.loss for r in train if math.isfinite(r.loss)][-final_window:]
     compile_steps = set(metrics.resumed_at) | ({train[0].step} if train else set())
-    speeds = [r.tokens_per_sec for r in train
-              if r.step not in compile_steps and math.isfinite(r.tokens_per_sec)]
+    speeds = [r.tokens_per_sec for r in train if r.step not in compile_steps and math.isfinite(r.tokens_per_sec)]
     finite_evals = [e for e in evals if math.isfinite(e.heldout_loss)]
     best = min(finite_evals, key=lambda e: e.heldout_loss, default=None)
     last = train[-1] if train else None
@@ -74,12 +71,10 @@ def summarize(
         "final_train_loss": sum(losses) / len(losses) if losses else None,
         "final_train_loss_window": len(losses),
         "final_heldout_loss": _finite_or_none(evals[-1].heldout_loss) if evals else None,
-        "final_heldout_bits_per_byte":
-            _finite_or_none(evals[-1].heldout_bits_per_byte) if evals else None,
+        "final_heldout_bits_per_byte": _finite_or_none(evals[-1].heldout_bits_per_byte) if evals else None,
         "final_heldout_step": evals[-1].step if evals else None,
         "best_heldout_loss": best.heldout_loss if best else None,
-        "best_heldout_bits_per_byte":
-            _finite_or_none(best.heldout_bits_per_byte) if best else None,
+        "best_heldout_bits_per_byte": _finite_or_none(best.heldout_bits_per_byte) if best else None,
         "best_heldout_step": best.step if best else None,
         "skipped_steps": sum(r.skipped for r in train),
         "max_consecutive_skips": max((r.consecutive_skips for r in train), default=0),

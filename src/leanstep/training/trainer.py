@@ -87,8 +87,7 @@ def _ignore(*records: Record) -> None:
     del records
 
 
-def train(config: RunConfig, *, resume: bool = False,
-          on_record: Callable[..., None] | None = None) -> dict[str, Any]:
+def train(config: RunConfig, *, resume: bool = False, on_record: Callable[..., None] | None = None) -> dict[str, Any]:
     """Runs (or resumes) a training run described by ``config`` and returns its summary.
 
     Args:
@@ -127,14 +126,19 @@ def train(config: RunConfig, *, resume: bool = False,
             check_run(config, resume, described)
         # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
         sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
-        mesh = device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh)) \
-            if sharded else None
+        mesh = (
+            device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh))
+            if sharded
+            else None
+        )
         axes = None if mesh is None else mesh_axes(mesh, fsdp=config.fsdp)
         rows = 1 if axes is None else axes.size(axes.batch)
         if mesh is not None and config.batch_size % (config.microbatches * rows):
-            raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches "
-                             f"{config.microbatches} times the {rows} devices the batch rows are split over "
-                             f"({jax.process_count()} process(es))")
+            raise ValueError(
+                f"--batch-size {config.batch_size} is not divisible by --microbatches "
+                f"{config.microbatches} times the {rows} devices the batch rows are split over "
+                f"({jax.process_count()} process(es))"
+            )
         if config.fsdp and mesh is None:
             raise ValueError("--fsdp shards the state over devices; add --devices N")
         if lock is not None and not early:
@@ -169,8 +173,17 @@ def _take(lock: RunLock) -> Exception | None:
     return None
 
 
-def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, described: dict[str, Any],
-                  mesh: Mesh | None, emit: Callable[..., None], lock: RunLock | None, origin: float) -> dict[str, Any]:
+def _train_locked(
+    config: RunConfig,
+    run: Any,
+    resume: bool,
+    corpus: Any,
+    described: dict[str, Any],
+    mesh: Mesh | None,
+    emit: Callable[..., None],
+    lock: RunLock | None,
+    origin: float,
+) -> dict[str, Any]:
     """:func:`train` from the moment it holds the run directory (``lock``; None on process > 0)."""
     out = Path(config.out)
     config_path, metrics_path, ckpt_dir = out / "config.json", out / "metrics.jsonl", out / "checkpoints"
@@ -179,31 +192,57 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
     if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
         template = shard_train_state(template, mesh, fsdp=config.fsdp, rules=run.model.rules)
     eval_data = heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
-    loop = StepLoop(config, None, metrics_path if primary else None, run.make_step(mesh=mesh),
-                 # A replicated result: one scalar every process can read.
-                 jax.jit(lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
-                         out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec())),
-                 BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
-                 eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data], run.schedule,
-                 emit if primary else _ignore, mesh, origin)
+    loop = StepLoop(
+        config,
+        None,
+        metrics_path if primary else None,
+        run.make_step(mesh=mesh),
+        # A replicated result: one scalar every process can read.
+        jax.jit(
+            lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
+            out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()),
+        ),
+        BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
+        eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data],
+        run.schedule,
+        emit if primary else _ignore,
+        mesh,
+        origin,
+    )
     loop = warming_up(loop, template.params)  # the evaluation compiles beside the first step
     plan = None
     if config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
+
         def scratch() -> TrainState:  # buffers of its own: the calibration's steps donate their input
             return jax.jit(lambda state: jax.tree.map(jnp.copy, state))(template)
 
-        plan = plan_budget(config, loop.step_fn, scratch, lambda i: step_batch(loop, i), lambda p: evaluate(loop, p),
-                           origin, evaluations=1)  # compiled already (warming_up)
+        plan = plan_budget(
+            config,
+            loop.step_fn,
+            scratch,
+            lambda i: step_batch(loop, i),
+            lambda p: evaluate(loop, p),
+            origin,
+            evaluations=1,
+        )  # compiled already (warming_up)
         config = dataclasses.replace(config, steps=plan.steps)
         loop = dataclasses.replace(loop, config=config)
     template = template.replace(opt_state=set_total_steps(template.opt_state, config.steps))
-    run_info = {"run": config.to_json(), "corpus": described, "model_config": dataclasses.asdict(run.model.config),
-                "parameters": int(sum(x.size for x in jax.tree.leaves(template.params))),
-                "flops_per_token": run.model.flops_per_token, "jax_version": jax.__version__,
-                "backend": jax.default_backend(), "max_grad_norm": config.max_grad_norm,
-                "devices": 1 if mesh is None else mesh.size, "processes": jax.process_count(),
-                "qkv_layout": QKV_LAYOUT, "precision_reason": run.precision_reason,
-                "time_budget_plan": None if plan is None else plan.to_json()}
+    run_info = {
+        "run": config.to_json(),
+        "corpus": described,
+        "model_config": dataclasses.asdict(run.model.config),
+        "parameters": int(sum(x.size for x in jax.tree.leaves(template.params))),
+        "flops_per_token": run.model.flops_per_token,
+        "jax_version": jax.__version__,
+        "backend": jax.default_backend(),
+        "max_grad_norm": config.max_grad_norm,
+        "devices": 1 if mesh is None else mesh.size,
+        "processes": jax.process_count(),
+        "qkv_layout": QKV_LAYOUT,
+        "precision_reason": run.precision_reason,
+        "time_budget_plan": None if plan is None else plan.to_json(),
+    }
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not resume and primary:  # before the first checkpoint, so that a run killed from here on can be resumed
@@ -233,6 +272,7 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
                 raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
         emit(*(Note(note) for note in notes))
         loop.emit(RunStart(config.steps, int(state.step)))
+
         def replanned(new: Any) -> None:  # config.json names the steps before a checkpoint holds them
             run_info.update(run={**run_info["run"], "steps": new.steps}, time_budget_plan=new.to_json())
             if primary:
@@ -254,40 +294,61 @@ def _train_locked(config: RunConfig, run: Any, resume: bool, corpus: Any, descri
         summary = {**summarize(metrics_record, run_info), "curves": None}
         write_json_atomic(out / "summary.json", summary)  # the numbers first: a failed chart cannot lose them
     except OSError as error:
-        raise RunStopped(f"the run finished and its last checkpoint is intact, but summary.json could not be "
-                         f"written ({error}); write it with leanstep report {out}", 1) from None
+        raise RunStopped(
+            f"the run finished and its last checkpoint is intact, but summary.json could not be "
+            f"written ({error}); write it with leanstep report {out}",
+            1,
+        ) from None
     try:
         summary["curves"] = str(plot_curves(metrics_record, out / "curves.png", max_grad_norm=config.max_grad_norm))
         write_json_atomic(out / "summary.json", summary)  # now naming the chart
     except OSError as error:  # ENOSPC, EACCES, ...: plot_curves leaves no partial file
-        emit(Note(f"warning: curves.png was not written ({error}); summary.json holds the numbers and "
-                  f"leanstep report {out} redraws the chart"))
+        emit(
+            Note(
+                f"warning: curves.png was not written ({error}); summary.json holds the numbers and "
+                f"leanstep report {out} redraws the chart"
+            )
+        )
     return summary
 
 
-def _restore(checkpointer: Checkpointer, template: TrainState, config: RunConfig,
-             notes: list[str]) -> tuple[TrainState, float]:
+def _restore(
+    checkpointer: Checkpointer, template: TrainState, config: RunConfig, notes: list[str]
+) -> tuple[TrainState, float]:
     """The newest intact checkpoint that belongs to this config; notes say what was passed over."""
     try:
         restored = restore_state(checkpointer, template)  # 0.5's checkpoints too
     except CheckpointError as error:
-        raise RunStopped(f"--resume: no checkpoint of the run can be restored, so it cannot continue: {error}. "
-                         f"Start again with a new --out (or move {checkpointer.directory} away)", 1) from None
+        raise RunStopped(
+            f"--resume: no checkpoint of the run can be restored, so it cannot continue: {error}. "
+            f"Start again with a new --out (or move {checkpointer.directory} away)",
+            1,
+        ) from None
     notes.extend(f"warning: skipped damaged checkpoint {reason}" for reason in restored.skipped)
     if restored.skipped:
         notes.append(f"warning: resuming from step {restored.step}, the newest intact checkpoint")
     if restored.extra.get("config_sha256", config_hash(config)) != config_hash(config):
-        raise ValueError(f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
-                         "a different config than this one")
+        raise ValueError(
+            f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
+            "a different config than this one"
+        )
     if restored.step > config.steps:
-        raise ValueError(f"--steps {config.steps} is below step {restored.step}, which the run has reached; "
-                         f"pass --steps {restored.step} or more")
+        raise ValueError(
+            f"--steps {config.steps} is below step {restored.step}, which the run has reached; "
+            f"pass --steps {restored.step} or more"
+        )
     checkpointer.delete_newer_than(restored.step)
     return restored.state, float(restored.extra.get("elapsed_s", 0.0))
 
 
-def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, plan: BudgetPlan | None = None,
-               on_replan: Callable[[BudgetPlan], None] = lambda plan: None) -> None:
+def _run_steps(
+    loop: StepLoop,
+    state: TrainState,
+    elapsed_before: float,
+    *,
+    plan: BudgetPlan | None = None,
+    on_replan: Callable[[BudgetPlan], None] = lambda plan: None,
+) -> None:
     """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured.
 
     ``plan``: the run sized it to its budget; it plans again at ``plan.replan_at`` (then calls
@@ -301,18 +362,25 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, plan
     skips_at_minimum = 0  # skipped steps in a row at the minimum loss scale: lowering it cannot help
 
     def where_saved() -> str:
-        return (f"the last checkpoint (step {last_saved}) is intact in {checkpointer.directory}"
-                if last_saved else "no checkpoint was written yet")
+        return (
+            f"the last checkpoint (step {last_saved}) is intact in {checkpointer.directory}"
+            if last_saved
+            else "no checkpoint was written yet"
+        )
 
     def save(state: TrainState, elapsed: float) -> None:
         step = int(state.step)
         try:
-            checkpointer.save(step, state, extra={"data_position": step, "elapsed_s": elapsed,
-                                                  "config_sha256": config_hash(config)})
+            checkpointer.save(
+                step, state, extra={"data_position": step, "elapsed_s": elapsed, "config_sha256": config_hash(config)}
+            )
         except CheckpointError as error:
-            raise RunStopped(f"stopped at step {step}: its checkpoint could not be written ({error}); "
-                             f"{where_saved()}. Free space or fix the directory, then continue with "
-                             f"--resume --out {out}", 1) from None
+            raise RunStopped(
+                f"stopped at step {step}: its checkpoint could not be written ({error}); "
+                f"{where_saved()}. Free space or fix the directory, then continue with "
+                f"--resume --out {out}",
+                1,
+            ) from None
 
     def write_failed(error: OSError) -> RunStopped:
         return RunStopped(f"cannot write {loop.metrics_path}: {error}; {where_saved()}", 1)
@@ -344,16 +412,25 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, plan
                 on_replan(plan)
                 loop.emit(Note(plan.describe()), RunStart(plan.steps, step))
             record = TrainRecord(
-                step=step, loss=float(metrics.loss), grad_norm=float(metrics.grad_norm),
-                loss_scale=float(metrics.loss_scale), skipped=bool(metrics.skipped),
-                clipped=bool(metrics.clipped), consecutive_skips=int(metrics.consecutive_skips),
-                tokens_per_sec=tokens_per_step / dt, elapsed_s=elapsed_before + time.perf_counter() - t_start,
-                lr=float(loop.schedule(applied, config.steps, np)))
+                step=step,
+                loss=float(metrics.loss),
+                grad_norm=float(metrics.grad_norm),
+                loss_scale=float(metrics.loss_scale),
+                skipped=bool(metrics.skipped),
+                clipped=bool(metrics.clipped),
+                consecutive_skips=int(metrics.consecutive_skips),
+                tokens_per_sec=tokens_per_step / dt,
+                elapsed_s=elapsed_before + time.perf_counter() - t_start,
+                lr=float(loop.schedule(applied, config.steps, np)),
+            )
             applied += not record.skipped
             records = [record]
             # Out of time: the next step would end past the budget (the planning run only).
-            out_of_time = plan is not None and step < config.steps and time.perf_counter() - t_start + \
-                (plan.loop_step_s or plan.step_s) > plan.budget_s - plan.finish_s
+            out_of_time = (
+                plan is not None
+                and step < config.steps
+                and time.perf_counter() - t_start + (plan.loop_step_s or plan.step_s) > plan.budget_s - plan.finish_s
+            )
             if many and plan is not None:  # every process stops after the same step
                 out_of_time = bool(np.max(multihost_utils.process_allgather(np.int32(out_of_time))))
             if step % config.eval_every == 0 or step == config.steps or out_of_time:
@@ -370,14 +447,17 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, plan
                 raise RunStopped(
                     f"stopped at step {step}: the loss scale sat at its minimum ({record.loss_scale:g}) for "
                     f"{skips_at_minimum} skipped steps in a row (non-finite gradients); {where_saved()}. "
-                    "Lower --lr, check the data, or raise --max-consecutive-skips.", 1)
+                    "Lower --lr, check the data, or raise --max-consecutive-skips.",
+                    1,
+                )
             signalled = stop.received  # read once: a signal arriving later is handled after the next step
             if many:  # a signal to any process stops all of them after the same step (saving is collective)
                 signalled = int(np.max(multihost_utils.process_allgather(np.int32(signalled or 0)))) or None
             stop_here = config.stop_at is not None and config.stop_at <= step < config.steps
             # A state stuck at the minimum scale is not worth keeping, and saving it could prune a good one.
-            if skips_at_minimum == 0 and (step % config.checkpoint_every == 0 or step == config.steps
-                                          or signalled or stop_here or out_of_time):
+            if skips_at_minimum == 0 and (
+                step % config.checkpoint_every == 0 or step == config.steps or signalled or stop_here or out_of_time
+            ):
                 with stop.deferred():
                     save(state, record.elapsed_s)
                 last_saved = step
@@ -385,14 +465,22 @@ def _run_steps(loop: StepLoop, state: TrainState, elapsed_before: float, *, plan
                     signalled = signalled or stop.received
             saved_now = "after saving a checkpoint" if last_saved == step else f"({where_saved()})"
             if stop_here:
-                raise RunStopped(f"stopped at step {step} as --stop-at asked, {saved_now}; "
-                                 f"continue with --resume --out {out}", 0)
+                raise RunStopped(
+                    f"stopped at step {step} as --stop-at asked, {saved_now}; continue with --resume --out {out}", 0
+                )
             if signalled:
-                raise RunStopped(f"{signal.Signals(signalled).name} received: stopped at step {step} "
-                                 f"{saved_now}; continue with --resume --out {out}", 128 + signalled)
+                raise RunStopped(
+                    f"{signal.Signals(signalled).name} received: stopped at step {step} "
+                    f"{saved_now}; continue with --resume --out {out}",
+                    128 + signalled,
+                )
             if out_of_time:
-                loop.emit(Note(f"warning: the time budget ran out at step {step} of the {config.steps} planned "
-                               f"(steps ran slower than the {(plan.loop_step_s or plan.step_s) * 1e3:.1f} ms "
-                               "measured when planning), "
-                               f"{saved_now}; --resume --out {out} finishes the schedule"))
+                loop.emit(
+                    Note(
+                        f"warning: the time budget ran out at step {step} of the {config.steps} planned "
+                        f"(steps ran slower than the {(plan.loop_step_s or plan.step_s) * 1e3:.1f} ms "
+                        "measured when planning), "
+                        f"{saved_now}; --resume --out {out} finishes the schedule"
+                    )
+                )
                 return
