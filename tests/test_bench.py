@@ -137,8 +137,8 @@ def test_handwritten_float32_sgd_step_matches_float64_numpy():
     np.testing.assert_allclose(float(metrics["loss"]), np.mean(residual**2), rtol=1e-5)
     norm = math.sqrt(sum(float(np.sum(g**2)) for g in grads.values()))
     np.testing.assert_allclose(float(metrics["grad_norm"]), norm, rtol=1e-5)
-    for name in p:
-        np.testing.assert_allclose(np.asarray(state.params[name]), p[name] - 0.1 * grads[name], rtol=1e-5, atol=1e-6)
+    for name, initial in p.items():
+        np.testing.assert_allclose(np.asarray(state.params[name]), initial - 0.1 * grads[name], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- a whole (tiny) run

@@ -51,9 +51,11 @@ def test_notes_are_printed_even_without_a_bar():
 
 
 def test_handle_rejects_other_objects():
-    with TrainProgress(4, 0, enabled=False, console=console()) as progress:
-        with pytest.raises(TypeError, match="takes TrainRecord, EvalRecord, Note or RunStart; got dict"):
-            progress.handle(train_line(1))
+    with (
+        TrainProgress(4, 0, enabled=False, console=console()) as progress,
+        pytest.raises(TypeError, match="takes TrainRecord, EvalRecord, Note or RunStart; got dict"),
+    ):
+        progress.handle(train_line(1))
 
 
 def test_run_start_sets_the_total_and_the_start():

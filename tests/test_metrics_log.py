@@ -93,9 +93,11 @@ def test_fragment_followed_by_appended_record_is_recovered(tmp_path):
 
 def test_non_finite_tokens_and_null_read_as_floats(tmp_path):
     lines = [
-        '{"kind": "train", "step": 1, "loss": NaN, "grad_norm": Infinity, '
-        '"loss_scale": 32768.0, "skipped": true, "clipped": false, "consecutive_skips": 1, '
-        '"tokens_per_sec": -Infinity, "elapsed_s": null, "lr": 0}'
+        (
+            '{"kind": "train", "step": 1, "loss": NaN, "grad_norm": Infinity, '
+            '"loss_scale": 32768.0, "skipped": true, "clipped": false, "consecutive_skips": 1, '
+            '"tokens_per_sec": -Infinity, "elapsed_s": null, "lr": 0}'
+        )
     ]
     (r,) = read_metrics(write(tmp_path / "metrics.jsonl", lines)).train
     assert math.isnan(r.loss) and r.grad_norm == math.inf and r.tokens_per_sec == -math.inf

@@ -716,4 +716,4 @@ def test_an_integer_token_count_gives_the_full_batch_sum_over_count():
     result = gradient_stage(loss_fn, token_weighted=True, num_microbatches=2)({"w": jnp.ones(2)}, batch)
     x, y, m = (np.asarray(batch[k], np.float64) for k in ("x", "y", "mask"))
     np.testing.assert_allclose(result.loss, np.sum((x @ np.ones(2) - y) ** 2 * m) / m.sum(), rtol=1e-6)
-    assert float(result.count) == 3.0
+    assert float(result.token_count) == 3.0

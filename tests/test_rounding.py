@@ -350,7 +350,7 @@ def test_vmap_and_per_example_gradients():
     batched = jax.jit(per_example)(x, y)
     for i in range(x.shape[0]):
         leaves_bit_equal(
-            jax.tree.map(lambda leaf: leaf[i], batched), JIT_STRICT_MLP_GRAD(params, x[i : i + 1], y[i : i + 1])
+            jax.tree.map(lambda leaf, i=i: leaf[i], batched), JIT_STRICT_MLP_GRAD(params, x[i : i + 1], y[i : i + 1])
         )
 
 

@@ -278,8 +278,8 @@ def _prefixed(arrays: dict, prefix: str) -> dict:
 
 def assert_close(actual: dict, expected: dict, rtol: float = 2e-5, atol: float = 2e-6) -> None:
     assert actual.keys() == expected.keys() and actual
-    for key in expected:
-        np.testing.assert_allclose(actual[key], expected[key], rtol=rtol, atol=atol, err_msg=key)
+    for key, value in expected.items():
+        np.testing.assert_allclose(actual[key], value, rtol=rtol, atol=atol, err_msg=key)
 
 
 # --- multi-device tests (judging the workers' output) -------------------------------------------

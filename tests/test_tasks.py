@@ -118,8 +118,8 @@ def test_only_the_scaled_loss_overflows_keeps_params_and_halves():
     out = _mp(3e38, 0, y=jnp.array([[40.0], [-30.0]]))
     assert np.isfinite(float(out["loss"]))
     assert not bool(out["grads_finite"])
-    for key in BASE:
-        np.testing.assert_array_equal(out["params"][key], BASE[key])
+    for key, value in BASE.items():
+        np.testing.assert_array_equal(out["params"][key], value)
     assert float(out["loss_scale"]) == np.float32(1.5e38)
 
 

@@ -395,9 +395,8 @@ def test_a_run_checkpointed_by_leanstep_0_5_resumes_bit_identically(tmp_path, co
         legacy = restored.state.replace(opt_state=to_legacy(restored.state.opt_state))
         assert isinstance(legacy.opt_state[2], optax.ScaleByScheduleState)  # what optax.adamw's state ends in
         checkpointer.save(3, legacy, extra=restored.extra)
-    with Checkpointer(stopped / "checkpoints") as checkpointer:  # only the 0.5-style step is there
-        with pytest.raises(Exception, match="total"):
-            checkpointer.restore(template)
+    with Checkpointer(stopped / "checkpoints") as checkpointer, pytest.raises(Exception, match="total"):
+        checkpointer.restore(template)  # only the 0.5-style step is there
     train(dataclasses_replace(config, out=str(stopped)), resume=True)
     (_, a), (_, b) = _final_state(straight, config), _final_state(stopped, config)
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a.params, b.params)

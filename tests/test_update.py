@@ -85,7 +85,8 @@ def test_skip_counter_and_scale_follow_a_plain_python_model():
     step = jax.jit(guarded_update)
     state, scale, good, skips = state0(), SCALE, 0, 0
     for finite in finite_steps:
-        grads = jax.tree.map(lambda g: g * float(state.loss_scale.loss_scale) * (1.0 if finite else np.nan), grads0())
+        factor = float(state.loss_scale.loss_scale) * (1.0 if finite else np.nan)
+        grads = jax.tree.map(lambda g, factor=factor: g * factor, grads0())
         state, info = step(state, grads)
         good, skips = (good + 1, 0) if finite else (0, skips + 1)
         if finite and good >= 3:

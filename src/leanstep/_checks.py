@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 FLOAT32_RANGE = f"[{FLOAT32_TINY:.8g}, {FLOAT32_MAX:.8g}]"
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int | np.integer]:
     """A Python or NumPy integer, not a bool."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
@@ -237,6 +237,16 @@ def _same_kind(a: Any, b: Any) -> bool:
     return (_is_array(a) and _is_array(b)) or type(a) is type(b)
 
 
+def same_treedef(a: Any, b: Any) -> bool:
+    """``a == b`` for two ``PyTreeDef`` s (typed Any: JAX's ``PyTreeDef`` is jaxlib's, which ships no type stubs)."""
+    return bool(a == b)
+
+
+def same_structure(tree: Any, other: Any) -> bool:
+    """Whether two pytrees have the same structure: ``jax.tree.structure(tree) == jax.tree.structure(other)``."""
+    return same_treedef(jax.tree.structure(tree), jax.tree.structure(other))
+
+
 def tree_difference(tree: Any, reference: Any, name: str, reference_name: str) -> str | None:
     """Where ``tree`` first differs from ``reference`` in structure, leaf shape or leaf dtype; None: nowhere.
 
@@ -250,7 +260,7 @@ def tree_difference(tree: Any, reference: Any, name: str, reference_name: str) -
     """
     got, got_def = jax.tree_util.tree_flatten_with_path(tree)
     want, want_def = jax.tree_util.tree_flatten_with_path(reference)
-    if got_def == want_def:
+    if same_treedef(got_def, want_def):
         for (path, leaf), (_, expected) in zip(got, want):
             if _signature(leaf) != _signature(expected):
                 where = jax.tree_util.keystr(path)

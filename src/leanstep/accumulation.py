@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from leanstep._checks import check_bool, check_scalar_output, is_int
+from leanstep._checks import check_bool, check_scalar_output, is_int, same_structure
 from leanstep.microbatches import Splitter, check_num_microbatches, get_splitter
 
 __all__ = ["init_grad_accumulator", "microbatched_value_and_grad"]
@@ -58,7 +58,7 @@ def _check_accum_dtype(accum_dtype: DTypeLike) -> jnp.dtype:
 
 def _keep_state_types(new: Any, old: Any) -> Any:
     """``new`` state in ``old``'s structure and dtypes: a scan carry must keep its type."""
-    if jax.tree.structure(new) != jax.tree.structure(old):
+    if not same_structure(new, old):
         raise TypeError(
             "has_state=True: loss_fn must return a new model state of the structure it was given; "
             f"got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}"

@@ -138,9 +138,9 @@ def _walk(
             )
             matmuls += body_matmuls
         elif is_remat_primitive(name):
-            region: set[str] = set()
+            remat_region: set[str] = set()
             before = len(out.remats)
-            matmuls += _walk(subs[0][1], inner_path, scan_depth, multiplier, [*names, region], out)
+            matmuls += _walk(subs[0][1], inner_path, scan_depth, multiplier, [*names, remat_region], out)
             out.remats.insert(
                 before,
                 RematRegion(
@@ -148,7 +148,7 @@ def _walk(
                     bool(eqn.params.get("differentiated", False)),
                     bool(eqn.params.get("prevent_cse", True)),
                     where,
-                    tuple(sorted(region)),
+                    tuple(sorted(remat_region)),
                 ),
             )
         else:  # cond branches, while's cond and body, call bodies: each one walked
@@ -296,7 +296,7 @@ class AuditReport:
             )
         total = sum(m.flops for m in self.matmuls) or 1.0
         lines.append(f"matmuls: {len(self.matmuls)} ({len(self.matmuls_outside_scans)} outside any scan)")
-        by_dtype = collections.defaultdict(lambda: [0, 0.0])
+        by_dtype: collections.defaultdict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
         for m in self.matmuls:
             by_dtype[m.dtypes][0] += 1
             by_dtype[m.dtypes][1] += m.flops

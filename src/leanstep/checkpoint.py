@@ -23,7 +23,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -51,6 +51,9 @@ from leanstep.checkpoint_trees import (
     with_placeholders,
     zero_size_from_template,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = ["MANIFEST_NAME", "CheckpointError", "Checkpointer", "RestoreResult"]
 
@@ -145,7 +148,7 @@ class Checkpointer:
         # Orbax writes each step into staging; committing, pruning and listing are ours.
         self._orbax = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
 
-    def __enter__(self) -> Checkpointer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -112,7 +112,7 @@ def _check_max_norm(max_norm: ArrayLike) -> None:
         raise TypeError(f"max_norm must be a real number, got {max_norm!r}")
     traced = isinstance(max_norm, jax.core.Tracer)
     # Shape and dtype are static even when the value is traced.
-    value = max_norm if traced else np.asarray(max_norm)
+    value = max_norm if isinstance(max_norm, jax.core.Tracer) else np.asarray(max_norm)
     if value.ndim != 0:
         raise ValueError(f"max_norm must be a scalar, got shape {value.shape}: {max_norm!r}")
     if not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):

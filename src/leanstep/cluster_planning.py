@@ -83,7 +83,7 @@ from leanstep.plan_compile import (
     compiler_options_for,
     first_fit,
 )
-from leanstep.plan_records import BudgetError, Candidate, Plan, Setting
+from leanstep.plan_records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.precision import get_precision
 from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.sharding import batch_sharding
@@ -304,7 +304,7 @@ def plan_cluster(
         if progress is not None:
             progress(
                 f"compiled {s.describe()}: peak {format_bytes(c.peak_bytes)}, predicted "
-                f"{format_seconds(c.predicted_seconds)} (bound {format_seconds(c.bound_seconds)}), "
+                f"{format_seconds(cost.seconds)} (bound {format_seconds(known(c.bound_seconds))}), "
                 f"{c.compile_seconds:.1f} s"
             )
         return c
@@ -344,7 +344,8 @@ def plan_cluster(
                 if (fewest is None or candidates[i].setting.num_microbatches < fewest)
                 and (
                     best is None
-                    or (candidates[i].bound_seconds + tensor_part(fam)) * (1 + rtol) < best.predicted_seconds
+                    or (known(candidates[i].bound_seconds) + tensor_part(fam)) * (1 + rtol)
+                    < known(best.predicted_seconds)
                 )
             ]
             if fam.argument_bytes > budget:
@@ -378,7 +379,7 @@ def plan_cluster(
                 if (
                     candidates[i].compiled
                     and candidates[i].fits
-                    and (best is None or candidates[i].predicted_seconds < best.predicted_seconds)
+                    and (best is None or known(candidates[i].predicted_seconds) < known(best.predicted_seconds))
                 ):
                     best = candidates[i]
 
@@ -387,7 +388,7 @@ def plan_cluster(
         if not compiled:  # every mesh's state alone exceeds the budget: compile the leanest once, for its peak
             leanest = min(families, key=lambda fam: fam.argument_bytes)
             compiled = [compile_at(leanest.members[-1])]
-        smallest = min(compiled, key=lambda c: c.peak_bytes)
+        smallest = min(compiled, key=lambda c: known(c.peak_bytes))
         raise BudgetError(budget, smallest, tuple(candidates + invalid))
 
     chosen_index = candidates.index(best)
@@ -400,8 +401,9 @@ def plan_cluster(
         if c.compiled and not c.fits:
             note = f"peak {format_bytes(c.peak_bytes)} over the budget"
         elif c.compiled:
-            note = f"predicted {format_seconds(c.predicted_seconds)}, {c.predicted_seconds / chosen.predicted_seconds - 1:+.1%}"
-        elif c.bound_seconds is not None and c.bound_seconds * (1 + rtol) >= chosen.predicted_seconds:
+            seconds = known(c.predicted_seconds)
+            note = f"predicted {format_seconds(seconds)}, {seconds / known(chosen.predicted_seconds) - 1:+.1%}"
+        elif c.bound_seconds is not None and c.bound_seconds * (1 + rtol) >= known(chosen.predicted_seconds):
             note = f"bound {format_seconds(c.bound_seconds)} is not below the best found"
         else:
             note = "fewer microbatches fit"

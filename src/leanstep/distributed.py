@@ -181,7 +181,8 @@ def device_mesh(
             f"num_devices={num_devices} but this process has {available} {jax.default_backend()} device(s); "
             "on CPU call configure_devices(num_devices) before JAX starts"
         )
-    chosen, taken = [], {}
+    chosen = []
+    taken: dict[int, int] = {}  # devices chosen so far, by process
     for device in devices:
         if taken.get(device.process_index, 0) < num_devices:
             chosen.append(device)

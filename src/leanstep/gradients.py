@@ -52,15 +52,15 @@ class Gradients(NamedTuple):
         **scaled** loss, ``S * dL/dparams``.
       aux: the loss's aux output stacked over microbatches (``has_aux``), or None.
       model_state: the model state after the last microbatch (``has_state``), or None.
-      count: float32 scalar, the total ``count`` the loss and gradient are divided by
-        (``token_weighted``), or None.
+      token_count: float32 scalar, the total ``count`` the loss and gradient are divided by
+        (``token_weighted``), or None. (Not ``count``: that would hide the tuple's ``count`` method.)
     """
 
     loss: jax.Array
     grads: Any
     aux: Any = None
     model_state: Any = None
-    count: jax.Array | None = None
+    token_count: jax.Array | None = None
 
 
 def _check_loss(value: Any, name: str) -> jax.Array:
@@ -104,7 +104,7 @@ def gradient_stage(
     cast_batch: bool = True,
     has_state: bool = False,
     unroll: int | bool = 1,
-    params_layout: Callable[[Any], Any] | None = None,
+    params_layout: Callable[[Any, Callable[[Any], None]], Any] | None = None,
 ) -> Callable[..., Gradients]:
     r"""Builds ``gradients(params, batch, loss_scale=None, key=None, model_state=None) -> Gradients``.
 
@@ -160,7 +160,7 @@ def gradient_stage(
       >>> batch = {"x": jnp.array([1.0, 2.0, 3.0, 4.0]), "y": jnp.array([2.0, 4.0, 6.0, 9.0])}
       >>> gradients = gradient_stage(loss_fn, num_microbatches=2)
       >>> gradients(jnp.float32(2.0), batch, StaticLossScale.create(8.0))
-      Gradients(loss=Array(0.25, dtype=float32), grads=Array(-16., dtype=float32), aux=None, model_state=None, count=None)
+      Gradients(loss=Array(0.25, dtype=float32), grads=Array(-16., dtype=float32), aux=None, model_state=None, token_count=None)
     """
     check_callable("loss_fn", loss_fn)
     policy = check_train_precision(precision)
@@ -179,7 +179,7 @@ def gradient_stage(
     if params_layout is not None:
         check_callable("params_layout", params_layout)
     model_loss = policy.wrap(loss_fn)
-    checked = []  # the compute-dtype check runs on the first trace only
+    checked: list[bool] = []  # the compute-dtype check runs on the first trace only
 
     def gradients(
         params: Any,
@@ -196,7 +196,7 @@ def gradient_stage(
 
         def scaled_loss(params_c: Any, *args: Any) -> tuple[Any, Any]:
             *state, microbatch, index = args if uses_rng else (*args, None)
-            extra = (jax.random.fold_in(key, index),) if uses_rng else ()
+            extra = (jax.random.fold_in(key, index),) if uses_rng and key is not None else ()  # key: checked above
             out = model_loss(params_c, *state, microbatch, *extra)
             if has_state:
                 if not (isinstance(out, tuple) and len(out) == 2):
@@ -206,6 +206,7 @@ def gradient_stage(
                 out, new_state = out
             value, aux = _unpack(out, has_aux=has_aux, token_weighted=token_weighted)
             aux = policy.cast_to_output(aux)
+            result: tuple[Any, Any]
             if token_weighted:
                 loss_sum, count = value
                 loss_sum, count = _check_loss(loss_sum, "loss_sum"), _check_count(count)
@@ -254,7 +255,7 @@ def gradient_stage(
             losses, aux = per_microbatch
             loss = jnp.mean(losses)
         # Gradients w.r.t. the compute-dtype copy come back float32 (the accumulator's dtype).
-        return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state, count=count)
+        return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state, token_count=count)
 
     return gradients
 

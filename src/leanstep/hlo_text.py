@@ -19,9 +19,12 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ITEMSIZE", "Instruction", "dot_flops", "nbytes", "parse_hlo", "shapes_of", "trip_counts"]
+if TYPE_CHECKING:
+    import jax
+
+__all__ = ["ITEMSIZE", "Instruction", "compiled_text", "dot_flops", "nbytes", "parse_hlo", "shapes_of", "trip_counts"]
 
 #: Bytes per element of HLO's element types.
 ITEMSIZE = {
@@ -99,6 +102,14 @@ class Instruction:
         return tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
 
 
+def compiled_text(compiled: jax.stages.Compiled) -> str:
+    """``compiled.as_text()``, the optimized HLO; a RuntimeError where the backend has none (JAX allows None)."""
+    text = compiled.as_text()
+    if text is None:
+        raise RuntimeError("the backend gives no HLO text of the compiled program (as_text() returned None)")
+    return text
+
+
 def parse_hlo(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
     """``({computation name: instructions}, entry computation name)`` of an HLO module's text."""
     computations: dict[str, list[Instruction]] = {}
@@ -115,7 +126,8 @@ def parse_hlo(hlo: str) -> tuple[dict[str, list[Instruction]], str]:
             continue
         match = _INSTRUCTION.match(line)
         if match:
-            computations[current].append(Instruction(*match.groups(), computation=current))
+            name, type_text, op, rest = match.groups()
+            computations[current].append(Instruction(name, type_text, op, rest, computation=current))
     return computations, entry
 
 

@@ -40,13 +40,13 @@ def _leading_size(batch: Any, *, axis_name: str = "leading") -> int:
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise ValueError(f"batch must have at least one array leaf with a leading batch axis, got {batch!r}")
-    size, first = None, ""
+    size, first = 0, ""  # the first leaf's
     for path, leaf in leaves:
         name = f"batch{jax.tree_util.keystr(path)}"
         shape = jnp.shape(leaf)
         if len(shape) == 0:
             raise ValueError(f"{name} is a scalar; every batch leaf needs a {axis_name} axis")
-        if size is None:
+        if not first:
             size, first = shape[0], name
         elif shape[0] != size:
             raise ValueError(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -42,7 +42,7 @@ ROLES = ("fsdp", "tensor")
 PartitionRules = tuple[tuple[str, tuple[Any, ...]], ...]
 
 
-def make_spec(entries: Sequence[Any], keep: Any = None, drop: Any = ()) -> PartitionSpec:
+def make_spec(entries: Iterable[Any], keep: Any = None, drop: Any = ()) -> PartitionSpec:
     """A :class:`PartitionSpec` of ``entries`` (an axis name, a tuple of them or None per
     dimension), naming only axes in ``keep`` (None: any) and none in ``drop``, in XLA's
     canonical form: a one-name tuple as the name, no trailing Nones (a spec that differed only

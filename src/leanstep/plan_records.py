@@ -6,11 +6,13 @@ Plain records, filled in by :func:`leanstep.plan` (:mod:`leanstep.planning`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from leanstep.memory_sizes import format_bytes
 
-__all__ = ["BudgetError", "Candidate", "Plan", "Setting"]
+__all__ = ["BudgetError", "Candidate", "Plan", "Setting", "known"]
+
+_T = TypeVar("_T")
 
 
 class Setting(NamedTuple):
@@ -82,6 +84,20 @@ class Candidate:
         return {**self.setting._asdict(), **{name: getattr(self, name) for name in fields}}
 
 
+def known(value: _T | None) -> _T:
+    """A figure of a :class:`Candidate` that planning has computed by the time it reads it.
+
+    Traced candidates have their ``flops``, compiled ones (``compiled``) their memory and fit,
+    cluster candidates their ``bound_seconds`` before and ``predicted_seconds`` after compiling.
+
+    Raises:
+      RuntimeError: it is None (planning read it too early).
+    """
+    if value is None:
+        raise RuntimeError("planning read a figure of a candidate before computing it")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """Every candidate (families in FLOPs order, each by microbatch count) and the chosen one.
@@ -147,7 +163,7 @@ class Plan:
 
     def __str__(self) -> str:
         cluster = self.num_devices > 1
-        header = ("", "microbatches", "remat", "precision", "peak", "temporaries", "GFLOP", "fits")
+        header: tuple[str, ...] = ("", "microbatches", "remat", "precision", "peak", "temporaries", "GFLOP", "fits")
         if cluster:
             header = (
                 "",

@@ -61,7 +61,7 @@ from leanstep.plan_compile import (
     compiler_options_for,
     first_fit,
 )
-from leanstep.plan_records import BudgetError, Candidate, Plan, Setting
+from leanstep.plan_records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.precision import Precision, get_precision
 from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.state import TrainState
@@ -213,14 +213,14 @@ def plan(
     if not (isinstance(flops_rtol, (int, float)) and 0 <= flops_rtol < 1):
         raise ValueError(f"flops_rtol must be a number in [0, 1), got {flops_rtol!r}")
     batch_sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
-    if len(batch_sizes) != 1 or None in batch_sizes:
+    batch_size = next(iter(batch_sizes)) if len(batch_sizes) == 1 else None
+    if batch_size is None:
         raise ValueError(
             f"batch leaves must share one leading batch axis, got leading sizes {sorted(map(str, batch_sizes))}"
         )
-    (batch_size,) = batch_sizes
     precision_name = precision if isinstance(precision, str) else str(precision)
-    settings = settings_grid(batch_size, precisions=(precision_name,)) if candidates is None else candidates
-    settings = [_check_setting(s, batch_size) for s in settings]
+    given = settings_grid(batch_size, precisions=(precision_name,)) if candidates is None else candidates
+    settings = [_check_setting(s, batch_size) for s in given]
     if not settings:
         raise ValueError("candidates is empty; give at least one (num_microbatches, remat, precision)")
     compiler_options = compiler_options_for(compiler_options, jax.default_backend())
@@ -258,7 +258,7 @@ def plan(
     initial = [Candidate(s) for s in dict.fromkeys(settings)]  # duplicates dropped
     # A family's FLOPs are its fewest-microbatch member's (more microbatches add <0.1%):
     # the others are traced only when compiled.
-    first: dict[tuple[str, str], int] = {}
+    first: dict[tuple[str, str, str, str], int] = {}  # by everything of a setting but its microbatches
     for i, c in enumerate(initial):
         j = first.setdefault(c.setting[1:], i)
         first[c.setting[1:]] = i if c.setting.num_microbatches < initial[j].setting.num_microbatches else j
@@ -267,14 +267,14 @@ def plan(
     final = _search(initial, compile_at, flops_rtol, exhaustive, budget)
     chosen = _choose(final, flops_rtol)
     if chosen is None:
-        raise BudgetError(budget, min((c for c in final if c.compiled), key=lambda c: c.peak_bytes), final)
+        raise BudgetError(budget, min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes)), final)
     return Plan(budget, final, chosen, time.perf_counter() - start)
 
 
 def _choose(candidates: Sequence[Candidate], rtol: float) -> Candidate | None:
     """The rule of the module doc: fitting, FLOPs within ``rtol`` of the fewest, then fewest microbatches."""
     least, _ = _best(candidates, rtol)
-    close = [c for c in candidates if c.fits and c.flops <= (1 + rtol) * least]
+    close = [c for c in candidates if c.fits and known(c.flops) <= (1 + rtol) * least]
     return min(close, key=lambda c: (c.setting.num_microbatches, c.flops)) if close else None
 
 
@@ -291,14 +291,14 @@ def _search(
     def hopeless() -> bool:
         # Every candidate takes the same arguments (the state and the batch): once they alone
         # exceed the budget, nothing fits, and compiling more only says so again.
-        return budget is not None and any(c.compiled and c.argument_bytes > budget for c in found)
+        return budget is not None and any(c.compiled and known(c.argument_bytes) > budget for c in found)
 
-    families: dict[tuple[str, str], list[int]] = {}
+    families: dict[tuple[str, str, str, str], list[int]] = {}
     for i, candidate in enumerate(found):
         families.setdefault(candidate.setting[1:], []).append(i)
 
     def family_flops(members: list[int]) -> float:
-        return min((found[i].flops for i in members if found[i].flops is not None), default=float("inf"))
+        return min((f for f in (found[i].flops for i in members) if f is not None), default=float("inf"))
 
     # Stable sorts: equal FLOPs keep the order given, equal families sort by microbatch count.
     family_order = sorted(families.values(), key=family_flops)
@@ -329,5 +329,5 @@ def _best(candidates: Sequence[Candidate], rtol: float) -> tuple[float, float]:
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         return float("inf"), float("inf")
-    least = min(c.flops for c in fitting)
-    return least, min(c.setting.num_microbatches for c in fitting if c.flops <= (1 + rtol) * least)
+    least = min(known(c.flops) for c in fitting)
+    return least, min(c.setting.num_microbatches for c in fitting if known(c.flops) <= (1 + rtol) * least)

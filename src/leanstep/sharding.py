@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from leanstep._checks import check_bool
+from leanstep._checks import check_bool, same_treedef
 from leanstep.partition_rules import MeshAxes, fallback_spec, param_specs
 from leanstep.state import TrainState
 
@@ -200,7 +200,9 @@ def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable
     structure, shapes = jax.tree.structure(params), [np.shape(p) for p in jax.tree.leaves(params)]
 
     def is_params_like(node: Any) -> bool:
-        return jax.tree.structure(node) == structure and [np.shape(x) for x in jax.tree.leaves(node)] == shapes
+        return (
+            same_treedef(jax.tree.structure(node), structure) and [np.shape(x) for x in jax.tree.leaves(node)] == shapes
+        )
 
     def place(node: Any) -> Any:
         if is_params_like(node):

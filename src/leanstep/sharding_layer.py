@@ -247,7 +247,8 @@ class ShardingLayer:
                 if key is not None and devices > 1:  # each device draws its own randomness for its rows
                     key = jax.random.fold_in(key, jax.lax.axis_index(manual))
                 out = traced(params, batch, loss_scale, key, None)
-                weight = out.count if token_weighted else jnp.float32(1.0)
+                # The stage's token count is there exactly when it is token-weighted.
+                weight = out.token_count if token_weighted and out.token_count is not None else jnp.float32(1.0)
                 total = jax.lax.psum(weight, manual)
                 fsdp = axes.fsdp if axes.fsdp in manual else None
 
@@ -272,7 +273,7 @@ class ShardingLayer:
                     aux = (jax.lax.psum(sums, manual), jax.lax.psum(counts, manual), mean(user))
                 else:
                     aux = mean(out.aux)
-                return Gradients(loss=loss, grads=grads, aux=aux, model_state=None, count=total)
+                return Gradients(loss=loss, grads=grads, aux=aux, model_state=None, token_count=total)
 
             rows = make_spec([batch_manual])
             return jax.shard_map(
@@ -282,7 +283,11 @@ class ShardingLayer:
                 check_vma=False,
                 in_specs=(in_params, jax.tree.map(lambda _: rows, batch), PartitionSpec(), PartitionSpec()),
                 out_specs=Gradients(
-                    loss=PartitionSpec(), grads=in_params, aux=PartitionSpec(), model_state=None, count=PartitionSpec()
+                    loss=PartitionSpec(),  # type: ignore[arg-type]  # the outputs' specs, in their structure
+                    grads=in_params,
+                    aux=PartitionSpec(),
+                    model_state=None,
+                    token_count=PartitionSpec(),  # type: ignore[arg-type]
                 ),
             )(params, batch, loss_scale, key)
 

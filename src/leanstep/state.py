@@ -113,7 +113,7 @@ class TrainState:
             ) from None
         if not is_int(seed):
             raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-        bits = 63 if jax.config.jax_enable_x64 else 32
+        bits = 63 if jax.config.jax_enable_x64 else 32  # type: ignore[attr-defined]  # jax adds its options at run time
         if not 0 <= seed <= 2**bits - 1:
             raise ValueError(
                 f"seed must be an int in [0, 2**{bits} - 1], got {seed!r}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, Protocol, overload
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,70 @@ from leanstep.sharding_layer import ShardingLayer
 from leanstep.state import StepMetrics, TrainState
 from leanstep.update import guarded_update
 
-__all__ = ["make_train_step"]
+__all__ = ["JittedTrainStep", "make_train_step"]
+
+
+class JittedTrainStep(Protocol):
+    """What :func:`make_train_step` returns with ``jit=True`` (the default): ``step(state, batch)``
+    and the jitted function's ``lower``, ``trace`` and ``eval_shape``."""
+
+    def __call__(self, state: TrainState, batch: Any, /) -> tuple[TrainState, StepMetrics]: ...
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered: ...
+
+    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced: ...
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@overload
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation | None = ...,
+    *,
+    precision: str | Precision = ...,
+    num_microbatches: int = ...,
+    max_grad_norm: float | None = ...,
+    has_aux: bool = ...,
+    token_weighted: bool = ...,
+    uses_rng: bool = ...,
+    cast_batch: bool = ...,
+    has_state: bool = ...,
+    split: str | Splitter | None = ...,
+    unroll: int | bool = ...,
+    jit: Literal[True] = ...,
+    donate: bool = ...,
+    mesh: Mesh | ShardingLayer | None = ...,
+    data_axis: str = ...,
+    fsdp: bool = ...,
+    rules: Any = ...,
+    reduce: str = ...,
+) -> JittedTrainStep: ...
+
+
+@overload
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation | None = ...,
+    *,
+    precision: str | Precision = ...,
+    num_microbatches: int = ...,
+    max_grad_norm: float | None = ...,
+    has_aux: bool = ...,
+    token_weighted: bool = ...,
+    uses_rng: bool = ...,
+    cast_batch: bool = ...,
+    has_state: bool = ...,
+    split: str | Splitter | None = ...,
+    unroll: int | bool = ...,
+    jit: bool,
+    donate: bool = ...,
+    mesh: Mesh | ShardingLayer | None = ...,
+    data_axis: str = ...,
+    fsdp: bool = ...,
+    rules: Any = ...,
+    reduce: str = ...,
+) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]: ...
 
 
 def make_train_step(
@@ -43,7 +106,7 @@ def make_train_step(
     fsdp: bool = False,
     rules: Any = None,
     reduce: str = "auto",
-) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
+) -> JittedTrainStep | Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
 
     The order, which is the point of this function::
@@ -164,6 +227,7 @@ def make_train_step(
         raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
     if mesh is None and (rules is not None or reduce != "auto"):
         raise ValueError("rules= and reduce= lay the step out over a mesh; pass mesh= too")
+    layer: ShardingLayer | None
     if isinstance(mesh, ShardingLayer):
         if (data_axis, fsdp, rules, reduce) != ("data", False, None, "auto"):
             raise ValueError("mesh= is a ShardingLayer: give data_axis, fsdp, rules and reduce to it, not here")

@@ -86,7 +86,7 @@ def _check_static_int(value: Any, name: str, minimum: int = 1) -> int:
         )
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return int(value)
 
 
 def mixed_precision_step(

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from leanstep._checks import INT32_MAX, check_optimizer, check_positive, tree_difference
+from leanstep._checks import INT32_MAX, check_optimizer, check_positive, same_structure, tree_difference
 from leanstep.clipping import clip_by_global_norm, global_norm
 from leanstep.loss_scale import LossScale, all_finite
 from leanstep.loss_scale_registry import get_loss_scale
@@ -84,7 +84,7 @@ def check_opt_state(
 
 def _check_grads(scaled_grads: Any, params: Any) -> None:
     """One gradient per parameter, of its shape (the dtypes may differ: float32 gradients, any masters)."""
-    if jax.tree.structure(scaled_grads) != jax.tree.structure(params):
+    if not same_structure(scaled_grads, params):
         raise ValueError(
             "scaled_grads must have the structure of the params (one gradient per parameter): "
             f"{tree_difference(scaled_grads, params, 'scaled_grads', 'params')}"

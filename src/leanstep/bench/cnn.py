@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -54,7 +55,7 @@ def _loss(model: CNN, batch: dict[str, jax.Array]) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"]).mean()
 
 
-def _own_loop(batch: dict[str, jax.Array], tx: optax.GradientTransformation) -> tuple[Any, int]:
+def _own_loop(batch: dict[str, jax.Array], tx: optax.GradientTransformation) -> tuple[Callable[[], Any], int | None]:
     model = CNN(rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
@@ -68,7 +69,9 @@ def _own_loop(batch: dict[str, jax.Array], tx: optax.GradientTransformation) -> 
     return lambda: jax.block_until_ready(train_step(model, optimizer, batch)), None
 
 
-def _leanstep(batch: dict[str, jax.Array], tx: optax.GradientTransformation, **step_kwargs: Any) -> tuple[Any, int]:
+def _leanstep(
+    batch: dict[str, jax.Array], tx: optax.GradientTransformation, **step_kwargs: Any
+) -> tuple[Callable[[], Any], int | None]:
     graphdef, params, model_state = leanstep_nnx.split(CNN(rngs=nnx.Rngs(0)))
     state = TrainState.create(params, tx, model_state=model_state)
     compiled = (
@@ -81,7 +84,10 @@ def _leanstep(batch: dict[str, jax.Array], tx: optax.GradientTransformation, **s
         jax.block_until_ready(metrics.loss)
 
     step()
-    return step, compiled.memory_analysis().temp_size_in_bytes
+    memory = compiled.memory_analysis()
+    if memory is None:  # JAX allows it; the table's temporaries come from it
+        raise RuntimeError(f"the {jax.default_backend()} backend gives no memory analysis of the compiled step")
+    return step, memory.temp_size_in_bytes
 
 
 def run_cnn_benchmark(*, batch_size: int = 32, repeats: int = 15, microbatches: int = 4) -> dict[str, Any]:
@@ -106,7 +112,7 @@ def run_cnn_benchmark(*, batch_size: int = 32, repeats: int = 15, microbatches: 
         ),
     }
     times = time_interleaved({name: run for name, (run, _) in contenders.items()}, repeats=repeats)
-    rows = {
+    rows: dict[str, dict[str, Any]] = {
         name: {**summarize_times(times[name]), "temp_mib": None if temp is None else temp / 2**20}
         for name, (_, temp) in contenders.items()
     }

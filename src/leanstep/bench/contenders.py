@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
+from leanstep.bench.handwritten import HandwrittenState, init_handwritten_state, make_handwritten_step
 from leanstep.bench.timing import compiled_stats, hlo_op_counts
 from leanstep.loss_scale_registry import get_loss_scale
 from leanstep.step import TrainState, make_train_step
@@ -74,6 +74,8 @@ def build_jax_contender(
         return model.loss(p, b, remat_policy=spec.remat)
 
     bf16 = spec.precision == "bfloat16"
+    step: jax.stages.Wrapped  # leanstep's or the hand-written one, each with its own state type
+    state: TrainState | HandwrittenState
     if spec.impl == "leanstep":
         step = make_train_step(
             loss_fn,

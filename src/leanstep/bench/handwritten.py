@@ -64,7 +64,7 @@ def make_handwritten_step(
     growth_interval: int = 2000,
     max_loss_scale: float = 2.0**24,
     min_loss_scale: float = 1.0,
-) -> Callable[[HandwrittenState, Any], tuple[HandwrittenState, dict[str, jax.Array]]]:
+) -> jax.stages.Wrapped:
     """Builds the jitted, state-donating ``step(state, batch) -> (state, {"loss", "grad_norm"})``.
 
     The math, the same as :func:`leanstep.make_train_step` with a dynamic loss scale

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leanstep.hlo_text import Instruction, parse_hlo, shapes_of, trip_counts
+from leanstep.hlo_text import Instruction, compiled_text, parse_hlo, shapes_of, trip_counts
 
 __all__ = [
     "Loop",
@@ -287,7 +287,7 @@ def _conv_arguments(op: MatmulOp) -> dict[str, Any]:
     }
 
 
-def standalone_matmul(op: MatmulOp) -> tuple[Callable[..., jax.Array], tuple[jax.Array, jax.Array]]:
+def standalone_matmul(op: MatmulOp) -> tuple[jax.stages.Wrapped, tuple[jax.Array, jax.Array]]:
     """``fn(lhs, rhs, n)``: what ``op`` does, ``n`` times in one compiled loop, and random operands for it.
 
     A jitted ``lax.dot_general`` (or ``conv_general_dilated``) with ``op``'s operand shapes,
@@ -304,7 +304,7 @@ def standalone_matmul(op: MatmulOp) -> tuple[Callable[..., jax.Array], tuple[jax
       (2, 8, 3)
     """
     rng = np.random.default_rng(0)  # NumPy: a jitted random draw would compile once per shape
-    args = tuple(
+    lhs, rhs = (
         jnp.asarray(rng.standard_normal(dims, np.float32).astype(_DTYPES[dtype])) for dtype, dims in (op.lhs, op.rhs)
     )
     result = _DTYPES[op.result[0]]
@@ -328,7 +328,7 @@ def standalone_matmul(op: MatmulOp) -> tuple[Callable[..., jax.Array], tuple[jax
         zeros = jnp.zeros(op.result[1], result)
         return jax.lax.fori_loop(0, n, body, (a, b, zeros))[2]
 
-    return jax.jit(repeated), args
+    return jax.jit(repeated), (lhs, rhs)
 
 
 def repeated_matmul(op: MatmulOp, *, min_call_s: float = 0.02) -> tuple[Callable[[], Any], int, tuple[str, ...]]:
@@ -347,7 +347,7 @@ def repeated_matmul(op: MatmulOp, *, min_call_s: float = 0.02) -> tuple[Callable
     """
     fn, (lhs, rhs) = standalone_matmul(op)
     compiled = fn.lower(lhs, rhs, jnp.int32(1)).compile()
-    kinds = tuple(sorted({m.fusion_kind or "unfused" for m in list_matmuls(compiled.as_text())}))
+    kinds = tuple(sorted({m.fusion_kind or "unfused" for m in list_matmuls(compiled_text(compiled))}))
 
     def runner(count: int) -> Callable[[], Any]:
         n = jnp.int32(count)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from leanstep.step import JittedTrainStep
 from leanstep.training.analysis import plan_run
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
@@ -22,7 +22,7 @@ from leanstep.training.config import RunConfig
 __all__ = ["time_candidates", "validate_plan"]
 
 
-def _run_inputs(config: RunConfig) -> tuple[Callable[..., Any], Any, Any]:
+def _run_inputs(config: RunConfig) -> tuple[JittedTrainStep, Any, Any]:
     """The jitted step, a materialized state and a device batch for ``config`` (as a run builds them;
     with ``config.mesh``, sharded over it, as ``leanstep train --mesh`` shards them)."""
     run = build_run(config)
@@ -78,7 +78,8 @@ def measure_in_child(spec_path: str) -> None:
     """Runs one step of a planned setting and prints its memory as JSON (see :func:`validate_plan`)."""
     import json
 
-    spec = json.loads(open(spec_path).read())
+    with open(spec_path) as f:
+        spec = json.load(f)
     config = RunConfig(**spec["config"])
     if config.mesh is not None:
         import math
@@ -90,6 +91,8 @@ def measure_in_child(spec_path: str) -> None:
     options = spec["compiler_options"]
     executable = step.lower(state, batch).compile(options) if options else step.lower(state, batch).compile()
     memory = executable.memory_analysis()
+    if memory is None:  # JAX allows it; the measurement compares with it
+        raise RuntimeError(f"the {jax.default_backend()} backend gives no memory analysis of the compiled step")
     state, metrics = executable(state, batch)  # warm-up: thread pools and other one-time allocations
     jax.block_until_ready((state, metrics))
     reset = _reset_peak_rss()
@@ -152,12 +155,13 @@ def validate_plan(
 
     result = plan_run(config, budget_bytes, **plan_options)
     chosen = result.chosen.setting
+    layout: dict[str, Any] = {"mesh": chosen.mesh, "reduce": chosen.reduce, "devices": None} if chosen.mesh else {}
     run = dataclasses.replace(
         config,
         microbatches=chosen.num_microbatches,
         remat=chosen.remat,
         precision=chosen.precision,  # the plan's ("auto" resolved as it priced it)
-        **({"mesh": chosen.mesh, "reduce": chosen.reduce, "devices": None} if chosen.mesh else {}),
+        **layout,
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"config": run.to_json(), "compiler_options": compiler_options}, f)
@@ -165,7 +169,10 @@ def validate_plan(
     # A fixed mmap threshold makes every buffer over 64 KiB a fresh mapping whose pages count in the
     # RSS, instead of heap pages the warm-up step left resident (glibc raises the threshold on free).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    # check=False: a failure is raised below, with the child's stderr.
+    child = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env, check=False
+    )
     if child.returncode:
         raise RuntimeError(f"the measuring subprocess failed ({child.returncode}):\n{child.stderr[-3000:]}")
     measured = json.loads(child.stdout.strip().splitlines()[-1])

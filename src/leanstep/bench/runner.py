@@ -123,7 +123,7 @@ class BenchConfig:
         """The training run this benchmark times (constant learning rate), as ``leanstep train`` would build it."""
         overrides = dict(self.model_overrides)
         seq_len = build_model("transformer", self.size, **overrides).seq_len  # the preset's, unless overridden
-        sizes = {name: value for name, value in overrides.items() if name != "seq_len"}
+        sizes: dict[str, Any] = {name: value for name, value in overrides.items() if name != "seq_len"}
         return RunConfig(
             model="transformer",
             size=self.size,
@@ -156,7 +156,8 @@ class BenchConfig:
 
 def machine_info() -> dict[str, Any]:
     """CPU model, core counts, instruction-set flags that matter for bf16, library versions."""
-    model, flags = "unknown", set()
+    model = "unknown"
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:

@@ -215,12 +215,14 @@ def table(rows: list[dict[str, Any]], references: dict[str, int]) -> str:
     """The README table."""
     mib = 2**20
     lines = [
-        "| model | layout | M | temp MiB/device | hand-written FSDP temp | args MiB/device | MB sent/step | "
-        "minimum MB | batch rows moved |",
+        (
+            "| model | layout | M | temp MiB/device | hand-written FSDP temp | args MiB/device | MB sent/step | "
+            "minimum MB | batch rows moved |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ref = references.get(f"{r['model']}/{r['microbatches']}")
+        ref = references[f"{r['model']}/{r['microbatches']}"]
         lines.append(
             f"| {r['model']} | {r['layout']} | {r['microbatches']} | {r['temp_bytes'] / mib:.1f} | "
             f"{ref / mib:.1f} | {r['argument_bytes'] / mib:.1f} | {r['bytes_per_step'] / 1e6:.1f} | "
@@ -249,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.call([sys.executable, "-m", "leanstep.bench.scaling", *(argv or sys.argv[1:])], env=env)
     from leanstep.distributed import device_mesh
 
-    works = {"mlp-stack": mlp_stack, "transformer": transformer}
+    works: dict[str, Callable[[], Workload]] = {"mlp-stack": mlp_stack, "transformer": transformer}
     rows, references = [], {}
     for name in args.models.split(","):
         work = works[name]()

@@ -250,11 +250,14 @@ def train_torch_peer(
     def evaluate() -> float:
         return torch_heldout_bits_per_byte(model, eval_data, bfloat16=bfloat16)
 
-    budget_s = None if config.steps is not None else float(config.time_budget)
+    budget_s: float | None = None
     budget_plan, replanned_at_s = None, None  # the plan, as leanstep's (leanstep.training.budget)
-    if budget_s is None:
+    if config.steps is not None:
         steps = config.steps
+    elif config.time_budget is None:  # RunConfig refuses this already
+        raise ValueError("--steps or --time-budget: give one (how long the run is)")
     else:  # calibrate as leanstep does, then start again from the initial weights
+        budget_s = float(config.time_budget)
         times = [step(i, 1 + TIMED_STEPS)[1] for i in range(1 + TIMED_STEPS)]
         evaluate()
         began = time.perf_counter()
@@ -301,7 +304,7 @@ def train_torch_peer(
             budget_plan is not None
             and done < steps
             and time.perf_counter() - start + (budget_plan.loop_step_s or budget_plan.step_s) + budget_plan.eval_s
-            > budget_s
+            > budget_plan.budget_s
         ):
             stopped = True  # slower than planned: the next step and the evaluation would end past the budget
             break

@@ -39,6 +39,7 @@ from leanstep.bench.hlo_matmuls import (
 from leanstep.bench.step_trace import trace_kernels
 from leanstep.bench.timing import time_interleaved
 from leanstep.gradients import Gradients, gradient_stage
+from leanstep.hlo_text import compiled_text
 from leanstep.state import TrainState
 from leanstep.training.build import Run, build_run
 from leanstep.training.config import RunConfig
@@ -71,8 +72,9 @@ def _phase_calls(run: Run, batch: dict[str, jax.Array]) -> dict[str, Callable[[]
     def update(state: TrainState, grads: Gradients) -> Any:
         return guarded_update(state, grads.grads, loss=grads.loss, max_grad_norm=config.max_grad_norm)
 
-    grads_of = jax.jit(lambda state, batch: gradients(state.params, batch, state.loss_scale))
-    grads_of = grads_of.lower(state, batch).compile()
+    grads_of = (
+        jax.jit(lambda state, batch: gradients(state.params, batch, state.loss_scale)).lower(state, batch).compile()
+    )
     grads = grads_of(state, batch)
     forward_of = jax.jit(forward).lower(state.params, microbatches).compile()
     update_of = jax.jit(update).lower(state, grads).compile()
@@ -178,7 +180,7 @@ def profile_step(
     batch = {"tokens": jnp.asarray(np.random.default_rng(0).integers(0, vocab, (rows, time_steps + 1), np.int32))}
     state = run.init_state()
     compiled = run.make_step().lower(state, batch).compile()
-    hlo = compiled.as_text()
+    hlo = compiled_text(compiled)
 
     def one_step() -> None:
         nonlocal state
@@ -213,7 +215,8 @@ def profile_step(
     matmul_flops = sum(op.total_flops for op in ops)
     model_flops = float(run.model.flops_per_token) * rows * time_steps
     executed = count_executed_ops(hlo)
-    model_config = dataclasses.asdict(run.model.config) if dataclasses.is_dataclass(run.model.config) else {}
+    sizes = run.model.config  # an instance of the model's config dataclass (is_dataclass is True of the class too)
+    model_config = dataclasses.asdict(sizes) if dataclasses.is_dataclass(sizes) and not isinstance(sizes, type) else {}
     profile.update(
         {
             "config": {

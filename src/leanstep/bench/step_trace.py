@@ -147,12 +147,13 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
     # The fastest call is the one least disturbed (by other processes, by the profiler's buffers).
     first, last = min(windows, key=lambda window: window[1] - window[0])
     chosen = [event for event in events if first <= event[0] <= last]
-    seconds, counts = collections.Counter(), collections.Counter()
+    seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
+    counts: collections.Counter[str] = collections.Counter()
     for start, end, name in chosen:
         seconds[name] += (end - start) / 1e9
         counts[name] += 1
     groups: dict[tuple[str, str], list[float]] = {}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, spent in seconds.items():
         inst = instructions[name]
         phase, primitive = kernel_group(inst, is_matmul(inst))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import TracebackType
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -14,6 +17,9 @@ from rich.progress import (
 from rich.text import Text
 
 from leanstep.training.records import EvalRecord, Note, Record, RunStart, TrainRecord
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 
 class TrainProgress:
@@ -67,13 +73,15 @@ class TrainProgress:
         )
         self._task = self._progress.add_task("train", total=total, completed=start, info=self._info)
 
-    def __enter__(self) -> TrainProgress:
+    def __enter__(self) -> Self:
         self._started = False  # the bar appears with the run's first record: a refused run leaves none
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         if self._started:
-            self._progress.__exit__(*exc)
+            self._progress.__exit__(exc_type, exc, traceback)
 
     @property
     def info(self) -> str:

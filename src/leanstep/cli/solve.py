@@ -71,7 +71,7 @@ def add_parser(subparsers: Any) -> None:
 
 def load_examples(task: str) -> list[dict[str, Any]]:
     """The seed's public examples of ``task``: a list of ``{"input", "output"}`` dicts."""
-    text = resources.files("leanstep").joinpath("examples", f"{task}.json").read_text()
+    text = resources.files("leanstep").joinpath("examples").joinpath(f"{task}.json").read_text()
     return json.loads(text)["examples"]
 
 

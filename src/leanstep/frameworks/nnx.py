@@ -33,7 +33,8 @@ def split(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
       >>> sorted(params["layers"][0]), sorted(model_state["layers"][1])
       (['bias', 'kernel'], ['mean', 'var'])
     """
-    graphdef, params, model_state = nnx.split(model, nnx.Param, ...)
+    graphdef, params, *others = nnx.split(model, nnx.Param, ...)  # one State per filter
+    (model_state,) = others
     return graphdef, params, model_state
 
 

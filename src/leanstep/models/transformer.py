@@ -204,8 +204,9 @@ def transformer_logits(
     batch, time = tokens.shape
     x = embedding_lookup(top["embed"], tokens) + top["pos"][None, :time]
     x = constrain(x.reshape(batch * time, config.d_model), "batch", None)
-    block = functools.partial(_block, batch=batch, time=time, n_heads=config.n_heads)
-    block = remat(block, remat_policy, prevent_cse=False)
+    block = remat(
+        functools.partial(_block, batch=batch, time=time, n_heads=config.n_heads), remat_policy, prevent_cse=False
+    )
     x, _ = jax.lax.scan(lambda carry, layer: (block(carry, layer), None), x, params["blocks"])
     x = layer_norm(x, top["ln_f_scale"], top["ln_f_bias"])
     logits = x @ top["embed"].T

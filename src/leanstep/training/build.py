@@ -20,16 +20,16 @@ from leanstep.loss_scale import LossScale
 from leanstep.models import Model, build_model
 from leanstep.precision import Precision, get_precision
 from leanstep.rematerialization import check_saved_names
-from leanstep.state import StepMetrics, TrainState
-from leanstep.step import make_train_step
+from leanstep.state import TrainState
+from leanstep.step import JittedTrainStep, make_train_step
 from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.config import RunConfig, model_overrides
-from leanstep.training.schedule import make_schedule, scale_by_run_schedule
+from leanstep.training.schedule import Schedule, make_schedule, scale_by_run_schedule
 
 __all__ = ["Run", "build_optimizer", "build_run"]
 
 
-def build_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Callable[[Any, Any], jax.Array]]:
+def build_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Schedule]:
     """AdamW (b1 0.9, b2 0.95) under the configured schedule; returns it and ``schedule(count, total)``.
 
     The schedule's length, ``total``, is kept in the optimizer state
@@ -69,7 +69,7 @@ class Run:
     config: RunConfig
     model: Model
     optimizer: optax.GradientTransformation
-    schedule: Callable[[Any, Any], jax.Array]
+    schedule: Schedule
     precision: Precision
     loss_scale: LossScale
     precision_reason: str | None = None
@@ -112,9 +112,7 @@ class Run:
         """Shapes and dtypes of :meth:`init_state`, without computing it."""
         return jax.eval_shape(self.init_state, self.abstract_params())
 
-    def make_step(
-        self, *, mesh: Mesh | None = None, **changes: Any
-    ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
+    def make_step(self, *, mesh: Mesh | None = None, **changes: Any) -> JittedTrainStep:
         """The run's jitted train step; ``changes`` override ``microbatches``, ``remat``, ``precision``."""
         config = dataclasses.replace(self.config, **changes)
         return make_train_step(
@@ -125,7 +123,7 @@ class Run:
             mesh=mesh,
             fsdp=config.fsdp,
             rules=None if mesh is None else self.model.rules,
-            **({} if mesh is None else {"reduce": config.reduce}),
+            reduce="auto" if mesh is None else config.reduce,  # without a mesh only the default is allowed
         )
 
 

@@ -15,11 +15,14 @@ import json
 import os
 import pathlib
 import stat
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
 from leanstep.training.records import EvalRecord, TrainRecord, parse_record
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = ["MetricsWriter", "RunMetrics", "read_metrics", "truncate_metrics"]
 
@@ -51,7 +54,7 @@ class MetricsWriter:
         self.path = pathlib.Path(path)
         self._file: IO[str] | None = None
 
-    def __enter__(self) -> MetricsWriter:
+    def __enter__(self) -> Self:
         self._file = self.path.open("a", encoding="utf-8")
         return self
 

@@ -23,9 +23,26 @@ from __future__ import annotations
 
 import math
 import typing
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 __all__ = ["EvalRecord", "Note", "Record", "RunStart", "TrainRecord", "parse_record"]
+
+_T = TypeVar("_T")
+
+
+class _class_constant(Generic[_T]):
+    """A read-only attribute, the same on a class and its instances, that is not a field of a NamedTuple.
+
+    ``kind = "train"`` in a NamedTuple's body does the same at run time, but type checkers read
+    every assignment there as a field (``kind: ClassVar[str]`` would be one at run time).
+    """
+
+    def __init__(self, value_of: Callable[[Any], _T]) -> None:
+        self._value = value_of(None)
+
+    def __get__(self, instance: object, owner: type | None = None) -> _T:
+        return self._value
 
 
 class TrainRecord(NamedTuple):
@@ -55,7 +72,10 @@ class TrainRecord(NamedTuple):
     tokens_per_sec: float
     elapsed_s: float
     lr: float
-    kind = "train"
+
+    @_class_constant
+    def kind(self) -> Literal["train"]:
+        return "train"
 
     def to_json(self) -> dict[str, Any]:
         """``{"kind": "train", <fields in order>}`` with Python ints, floats and bools."""
@@ -74,7 +94,10 @@ class EvalRecord(NamedTuple):
     step: int
     heldout_loss: float
     heldout_bits_per_byte: float
-    kind = "eval"
+
+    @_class_constant
+    def kind(self) -> Literal["eval"]:
+        return "eval"
 
     @classmethod
     def from_loss(cls, step: int, heldout_loss: float) -> EvalRecord:
@@ -100,7 +123,10 @@ class Note(NamedTuple):
     """
 
     message: str
-    kind = "note"
+
+    @_class_constant
+    def kind(self) -> Literal["note"]:
+        return "note"
 
 
 class RunStart(NamedTuple):
@@ -113,11 +139,14 @@ class RunStart(NamedTuple):
 
     steps: int
     start_step: int
-    kind = "start"
+
+    @_class_constant
+    def kind(self) -> Literal["start"]:
+        return "start"
 
 
 #: Anything a run emits.
-Record = typing.Union[TrainRecord, EvalRecord, Note, RunStart]
+Record = TrainRecord | EvalRecord | Note | RunStart
 
 _RECORD_TYPES: dict[str, type[TrainRecord | EvalRecord]] = {
     "train": TrainRecord,
@@ -170,7 +199,7 @@ def parse_record(obj: object, where: str = "record") -> TrainRecord | EvalRecord
       ValueError: metrics.jsonl:2 ('eval' record) lacks the field 'heldout_loss'
     """
     if not isinstance(obj, dict):
-        raise ValueError(f"{where} is {obj!r}; expected a JSON object")
+        raise ValueError(f"{where} is {obj!r}; expected a JSON object")  # noqa: TRY004 - bad data (as documented), not a bad call
     if "kind" not in obj:
         raise ValueError(f"{where} has no 'kind' field; expected 'train' or 'eval'")
     record_type = _RECORD_TYPES.get(obj["kind"]) if isinstance(obj["kind"], str) else None

@@ -69,7 +69,7 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
         ) from None
     run = saved.get("run", saved) if isinstance(saved, dict) else None
     if not isinstance(run, dict):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - the file's content is bad data (ValueError, as documented), not a bad call
             f"--resume: {str(config_path)!r} holds {type(saved).__name__}; expected the JSON "
             "object that leanstep train writes"
         )

@@ -36,7 +36,10 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
 
 __all__ = ["LOCK_NAME", "RunDirectoryInUse", "RunLock"]
 
@@ -81,7 +84,7 @@ class RunLock:
             return value if isinstance(value, dict) else None
         return None
 
-    def acquire(self) -> RunLock:
+    def acquire(self) -> Self:
         if self._fd is not None:
             return self
         self.out.mkdir(parents=True, exist_ok=True)
@@ -120,7 +123,7 @@ class RunLock:
                 os.ftruncate(fd, 0)
             os.close(fd)  # closing the last descriptor releases the flock
 
-    def __enter__(self) -> RunLock:
+    def __enter__(self) -> Self:
         return self.acquire()
 
     def __exit__(self, *exc_info: object) -> None:

@@ -102,7 +102,8 @@ def make_schedule(name: str, lr: float, warmup_steps: int) -> Schedule:
 class RunScheduleState(NamedTuple):
     """``count``: applied updates; ``total``: the run's length in steps (int32 scalars)."""
 
-    count: jax.Array
+    # optax's name (ScaleByScheduleState.count), and a key of the saved checkpoints: it hides tuple.count.
+    count: jax.Array  # type: ignore[assignment]
     total: jax.Array
 
 
