@@ -31,6 +31,7 @@ import leanstep.checkpoint
 import leanstep.training.curves
 from leanstep.checkpoint import MANIFEST_NAME, Checkpointer
 from leanstep.checkpoint_layout import committed_steps
+from leanstep.compile_cache import enable_compile_cache
 from leanstep.training import RunConfig, RunStopped, build, train
 
 STEPS = 4
@@ -146,6 +147,9 @@ def signals(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str
             time.sleep(0.01)
 
     Checkpointer.save = save
+    # The caller's handlers: train() delivers the signal that stopped it to them once it is saved.
+    delivered: list[str] = []
+    previous = {sig: signal.signal(sig, lambda s, f: delivered.append(signal.Signals(s).name)) for sig in set(kinds)}
     try:
         try:
             train(config(root, corpus, name))
@@ -156,6 +160,8 @@ def signals(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str
             outcome = "KeyboardInterrupt"
     finally:
         Checkpointer.save = real_save
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     consistent = every_step_has_its_manifest(root / name)
     steps = committed_steps(root / name / "checkpoints")
     train(config(root, corpus, name), resume=True)
@@ -164,6 +170,7 @@ def signals(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str
         "signals": [signal.Signals(k).name for k in kinds],
         "delays": delays,
         "outcome": outcome,
+        "delivered": delivered,
         "consistent": consistent,
         "committed": steps,
         "run": name,
@@ -171,6 +178,7 @@ def signals(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str
 
 
 def main() -> None:
+    enable_compile_cache()  # the suite's folder ($LEANSTEP_COMPILE_CACHE): every trial builds the same step
     mode, trials, seed, root, corpus = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
     leanstep.training.curves.plot_curves = lambda *args, **kwargs: root / "no-chart.png"  # the chart is not tested here
     reference = config(root, corpus, f"reference-{mode}")

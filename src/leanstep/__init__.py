@@ -15,6 +15,7 @@ from leanstep.clipping import (
     global_norm,
 )
 from leanstep.collectives import Collective, CollectivesReport, collectives_report
+from leanstep.compile_cache import CompileCount, disable_compile_cache, enable_compile_cache
 from leanstep.compute_dtype_check import PrecisionWarning
 from leanstep.cost_model import ACCELERATORS, Accelerator, get_accelerator
 from leanstep.gradients import Gradients, gradient_stage
@@ -78,6 +79,7 @@ __all__ = [
     "Checkpointer",
     "Collective",
     "CollectivesReport",
+    "CompileCount",
     "DynamicLossScale",
     "Gradients",
     "GuardedState",
@@ -103,6 +105,8 @@ __all__ = [
     "collectives_report",
     "constrain",
     "data_mesh",
+    "disable_compile_cache",
+    "enable_compile_cache",
     "fsdp_partition_spec",
     "gathered",
     "get_accelerator",

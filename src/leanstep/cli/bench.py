@@ -13,6 +13,7 @@ from leanstep.cli.bench_speedrun import (
     check_no_speedrun_flags,
     run_speedrun_command,
 )
+from leanstep.cli.flags import add_compile_cache_flag
 from leanstep.cli.jsontree import InputError, write_json_or_print
 
 
@@ -87,6 +88,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     add_speedrun_flags(p)
+    add_compile_cache_flag(p)
     p.set_defaults(run=run_bench)
 
 

@@ -23,6 +23,20 @@ def remat_help() -> str:
     return ", ".join(REMAT_POLICIES) + " or save:NAME,..."
 
 
+def add_compile_cache_flag(p: argparse.ArgumentParser) -> None:
+    """``--no-compile-cache``: the commands that compile keep XLA's programs in a per-user folder."""
+    from leanstep.compile_cache import ENV
+
+    p.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_false",
+        help="do not keep or reuse compiled XLA programs in the per-user cache folder (on by default: "
+        f"a second run with the same flags starts without compiling; {ENV}=off also turns it off, "
+        f"{ENV}=DIR moves it)",
+    )
+
+
 def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
     """The model and batch flags that train, plan and audit share, with ``d``'s defaults."""
     from leanstep.loss_scale_registry import LOSS_SCALES

@@ -7,6 +7,7 @@ One handler, here, turns every anticipated failure into one line on stderr and a
          run failure of leanstep's own, JAX unable to start the backend JAX_PLATFORMS names,
          memory exhausted
     130  interrupted (Ctrl-C)
+    143  terminated (SIGTERM) while ``train`` held it (the run saves its step first)
 
 An exception that none of these covers is a bug in leanstep and keeps its traceback.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import warnings
 from typing import Any
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(text: str) -> str:
+def _one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
@@ -89,15 +91,31 @@ def _quiet_dependencies() -> None:
     sys.unraisablehook = hook
 
 
+def _compile_cache(args: argparse.Namespace) -> None:
+    """JAX's persistent compilation cache for a command that compiles, before anything is compiled
+    (``--no-compile-cache`` or ``LEANSTEP_COMPILE_CACHE=off``: none). A folder or entry that
+    cannot be used is one warning line; the command goes on without it."""
+    from leanstep.compile_cache import disable_compile_cache, enable_compile_cache
+
+    if not hasattr(args, "compile_cache"):
+        return  # a command that compiles nothing
+    if not args.compile_cache:
+        disable_compile_cache()  # off means off, even where JAX_COMPILATION_CACHE_DIR names a folder
+        return
+    enable_compile_cache(warn=lambda line: print(f"leanstep {args.command}: {line}", file=sys.stderr, flush=True))
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_dependencies()
     args = build_parser().parse_args(argv)
+    _compile_cache(args)
 
     def fail(message: str, code: int) -> int:
         print(f"leanstep {args.command}: error: {_one_line(message)}", file=sys.stderr)
         return code
 
     from leanstep.checkpoint import CheckpointError
+    from leanstep.training.stop_signals import Terminated
 
     try:
         return args.run(args)
@@ -106,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"leanstep {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"leanstep {args.command}: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except OSError as error:
         return fail(_os_error(error), 1)
     except CheckpointError as error:

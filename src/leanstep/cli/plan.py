@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from leanstep.cli.flags import add_run_flags, remat_help
+from leanstep.cli.flags import add_compile_cache_flag, add_run_flags, remat_help
 from leanstep.cli.jsontree import InputError
 
 
@@ -90,6 +90,7 @@ def add_parsers(subparsers: Any) -> None:
         help="compile every candidate, not only those that could be chosen",
     )
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write the plan as JSON")
+    add_compile_cache_flag(p)
     p.set_defaults(run=run_plan)
 
     a = subparsers.add_parser(
@@ -104,6 +105,7 @@ def add_parsers(subparsers: Any) -> None:
     add_run_flags(a, d)
     a.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
     a.add_argument("--remat", default=d.remat, help=remat_help())
+    add_compile_cache_flag(a)
     a.set_defaults(run=run_audit)
 
 
@@ -117,7 +119,7 @@ def _config(args: argparse.Namespace, **fixed: Any) -> Any:
         raise InputError(str(error)) from None
 
 
-def _table(result: Any, budget: int, chosen: Any, precision: str) -> Any:
+def _table(result: Any, budget: int | None, chosen: Any, precision: str) -> Any:
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -126,7 +128,7 @@ def _table(result: Any, budget: int, chosen: Any, precision: str) -> Any:
 
     arguments = next((c.argument_bytes for c in result if c.argument_bytes is not None), None)
     table = Table(
-        title=f"budget {format_bytes(budget)} ({budget:,} bytes), precision {precision}",
+        title=f"budget {format_bytes(budget)} ({budget or 0:,} bytes), precision {precision}",
         box=box.SIMPLE,
         caption=f"peak = arguments ({format_bytes(arguments)}) + outputs - donated + temporaries; "
         "skipped: could not be chosen, not compiled (nor traced: no FLOPs)",

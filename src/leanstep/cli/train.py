@@ -8,7 +8,7 @@ import math
 import re
 from typing import Any
 
-from leanstep.cli.flags import add_run_flags, remat_help
+from leanstep.cli.flags import add_compile_cache_flag, add_run_flags, remat_help
 from leanstep.cli.jsontree import InputError
 
 
@@ -121,6 +121,7 @@ def add_parser(subparsers: Any) -> None:
     )
     scale.add_argument("--num-processes", type=int, default=None, help="processes in a multi-process run")
     scale.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. P-1")
+    add_compile_cache_flag(p)
     p.set_defaults(run=run_train)
 
 
@@ -132,6 +133,7 @@ def run_train(args: argparse.Namespace) -> int:
     from leanstep.cli.render import render_summary
     from leanstep.distributed import configure_devices
     from leanstep.training import RunConfig, RunStopped, train
+    from leanstep.training.stop_signals import Terminated, raising_on_sigterm
 
     auto = args.mesh == "auto"
     if auto:
@@ -189,12 +191,8 @@ def run_train(args: argparse.Namespace) -> int:
         except ValueError as error:  # BudgetError included: nothing fits
             raise InputError(f"--budget: {error}") from None
         setting = chosen.setting
-        config = dataclasses.replace(
-            config,
-            microbatches=setting.num_microbatches,
-            remat=setting.remat,
-            **({"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}),
-        )
+        layout: dict[str, Any] = {"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}
+        config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat, **layout)
         predicted = (
             "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
         )
@@ -206,11 +204,16 @@ def run_train(args: argparse.Namespace) -> int:
             soft_wrap=True,
         )
     try:
-        with TrainProgress(enabled=config.progress, console=console) as progress:
+        # SIGTERM (like SIGINT) stops the run after a saved step; train() then delivers it again,
+        # which here raises Terminated (or KeyboardInterrupt) carrying the RunStopped that says where.
+        with raising_on_sigterm(), TrainProgress(enabled=config.progress, console=console) as progress:
             summary = train(config, resume=args.resume, on_record=progress.handle)
     except ValueError as error:
         raise InputError(str(error)) from None
-    except RunStopped as stopped:
+    except (RunStopped, KeyboardInterrupt, Terminated) as error:
+        stopped = error if isinstance(error, RunStopped) else error.__context__
+        if not isinstance(stopped, RunStopped):
+            raise  # before the step loop: the command line's "interrupted" / "terminated"
         # One line whatever the terminal width, and no rich markup read into paths or messages.
         console.print(Text.assemble(("leanstep train: ", "bold red"), str(stopped)), soft_wrap=True)
         return stopped.exit_code

@@ -5,7 +5,11 @@
     config.py       RunConfig: every flag of `leanstep train`, checked, naming the flag
     build.py        build_run(config) -> Run: model, optimizer, loss scale, loss, step
     data.py         the byte corpus (split by file) and the resumable batch sampler
-    trainer.py      train(config, on_record=...): the loop, checkpoints, signals, resume
+    trainer.py      train(config, on_record=...): setup, compile, plan, resume, finish
+    run_steps.py    the step loop: step, log, evaluate, checkpoint, stop (RunStopped)
+    step_loop.py    what the loop works with (StepLoop) and compile_step
+    budget.py       --time-budget: calibrate, plan, plan again
+    stop_signals.py SIGINT/SIGTERM as a stop after the step, never inside a save
     run_dir.py      the run directory: checked first, written atomically
     records.py      the typed records a run emits (TrainRecord, EvalRecord, Note, RunStart)
     metrics_log.py  metrics.jsonl: writer, reader, truncation on resume

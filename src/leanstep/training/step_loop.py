@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,10 +17,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.checkpoint import Checkpointer
+from leanstep.compile_cache import CompileCount
 from leanstep.sharding import shard_batch
 from leanstep.state import TrainState
+from leanstep.step import JittedTrainStep
 from leanstep.training.config import RunConfig
 from leanstep.training.data import BatchSampler
+from leanstep.training.schedule import Schedule
 
 __all__ = ["StepLoop", "applied_updates", "evaluate", "in_background", "place_eval_batch", "step_batch", "warming_up"]
 
@@ -30,11 +35,11 @@ class StepLoop:
     config: RunConfig
     checkpointer: Checkpointer | None  # None until the run directory is open
     metrics_path: Path | None  # None: another process writes the metrics
-    step_fn: Callable[[TrainState, Any], tuple[TrainState, Any]]
-    eval_fn: Callable[[Any, Any], jax.Array]
+    step_fn: JittedTrainStep
+    eval_fn: jax.stages.Wrapped  # eval_fn(params, batch) -> the mean loss
     sampler: BatchSampler
     eval_data: list[Any]
-    schedule: Callable[[Any, Any], Any]  # schedule(applied_updates, steps)
+    schedule: Schedule  # schedule(applied_updates, steps, numpy module)
     emit: Callable[..., None]
     mesh: Mesh | None  # shard each batch over it (None: one device, unsharded)
     origin: float  # time.perf_counter() when train() began: records' elapsed_s count from here
@@ -58,7 +63,11 @@ def place_eval_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> Any:
     if len(next(iter(batch.values()))) % mesh.size == 0:
         return shard_batch(batch, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
-    return {k: jax.make_array_from_callback(v.shape, replicated, lambda index, v=v: v[index]) for k, v in batch.items()}
+    return {k: jax.make_array_from_callback(v.shape, replicated, functools.partial(_rows, v)) for k, v in batch.items()}
+
+
+def _rows(array: np.ndarray, index: Any) -> np.ndarray:
+    return array[index]
 
 
 def applied_updates(opt_state: Any) -> int:
@@ -106,3 +115,18 @@ def warming_up(loop: StepLoop, params: Any) -> StepLoop:
         )
         calls.insert(0, lambda: loop.eval_fn.lower(abstract, loop.eval_data[0]).compile())
     return dataclasses.replace(loop, eval_ready=in_background(*calls))
+
+
+def compile_step(loop: StepLoop, state: TrainState) -> dict[str, Any]:
+    """Compiles ``loop``'s step for ``state`` and the run's batches, or loads it from JAX's cache.
+
+    Done before the first step, so that the compile is timed and counted on its own (the first
+    call then finds the executable in ``jit``'s cache). Returns :meth:`CompileCount.to_json`
+    of this thread's compiles, ``"cache"`` being ``"hit"`` when every program came from the
+    persistent cache, ``"miss"`` when any was compiled and ``"off"`` without a cache, plus
+    ``"seconds"``: the whole of it, tracing and lowering included.
+    """
+    start = time.perf_counter()
+    with CompileCount() as count:
+        loop.step_fn.lower(state, step_batch(loop, 0)).compile()
+    return {**count.to_json(), "seconds": round(time.perf_counter() - start, 4)}

@@ -15,9 +15,12 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["StopSignals"]
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11
+
+__all__ = ["StopSignals", "Terminated", "raising_on_sigterm"]
 
 
 class StopSignals:
@@ -33,7 +36,7 @@ class StopSignals:
         self._deferring = False
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> StopSignals:
+    def __enter__(self) -> Self:
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -58,3 +61,35 @@ class StopSignals:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+class Terminated(BaseException):
+    """Raised by :func:`raising_on_sigterm`'s handler: the process was sent SIGTERM."""
+
+
+@contextlib.contextmanager
+def raising_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` inside the block (as SIGINT raises KeyboardInterrupt).
+
+    For a caller of :func:`leanstep.training.train` that reports a stop rather than ending at
+    once: a run stopped by SIGTERM saves its step, then its re-delivered signal raises
+    ``Terminated`` here, whose ``__context__`` is the ``RunStopped`` naming the step.
+
+    Example:
+      >>> import os, signal
+      >>> with raising_on_sigterm():
+      ...     try:
+      ...         os.kill(os.getpid(), signal.SIGTERM)
+      ...     except Terminated:
+      ...         print("terminated")
+      terminated
+    """
+
+    def handle(signum: int, frame: Any) -> None:
+        raise Terminated(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -13,9 +13,14 @@ What a run does when something goes wrong::
     skipped at the minimum loss scale       RunStopped(1) after --max-consecutive-skips such steps
                                             in a row; such steps are never checkpointed, so the
                                             last good checkpoint is never pruned
-    SIGINT / SIGTERM                        finish the step, save, RunStopped(128 + signal); more
-                                            signals during that save (or any save) wait until it
-                                            is committed; outside a save a second one stops at once
+    SIGINT / SIGTERM                        finish the step, save, close, then the signal takes
+                                            its own effect: the handler the caller had is called
+                                            (Python's for SIGINT raises KeyboardInterrupt, the
+                                            default for SIGTERM ends the process, as its owner
+                                            expects), then RunStopped(128 + signal) if it returns;
+                                            more signals during that save (or any save) wait until
+                                            it is committed; outside a save a second one stops at
+                                            once
     another process writing the same --out  refused at once (the run directory's lock), naming it
     SIGKILL, power loss                     --resume restores the newest verified checkpoint, drops
                                             the metrics past it and replays them bit for bit
@@ -28,8 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,13 +52,13 @@ from leanstep.distributed import device_mesh, parse_mesh
 from leanstep.models.transformer import QKV_LAYOUT
 from leanstep.sharding import mesh_axes, shard_train_state
 from leanstep.state import TrainState
-from leanstep.training.budget import BudgetPlan, plan_budget, replan
+from leanstep.training.budget import plan_budget
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.data import BatchSampler, heldout_batches, load_corpus
 from leanstep.training.legacy_state import restore_state
-from leanstep.training.metrics_log import MetricsWriter, read_metrics, truncate_metrics
-from leanstep.training.records import EvalRecord, Note, Record, RunStart, TrainRecord
+from leanstep.training.metrics_log import read_metrics, truncate_metrics
+from leanstep.training.records import Note, Record, RunStart
 from leanstep.training.run_dir import (
     check_out,
     check_run,
@@ -61,26 +66,18 @@ from leanstep.training.run_dir import (
     write_json_atomic,
 )
 from leanstep.training.run_lock import RunLock
+from leanstep.training.run_steps import RunStopped, planned_steps, run_steps
 from leanstep.training.schedule import set_total_steps
 from leanstep.training.step_loop import (
     StepLoop,
-    applied_updates,
+    compile_step,
     evaluate,
     place_eval_batch,
     step_batch,
     warming_up,
 )
-from leanstep.training.stop_signals import StopSignals
 
 __all__ = ["RunStopped", "train"]
-
-
-class RunStopped(RuntimeError):
-    """The run stopped before its last step; the message says why and how to continue."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def _ignore(*records: Record) -> None:
@@ -102,9 +99,26 @@ def train(config: RunConfig, *, resume: bool = False, on_record: Callable[..., N
 
     Raises:
       ValueError: bad configuration or data, or a run directory that does not fit.
-      RunStopped: stopped by a signal (after saving a checkpoint), by a loss scale stuck at its
-        minimum, by a failed write, or because no checkpoint to resume from is intact.
+      RunStopped: stopped by a loss scale stuck at its minimum, by a failed write, because no
+        checkpoint to resume from is intact, or by a signal whose handler returned.
+      KeyboardInterrupt: SIGINT under Python's default handler, once the step is saved (its
+        ``__context__`` is the RunStopped that names the step).
+
+    A SIGINT or SIGTERM stops the run after the current step and its checkpoint; the signal
+    is then delivered again to the handler that was in place when :func:`train` was called, so
+    that a process sent SIGTERM (by ``timeout``, a scheduler, a test runner's time limit) still
+    ends, with its work saved. To get an exception instead, install a handler that raises one
+    (:func:`leanstep.training.stop_signals.raising_on_sigterm`).
     """
+    try:
+        return _train(config, resume, on_record)
+    except RunStopped as stopped:
+        if stopped.signal is not None and threading.current_thread() is threading.main_thread():
+            signal.raise_signal(stopped.signal)  # its own effect: may end the process, or raise here
+        raise
+
+
+def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | None) -> dict[str, Any]:
     origin = time.perf_counter()  # a --time-budget counts from here
     emit = _ignore if on_record is None else on_record
     run = build_run(with_saved_plan(config) if resume else config)
@@ -116,7 +130,7 @@ def train(config: RunConfig, *, resume: bool = False, on_record: Callable[..., N
     # else once the checks have passed (a run that fails them creates nothing).
     lock = RunLock(out) if jax.process_index() == 0 else None
     early = lock is not None and out.is_dir()
-    refused = _take(lock) if early else None
+    refused = _take(lock) if lock is not None and early else None
     if refused is not None and jax.process_count() == 1:
         raise refused
     try:
@@ -162,6 +176,14 @@ def train(config: RunConfig, *, resume: bool = False, on_record: Callable[..., N
             lock.release()
 
 
+def _cache_directory() -> str | None:
+    """The folder of JAX's persistent compilation cache, if one is in use."""
+    config: Any = jax.config  # its options are attributes added at run time
+    if not config.jax_enable_compilation_cache:
+        return None
+    return config.jax_compilation_cache_dir or None
+
+
 def _take(lock: RunLock) -> Exception | None:
     """Takes ``lock``; the error to raise if it cannot be taken (another writer, or an OSError)."""
     try:
@@ -191,6 +213,8 @@ def _train_locked(
     template = run.init_state()
     if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
         template = shard_train_state(template, mesh, fsdp=config.fsdp, rules=run.model.rules)
+    else:  # committed to its device, as a restored state is: a new run and a resumed one share programs
+        template = jax.device_put(template, jax.devices()[0])
     eval_data = heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
     loop = StepLoop(
         config,
@@ -209,7 +233,8 @@ def _train_locked(
         mesh,
         origin,
     )
-    loop = warming_up(loop, template.params)  # the evaluation compiles beside the first step
+    loop = warming_up(loop, template.params)  # the evaluation compiles beside the step
+    step_compile = compile_step(loop, template)
     plan = None
     if config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
 
@@ -223,11 +248,12 @@ def _train_locked(
             lambda i: step_batch(loop, i),
             lambda p: evaluate(loop, p),
             origin,
-            evaluations=1,
-        )  # compiled already (warming_up)
+            evaluations=1,  # compiled already (warming_up)
+            compile_s=step_compile["seconds"],
+        )
         config = dataclasses.replace(config, steps=plan.steps)
         loop = dataclasses.replace(loop, config=config)
-    template = template.replace(opt_state=set_total_steps(template.opt_state, config.steps))
+    template = template.replace(opt_state=set_total_steps(template.opt_state, planned_steps(config)))
     run_info = {
         "run": config.to_json(),
         "corpus": described,
@@ -242,6 +268,7 @@ def _train_locked(
         "qkv_layout": QKV_LAYOUT,
         "precision_reason": run.precision_reason,
         "time_budget_plan": None if plan is None else plan.to_json(),
+        "compile_cache": {"directory": _cache_directory(), "step": step_compile},
     }
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -263,7 +290,7 @@ def _train_locked(
         if resume and checkpointer.latest_step() is not None:
             state, elapsed_before = _restore(checkpointer, template, config, notes)
             # The schedule spans --steps: the saved length, or a longer one (an extension).
-            state = state.replace(opt_state=set_total_steps(state.opt_state, config.steps))
+            state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
         if resume and primary:
             try:
                 truncate_metrics(metrics_path, int(state.step))
@@ -271,14 +298,14 @@ def _train_locked(
             except OSError as error:
                 raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
         emit(*(Note(note) for note in notes))
-        loop.emit(RunStart(config.steps, int(state.step)))
+        loop.emit(RunStart(planned_steps(config), int(state.step)))
 
         def replanned(new: Any) -> None:  # config.json names the steps before a checkpoint holds them
             run_info.update(run={**run_info["run"], "steps": new.steps}, time_budget_plan=new.to_json())
             if primary:
                 write_json_atomic(config_path, run_info)
 
-        _run_steps(loop, state, elapsed_before, plan=plan, on_replan=replanned)
+        run_steps(loop, state, elapsed_before, plan=plan, on_replan=replanned)
     except BaseException:
         with contextlib.suppress(CheckpointError):  # report the first failure, not a follow-on one
             checkpointer.close()
@@ -332,155 +359,10 @@ def _restore(
             f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
             "a different config than this one"
         )
-    if restored.step > config.steps:
+    if restored.step > planned_steps(config):
         raise ValueError(
             f"--steps {config.steps} is below step {restored.step}, which the run has reached; "
             f"pass --steps {restored.step} or more"
         )
     checkpointer.delete_newer_than(restored.step)
     return restored.state, float(restored.extra.get("elapsed_s", 0.0))
-
-
-def _run_steps(
-    loop: StepLoop,
-    state: TrainState,
-    elapsed_before: float,
-    *,
-    plan: BudgetPlan | None = None,
-    on_replan: Callable[[BudgetPlan], None] = lambda plan: None,
-) -> None:
-    """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured.
-
-    ``plan``: the run sized it to its budget; it plans again at ``plan.replan_at`` (then calls
-    ``on_replan``) and stops, with a checkpoint, before a step that would end past the budget.
-    """
-    config, checkpointer, out = loop.config, loop.checkpointer, Path(loop.config.out)
-    assert checkpointer is not None
-    last_saved = int(state.step)
-    # A static or absent loss scale cannot back off, so it is always at its minimum.
-    minimum = getattr(state.loss_scale, "min_loss_scale", math.inf)
-    skips_at_minimum = 0  # skipped steps in a row at the minimum loss scale: lowering it cannot help
-
-    def where_saved() -> str:
-        return (
-            f"the last checkpoint (step {last_saved}) is intact in {checkpointer.directory}"
-            if last_saved
-            else "no checkpoint was written yet"
-        )
-
-    def save(state: TrainState, elapsed: float) -> None:
-        step = int(state.step)
-        try:
-            checkpointer.save(
-                step, state, extra={"data_position": step, "elapsed_s": elapsed, "config_sha256": config_hash(config)}
-            )
-        except CheckpointError as error:
-            raise RunStopped(
-                f"stopped at step {step}: its checkpoint could not be written ({error}); "
-                f"{where_saved()}. Free space or fix the directory, then continue with "
-                f"--resume --out {out}",
-                1,
-            ) from None
-
-    def write_failed(error: OSError) -> RunStopped:
-        return RunStopped(f"cannot write {loop.metrics_path}: {error}; {where_saved()}", 1)
-
-    tokens_per_step = config.batch_size * config.seq_len
-    applied = applied_updates(state.opt_state)
-    t_start, step_times = loop.origin, []
-    many = jax.process_count() > 1
-    with contextlib.ExitStack() as stack:
-        try:
-            log = stack.enter_context(MetricsWriter(loop.metrics_path)) if loop.metrics_path else None
-        except OSError as error:
-            raise write_failed(error) from None
-        stop = stack.enter_context(StopSignals())
-        while int(state.step) < config.steps:
-            t0 = time.perf_counter()
-            state, metrics = loop.step_fn(state, step_batch(loop, int(state.step)))
-            metrics = jax.device_get(metrics)
-            dt = time.perf_counter() - t0
-            step = int(state.step)
-            replanning = plan is not None and plan.replan_at is not None and plan.loop_step_s is None
-            if replanning:  # the loop's own step times, until the plan is made again
-                step_times.append(dt)
-            if replanning and step == plan.replan_at:
-                plan = replan(plan, config, step, time.perf_counter() - t_start, step_times)
-                config = dataclasses.replace(config, steps=plan.steps)
-                loop = dataclasses.replace(loop, config=config)
-                state = state.replace(opt_state=set_total_steps(state.opt_state, plan.steps))
-                on_replan(plan)
-                loop.emit(Note(plan.describe()), RunStart(plan.steps, step))
-            record = TrainRecord(
-                step=step,
-                loss=float(metrics.loss),
-                grad_norm=float(metrics.grad_norm),
-                loss_scale=float(metrics.loss_scale),
-                skipped=bool(metrics.skipped),
-                clipped=bool(metrics.clipped),
-                consecutive_skips=int(metrics.consecutive_skips),
-                tokens_per_sec=tokens_per_step / dt,
-                elapsed_s=elapsed_before + time.perf_counter() - t_start,
-                lr=float(loop.schedule(applied, config.steps, np)),
-            )
-            applied += not record.skipped
-            records = [record]
-            # Out of time: the next step would end past the budget (the planning run only).
-            out_of_time = (
-                plan is not None
-                and step < config.steps
-                and time.perf_counter() - t_start + (plan.loop_step_s or plan.step_s) > plan.budget_s - plan.finish_s
-            )
-            if many and plan is not None:  # every process stops after the same step
-                out_of_time = bool(np.max(multihost_utils.process_allgather(np.int32(out_of_time))))
-            if step % config.eval_every == 0 or step == config.steps or out_of_time:
-                records.append(EvalRecord.from_loss(step, evaluate(loop, state.params)))
-            if log is not None:
-                try:
-                    log.write(*records)
-                except OSError as error:
-                    raise write_failed(error) from None
-            loop.emit(*records)
-            at_minimum = record.skipped and record.loss_scale <= minimum
-            skips_at_minimum = skips_at_minimum + 1 if at_minimum else 0
-            if skips_at_minimum >= config.max_consecutive_skips:
-                raise RunStopped(
-                    f"stopped at step {step}: the loss scale sat at its minimum ({record.loss_scale:g}) for "
-                    f"{skips_at_minimum} skipped steps in a row (non-finite gradients); {where_saved()}. "
-                    "Lower --lr, check the data, or raise --max-consecutive-skips.",
-                    1,
-                )
-            signalled = stop.received  # read once: a signal arriving later is handled after the next step
-            if many:  # a signal to any process stops all of them after the same step (saving is collective)
-                signalled = int(np.max(multihost_utils.process_allgather(np.int32(signalled or 0)))) or None
-            stop_here = config.stop_at is not None and config.stop_at <= step < config.steps
-            # A state stuck at the minimum scale is not worth keeping, and saving it could prune a good one.
-            if skips_at_minimum == 0 and (
-                step % config.checkpoint_every == 0 or step == config.steps or signalled or stop_here or out_of_time
-            ):
-                with stop.deferred():
-                    save(state, record.elapsed_s)
-                last_saved = step
-                if not many:  # a signal during the save: this step is saved, so stop here
-                    signalled = signalled or stop.received
-            saved_now = "after saving a checkpoint" if last_saved == step else f"({where_saved()})"
-            if stop_here:
-                raise RunStopped(
-                    f"stopped at step {step} as --stop-at asked, {saved_now}; continue with --resume --out {out}", 0
-                )
-            if signalled:
-                raise RunStopped(
-                    f"{signal.Signals(signalled).name} received: stopped at step {step} "
-                    f"{saved_now}; continue with --resume --out {out}",
-                    128 + signalled,
-                )
-            if out_of_time:
-                loop.emit(
-                    Note(
-                        f"warning: the time budget ran out at step {step} of the {config.steps} planned "
-                        f"(steps ran slower than the {(plan.loop_step_s or plan.step_s) * 1e3:.1f} ms "
-                        "measured when planning), "
-                        f"{saved_now}; --resume --out {out} finishes the schedule"
-                    )
-                )
-                return
