@@ -116,6 +116,7 @@ def _by_mesh(plan: dict) -> dict:
     return {c["mesh"]: c for c in plan["candidates"] if c["peak_bytes"] is not None}
 
 
+@pytest.mark.slow  # 8-device plans compiled exhaustively: the search is the point
 def test_flops_and_bytes_equal_hand_counts_for_the_mlp_stack(plans):
     rows = ROWS // 8  # each device's rows, on every layout
     layer = WIDTH * WIDTH * 4  # one float32 weight matrix
@@ -135,6 +136,7 @@ def test_flops_and_bytes_equal_hand_counts_for_the_mlp_stack(plans):
         assert 0 <= found[mesh]["bytes_per_step"] - expected < scalars
 
 
+@pytest.mark.slow  # 8-device plans compiled exhaustively: the search is the point
 def test_the_cost_model_prices_the_mlp_stack_as_computed_by_hand(plans):
     accelerator = get_accelerator("h100", node_size=4)
     found = _by_mesh(plans["stack"])
@@ -153,6 +155,7 @@ def test_the_cost_model_prices_the_mlp_stack_as_computed_by_hand(plans):
         assert c["predicted_seconds"] == pytest.approx(c["compute_seconds"] + c["communication_seconds"], rel=1e-12)
 
 
+@pytest.mark.slow  # 8-device plans compiled exhaustively: the search is the point
 def test_pruned_search_chooses_within_rtol_of_every_candidate_compiled(plans):
     pruned, exhaustive = Plan.from_json(plans["pruned"]), Plan.from_json(plans["exhaustive"])
     assert exhaustive.compiles == len([c for c in exhaustive.candidates if c.peak_bytes is not None])
@@ -174,10 +177,12 @@ def test_pruned_search_chooses_within_rtol_of_every_candidate_compiled(plans):
             assert not other.fits
 
 
+@pytest.mark.slow  # 8-device plans compiled exhaustively: the search is the point
 def test_the_plans_memory_is_the_memory_of_the_executable_a_run_compiles(plans):
     assert Plan.from_json(plans["exhaustive"]).chosen.peak_bytes == plans["run_peak_bytes"]
 
 
+@pytest.mark.slow  # 8-device plans compiled exhaustively: the search is the point
 def test_a_budget_nothing_fits_names_the_smallest_peak_and_its_setting(plans):
     message = plans["budget_error"]
     assert message.startswith("no setting fits the budget of 16.0 KiB (16,384 bytes) per device: the smallest peak")

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # two JAX processes with gloo collectives: the processes are the point
+
 SIZES = (3, 8, 2)
 BATCH = 16  # 4 devices x 2 microbatches x 2 rows
 NAN_STEP, NAN_ROW = 2, 13  # rows 8..15 live on process 1's devices

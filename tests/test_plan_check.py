@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from leanstep.bench.plan_check import validate_plan
 from leanstep.training import RunConfig
@@ -23,6 +24,7 @@ def test_validate_plan_runs_the_tiny_transformer_and_measures_its_peak():
     assert result["within_budget"]
 
 
+@pytest.mark.slow  # 8 simulated devices
 def test_a_planned_cluster_step_uses_the_predicted_memory_on_8_simulated_devices():
     """The chosen setting on 8 simulated devices, run for real: its peak RSS per device within 15%."""
     config = RunConfig(size="small", batch_size=16, seq_len=128)

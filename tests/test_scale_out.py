@@ -17,6 +17,8 @@ import pytest
 
 from workers import run_worker
 
+pytestmark = pytest.mark.slow  # 8 simulated devices compiling a 101M-parameter model: the size is the point
+
 
 def worker(out: Path) -> None:
     import jax
