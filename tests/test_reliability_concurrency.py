@@ -221,10 +221,12 @@ def test_a_save_that_fails_for_lack_of_space_stops_in_one_line_and_leaves_no_hal
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert proc.returncode == 1
-    # The same full disk refuses the step's compilation cache entry first: one line for that too.
-    cache, *lines = proc.stderr.strip().splitlines()
+    # The same full disk may refuse a compilation cache entry (unless the suite's cache has it): one line.
+    every = proc.stderr.strip().splitlines()
+    cache = [line for line in every if line.startswith("leanstep train: warning: the compilation cache in")]
+    lines = [line for line in every if line not in cache]
+    assert len(cache) <= 1 and all("File too large" in line for line in cache), proc.stderr[-4000:]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    assert cache.startswith("leanstep train: warning: the compilation cache in") and "File too large" in cache
     assert lines[0].startswith("leanstep train: stopped at step 2: its checkpoint could not be written")
     assert "File too large" in lines[0] and "no checkpoint was written yet" in lines[0]
     # No step without its manifest, nothing half-written left behind.

@@ -287,6 +287,7 @@ def assert_close(actual: dict, expected: dict, rtol: float = 2e-5, atol: float =
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("num_mb", [1, 4])
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_sharded_steps_equal_single_device_steps(multi_device, layout, num_mb):
     assert multi_device["r8"]["devices"] == 8
     tag = f"{layout}{num_mb}"
@@ -298,6 +299,7 @@ def test_sharded_steps_equal_single_device_steps(multi_device, layout, num_mb):
 
 
 @pytest.mark.parametrize("tag", [f"{layout}{m}" for layout in LAYOUTS for m in (1, 4)])
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_nan_on_one_device_skips_on_every_device(multi_device, tag):
     results = multi_device["r8"]
     shards_unchanged = results[f"{tag}/nan_shards_unchanged"]
@@ -306,6 +308,7 @@ def test_nan_on_one_device_skips_on_every_device(multi_device, tag):
     assert results[f"{tag}/nan_skips_per_device"] == [1] * 8
 
 
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_state_layouts(multi_device):
     results = multi_device["r8"]
     for tag in ("dp1", "dp4"):
@@ -335,6 +338,7 @@ def _reductions(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 @pytest.mark.parametrize("num_mb", [1, 2, 4, 8])
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_data_parallel_reduces_the_gradient_once_per_step(multi_device, num_mb):
     rows = multi_device["r8"][f"dp{num_mb}/collectives"]
     parts = [p for parts in _reductions(rows).values() for p in parts]
@@ -344,6 +348,7 @@ def test_data_parallel_reduces_the_gradient_once_per_step(multi_device, num_mb):
     assert all(r["kind"] == "all-reduce" for r in rows)  # nothing else but scalars
 
 
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_fsdp_reduce_scatters_and_never_all_reduces_the_gradient(multi_device):
     rows = multi_device["r8"]["fsdp4/collectives"]
     big = [r for r in rows if not r["scalar"]]
@@ -353,6 +358,7 @@ def test_fsdp_reduce_scatters_and_never_all_reduces_the_gradient(multi_device):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_microbatched_sharded_step_moves_no_batch_rows(multi_device, layout):
     rows = multi_device["r8"][f"{layout}4/collectives"]
     assert rows and [r for r in rows if r["moves_batch"]] == []
@@ -361,6 +367,7 @@ def test_microbatched_sharded_step_moves_no_batch_rows(multi_device, layout):
 
 
 @pytest.mark.parametrize("layout", ["dp", "hybrid", "tensor"])
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_fsdp_checkpoint_restores_onto_other_layouts(multi_device, layout):
     a8 = multi_device["a8"]
     restored, saved = _prefixed(a8, f"{layout}/restored"), _prefixed(a8, "saved")
@@ -369,6 +376,7 @@ def test_fsdp_checkpoint_restores_onto_other_layouts(multi_device, layout):
     assert_close(_prefixed(a8, f"{layout}/continued"), _prefixed(a8, "continued"))
 
 
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_batch_indivisible_by_devices_times_microbatches(multi_device):
     assert multi_device["r8"]["indivisible_error"] == (
         "batch size 16 is not divisible by num_microbatches=4 times the 8 devices of mesh axis 'data'"
@@ -376,6 +384,7 @@ def test_batch_indivisible_by_devices_times_microbatches(multi_device):
 
 
 @pytest.mark.parametrize("layout", ["mesh4", "mesh1", "plain"])
+@pytest.mark.slow  # 8 and 4 simulated devices in child processes
 def test_checkpoint_from_8_devices_restores_and_continues(multi_device, layout):
     r4, a4, a8 = multi_device["r4"], multi_device["a4"], multi_device["a8"]
     assert r4["devices"] == 4 and r4[f"{layout}/step"] == 3

@@ -242,6 +242,7 @@ def test_the_length_is_a_value_of_the_state_not_of_the_compiled_update():
 # --- budgeted runs ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a budget of 8 s or more: the budget is the point
 def test_a_budgeted_run_stops_within_the_budget_plus_one_step_and_records_its_plan(tmp_path, corpus):
     # The budget is sized to this machine, now: a few times what a 2-step run takes in all.
     start = time.perf_counter()

@@ -187,6 +187,7 @@ def test_budget_picks_a_setting_or_says_nothing_fits(tmp_path, corpus, capsys):
     assert "--budget 64MiB: chose --microbatches" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # 8 simulated devices in a child process
 def test_mesh_of_three_axes_trains_like_one_device(tmp_path, corpus, straight_run):
     """``--mesh data=2,fsdp=2,tensor=2`` on 8 simulated devices (a fresh process): the same losses."""
     import os

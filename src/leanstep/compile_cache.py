@@ -16,7 +16,8 @@ and concurrent processes need no lock. Entries keep JAX's names and format.
 
 What keys an entry, so what must miss: JAX hashes the program (without source locations), the
 jaxlib version, the backend and its version, ``XLA_FLAGS`` and ``--xla*`` arguments, the compile
-options and the devices' kinds. It does not hash the host CPU's features, although XLA:CPU
+options and the devices' kinds, and the folder's own path (JAX names an XLA autotuning cache
+inside it in the compile options: a moved folder only misses). It does not hash the host CPU's features, although XLA:CPU
 compiles for them (AVX-512 code would fault on an AVX2 machine sharing a home folder), so the
 default folder is one per machine kind: :func:`machine_fingerprint` of the CPU's feature flags,
 the architecture and the jax/jaxlib versions.
