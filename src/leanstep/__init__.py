@@ -65,7 +65,7 @@ from leanstep.update import (
     guarded_update_transform,
 )
 
-__version__ = "0.6.2"
+__version__ = "0.7.0"
 
 __all__ = [
     "ACCELERATORS",

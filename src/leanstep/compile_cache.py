@@ -85,7 +85,7 @@ _JAX_CACHE_ERRORS = (r"Error (reading|writing) persistent compilation cache entr
 
 
 def _cpu_flags() -> str:
-    """The host CPU's feature flags as the OS lists them ('' where it does not)."""
+    """The host CPU's feature flags as Linux lists them (elsewhere: ``platform.processor()``)."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
