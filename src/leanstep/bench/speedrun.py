@@ -122,6 +122,8 @@ def _leanstep_row(summary: dict[str, Any], out: Path, wall_s: float, notes: list
         "total_time_s": summary["total_time_s"],
         "stopped_at_budget": steps < run["steps"],
         **{key: plan.get(key) for key in ("planned_at_s", "compile_s", "step_s", "step_times_s", "eval_s")},
+        # "hit": leanstep's step came from the compilation cache (a second run), "miss": compiled.
+        "compile_cache": ((info.get("compile_cache") or {}).get("step") or {}).get("cache"),
         "precision": np.dtype(get_precision(run["precision"]).compute_dtype).name,
         "precision_policy": run["precision"],
         "precision_reason": info.get("precision_reason") or f"--precision {run['precision']}",
