@@ -144,6 +144,7 @@ class Checkpointer:
         self.directory = path
         self.max_to_keep = max_to_keep
         self._pending: list[tuple[int, list[list[Any]]]] = []
+        self._failed: list[int] = []  # steps whose save failed: their staging goes again at close
         self._closed = False
         # Orbax writes each step into staging; committing, pruning and listing are ours.
         self._orbax = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
@@ -231,9 +232,10 @@ class Checkpointer:
             self._orbax.wait_until_finished()
         except Exception as e:
             steps = [s for s, _ in pending]
+            self._failed += steps
             if jax.process_index() == 0:  # what the failed writes left in staging goes now
                 for step in steps:
-                    staging_path(self.directory, step)
+                    staging_path(self.directory, step)  # removes what is there for the step
             raise CheckpointError(f"saving step(s) {steps} to {self.directory} failed: {_failure(e)}") from e
         # Multi-process: every process saves its own shards (orbax), but the manifest and the
         # commit have one writer, process 0; the others wait for it so that none prunes or
@@ -353,3 +355,8 @@ class Checkpointer:
         finally:
             self._closed = True
             self._orbax.close()
+            # Orbax's writer threads may still create a failed step's temporary folder after the
+            # failure is raised (seen under load); with the threads joined, it goes for good.
+            if jax.process_index() == 0:
+                for step in self._failed:
+                    staging_path(self.directory, step)
