@@ -144,12 +144,14 @@ def test_handwritten_float32_sgd_step_matches_float64_numpy():
 # ---------------------------------------------------------------- a whole (tiny) run
 
 
+@pytest.mark.slow  # a whole benchmark run, every contender and sweep: the run is the point
 def test_leanstep_and_handwritten_take_the_same_first_transformer_step(result):
     checks = result["checks"]
     assert checks["first_step_loss_leanstep"] == pytest.approx(checks["first_step_loss_handwritten"], rel=1e-6)
     assert 0 <= checks["first_step_max_abs_param_diff"] <= 1e-6
 
 
+@pytest.mark.slow  # a whole benchmark run, every contender and sweep: the run is the point
 def test_result_has_every_key_with_sane_types(result):
     assert PEAK_KEYS <= set(result["peak_gflops"])
     assert RATIO_KEYS <= set(result["ratios"])
@@ -178,6 +180,7 @@ def test_result_has_every_key_with_sane_types(result):
             assert row["argument_bytes"] > 0
 
 
+@pytest.mark.slow  # a whole benchmark run, every contender and sweep: the run is the point
 def test_no_row_is_above_its_peak(result):
     for row in result["rows"]:
         backend = "torch" if row["impl"] == "torch" else "xla"
@@ -194,6 +197,7 @@ def test_no_row_is_above_its_peak(result):
     assert limit is None or all(limit >= v for k, v in result["peak_gflops"].items() if v and k.endswith("float32"))
 
 
+@pytest.mark.slow  # a whole benchmark run, every contender and sweep: the run is the point
 def test_rows_cover_the_sweeps_and_comparisons(result):
     def keys(**match):
         return {(r["num_microbatches"], r["remat"]) for r in result["rows"] if all(r[k] == v for k, v in match.items())}
@@ -205,6 +209,7 @@ def test_rows_cover_the_sweeps_and_comparisons(result):
     assert len({r["model_gflop_per_step"] for r in result["rows"]}) == 1
 
 
+@pytest.mark.slow  # a whole benchmark run, every contender and sweep: the run is the point
 def test_torch_rows_and_ratios_follow_torch_availability(result):
     torch_rows = [r for r in result["rows"] if r["impl"] == "torch"]
     ratios, peaks = result["ratios"], result["peak_gflops"]
@@ -255,6 +260,7 @@ def test_a_theoretical_peak_below_a_measured_matmul_is_no_limit():
     assert notes[-1] == "no theoretical CPU peak: not x86 (aarch64)"
 
 
+@pytest.mark.slow  # a whole benchmark run, every contender and sweep: the run is the point
 def test_chart_is_a_png(result, tmp_path):
     path = chart.plot_benchmark(result, tmp_path / "bench.png")
     with open(path, "rb") as png:
@@ -286,6 +292,7 @@ def test_cli_rejects_bad_flags(argv, message, capsys):
         bench_cli.run_bench(_parse(["bench", *argv]))
 
 
+@pytest.mark.slow  # a whole benchmark run, every contender and sweep: the run is the point
 def test_cli_writes_table_json_and_chart(result, tmp_path, monkeypatch, capsys):
     seen = {}
 
