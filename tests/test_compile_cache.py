@@ -154,7 +154,8 @@ _PROGRAM = textwrap.dedent("""
     import json, sys
     {pad}
     import jax, jax.numpy as jnp
-    from leanstep.compile_cache import CompileCount, enable_compile_cache
+    from leanstep.compile_cache import enable_compile_cache
+    from leanstep.compile_count import CompileCount
     enable_compile_cache(sys.argv[1])
     with CompileCount() as count:
         jax.jit(lambda x: jnp.tanh(x) @ x.T * {factor})(jnp.ones((8, 8))).block_until_ready()

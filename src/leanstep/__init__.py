@@ -15,7 +15,8 @@ from leanstep.clipping import (
     global_norm,
 )
 from leanstep.collectives import Collective, CollectivesReport, collectives_report
-from leanstep.compile_cache import CompileCount, disable_compile_cache, enable_compile_cache
+from leanstep.compile_cache import disable_compile_cache, enable_compile_cache
+from leanstep.compile_count import CompileCount
 from leanstep.compute_dtype_check import PrecisionWarning
 from leanstep.cost_model import ACCELERATORS, Accelerator, get_accelerator
 from leanstep.gradients import Gradients, gradient_stage

@@ -31,42 +31,29 @@ The library leaves the choice to its caller; the one line is::
 A folder that cannot be written is a warning and the cache stays off; an entry that cannot be
 read (damaged on disk) or written (a full disk) is one warning line, the program is compiled as
 if there were no cache, and an unreadable entry is removed so that it is written again.
-
-Example:
-  >>> import jax, jax.numpy as jnp
-  >>> with CompileCount() as count:  # one program, compiled or loaded from the cache
-  ...     _ = jax.jit(lambda x: x * 2 + 1).lower(jax.ShapeDtypeStruct((3,), jnp.float32)).compile()
-  >>> count.compiled
-  1
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import os
 import platform
 import sys
 import tempfile
-import threading
-import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
-if TYPE_CHECKING:
-    from typing_extensions import Self  # typing.Self from Python 3.11
+from leanstep.atomic_file_cache import DEFAULT_MAX_BYTES, AtomicFileCache
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "ENV",
     "OFF_VALUES",
-    "AtomicFileCache",
     "CacheState",
-    "CompileCount",
     "default_cache_dir",
     "disable_compile_cache",
     "enable_compile_cache",
@@ -76,8 +63,6 @@ __all__ = [
 #: The environment variable: ``off`` (or ``0``, ``false``, ``no``) turns the CLI's cache off,
 #: a path puts it there.
 ENV = "LEANSTEP_COMPILE_CACHE"
-#: The folder's bound: past it the least recently used entries are removed.
-DEFAULT_MAX_BYTES = 2 * 1024**3
 #: The values of :data:`ENV` that turn the cache off.
 OFF_VALUES = ("0", "off", "false", "no", "none")
 #: What JAX says, as a UserWarning, when it cannot read or write an entry.
@@ -224,79 +209,6 @@ def _install(cache: AtomicFileCache) -> None:
         internals._cache_initialized = True
 
 
-class AtomicFileCache:
-    """JAX's cache interface (``get``, ``put``) over a folder, safe against kills and other writers.
-
-    ``put`` writes ``<key>-cache`` under a temporary name and renames it into place, so that a
-    reader (another process) never sees part of an entry and a killed writer leaves no entry;
-    ``get`` marks an entry used (its modification time). Past ``max_bytes`` the least recently
-    used entries are removed. Leftovers of killed writers are removed when they are an hour old.
-
-    Example:
-      >>> import tempfile
-      >>> cache = AtomicFileCache(tempfile.mkdtemp(), max_bytes=10)
-      >>> cache.put("a", b"12345"), cache.put("b", b"6789"), cache.get("a")
-      (None, None, b'12345')
-      >>> cache.put("c", b"abc")  # 12 bytes > 10: the least recently used, "b", goes
-      >>> cache.get("b") is None and cache.get("c") == b"abc"
-      True
-    """
-
-    _SUFFIX = "-cache"
-
-    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        self._path = Path(path)
-        self.max_bytes = max_bytes
-        self._path.mkdir(parents=True, exist_ok=True)
-
-    def get(self, key: str) -> bytes | None:
-        entry = self._path / f"{key}{self._SUFFIX}"
-        try:
-            value = entry.read_bytes()
-        except FileNotFoundError:
-            return None
-        with contextlib.suppress(OSError):
-            os.utime(entry)  # used now: the last to be evicted
-        return value
-
-    def put(self, key: str, value: bytes) -> None:
-        entry = self._path / f"{key}{self._SUFFIX}"
-        if entry.exists():
-            return
-        self._evict(len(value))
-        fd, aside = tempfile.mkstemp(dir=self._path, prefix=f".{key[:40]}.", suffix=".partial")
-        try:
-            with os.fdopen(fd, "wb") as file:
-                file.write(value)
-            os.replace(aside, entry)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(aside)
-            raise
-
-    def _evict(self, adding: int) -> None:
-        """Removes the least recently used entries until ``adding`` more bytes fit the bound."""
-        entries, total, stale = [], adding, time.time() - 3600
-        for item in os.scandir(self._path):
-            try:
-                info = item.stat()
-            except OSError:  # removed by another process meanwhile
-                continue
-            if item.name.endswith(self._SUFFIX):
-                entries.append((info.st_mtime, info.st_size, item.path))
-                total += info.st_size
-            elif item.name.endswith(".partial") and info.st_mtime < stale:  # a killed writer's
-                with contextlib.suppress(OSError):
-                    os.unlink(item.path)
-        entries.sort()
-        for _, size, path in entries:
-            if total <= self.max_bytes:
-                break
-            with contextlib.suppress(OSError):  # another process may evict it first
-                os.unlink(path)
-            total -= size
-
-
 def disable_compile_cache() -> None:
     """No persistent compilation cache for the later compiles of this process, however set."""
     from jax.experimental.compilation_cache import compilation_cache
@@ -368,65 +280,3 @@ def _remove_unreadable(directory: Path, text: str) -> int:
                 path.unlink(missing_ok=True)
             removed += 1
     return removed
-
-
-class CompileCount:
-    """Counts, in the current thread, the XLA programs compiled and those the persistent cache had.
-
-    Attributes:
-      compiled: backend compiles (each a cache load or a real compile).
-      looked_up: of those, how many the persistent cache was asked for (0: the cache is off).
-      hits: of those, how many it had.
-      seconds: time in backend compiles (or cache loads), tracing and lowering left out.
-    """
-
-    def __init__(self) -> None:
-        self.compiled = self.looked_up = self.hits = 0
-        self.seconds = 0.0
-        self._thread = threading.get_ident()
-        self._cache_on = False
-
-    @property
-    def missed(self) -> int:
-        return self.looked_up - self.hits
-
-    def _event(self, event: str, **kwargs: str | int) -> None:
-        del kwargs
-        if threading.get_ident() != self._thread:
-            return
-        if event == "/jax/compilation_cache/compile_requests_use_cache":
-            self.looked_up += 1
-        elif event == "/jax/compilation_cache/cache_hits":
-            self.hits += 1
-
-    def _duration(self, event: str, duration_secs: float, **kwargs: str | int) -> None:
-        del kwargs
-        if event == "/jax/core/compile/backend_compile_duration" and threading.get_ident() == self._thread:
-            self.compiled += 1
-            self.seconds += duration_secs
-
-    def __enter__(self) -> Self:
-        self._thread = threading.get_ident()
-        # JAX asks its cache even with no folder set (and finds nothing): that is no cache.
-        config: Any = jax.config  # its options are attributes added at run time
-        self._cache_on = bool(config.jax_enable_compilation_cache and config.jax_compilation_cache_dir)
-        jax.monitoring.register_event_listener(self._event)
-        jax.monitoring.register_event_duration_secs_listener(self._duration)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        jax.monitoring.unregister_event_listener(self._event)
-        jax.monitoring.unregister_event_duration_listener(self._duration)
-
-    def to_json(self) -> dict[str, Any]:
-        """``{"programs", "cache": "hit" | "miss" | "off", "from_cache", "backend_seconds"}``."""
-        if self.looked_up == 0 or not self._cache_on:
-            cache = "off"
-        else:
-            cache = "hit" if self.hits == self.looked_up else "miss"
-        return {
-            "programs": self.compiled,
-            "cache": cache,
-            "from_cache": self.hits,
-            "backend_seconds": round(self.seconds, 4),
-        }

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.checkpoint import Checkpointer
-from leanstep.compile_cache import CompileCount
+from leanstep.compile_count import CompileCount
 from leanstep.sharding import shard_batch
 from leanstep.state import TrainState
 from leanstep.step import JittedTrainStep
