@@ -7,7 +7,7 @@ One handler, here, turns every anticipated failure into one line on stderr and a
          run failure of leanstep's own, JAX unable to start the backend JAX_PLATFORMS names,
          memory exhausted
     130  interrupted (Ctrl-C)
-    143  terminated (SIGTERM) while ``train`` held it (the run saves its step first)
+    143  terminated (SIGTERM): ``train`` first saves the step it is on, other commands stop at once
 
 An exception that none of these covers is a bug in leanstep and keeps its traceback.
 """
