@@ -207,7 +207,7 @@ def test_a_folder_that_cannot_be_written_is_one_warning_and_the_run_goes_on(tmp_
     assert proc.returncode == 0, proc.stderr
     [line] = _warnings(proc.stderr)
     assert line.startswith("leanstep train: warning: the compilation cache folder") and "cannot be written" in line
-    assert _compile(tmp_path / "run") == {**_compile(tmp_path / "run"), "directory": None}
+    assert _compile(tmp_path / "run")["directory"] is None
     assert _compile(tmp_path / "run")["step"]["cache"] == "off"
 
 

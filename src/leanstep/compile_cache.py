@@ -54,6 +54,7 @@ __all__ = [
     "ENV",
     "OFF_VALUES",
     "CacheState",
+    "cache_directory",
     "default_cache_dir",
     "disable_compile_cache",
     "enable_compile_cache",
@@ -66,7 +67,7 @@ ENV = "LEANSTEP_COMPILE_CACHE"
 #: The values of :data:`ENV` that turn the cache off.
 OFF_VALUES = ("0", "off", "false", "no", "none")
 #: What JAX says, as a UserWarning, when it cannot read or write an entry.
-_JAX_CACHE_ERRORS = (r"Error (reading|writing) persistent compilation cache entry", r"Cache value for key .* exceeds")
+_JAX_CACHE_ERROR = r"Error (reading|writing) persistent compilation cache entry"
 
 
 def _cpu_flags() -> str:
@@ -128,13 +129,17 @@ class CacheState:
     def enabled(self) -> bool:
         return self.directory is not None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"directory": None if self.directory is None else str(self.directory), "off_because": self.reason}
-
 
 def _jax_option(name: str) -> Any:
     config: Any = jax.config  # its options are attributes added at run time
     return getattr(config, name)
+
+
+def cache_directory() -> str | None:
+    """The folder of JAX's persistent compilation cache for this process's next compiles, or None."""
+    if not _jax_option("jax_enable_compilation_cache"):
+        return None
+    return _jax_option("jax_compilation_cache_dir") or None
 
 
 def _writable(directory: Path) -> str | None:
@@ -230,10 +235,8 @@ class _EntryErrors:
 
     def show(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
         text = str(message)
-        too_big = text.startswith("Cache value for key") and "exceeds the maximum cache size" in text
-        ours = too_big or (text.startswith("Error ") and "persistent compilation cache" in text)
-        if self.directory is None or not ours:
-            self.previous(message, category, filename, lineno, file, line)
+        if self.directory is None or not (text.startswith("Error ") and "persistent compilation cache" in text):
+            self._previous(message, category, filename, lineno, file, line)
             return
         reading = text.startswith("Error reading")
         removed = _remove_unreadable(self.directory, text) if reading else 0
@@ -241,15 +244,12 @@ class _EntryErrors:
         if kind in self.said:
             return
         self.said.add(kind)
-        detail = "an entry is larger than the folder's bound" if too_big else text.split("': ", 1)[-1]
+        detail = text.split("': ", 1)[-1]
         done = f"; removed {removed} unreadable entr{'y' if removed == 1 else 'ies'}" if removed else ""
         self.say(
             f"warning: the compilation cache in {str(self.directory)!r} could not be {kind} ({detail}); "
             f"compiled without it{done}"
         )
-
-    def previous(self, *args: Any) -> None:
-        self._previous(*args)
 
 
 _ERRORS = _EntryErrors()
@@ -258,8 +258,7 @@ _ERRORS = _EntryErrors()
 def _report_entry_errors(directory: Path, say: Any) -> None:
     _ERRORS.directory, _ERRORS.say = directory, say
     # Shown (here, once as a line of ours), never raised: a cache is never worth a failed run.
-    for pattern in _JAX_CACHE_ERRORS:
-        warnings.filterwarnings("always", message=pattern, category=UserWarning)
+    warnings.filterwarnings("always", message=_JAX_CACHE_ERROR, category=UserWarning)
     if not _ERRORS.installed:
         _ERRORS._previous = warnings.showwarning
         warnings.showwarning = _ERRORS.show
@@ -276,7 +275,6 @@ def _remove_unreadable(directory: Path, text: str) -> int:
         try:
             jax_cache.decompress_executable(entry.read_bytes())
         except Exception:  # noqa: BLE001 - any failure to decompress means the entry is damaged
-            for path in (entry, entry.with_name(entry.name[: -len("-cache")] + "-atime")):
-                path.unlink(missing_ok=True)
+            entry.unlink(missing_ok=True)
             removed += 1
     return removed

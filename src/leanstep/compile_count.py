@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from leanstep.compile_cache import cache_directory
+
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from Python 3.11
 
@@ -37,10 +39,6 @@ class CompileCount:
         self._thread = threading.get_ident()
         self._cache_on = False
 
-    @property
-    def missed(self) -> int:
-        return self.looked_up - self.hits
-
     def _event(self, event: str, **kwargs: str | int) -> None:
         del kwargs
         if threading.get_ident() != self._thread:
@@ -59,8 +57,7 @@ class CompileCount:
     def __enter__(self) -> Self:
         self._thread = threading.get_ident()
         # JAX asks its cache even with no folder set (and finds nothing): that is no cache.
-        config: Any = jax.config  # its options are attributes added at run time
-        self._cache_on = bool(config.jax_enable_compilation_cache and config.jax_compilation_cache_dir)
+        self._cache_on = cache_directory() is not None
         jax.monitoring.register_event_listener(self._event)
         jax.monitoring.register_event_duration_secs_listener(self._duration)
         return self

@@ -108,7 +108,7 @@ def run_steps(
         except OSError as error:
             raise write_failed(error) from None
         stop = stack.enter_context(StopSignals())
-        while int(state.step) < planned_steps(config):
+        while int(state.step) < (steps := planned_steps(config)):
             t0 = time.perf_counter()
             state, metrics = loop.step_fn(state, step_batch(loop, int(state.step)))
             metrics = jax.device_get(metrics)
@@ -119,7 +119,7 @@ def run_steps(
                 step_times.append(dt)
             if replanning and plan is not None and step == plan.replan_at:
                 plan = replan(plan, config, step, time.perf_counter() - t_start, step_times)
-                config = dataclasses.replace(config, steps=plan.steps)
+                config, steps = dataclasses.replace(config, steps=plan.steps), plan.steps
                 loop = dataclasses.replace(loop, config=config)
                 state = state.replace(opt_state=set_total_steps(state.opt_state, plan.steps))
                 on_replan(plan)
@@ -134,19 +134,19 @@ def run_steps(
                 consecutive_skips=int(metrics.consecutive_skips),
                 tokens_per_sec=tokens_per_step / dt,
                 elapsed_s=elapsed_before + time.perf_counter() - t_start,
-                lr=float(loop.schedule(applied, planned_steps(config), np)),
+                lr=float(loop.schedule(applied, steps, np)),
             )
             applied += not record.skipped
             records: list[TrainRecord | EvalRecord] = [record]
             # Out of time: the next step would end past the budget (the planning run only).
             out_of_time = (
                 plan is not None
-                and step < planned_steps(config)
+                and step < steps
                 and time.perf_counter() - t_start + (plan.loop_step_s or plan.step_s) > plan.budget_s - plan.finish_s
             )
             if many and plan is not None:  # every process stops after the same step
                 out_of_time = bool(np.max(multihost_utils.process_allgather(np.int32(out_of_time))))
-            if step % config.eval_every == 0 or step == planned_steps(config) or out_of_time:
+            if step % config.eval_every == 0 or step == steps or out_of_time:
                 records.append(EvalRecord.from_loss(step, evaluate(loop, state.params)))
             if log is not None:
                 try:
@@ -166,11 +166,11 @@ def run_steps(
             signalled = stop.received  # read once: a signal arriving later is handled after the next step
             if many:  # a signal to any process stops all of them after the same step (saving is collective)
                 signalled = int(np.max(multihost_utils.process_allgather(np.int32(signalled or 0)))) or None
-            stop_here = config.stop_at is not None and config.stop_at <= step < planned_steps(config)
+            stop_here = config.stop_at is not None and config.stop_at <= step < steps
             # A state stuck at the minimum scale is not worth keeping, and saving it could prune a good one.
             if skips_at_minimum == 0 and (
                 step % config.checkpoint_every == 0
-                or step == planned_steps(config)
+                or step == steps
                 or signalled
                 or stop_here
                 or out_of_time
@@ -196,7 +196,7 @@ def run_steps(
                 assert plan is not None  # only a planned run runs out of time
                 loop.emit(
                     Note(
-                        f"warning: the time budget ran out at step {step} of the {planned_steps(config)} planned "
+                        f"warning: the time budget ran out at step {step} of the {steps} planned "
                         f"(steps ran slower than the {(plan.loop_step_s or plan.step_s) * 1e3:.1f} ms "
                         "measured when planning), "
                         f"{saved_now}; --resume --out {out} finishes the schedule"

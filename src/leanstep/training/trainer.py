@@ -48,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.checkpoint import Checkpointer, CheckpointError
 from leanstep.checkpoint_layout import remove_unfinished_saves
+from leanstep.compile_cache import cache_directory
 from leanstep.distributed import device_mesh, parse_mesh
 from leanstep.models.transformer import QKV_LAYOUT
 from leanstep.sharding import mesh_axes, shard_train_state
@@ -176,14 +177,6 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
             lock.release()
 
 
-def _cache_directory() -> str | None:
-    """The folder of JAX's persistent compilation cache, if one is in use."""
-    config: Any = jax.config  # its options are attributes added at run time
-    if not config.jax_enable_compilation_cache:
-        return None
-    return config.jax_compilation_cache_dir or None
-
-
 def _take(lock: RunLock) -> Exception | None:
     """Takes ``lock``; the error to raise if it cannot be taken (another writer, or an OSError)."""
     try:
@@ -268,7 +261,7 @@ def _train_locked(
         "qkv_layout": QKV_LAYOUT,
         "precision_reason": run.precision_reason,
         "time_budget_plan": None if plan is None else plan.to_json(),
-        "compile_cache": {"directory": _cache_directory(), "step": step_compile},
+        "compile_cache": {"directory": cache_directory(), "step": step_compile},
     }
     try:
         out.mkdir(parents=True, exist_ok=True)
