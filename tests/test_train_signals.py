@@ -34,6 +34,8 @@ SCRIPT = textwrap.dedent("""
 
     if mode == "handler":  # the caller's own handler, which returns
         signal.signal(signal.SIGTERM, lambda signum, frame: print("handler", signum, flush=True))
+    if mode == "int":  # Python's own SIGINT handler (a parent that ignores SIGINT, as an xdist worker may,
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # leaves it ignored: then RunStopped)
     config = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, steps=6, eval_batches=1,
                        eval_every=100, checkpoint_every=100, out=out, data=data)
     try:

@@ -97,9 +97,9 @@ def unfinished_saves(directory: Path) -> list[str]:
     except FileNotFoundError:
         return []
     names = [e.name for e in entries if e.name.startswith(_RETIRED) or _LEGACY_TMP in e.name]
-    staging = directory / STAGING
-    if staging.is_dir():
-        names += [f"{STAGING}/{e.name}" for e in os.scandir(staging)]
+    # A commit removes the emptied staging folder: one may vanish between the two listings.
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        names += [f"{STAGING}/{e.name}" for e in os.scandir(directory / STAGING)]
     return sorted(names)
 
 

@@ -169,11 +169,7 @@ def run_steps(
             stop_here = config.stop_at is not None and config.stop_at <= step < steps
             # A state stuck at the minimum scale is not worth keeping, and saving it could prune a good one.
             if skips_at_minimum == 0 and (
-                step % config.checkpoint_every == 0
-                or step == steps
-                or signalled
-                or stop_here
-                or out_of_time
+                step % config.checkpoint_every == 0 or step == steps or signalled or stop_here or out_of_time
             ):
                 with stop.deferred():
                     save(state, record.elapsed_s)
