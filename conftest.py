@@ -28,7 +28,7 @@ if not os.environ.get("LEANSTEP_TEST_XLA_DEFAULTS") and "xla_backend_optimizatio
 
 import jax
 
-from leanstep.compile_cache import ENV, OFF_VALUES, enable_compile_cache
+from leanstep.compilation.cache import ENV, OFF_VALUES, enable_compile_cache
 
 _OWNED = "LEANSTEP_TEST_CACHE_OWNER"  # set in the environment by the process that made the folder
 _NAMED = os.environ.get(ENV, "").strip()

@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
-import leanstep.checkpoint
+import leanstep.checkpoints.checkpointer
 import leanstep.training.curves
-from leanstep.checkpoint import MANIFEST_NAME, Checkpointer
-from leanstep.checkpoint_layout import committed_steps
-from leanstep.compile_cache import enable_compile_cache
+from leanstep.checkpoints.checkpointer import MANIFEST_NAME, Checkpointer
+from leanstep.checkpoints.layout import committed_steps
+from leanstep.compilation.cache import enable_compile_cache
 from leanstep.training import RunConfig, RunStopped, build, train
 
 STEPS = 4

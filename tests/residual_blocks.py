@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from leanstep.rematerialization import REMAT_POLICIES, checkpoint_name
+from leanstep.blocks.rematerialization import REMAT_POLICIES, checkpoint_name
 
 B, D, H, L = 5, 2, 3, 3  # distinct sizes so a residual's shape tells which value it is
 ALL_POLICIES = (*REMAT_POLICIES, "save:h", "save:pre", "save:pre,h")

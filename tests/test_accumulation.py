@@ -1,4 +1,4 @@
-"""Tests for leanstep.accumulation against full-batch jax.value_and_grad and float64 sums."""
+"""Tests for leanstep.blocks.accumulation against full-batch jax.value_and_grad and float64 sums."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.accumulation import init_grad_accumulator, microbatched_value_and_grad
-from leanstep.microbatches import split_microbatches
+from leanstep.blocks.accumulation import init_grad_accumulator, microbatched_value_and_grad
+from leanstep.blocks.microbatches import split_microbatches
 
 # --- the seed's two-layer network, on a dict batch {"x", "y", "mask"} -----------------------
 

@@ -16,15 +16,15 @@ import pytest
 from jax.experimental import io_callback
 
 from leanstep import tasks
-from leanstep.accumulation import microbatched_value_and_grad
-from leanstep.auditing import audit, audit_jaxpr, policy_name
+from leanstep.blocks.accumulation import microbatched_value_and_grad
+from leanstep.blocks.rematerialization import REMAT_POLICIES, checkpoint_name, remat
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
-from leanstep.flops import count_flops
-from leanstep.rematerialization import REMAT_POLICIES, checkpoint_name, remat
-from leanstep.residuals import saved_residuals_report
-from leanstep.state import TrainState
-from leanstep.step import make_train_step
+from leanstep.inspection.auditing import audit, audit_jaxpr, policy_name
+from leanstep.inspection.flops import count_flops
+from leanstep.inspection.residuals import saved_residuals_report
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
 from leanstep.training import RunConfig
 from leanstep.training.analysis import audit_run
 

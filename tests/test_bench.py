@@ -17,10 +17,10 @@ from leanstep.bench.contenders import Contender, Spec
 from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
 from leanstep.bench.runner import BenchConfig, run_benchmark
 from leanstep.bench.torch_step import torch_available
+from leanstep.blocks.loss_scale import DynamicLossScale
 from leanstep.cli import bench as bench_cli
 from leanstep.cli.jsontree import InputError
-from leanstep.loss_scale import DynamicLossScale
-from leanstep.step import TrainState, make_train_step
+from leanstep.step.train_step import TrainState, make_train_step
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROW_FIELDS = {

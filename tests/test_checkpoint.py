@@ -1,4 +1,4 @@
-"""Tests for leanstep.checkpoint: bit-exact round trips, retention, corruption fallback, errors."""
+"""Tests for leanstep.checkpoints.checkpointer: bit-exact round trips, retention, corruption fallback, errors."""
 
 from __future__ import annotations
 
@@ -21,13 +21,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.checkpoint import (
+from leanstep.checkpoints.checkpointer import (
     MANIFEST_NAME,
     Checkpointer,
     CheckpointError,
     RestoreResult,
 )
-from leanstep.checkpoint_layout import (
+from leanstep.checkpoints.layout import (
     STAGING,
     remove_unfinished_saves,
     unfinished_saves,
@@ -54,7 +54,7 @@ class FakeLossScale:
 )
 @dataclasses.dataclass(frozen=True)
 class FakeTrainState:
-    """Same shape as leanstep.step.TrainState (a stand-in while step.py's imports are in flux)."""
+    """Same shape as leanstep.step.train_step.TrainState (a stand-in while step.py's imports are in flux)."""
 
     step: jax.Array
     params: Any
@@ -191,7 +191,7 @@ def test_extra_round_trip(ckpt):
 
 
 def test_real_train_state_round_trip(tmp_path):
-    from leanstep.state import TrainState
+    from leanstep.step.state import TrainState
 
     params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
     optimizer = optax.adam(1e-3)  # the run's: the template carries the same (static) optimizer
@@ -422,7 +422,7 @@ def test_killed_process_mid_save_leaves_the_previous_checkpoint(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, numpy as np, jax.numpy as jnp
-        from leanstep.checkpoint import Checkpointer
+        from leanstep.checkpoints.checkpointer import Checkpointer
         ckpt = Checkpointer({str(tmp_path)!r})
         ckpt.save(1, {{"x": jnp.full((1 << 20,), 1.0)}})
         ckpt.save(2, {{"x": jnp.full((1 << 20,), 2.0)}}, wait=False)
@@ -513,8 +513,8 @@ def test_a_step_written_by_leanstep_0_4_restores_and_is_pruned_like_any(tmp_path
     # 0.4 saved through orbax's CheckpointManager straight to <dir>/<step>, then the manifest.
     import orbax.checkpoint as ocp
 
-    from leanstep.checkpoint_manifest import write_manifest
-    from leanstep.checkpoint_trees import leaf_specs
+    from leanstep.checkpoints.manifest import write_manifest
+    from leanstep.checkpoints.trees import leaf_specs
 
     state = make_state(1)
     manager = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(create=False))

@@ -1,4 +1,4 @@
-"""Tests for leanstep.clipping against float64 NumPy references."""
+"""Tests for leanstep.blocks.clipping against float64 NumPy references."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.clipping import (
+from leanstep.blocks.clipping import (
     clip_by_global_norm,
     clip_by_global_norm_transform,
     global_norm,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from leanstep.cost_model import ACCELERATORS, collective_seconds, get_accelerator
-from leanstep.plan_records import Plan
+from leanstep.planning.cost_model import ACCELERATORS, collective_seconds, get_accelerator
+from leanstep.planning.records import Plan
 from workers import run_worker
 
 TINY = {
@@ -43,9 +43,9 @@ def worker(out: Path) -> None:
     import optax
 
     from leanstep.bench import scaling
-    from leanstep.cluster_planning import plan_cluster
-    from leanstep.distributed import device_mesh, parse_mesh
-    from leanstep.planning import BudgetError
+    from leanstep.planning.cluster import plan_cluster
+    from leanstep.planning.one_device import BudgetError
+    from leanstep.sharding.distributed import device_mesh, parse_mesh
     from leanstep.training import RunConfig
     from leanstep.training.analysis import plan_run
     from leanstep.training.build import build_run
@@ -83,7 +83,8 @@ def worker(out: Path) -> None:
     )
     run = build_run(run_config)
     mesh = device_mesh(shape=parse_mesh(s.mesh))
-    from leanstep.sharding import batch_sharding, state_shardings
+    from leanstep.sharding.meshes import batch_sharding
+    from leanstep.step.state_sharding import state_shardings
 
     state = run.abstract_state()
     shardings = state_shardings(state, mesh, rules=run.model.rules)

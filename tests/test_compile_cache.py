@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from leanstep import Checkpointer
-from leanstep.compile_cache import ENV, machine_fingerprint
+from leanstep.compilation.cache import ENV, machine_fingerprint
 from leanstep.training import RunConfig
 from leanstep.training.build import build_run
 
@@ -121,7 +121,7 @@ def test_the_flag_turns_it_off_even_where_jax_is_given_a_folder(runs):
 
 @pytest.mark.parametrize("value", ["off", "0", "false", "no", "None"])
 def test_the_environment_turns_it_off(monkeypatch, value):
-    from leanstep.compile_cache import enable_compile_cache
+    from leanstep.compilation.cache import enable_compile_cache
 
     monkeypatch.setenv(ENV, value)
     state = enable_compile_cache()  # what the CLI calls; nothing is changed
@@ -154,8 +154,8 @@ _PROGRAM = textwrap.dedent("""
     import json, sys
     {pad}
     import jax, jax.numpy as jnp
-    from leanstep.compile_cache import enable_compile_cache
-    from leanstep.compile_count import CompileCount
+    from leanstep.compilation.cache import enable_compile_cache
+    from leanstep.compilation.count import CompileCount
     enable_compile_cache(sys.argv[1])
     with CompileCount() as count:
         jax.jit(lambda x: jnp.tanh(x) @ x.T * {factor})(jnp.ones((8, 8))).block_until_ready()
@@ -185,7 +185,7 @@ def test_the_default_folder_is_one_per_cpu_architecture_and_jax_version(monkeypa
     import jaxlib
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    from leanstep.compile_cache import default_cache_dir
+    from leanstep.compilation.cache import default_cache_dir
 
     here = default_cache_dir()
     assert here.parent == tmp_path / "leanstep" and here.name == machine_fingerprint()

@@ -1,4 +1,4 @@
-"""Tests for leanstep.flops: FLOP counts against XLA's own, loops counted times their trip counts."""
+"""Tests for leanstep.inspection.flops: FLOP counts against XLA's own, loops counted times their trip counts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.flops import count_flops
+from leanstep.inspection.flops import count_flops
 
 
 def _xla_flops(fn, *args):

@@ -1,4 +1,4 @@
-"""Tests for leanstep.gradients: the gradient stage on its own.
+"""Tests for leanstep.step.gradients: the gradient stage on its own.
 
 References: ``jax.value_and_grad`` of the scaled full-batch loss in float32 (mean and
 token-weighted), the per-microbatch keys ``fold_in(key, j)`` computed by hand, and the dtypes
@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leanstep.gradients import Gradients, gradient_stage
-from leanstep.loss_scale import StaticLossScale
-from leanstep.microbatches import split_microbatches
+from leanstep.blocks.loss_scale import StaticLossScale
+from leanstep.blocks.microbatches import split_microbatches
+from leanstep.step.gradients import Gradients, gradient_stage
 
 SCALE = StaticLossScale.create(1024.0)
 

@@ -1,4 +1,4 @@
-"""Tests for leanstep.loss_scale: the state machine against a plain-Python model."""
+"""Tests for leanstep.blocks.loss_scale: the state machine against a plain-Python model."""
 
 import dataclasses
 import re
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.loss_scale import (
+from leanstep.blocks.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,

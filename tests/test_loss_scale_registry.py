@@ -1,11 +1,11 @@
-"""Tests for leanstep.loss_scale_registry: get_loss_scale builds each kind by name and rejects bad specs."""
+"""Tests for leanstep.blocks.loss_scale_registry: get_loss_scale builds each kind by name and rejects bad specs."""
 
 import re
 
 import pytest
 
-from leanstep.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
-from leanstep.loss_scale_registry import get_loss_scale
+from leanstep.blocks.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from leanstep.blocks.loss_scale_registry import get_loss_scale
 from loss_scale_settings import CUSTOM, settings_of
 
 

@@ -1,4 +1,4 @@
-"""leanstep.memory_sizes: parsing and formatting memory sizes."""
+"""leanstep.common.memory_sizes: parsing and formatting memory sizes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.memory_sizes import format_bytes, parse_bytes
+from leanstep.common.memory_sizes import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize(

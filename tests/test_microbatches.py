@@ -1,4 +1,4 @@
-"""Tests for leanstep.microbatches: the contiguous, strided and presplit splitters.
+"""Tests for leanstep.blocks.microbatches: the contiguous, strided and presplit splitters.
 
 References: NumPy slicing (row order and strides), and the device-block property of the
 strided split checked by brute force over every device count that divides the batch.
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.microbatches import (
+from leanstep.blocks.microbatches import (
     SPLITS,
     get_splitter,
     presplit_microbatches,

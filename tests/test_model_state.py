@@ -12,10 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from leanstep.checkpoint import Checkpointer
-from leanstep.gradients import gradient_stage
-from leanstep.state import TrainState
-from leanstep.step import make_train_step
+from leanstep.checkpoints.checkpointer import Checkpointer
+from leanstep.step.gradients import gradient_stage
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
 
 
 def counting_loss(params, model_state, batch):

@@ -14,6 +14,8 @@ import numpy as np
 import optax
 import pytest
 
+from leanstep.blocks.rematerialization import remat
+from leanstep.inspection.residuals import saved_residuals_report
 from leanstep.models import (
     MLPConfig,
     TransformerConfig,
@@ -31,8 +33,6 @@ from leanstep.models import (
     transformer_loss_sum,
 )
 from leanstep.models.transformer import _block
-from leanstep.rematerialization import remat
-from leanstep.residuals import saved_residuals_report
 
 TF = build_model("transformer", "tiny").config
 MLP = build_model("mlp", "tiny").config

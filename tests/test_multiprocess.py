@@ -30,7 +30,7 @@ TIMEOUT_S = 180
 
 
 def worker(mode: str, args: list[str]) -> None:
-    from leanstep.distributed import configure_devices, device_mesh
+    from leanstep.sharding.distributed import configure_devices, device_mesh
 
     if mode == "multi":
         port, process_id, out = args
@@ -44,8 +44,9 @@ def worker(mode: str, args: list[str]) -> None:
     import optax
     from jax.experimental import multihost_utils
 
-    from leanstep.sharding import shard_batch, shard_train_state
-    from leanstep.step import TrainState, make_train_step
+    from leanstep.sharding.meshes import shard_batch
+    from leanstep.step.state_sharding import shard_train_state
+    from leanstep.step.train_step import TrainState, make_train_step
 
     jax.config.update("jax_numpy_rank_promotion", "raise")
 

@@ -1,4 +1,4 @@
-"""leanstep.planning (and the `leanstep plan` CLI): XLA's memory accounting, the choice rule against a brute-force reference, the budget error, reality."""
+"""leanstep.planning.one_device (and the `leanstep plan` CLI): XLA's memory accounting, the choice rule against a brute-force reference, the budget error, reality."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from leanstep import planning
+from leanstep.blocks.rematerialization import remat
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
-from leanstep.memory_sizes import format_bytes
-from leanstep.plan_compile import first_fit
-from leanstep.planning import BudgetError, Candidate, Setting, plan, settings_grid
-from leanstep.rematerialization import remat
-from leanstep.state import TrainState
-from leanstep.step import make_train_step
+from leanstep.common.memory_sizes import format_bytes
+from leanstep.planning.candidates import first_fit
+from leanstep.planning.one_device import BudgetError, Candidate, Setting, plan, settings_grid
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
 from leanstep.training import RunConfig, analysis, build_run
 
 D, H, LAYERS, BATCH, T = 16, 64, 2, 4, 32

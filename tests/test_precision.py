@@ -1,4 +1,4 @@
-"""Tests for leanstep.precision: Precision policies, their strings, casts and wrap."""
+"""Tests for leanstep.blocks.precision: Precision policies, their strings, casts and wrap."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bits import count_differences, leaves_bit_equal
-from leanstep.precision import Precision, get_precision
+from leanstep.blocks.precision import Precision, get_precision
 
 BF16 = jnp.bfloat16
 F32 = jnp.dtype(jnp.float32)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from leanstep.checkpoint_layout import committed_steps, unfinished_saves
+from leanstep.checkpoints.layout import committed_steps, unfinished_saves
 from leanstep.training import RunConfig, train
 from leanstep.training.run_lock import LOCK_NAME, RunDirectoryInUse, RunLock
 

@@ -31,14 +31,14 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-import leanstep.checkpoint
+import leanstep.checkpoints.checkpointer
 import leanstep.training.curves
-from leanstep.checkpoint import MANIFEST_NAME, Checkpointer
-from leanstep.checkpoint_layout import unfinished_saves
+from leanstep.blocks.loss_scale import DynamicLossScale, all_finite
+from leanstep.checkpoints.checkpointer import MANIFEST_NAME, Checkpointer
+from leanstep.checkpoints.layout import unfinished_saves
 from leanstep.cli.main import main
-from leanstep.loss_scale import DynamicLossScale, all_finite
 from leanstep.models import build_model
-from leanstep.step import TrainState, make_train_step
+from leanstep.step.train_step import TrainState, make_train_step
 from leanstep.training import RunConfig, build, build_optimizer, trainer
 
 # --- a linear model whose gradients the batch controls ---------------------------------------
@@ -684,14 +684,14 @@ def _enospc() -> OSError:
 def test_a_checkpoint_write_that_hits_a_full_disk_stops_and_keeps_the_earlier_ones(
     tmp_path, corpus, capsys, monkeypatch, no_plot
 ):
-    real_save = leanstep.checkpoint.ocp.AsyncCheckpointer.save
+    real_save = leanstep.checkpoints.checkpointer.ocp.AsyncCheckpointer.save
 
     def save(self, directory, *args, **kwargs):
         if int(Path(directory).name) >= 4:
             raise _enospc()
         return real_save(self, directory, *args, **kwargs)
 
-    monkeypatch.setattr(leanstep.checkpoint.ocp.AsyncCheckpointer, "save", save)
+    monkeypatch.setattr(leanstep.checkpoints.checkpointer.ocp.AsyncCheckpointer, "save", save)
     run = tmp_path / "full"
     assert (
         main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "10", "--checkpoint-every", "2"])

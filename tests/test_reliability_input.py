@@ -24,7 +24,7 @@ import pytest
 import leanstep
 from leanstep import tasks
 from leanstep.cli.main import build_parser, main
-from leanstep.step import TrainState, make_train_step
+from leanstep.step.train_step import TrainState, make_train_step
 from leanstep.training import RunConfig, build_run, train
 
 

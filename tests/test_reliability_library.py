@@ -29,14 +29,14 @@ import pytest
 
 import leanstep
 from leanstep import audit, checkpoint_name, gradient_stage, remat
-from leanstep.clipping import clip_by_global_norm, clip_by_global_norm_transform
-from leanstep.loss_scale import DynamicLossScale, StaticLossScale
+from leanstep.blocks.clipping import clip_by_global_norm, clip_by_global_norm_transform
+from leanstep.blocks.loss_scale import DynamicLossScale, StaticLossScale
+from leanstep.blocks.precision import Precision, check_train_precision, get_precision
+from leanstep.blocks.rematerialization import check_saved_names
 from leanstep.models import build_model
-from leanstep.precision import Precision, check_train_precision, get_precision
-from leanstep.rematerialization import check_saved_names
-from leanstep.state import TrainState
-from leanstep.step import make_train_step
-from leanstep.update import check_opt_state, guarded_update, guarded_update_transform
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
+from leanstep.step.update import check_opt_state, guarded_update, guarded_update_transform
 from test_reliability_input import Case
 
 F32_TINY = float(np.finfo(np.float32).tiny)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import leanstep.planning
+import leanstep.planning.one_device
 import leanstep.training
 import leanstep.training.curves
 from leanstep.cli.main import main
@@ -363,7 +363,7 @@ def monkeypatch_module(tmp_path_factory):
     def reached(*args, **kwargs):
         raise _Reached
 
-    mp.setattr(leanstep.planning, "compile_candidate", reached)
+    mp.setattr(leanstep.planning.one_device, "compile_candidate", reached)
     mp.setattr(leanstep.training.curves, "plot_curves", lambda metrics, path, **kwargs: Path(path))
     yield mp
     mp.undo()

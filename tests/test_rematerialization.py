@@ -1,4 +1,4 @@
-"""Tests for leanstep.rematerialization: the policy names, that remat recomputes, and that it is exact."""
+"""Tests for leanstep.blocks.rematerialization: the policy names, that remat recomputes, and that it is exact."""
 
 import functools
 
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leanstep.rematerialization import (
+from leanstep.blocks.rematerialization import (
     REMAT_POLICIES,
     checkpoint_name,
     get_remat_policy,

@@ -1,12 +1,12 @@
-"""Tests for leanstep.residuals: what each remat policy saves for the backward pass, and its bytes."""
+"""Tests for leanstep.inspection.residuals: what each remat policy saves for the backward pass, and its bytes."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leanstep.rematerialization import REMAT_POLICIES, remat
-from leanstep.residuals import (
+from leanstep.blocks.rematerialization import REMAT_POLICIES, remat
+from leanstep.inspection.residuals import (
     RESIDUAL_KINDS,
     ResidualReport,
     saved_residuals_report,

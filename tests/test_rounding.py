@@ -1,4 +1,4 @@
-"""Tests for leanstep.rounding: strict_precision against op-by-op execution and float64 references."""
+"""Tests for leanstep.blocks.rounding: strict_precision against op-by-op execution and float64 references."""
 
 import functools
 from pathlib import Path
@@ -13,7 +13,7 @@ from jax import lax
 from jax._src.ad_checkpoint import saved_residuals
 
 from bits import count_differences, leaves_bit_equal
-from leanstep.rounding import strict_precision
+from leanstep.blocks.rounding import strict_precision
 
 BF16 = jnp.bfloat16
 F32 = jnp.dtype(jnp.float32)

@@ -25,7 +25,7 @@ def worker(out: Path) -> None:
 
     jax.config.update("jax_num_cpu_devices", 8)
     from leanstep.bench import scaling
-    from leanstep.distributed import device_mesh
+    from leanstep.sharding.distributed import device_mesh
 
     results = {}
     for work in (scaling.mlp_stack(), scaling.transformer()):

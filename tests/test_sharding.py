@@ -1,4 +1,4 @@
-"""Tests for leanstep.sharding and the sharded path of make_train_step.
+"""Tests for leanstep.sharding.meshes and the sharded path of make_train_step.
 
 The device count is fixed when JAX starts its backend, so the multi-device checks run in
 subprocesses with simulated CPU devices: this file is also their worker script
@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 
-from leanstep.sharding import (
+from leanstep.sharding.meshes import (
     batch_sharding,
     data_mesh,
     fsdp_partition_spec,
@@ -34,8 +34,8 @@ from leanstep.sharding import (
     shard_train_state,
     state_shardings,
 )
-from leanstep.state import TrainState
-from leanstep.step import make_train_step
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
 
 SIZES = (3, 24, 5)  # d_in, hidden, d_out: no parameter shape (or shard of one) looks like a batch slice
 BATCH = 64  # 8 devices x 4 microbatches x 2 rows
@@ -78,7 +78,7 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 def report_rows(compiled, mesh, params) -> list[dict]:
     """The collectives report as plain rows (JSON for the judging process)."""
-    from leanstep.collectives import collectives_report
+    from leanstep.inspection.collectives import collectives_report
 
     return [
         {
@@ -108,7 +108,7 @@ LAYOUTS = {
 
 
 def layout_mesh(shape: dict):
-    from leanstep.distributed import device_mesh
+    from leanstep.sharding.distributed import device_mesh
 
     return device_mesh(shape=shape)
 
@@ -128,8 +128,8 @@ def worker8(out: Path) -> None:
     _start(8)
     from jax.sharding import NamedSharding
 
-    from leanstep.accumulation import microbatched_value_and_grad
-    from leanstep.checkpoint import Checkpointer
+    from leanstep.blocks.accumulation import microbatched_value_and_grad
+    from leanstep.checkpoints.checkpointer import Checkpointer
 
     results: dict = {"devices": jax.device_count()}
     arrays: dict[str, np.ndarray] = {}
@@ -227,7 +227,7 @@ def flat_shardings(state) -> dict:
 def worker4(out: Path) -> None:
     """Restores the 8-device FSDP checkpoint on 4 devices, on a 1-device mesh and with no mesh."""
     _start(4)
-    from leanstep.checkpoint import Checkpointer
+    from leanstep.checkpoints.checkpointer import Checkpointer
 
     arrays: dict[str, np.ndarray] = {}
     layouts = {"mesh4": (data_mesh(), True), "mesh1": (data_mesh(jax.devices()[:1]), False), "plain": (None, False)}

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leanstep.state import TrainState
+from leanstep.step.state import TrainState
 from leanstep.training import RunConfig
 from leanstep.training.budget import calibrate
 from leanstep.training.build import build_run

@@ -1,4 +1,4 @@
-"""Tests for leanstep.step: every claim of the composed step against an independent reference.
+"""Tests for leanstep.step.train_step: every claim of the composed step against an independent reference.
 
 References: full-batch ``jax.value_and_grad`` + optax written out by hand, float64 NumPy, a
 plain-Python model of the dynamic loss scale, and the step's own jaxpr (``jit=False``) for
@@ -22,10 +22,10 @@ import pytest
 from flax import nnx
 from jax.extend import core as jex_core
 
-from leanstep.clipping import clip_by_global_norm_transform
-from leanstep.loss_scale import DynamicLossScale, StaticLossScale
-from leanstep.state import StepMetrics, TrainState
-from leanstep.step import make_train_step
+from leanstep.blocks.clipping import clip_by_global_norm_transform
+from leanstep.blocks.loss_scale import DynamicLossScale, StaticLossScale
+from leanstep.step.state import StepMetrics, TrainState
+from leanstep.step.train_step import make_train_step
 
 F32_MAX = float(np.finfo(np.float32).max)
 BATCH = 12

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from leanstep import tasks
 from leanstep.cli.solve import load_examples
-from leanstep.residuals import saved_residuals_report
+from leanstep.inspection.residuals import saved_residuals_report
 
 mixed_step = jax.jit(tasks.mixed_precision_step, static_argnames=("growth_interval",))
 accumulate = jax.jit(tasks.accumulate_gradients, static_argnames=("num_microbatches",))

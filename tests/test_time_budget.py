@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep.checkpoint import Checkpointer
+from leanstep.checkpoints.checkpointer import Checkpointer
 from leanstep.cli.main import main
 from leanstep.training import (
     Note,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from leanstep.checkpoint_layout import committed_steps
+from leanstep.checkpoints.layout import committed_steps
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys

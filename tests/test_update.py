@@ -1,4 +1,4 @@
-"""Tests for leanstep.update: the guarded update and its optax form, on their own.
+"""Tests for leanstep.step.update: the guarded update and its optax form, on their own.
 
 References: a hand-written update (unscale, float64 NumPy norm, clip, optax AdamW) for finite
 gradients; bit-identity of params and optimizer state for non-finite ones; a plain-Python model
@@ -13,10 +13,10 @@ import numpy as np
 import optax
 import pytest
 
-from leanstep._checks import INT32_MAX
-from leanstep.loss_scale import DynamicLossScale, StaticLossScale
-from leanstep.state import TrainState
-from leanstep.update import GuardedState, guarded_update, guarded_update_transform
+from leanstep.blocks.loss_scale import DynamicLossScale, StaticLossScale
+from leanstep.common.checks import INT32_MAX
+from leanstep.step.state import TrainState
+from leanstep.step.update import GuardedState, guarded_update, guarded_update_transform
 
 OPT = optax.adamw(0.1)
 SCALE = 256.0

@@ -6,67 +6,75 @@ gradient norm, and rematerialization, composed in the right order by
 :func:`make_train_step`. The seed contracts live in :mod:`leanstep.tasks`.
 """
 
-from leanstep.accumulation import microbatched_value_and_grad
-from leanstep.auditing import AuditReport, audit
-from leanstep.checkpoint import Checkpointer, CheckpointError, RestoreResult
-from leanstep.clipping import (
-    clip_by_global_norm,
-    clip_by_global_norm_transform,
-    global_norm,
-)
-from leanstep.collectives import Collective, CollectivesReport, collectives_report
-from leanstep.compile_cache import disable_compile_cache, enable_compile_cache
-from leanstep.compile_count import CompileCount
-from leanstep.compute_dtype_check import PrecisionWarning
-from leanstep.cost_model import ACCELERATORS, Accelerator, get_accelerator
-from leanstep.gradients import Gradients, gradient_stage
-from leanstep.loss_scale import (
+from leanstep import _moved
+from leanstep.blocks import (
+    REMAT_POLICIES,
+    SPLITS,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
+    Precision,
+    PrecisionWarning,
     StaticLossScale,
     all_finite,
-)
-from leanstep.loss_scale_registry import get_loss_scale
-from leanstep.microbatches import (
-    SPLITS,
+    checkpoint_name,
+    clip_by_global_norm,
+    clip_by_global_norm_transform,
+    get_loss_scale,
+    get_precision,
+    get_remat_policy,
     get_splitter,
+    global_norm,
+    microbatched_value_and_grad,
     presplit_microbatches,
+    remat,
     split_microbatches,
     split_strided_microbatches,
+    strict_precision,
 )
-from leanstep.model_sharding import constrain, gathered, sharding_context
-from leanstep.partition_rules import MeshAxes, param_specs
-from leanstep.planning import BudgetError, Plan, plan
-from leanstep.precision import Precision, get_precision
-from leanstep.rematerialization import (
-    REMAT_POLICIES,
-    checkpoint_name,
-    get_remat_policy,
-    remat,
+from leanstep.checkpoints import Checkpointer, CheckpointError, RestoreResult
+from leanstep.compilation import CompileCount, disable_compile_cache, enable_compile_cache
+from leanstep.inspection import (
+    AuditReport,
+    Collective,
+    CollectivesReport,
+    ResidualReport,
+    audit,
+    collectives_report,
+    saved_residuals_report,
 )
-from leanstep.residuals import ResidualReport, saved_residuals_report
-from leanstep.rounding import strict_precision
+from leanstep.planning import ACCELERATORS, Accelerator, BudgetError, Plan, get_accelerator, plan
 from leanstep.sharding import (
+    MeshAxes,
     batch_sharding,
+    constrain,
     data_mesh,
     fsdp_partition_spec,
+    gathered,
     mesh_axes,
+    param_specs,
     shard_batch,
+    sharding_context,
+)
+from leanstep.step import (
+    REDUCTIONS,
+    Gradients,
+    GuardedState,
+    ShardingLayer,
+    StepMetrics,
+    TrainState,
+    UpdateInfo,
+    gradient_stage,
+    guarded_update,
+    guarded_update_transform,
+    make_train_step,
     shard_train_state,
     state_shardings,
 )
-from leanstep.sharding_layer import REDUCTIONS, ShardingLayer
-from leanstep.state import StepMetrics, TrainState
-from leanstep.step import make_train_step
-from leanstep.update import (
-    GuardedState,
-    UpdateInfo,
-    guarded_update,
-    guarded_update_transform,
-)
 
-__version__ = "0.7.0"
+_moved.install()
+
+__version__ = "0.8.0"
 
 __all__ = [
     "ACCELERATORS",

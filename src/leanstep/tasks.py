@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from leanstep._checks import is_int
-from leanstep.accumulation import microbatched_value_and_grad
-from leanstep.clipping import clip_by_global_norm as _clip_by_global_norm
-from leanstep.loss_scale import DynamicLossScale, all_finite
-from leanstep.precision import Precision
-from leanstep.rematerialization import remat
+from leanstep.blocks.accumulation import microbatched_value_and_grad
+from leanstep.blocks.clipping import clip_by_global_norm as _clip_by_global_norm
+from leanstep.blocks.loss_scale import DynamicLossScale, all_finite
+from leanstep.blocks.precision import Precision
+from leanstep.blocks.rematerialization import remat
+from leanstep.common.checks import is_int
 
 __all__ = [
     "TASKS",

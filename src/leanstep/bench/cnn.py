@@ -25,8 +25,8 @@ from flax import nnx
 
 from leanstep.bench.timing import summarize_times, time_interleaved
 from leanstep.frameworks import nnx as leanstep_nnx
-from leanstep.state import TrainState
-from leanstep.step import make_train_step
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
 
 __all__ = ["CNN", "run_cnn_benchmark"]
 

@@ -12,8 +12,8 @@ import numpy as np
 
 from leanstep.bench.handwritten import HandwrittenState, init_handwritten_state, make_handwritten_step
 from leanstep.bench.timing import compiled_stats, hlo_op_counts
-from leanstep.loss_scale_registry import get_loss_scale
-from leanstep.step import TrainState, make_train_step
+from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.step.train_step import TrainState, make_train_step
 
 __all__ = ["Contender", "Spec", "build_jax_contender", "build_torch_contender"]
 

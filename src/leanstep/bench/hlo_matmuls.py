@@ -4,7 +4,7 @@ Each ``dot`` and ``convolution`` becomes a :class:`MatmulOp` with its operand sh
 dimension numbers, the fusion that runs it (XLA:CPU wraps most dots in a ``kCustom`` fusion
 whose kind names the library, e.g. ``__ynn_fusion``) and how often it runs per call of the
 program: the product of the known trip counts of the ``while`` loops around it
-(:func:`leanstep.hlo_text.trip_counts`; ``lax.scan`` over layers and over microbatches both
+(:func:`leanstep.inspection.hlo_text.trip_counts`; ``lax.scan`` over layers and over microbatches both
 become such loops). :func:`list_loops` lists those loops and their trip counts, and
 :func:`count_executed_ops` counts the kernels the runtime launches per call.
 :func:`standalone_matmul` rebuilds one op as a program of its own, to time it alone.
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leanstep.hlo_text import Instruction, compiled_text, parse_hlo, shapes_of, trip_counts
+from leanstep.inspection.hlo_text import Instruction, compiled_text, parse_hlo, shapes_of, trip_counts
 
 __all__ = [
     "Loop",

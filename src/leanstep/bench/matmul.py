@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from leanstep._checks import is_int, is_real
+from leanstep.common.checks import is_int, is_real
 
 __all__ = ["MATMUL_SIZES", "measure_matmul_gflops", "torch_matmul", "xla_float32_peak", "xla_matmul"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from leanstep.step import JittedTrainStep
+from leanstep.step.train_step import JittedTrainStep
 from leanstep.training.analysis import plan_run
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
@@ -30,8 +30,9 @@ def _run_inputs(config: RunConfig) -> tuple[JittedTrainStep, Any, Any]:
     batch = {"tokens": tokens.astype(np.int32)}
     if config.mesh is None:
         return run.make_step(), run.init_state(), {"tokens": jax.device_put(batch["tokens"])}
-    from leanstep.distributed import device_mesh, parse_mesh
-    from leanstep.sharding import shard_batch, shard_train_state
+    from leanstep.sharding.distributed import device_mesh, parse_mesh
+    from leanstep.sharding.meshes import shard_batch
+    from leanstep.step.state_sharding import shard_train_state
 
     mesh = device_mesh(shape=parse_mesh(config.mesh))
     state = shard_train_state(run.init_state(), mesh, rules=run.model.rules)
@@ -84,7 +85,7 @@ def measure_in_child(spec_path: str) -> None:
     if config.mesh is not None:
         import math
 
-        from leanstep.distributed import configure_devices, parse_mesh
+        from leanstep.sharding.distributed import configure_devices, parse_mesh
 
         configure_devices(math.prod(parse_mesh(config.mesh).values()))
     step, state, batch = _run_inputs(config)

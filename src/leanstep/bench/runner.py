@@ -12,7 +12,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leanstep._checks import is_int, is_real
 from leanstep.bench.contenders import (
     Contender,
     Spec,
@@ -24,8 +23,9 @@ from leanstep.bench.matmul import measure_matmul_gflops, torch_matmul, xla_matmu
 from leanstep.bench.timing import summarize_times, time_interleaved
 from leanstep.bench.torch_step import torch_available
 from leanstep.bench.utilization import describe_probe, model_flops_utilization
+from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
+from leanstep.common.checks import is_int, is_real
 from leanstep.models import build_model
-from leanstep.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.training import RunConfig, build_run
 
 __all__ = ["BenchConfig", "machine_info", "run_benchmark"]

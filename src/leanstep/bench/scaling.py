@@ -49,8 +49,8 @@ def mlp_stack(layers: int = 8, width: int = 1024, batch: int = 64) -> Workload:
     import jax
     import jax.numpy as jnp
 
-    from leanstep.model_sharding import constrain, gathered
-    from leanstep.rematerialization import remat
+    from leanstep.blocks.rematerialization import remat
+    from leanstep.sharding.model_sharding import constrain, gathered
 
     def layer(x: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
         return constrain(jnp.tanh(x @ gathered(w, "w")), "batch", None), None
@@ -100,11 +100,11 @@ def compile_leanstep(
     import jax
     import optax
 
-    from leanstep.loss_scale_registry import get_loss_scale
-    from leanstep.sharding import batch_sharding
-    from leanstep.sharding_layer import ShardingLayer
-    from leanstep.state import TrainState
-    from leanstep.step import make_train_step
+    from leanstep.blocks.loss_scale_registry import get_loss_scale
+    from leanstep.sharding.meshes import batch_sharding
+    from leanstep.step.sharding_layer import ShardingLayer
+    from leanstep.step.state import TrainState
+    from leanstep.step.train_step import make_train_step
 
     layer = ShardingLayer(mesh, rules=work.rules, reduce=reduce)
     step = make_train_step(
@@ -128,8 +128,8 @@ def reference_fsdp_step(work: Workload, mesh: Any, num_microbatches: int) -> Any
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from leanstep.model_sharding import sharding_context
-    from leanstep.partition_rules import MeshAxes, param_specs
+    from leanstep.sharding.model_sharding import sharding_context
+    from leanstep.sharding.partition_rules import MeshAxes, param_specs
 
     axes = MeshAxes(mesh, (), "fsdp", None)
     specs = param_specs(work.params, axes, work.rules)
@@ -182,8 +182,8 @@ def measure(work: Workload, layout: str, num_microbatches: int, precision: str =
     """Memory and communication of leanstep's step for one layout."""
     import jax
 
-    from leanstep.collectives import collectives_report
-    from leanstep.distributed import device_mesh
+    from leanstep.inspection.collectives import collectives_report
+    from leanstep.sharding.distributed import device_mesh
 
     mesh = device_mesh(shape=LAYOUTS[layout])
     compiled = compile_leanstep(work, mesh, num_microbatches, precision)
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}",
         }
         return subprocess.call([sys.executable, "-m", "leanstep.bench.scaling", *(argv or sys.argv[1:])], env=env)
-    from leanstep.distributed import device_mesh
+    from leanstep.sharding.distributed import device_mesh
 
     works: dict[str, Callable[[], Workload]] = {"mlp-stack": mlp_stack, "transformer": transformer}
     rows, references = [], {}

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from leanstep.bench.torch_step import torch_available
-from leanstep.precision import get_precision
+from leanstep.blocks.precision import get_precision
 from leanstep.training.config import RunConfig
 from leanstep.training.data import heldout_batches, load_corpus
 
@@ -181,7 +181,7 @@ def _leanstep_every_window(config: RunConfig, every_window: list[dict[str, np.nd
     """Bits per byte of leanstep's final checkpoint on ``every_window`` (as its run evaluates)."""
     import jax
 
-    from leanstep.checkpoint import Checkpointer
+    from leanstep.checkpoints.checkpointer import Checkpointer
     from leanstep.training.build import build_run
     from leanstep.training.legacy_state import restore_state
 

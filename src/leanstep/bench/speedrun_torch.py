@@ -41,8 +41,8 @@ import jax
 import numpy as np
 
 from leanstep.bench.torch_step import build_torch_model, load_jax_params
+from leanstep.blocks.precision import get_precision
 from leanstep.models import build_model
-from leanstep.precision import get_precision
 from leanstep.training.auto_precision import (
     BFLOAT16,
     bfloat16_units,

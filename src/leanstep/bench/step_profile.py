@@ -38,12 +38,12 @@ from leanstep.bench.hlo_matmuls import (
 )
 from leanstep.bench.step_trace import trace_kernels
 from leanstep.bench.timing import time_interleaved
-from leanstep.gradients import Gradients, gradient_stage
-from leanstep.hlo_text import compiled_text
-from leanstep.state import TrainState
+from leanstep.inspection.hlo_text import compiled_text
+from leanstep.step.gradients import Gradients, gradient_stage
+from leanstep.step.state import TrainState
+from leanstep.step.update import guarded_update
 from leanstep.training.build import Run, build_run
 from leanstep.training.config import RunConfig
-from leanstep.update import guarded_update
 
 __all__ = ["format_profile", "profile_step"]
 

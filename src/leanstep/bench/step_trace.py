@@ -32,7 +32,7 @@ from typing import Any
 
 import jax
 
-from leanstep.hlo_text import Instruction, parse_hlo
+from leanstep.inspection.hlo_text import Instruction, parse_hlo
 
 __all__ = ["kernel_group", "trace_kernels"]
 
@@ -43,7 +43,7 @@ def kernel_group(inst: Instruction, matmul: bool) -> tuple[str, str]:
     """``(phase, primitive)`` of one instruction (see the module doc).
 
     Example:
-      >>> from leanstep.hlo_text import parse_hlo
+      >>> from leanstep.inspection.hlo_text import parse_hlo
       >>> hlo = '''ENTRY %main (a: f32[4]) -> f32[4] {
       ...   %a = f32[4]{0} parameter(0)
       ...   ROOT %m = f32[4]{0} multiply(%a, %a), metadata={op_name="jit(step)/while/body/transpose(jvp())/mul"}

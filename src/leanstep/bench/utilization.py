@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from leanstep._checks import is_real
+from leanstep.common.checks import is_real
 
 __all__ = ["describe_probe", "model_flops_utilization"]
 

@@ -147,7 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from leanstep.bench.chart import plot_benchmark
     from leanstep.bench.runner import run_benchmark
     from leanstep.cli.bench_table import render_benchmark
-    from leanstep.files import check_output_path
+    from leanstep.common.files import check_output_path
 
     config = _config(args)
     try:

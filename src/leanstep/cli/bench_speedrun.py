@@ -167,7 +167,7 @@ def run_speedrun_command(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from leanstep.bench.speedrun import run_speedrun
-    from leanstep.files import check_output_path
+    from leanstep.common.files import check_output_path
     from leanstep.training import RunStopped
 
     budget, config = _speedrun_config(args)

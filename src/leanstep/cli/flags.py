@@ -18,14 +18,14 @@ def grad_norm(text: str) -> float | None:
 
 def remat_help() -> str:
     """``--remat``'s help, from the library's policy names."""
-    from leanstep.rematerialization import REMAT_POLICIES
+    from leanstep.blocks.rematerialization import REMAT_POLICIES
 
     return ", ".join(REMAT_POLICIES) + " or save:NAME,..."
 
 
 def add_compile_cache_flag(p: argparse.ArgumentParser) -> None:
     """``--no-compile-cache``: the commands that compile keep XLA's programs in a per-user folder."""
-    from leanstep.compile_cache import ENV
+    from leanstep.compilation.cache import ENV
 
     p.add_argument(
         "--no-compile-cache",
@@ -39,7 +39,7 @@ def add_compile_cache_flag(p: argparse.ArgumentParser) -> None:
 
 def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
     """The model and batch flags that train, plan and audit share, with ``d``'s defaults."""
-    from leanstep.loss_scale_registry import LOSS_SCALES
+    from leanstep.blocks.loss_scale_registry import LOSS_SCALES
     from leanstep.models import MODELS, SIZES
 
     model = p.add_argument_group("model and batch")

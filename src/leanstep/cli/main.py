@@ -95,7 +95,7 @@ def _compile_cache(args: argparse.Namespace) -> None:
     """JAX's persistent compilation cache for a command that compiles, before anything is compiled
     (``--no-compile-cache`` or ``LEANSTEP_COMPILE_CACHE=off``: none). A folder or entry that
     cannot be used is one warning line; the command goes on without it."""
-    from leanstep.compile_cache import disable_compile_cache, enable_compile_cache
+    from leanstep.compilation.cache import disable_compile_cache, enable_compile_cache
 
     if not hasattr(args, "compile_cache"):
         return  # a command that compiles nothing
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"leanstep {args.command}: error: {_one_line(message)}", file=sys.stderr)
         return code
 
-    from leanstep.checkpoint import CheckpointError
+    from leanstep.checkpoints.checkpointer import CheckpointError
     from leanstep.training.stop_signals import Terminated
 
     try:

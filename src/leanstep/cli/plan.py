@@ -22,11 +22,11 @@ def _int_list(text: str) -> list[int]:
 
 def add_parsers(subparsers: Any) -> None:
     """Registers ``plan`` and ``audit``."""
-    from leanstep.rematerialization import REMAT_POLICIES
+    from leanstep.blocks.rematerialization import REMAT_POLICIES
     from leanstep.training import RunConfig
 
     d = RunConfig()
-    from leanstep.cost_model import ACCELERATORS
+    from leanstep.planning.cost_model import ACCELERATORS
 
     p = subparsers.add_parser(
         "plan",
@@ -52,7 +52,7 @@ def add_parsers(subparsers: Any) -> None:
         "--accelerator",
         default="h100",
         choices=tuple(ACCELERATORS),
-        help="the device the cost model prices (presets: see leanstep.cost_model)",
+        help="the device the cost model prices (presets: see leanstep.planning.cost_model)",
     )
     cluster.add_argument("--mesh", default=None, metavar="AXES", help="plan this mesh only, e.g. data=8,fsdp=8")
     cluster.add_argument("--reductions", default="auto,step", help="comma-separated gradient reductions to consider")
@@ -124,7 +124,7 @@ def _table(result: Any, budget: int | None, chosen: Any, precision: str) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    from leanstep.memory_sizes import format_bytes
+    from leanstep.common.memory_sizes import format_bytes
 
     arguments = next((c.argument_bytes for c in result if c.argument_bytes is not None), None)
     table = Table(
@@ -169,9 +169,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from leanstep.files import check_output_path
-    from leanstep.memory_sizes import parse_bytes
-    from leanstep.planning import BudgetError, settings_grid
+    from leanstep.common.files import check_output_path
+    from leanstep.common.memory_sizes import parse_bytes
+    from leanstep.planning.one_device import BudgetError, settings_grid
     from leanstep.training.analysis import plan_run
 
     try:
@@ -180,7 +180,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     cluster = args.devices is not None or args.mesh is not None
     if args.devices is not None:
-        from leanstep.distributed import configure_devices
+        from leanstep.sharding.distributed import configure_devices
 
         try:  # before JAX starts: the planner compiles for this many simulated CPU devices
             configure_devices(args.devices)
@@ -255,7 +255,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _accelerator(args: argparse.Namespace) -> Any:
-    from leanstep.cost_model import get_accelerator
+    from leanstep.planning.cost_model import get_accelerator
 
     if args.node_size is not None and not 1 <= args.node_size <= 2**31 - 1:
         raise InputError(f"--node-size must be an integer in [1, 2147483647], got {args.node_size}")
@@ -288,8 +288,8 @@ def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) 
     from rich.table import Table
     from rich.text import Text
 
-    from leanstep.cluster_planning import format_seconds
-    from leanstep.memory_sizes import format_bytes
+    from leanstep.common.memory_sizes import format_bytes
+    from leanstep.planning.cluster import format_seconds
 
     families: dict[Any, list[Any]] = {}
     for c in candidates:
@@ -321,7 +321,7 @@ def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) 
         box=box.SIMPLE,
         caption=f"{len(candidates)} candidates in {len(families)} families (mesh, reduce, remat), one row "
         f"each; {compiles} compiled. peak = per-device arguments + outputs - donated + temporaries; "
-        "predicted = dot FLOPs / (peak FLOP/s x efficiency) + collectives (leanstep.cost_model)",
+        "predicted = dot FLOPs / (peak FLOP/s x efficiency) + collectives (leanstep.planning.cost_model)",
     )
     for name in (
         "",
@@ -370,7 +370,7 @@ def _write_json(path: Path | None, value: Any) -> bool:
     The plan is not lost to a full disk: it is printed on stdout instead, and one line on stderr
     names the path and the reason.
     """
-    from leanstep.files import write_bytes_atomic
+    from leanstep.common.files import write_bytes_atomic
 
     if path is None:
         return True

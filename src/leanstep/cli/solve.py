@@ -28,7 +28,7 @@ from leanstep.cli.jsontree import (
     tree_from_json,
     tree_to_json,
 )
-from leanstep.files import read_regular_file
+from leanstep.common.files import read_regular_file
 
 
 def _task_names() -> list[str]:
@@ -235,7 +235,7 @@ def _shown(name: str) -> str:
 def read_input(name: str | None) -> tuple[str, str]:
     """The input text and the name errors call it by: ``--input`` FILE, or standard input for None or ``-``.
 
-    A file is read with :func:`leanstep.files.read_regular_file` (a regular file only: a FIFO or
+    A file is read with :func:`leanstep.common.files.read_regular_file` (a regular file only: a FIFO or
     device would block or never end). At most :data:`MAX_INPUT_BYTES` are read from either source.
 
     Raises:

@@ -111,7 +111,7 @@ def add_parser(subparsers: Any) -> None:
     scale.add_argument(
         "--accelerator",
         default="h100",
-        help="with --mesh auto: the device the plan's cost model prices (leanstep.cost_model)",
+        help="with --mesh auto: the device the plan's cost model prices (leanstep.planning.cost_model)",
     )
     scale.add_argument(
         "--coordinator",
@@ -131,7 +131,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from leanstep.cli.progress import TrainProgress
     from leanstep.cli.render import render_summary
-    from leanstep.distributed import configure_devices
+    from leanstep.sharding.distributed import configure_devices
     from leanstep.training import RunConfig, RunStopped, train
     from leanstep.training.stop_signals import Terminated, raising_on_sigterm
 
@@ -143,7 +143,7 @@ def run_train(args: argparse.Namespace) -> int:
     try:  # first: the device count and the processes are fixed once JAX makes its first array
         devices = args.devices
         if args.mesh is not None and devices is None:  # every device the mesh needs, split over the processes
-            from leanstep.distributed import parse_mesh
+            from leanstep.sharding.distributed import parse_mesh
 
             devices = max(1, math.prod(parse_mesh(args.mesh).values()) // (args.num_processes or 1))
         configure_devices(devices, args.coordinator, args.num_processes, args.process_id)

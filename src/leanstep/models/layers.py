@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
-from leanstep._checks import is_int
-from leanstep.model_sharding import sharding_active
+from leanstep.common.checks import is_int
+from leanstep.sharding.model_sharding import sharding_active
 
 
 def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:

@@ -38,7 +38,7 @@ class Model(NamedTuple):
       loss: ``loss(params, batch, *, remat_policy="none", compute_dtype=None) -> scalar``, mean nats.
       loss_sum: same arguments, ``-> (loss_sum, count)`` for token-weighted accumulation.
       flops_per_token: analytic training FLOPs per predicted token.
-      rules: its partition rules (:mod:`leanstep.partition_rules`) for sharded training.
+      rules: its partition rules (:mod:`leanstep.sharding.partition_rules`) for sharded training.
     """
 
     name: str
@@ -77,7 +77,7 @@ MODELS: Mapping[str, tuple[Any, ...]] = {
 }  # fmt: skip
 
 
-#: Partition rules of each model (:mod:`leanstep.partition_rules`).
+#: Partition rules of each model (:mod:`leanstep.sharding.partition_rules`).
 RULES: Mapping[str, tuple[Any, ...]] = {"transformer": TRANSFORMER_RULES, "mlp": MLP_RULES}
 
 #: Every size preset some model has, in the order of the first model's presets.

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
-from leanstep.model_sharding import constrain, gathered
+from leanstep.blocks.rematerialization import checkpoint_name, remat
 from leanstep.models.layers import (
     cast_floating,
     check_positive_ints,
@@ -31,7 +31,7 @@ from leanstep.models.layers import (
     token_nll,
     weighted_sum,
 )
-from leanstep.rematerialization import checkpoint_name, remat
+from leanstep.sharding.model_sharding import constrain, gathered
 
 Params = dict[str, Any]
 
@@ -88,7 +88,7 @@ def init_residual_mlp(key: jax.Array, config: MLPConfig) -> Params:
     }
 
 
-#: Partition rules (:mod:`leanstep.partition_rules`): embedding and head split on the
+#: Partition rules (:mod:`leanstep.sharding.partition_rules`): embedding and head split on the
 #: vocabulary, the blocks' first matmul column parallel and the second row parallel.
 MLP_RULES = (
     ("^embed$", ("fsdp", None)),

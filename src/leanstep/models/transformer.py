@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
-from leanstep.model_sharding import constrain, gathered
+from leanstep.blocks.rematerialization import checkpoint_name, remat
 from leanstep.models.layers import (
     cast_floating,
     check_positive_ints,
@@ -31,7 +31,7 @@ from leanstep.models.layers import (
     token_nll,
     weighted_sum,
 )
-from leanstep.rematerialization import checkpoint_name, remat
+from leanstep.sharding.model_sharding import constrain, gathered
 
 Params = dict[str, Any]
 
@@ -115,7 +115,7 @@ def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
 #: The order of the QKV weights' columns, recorded in a run's config.json: (head, q|k|v, head_dim).
 QKV_LAYOUT = "head-major"
 
-#: Partition rules (:mod:`leanstep.partition_rules`): embeddings split on the vocabulary, the
+#: Partition rules (:mod:`leanstep.sharding.partition_rules`): embeddings split on the vocabulary, the
 #: QKV and MLP input matmuls column parallel, their output matmuls row parallel (Megatron), the
 #: model dimension of everything over the FSDP axis.
 TRANSFORMER_RULES = (

@@ -13,8 +13,8 @@ from typing import Any
 
 import jax
 
-from leanstep.auditing import AuditReport, audit
-from leanstep.planning import BudgetError, Plan, plan
+from leanstep.inspection.auditing import AuditReport, audit
+from leanstep.planning.one_device import BudgetError, Plan, plan
 from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
@@ -36,7 +36,7 @@ def plan_run(
     every divisor of ``config.batch_size`` times :data:`leanstep.REMAT_POLICIES` at
     ``config.precision`` (:func:`leanstep.plan`). A cluster of ``num_devices`` (or the devices of
     ``config.mesh``, whose mesh is then kept): also the mesh and the reduction, per device,
-    priced on ``accelerator`` (:func:`leanstep.cluster_planning.plan_cluster`); where this process
+    priced on ``accelerator`` (:func:`leanstep.planning.cluster.plan_cluster`); where this process
     has too few devices, planning runs in a subprocess with ``num_devices`` simulated CPU devices
     (its plan then carries no executables). ``options`` go to the planner (``candidates``,
     ``exhaustive``, ``meshes``, ``remat_policies``, ...). Apply the choice with
@@ -68,8 +68,8 @@ def plan_run(
             loss_scale=run.loss_scale,
             **options,
         )
-    from leanstep.cluster_planning import plan_cluster
-    from leanstep.distributed import parse_mesh
+    from leanstep.planning.cluster import plan_cluster
+    from leanstep.sharding.distributed import parse_mesh
 
     if config.mesh is not None:
         shape = parse_mesh(config.mesh)
@@ -115,7 +115,7 @@ def _plan_in_child(
     import sys
     import tempfile
 
-    from leanstep.cost_model import Accelerator
+    from leanstep.planning.cost_model import Accelerator
 
     if isinstance(accelerator, Accelerator):
         accelerator = dataclasses.asdict(accelerator)
@@ -165,8 +165,8 @@ def plan_in_child(spec_path: str) -> None:
     """The subprocess side of :func:`plan_run`: sets up the devices, plans, writes the plan as JSON."""
     import json
 
-    from leanstep.cost_model import Accelerator
-    from leanstep.distributed import configure_devices
+    from leanstep.planning.cost_model import Accelerator
+    from leanstep.sharding.distributed import configure_devices
 
     with open(spec_path) as f:
         spec = json.load(f)

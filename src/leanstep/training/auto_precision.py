@@ -139,7 +139,7 @@ def resolve_precision(spec: str, *, priced_accelerator: bool = False) -> tuple[s
 
     ``auto`` is :func:`device_precision` for the device JAX runs on, or bfloat16 when a cluster
     of accelerators is being priced rather than run (every preset of
-    :data:`leanstep.cost_model.ACCELERATORS` is a GPU with bfloat16 tensor cores).
+    :data:`leanstep.planning.cost_model.ACCELERATORS` is a GPU with bfloat16 tensor cores).
 
     Example:
       >>> resolve_precision("float32")

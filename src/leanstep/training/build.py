@@ -16,12 +16,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from leanstep.loss_scale import LossScale
+from leanstep.blocks.loss_scale import LossScale
+from leanstep.blocks.precision import Precision, get_precision
+from leanstep.blocks.rematerialization import check_saved_names
 from leanstep.models import Model, build_model
-from leanstep.precision import Precision, get_precision
-from leanstep.rematerialization import check_saved_names
-from leanstep.state import TrainState
-from leanstep.step import JittedTrainStep, make_train_step
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import JittedTrainStep, make_train_step
 from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.config import RunConfig, model_overrides
 from leanstep.training.schedule import Schedule, make_schedule, scale_by_run_schedule

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from leanstep._checks import is_int, is_real
-from leanstep.loss_scale import LossScale
-from leanstep.loss_scale_registry import get_loss_scale
+from leanstep.blocks.loss_scale import LossScale
+from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.blocks.precision import check_train_precision
+from leanstep.blocks.rematerialization import get_remat_policy
+from leanstep.common.checks import is_int, is_real
 from leanstep.models import build_model
-from leanstep.precision import check_train_precision
-from leanstep.rematerialization import get_remat_policy
 from leanstep.training.schedule import SCHEDULES
 
 __all__ = ["MODEL_FLAGS", "RESUMABLE_FIELDS", "SCHEDULES", "RunConfig", "config_hash", "model_overrides"]
@@ -189,12 +189,12 @@ class RunConfig:
         if self.batch_size % self.microbatches:
             raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches {self.microbatches}")
         if self.mesh is not None:
-            from leanstep.distributed import parse_mesh
+            from leanstep.sharding.distributed import parse_mesh
 
             parse_mesh(self.mesh)
             if self.fsdp:
                 raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
-        from leanstep.sharding_layer import REDUCTIONS
+        from leanstep.step.sharding_layer import REDUCTIONS
 
         if self.reduce not in REDUCTIONS:
             raise ValueError(f"--reduce must be one of {', '.join(REDUCTIONS)}, got {self.reduce!r}")

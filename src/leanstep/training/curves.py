@@ -5,7 +5,7 @@ run's summary (``leanstep report``).
 
 Plots use :class:`matplotlib.figure.Figure` with the Agg canvas, never pyplot, so drawing
 changes no global state (no backend switch, no open figures). The PNG is drawn in memory and
-written atomically (:func:`leanstep.files.write_bytes_atomic`): a full disk or a read-only
+written atomically (:func:`leanstep.common.files.write_bytes_atomic`): a full disk or a read-only
 folder leaves the old chart (or none), never half a file, and is an ``OSError`` naming the path.
 """
 
@@ -23,8 +23,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from leanstep._checks import is_real
-from leanstep.files import (
+from leanstep.common.checks import is_real
+from leanstep.common.files import (
     describe_mode,
     read_regular_file,
     stat_path,

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from leanstep._checks import is_int
-from leanstep.files import (
+from leanstep.common.checks import is_int
+from leanstep.common.files import (
     describe_skipped,
     expand_path,
     read_regular_file,
@@ -124,7 +124,7 @@ class Corpus:
 def _read_text_files(root: Path, what: str) -> tuple[list[tuple[str, bytes]], dict[str, int]]:
     """Every non-empty text file under ``root`` as ``(relative posix name, bytes)``, sorted.
 
-    Read by :func:`leanstep.files.walk_regular_files` within :data:`MAX_CORPUS_BYTES` and
+    Read by :func:`leanstep.common.files.walk_regular_files` within :data:`MAX_CORPUS_BYTES` and
     :data:`MAX_CORPUS_ENTRIES`: hidden files and folders (``.git``) are left out; FIFOs, sockets,
     devices, symlink loops, symlinked folders and unreadable entries are skipped and counted
     (the second value), never opened in a way that blocks. Files containing a NUL byte are taken
@@ -169,7 +169,7 @@ def load_corpus(
     Returns:
       A :class:`Corpus`.
 
-    ``~`` in ``path`` is expanded. Only regular files are read (see :mod:`leanstep.files`):
+    ``~`` in ``path`` is expanded. Only regular files are read (see :mod:`leanstep.common.files`):
     a FIFO, socket or device named by ``path`` is refused, one inside a folder is skipped and
     counted in :attr:`Corpus.skipped`; a file or folder of more than :data:`MAX_CORPUS_BYTES`
     bytes, or a folder of more than :data:`MAX_CORPUS_ENTRIES` entries, is refused.

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import optax
 
-from leanstep.checkpoint import Checkpointer, CheckpointError, RestoreResult
+from leanstep.checkpoints.checkpointer import Checkpointer, CheckpointError, RestoreResult
 from leanstep.training.schedule import RunScheduleState
 
 __all__ = ["from_legacy", "restore_state", "to_legacy"]
@@ -45,7 +45,7 @@ def restore_state(checkpointer: Checkpointer, template: Any) -> RestoreResult:
     Raises:
       CheckpointError: the first attempt's error, when neither restores.
     """
-    quiet = logging.getLogger("leanstep.checkpoint")  # each rejected step is in the result's skipped
+    quiet = logging.getLogger("leanstep.checkpoints.checkpointer")  # each rejected step is in the result's skipped
     level, quiet.level = quiet.level, logging.ERROR
     try:
         try:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from leanstep.files import read_regular_file, write_bytes_atomic
+from leanstep.common.files import read_regular_file, write_bytes_atomic
 from leanstep.training.config import RunConfig
 
 __all__ = ["check_out", "check_run", "saved_run", "with_saved_plan", "write_json_atomic"]

@@ -19,8 +19,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from leanstep.checkpoint import CheckpointError
-from leanstep.state import TrainState
+from leanstep.checkpoints.checkpointer import CheckpointError
+from leanstep.step.state import TrainState
 from leanstep.training.budget import BudgetPlan, replan
 from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.metrics_log import MetricsWriter

@@ -16,11 +16,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from leanstep.checkpoint import Checkpointer
-from leanstep.compile_count import CompileCount
-from leanstep.sharding import shard_batch
-from leanstep.state import TrainState
-from leanstep.step import JittedTrainStep
+from leanstep.checkpoints.checkpointer import Checkpointer
+from leanstep.compilation.count import CompileCount
+from leanstep.sharding.meshes import shard_batch
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import JittedTrainStep
 from leanstep.training.config import RunConfig
 from leanstep.training.data import BatchSampler
 from leanstep.training.schedule import Schedule

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from leanstep._checks import is_int
+from leanstep.common.checks import is_int
 from leanstep.training.metrics_log import RunMetrics
 
 __all__ = ["summarize"]

@@ -46,13 +46,14 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from leanstep.checkpoint import Checkpointer, CheckpointError
-from leanstep.checkpoint_layout import remove_unfinished_saves
-from leanstep.compile_cache import cache_directory
-from leanstep.distributed import device_mesh, parse_mesh
+from leanstep.checkpoints.checkpointer import Checkpointer, CheckpointError
+from leanstep.checkpoints.layout import remove_unfinished_saves
+from leanstep.compilation.cache import cache_directory
 from leanstep.models.transformer import QKV_LAYOUT
-from leanstep.sharding import mesh_axes, shard_train_state
-from leanstep.state import TrainState
+from leanstep.sharding.distributed import device_mesh, parse_mesh
+from leanstep.sharding.meshes import mesh_axes
+from leanstep.step.state import TrainState
+from leanstep.step.state_sharding import shard_train_state
 from leanstep.training.budget import plan_budget
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig, config_hash

@@ -1,0 +1,59 @@
+"""The building blocks, each usable on its own: precision, loss scaling, clipping,
+rematerialization, microbatches and their accumulation.
+
+.. code-block:: text
+
+    precision.py            Precision: params, compute and output dtypes, and strict rounding
+    rounding.py             strict_precision: every low-precision result rounded, as hardware does
+    compute_dtype_check.py  PrecisionWarning: a compute dtype the model silently undoes
+    loss_scale.py           NoOp, Static and Dynamic loss scales, all_finite
+    loss_scale_registry.py  get_loss_scale("dynamic"): loss scales by name
+    clipping.py             the global gradient norm, and clipping by it
+    rematerialization.py    remat policies by name, checkpoint_name
+    microbatches.py         a batch split into microbatches: contiguous, strided, presplit
+    accumulation.py         microbatched_value_and_grad: one lax.scan, a float32 accumulator
+
+Each depends only on :mod:`leanstep.common`, and on the blocks listed above it.
+"""
+
+from leanstep.blocks.accumulation import microbatched_value_and_grad
+from leanstep.blocks.clipping import clip_by_global_norm, clip_by_global_norm_transform, global_norm
+from leanstep.blocks.compute_dtype_check import PrecisionWarning
+from leanstep.blocks.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale, all_finite
+from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.blocks.microbatches import (
+    SPLITS,
+    get_splitter,
+    presplit_microbatches,
+    split_microbatches,
+    split_strided_microbatches,
+)
+from leanstep.blocks.precision import Precision, get_precision
+from leanstep.blocks.rematerialization import REMAT_POLICIES, checkpoint_name, get_remat_policy, remat
+from leanstep.blocks.rounding import strict_precision
+
+__all__ = [
+    "REMAT_POLICIES",
+    "SPLITS",
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "Precision",
+    "PrecisionWarning",
+    "StaticLossScale",
+    "all_finite",
+    "checkpoint_name",
+    "clip_by_global_norm",
+    "clip_by_global_norm_transform",
+    "get_loss_scale",
+    "get_precision",
+    "get_remat_policy",
+    "get_splitter",
+    "global_norm",
+    "microbatched_value_and_grad",
+    "presplit_microbatches",
+    "remat",
+    "split_microbatches",
+    "split_strided_microbatches",
+    "strict_precision",
+]

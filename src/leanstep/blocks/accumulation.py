@@ -1,0 +1,242 @@
+"""Gradient accumulation over microbatches inside one traced step.
+
+The batch is split into ``num_microbatches`` equal microbatches and walked by one
+``lax.scan``; each scan step runs the forward and backward pass of one microbatch
+(``jax.value_and_grad`` inside the body, so only one microbatch's activations are alive at
+a time) and adds its gradient into a float32 accumulator. Unlike :func:`optax.microbatch`,
+bfloat16 gradients are not summed in bfloat16 (there 4,096 additions of 1.001 give 256);
+unlike :class:`optax.MultiSteps`, everything happens in one call. A token-weighted mode
+divides by the total token count, not a mean of per-microbatch means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from leanstep.blocks.microbatches import Splitter, check_num_microbatches, get_splitter
+from leanstep.common.checks import check_bool, check_scalar_output, is_int, same_structure
+
+__all__ = ["init_grad_accumulator", "microbatched_value_and_grad"]
+
+Tree = TypeVar("Tree")
+
+
+def init_grad_accumulator(params: Tree, accum_dtype: DTypeLike = jnp.float32) -> Tree:
+    """Return a zero tree shaped like ``params`` in ``accum_dtype``: the scan's gradient carry.
+
+    Args:
+      params: the pytree being differentiated.
+      accum_dtype: the dtype to accumulate gradients in (float32 by default, whatever the
+        dtype of ``params``).
+
+    Returns:
+      A pytree with the structure and shapes of ``params`` and zeros of ``accum_dtype``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> init_grad_accumulator({"w": jnp.ones((2,), jnp.bfloat16)})
+      {'w': Array([0., 0.], dtype=float32)}
+    """
+    dtype = _check_accum_dtype(accum_dtype)
+    return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), dtype), params)
+
+
+def _check_accum_dtype(accum_dtype: DTypeLike) -> jnp.dtype:
+    try:
+        dtype = jnp.dtype(accum_dtype)
+    except TypeError as error:
+        raise TypeError(f"accum_dtype must be a floating dtype, got {accum_dtype!r}") from error
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"accum_dtype must be a floating dtype, got accum_dtype={dtype}")
+    return dtype
+
+
+def _keep_state_types(new: Any, old: Any) -> Any:
+    """``new`` state in ``old``'s structure and dtypes: a scan carry must keep its type."""
+    if not same_structure(new, old):
+        raise TypeError(
+            "has_state=True: loss_fn must return a new model state of the structure it was given; "
+            f"got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}"
+        )
+    return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)), new, old)
+
+
+def microbatched_value_and_grad(
+    loss_fn: Callable[..., Any],
+    num_microbatches: int,
+    *,
+    has_aux: bool = False,
+    accum_dtype: DTypeLike = jnp.float32,
+    token_weighted: bool = False,
+    split: str | Splitter = "contiguous",
+    with_index: bool = False,
+    has_state: bool = False,
+    unroll: int | bool = 1,
+    scan_single: bool = True,
+) -> Callable[..., tuple[Any, Any]]:
+    r"""Like ``jax.value_and_grad(loss_fn)``, with the batch processed in microbatches.
+
+    The returned function ``(params, batch) -> (loss, grads)`` splits ``batch`` with
+    ``split`` (see :mod:`leanstep.blocks.microbatches`; contiguous by default) and runs **one**
+    ``lax.scan`` of length ``num_microbatches``; its body calls
+    ``jax.value_and_grad(loss_fn)`` on one microbatch of S rows and adds the result into
+    the carry (a Python loop never unrolls the microbatches, and nothing differentiates
+    through the scan). ``num_microbatches=1`` runs the same scan, so the traced program
+    has one shape, unless ``scan_single=False``.
+
+    Mean mode (default), ``loss_fn(params, mb) -> loss``:
+
+    .. math::
+
+        L = \frac1M \sum_{j=1}^{M} \ell_j, \qquad
+        g = \frac1M \sum_{j=1}^{M} \nabla \ell_j
+
+    which is the full-batch value and gradient when ``loss_fn`` is a mean over rows
+    (the microbatches are equally sized).
+
+    Token-weighted mode, ``loss_fn(params, mb) -> (loss_sum, count)``:
+
+    .. math::
+
+        L = \frac{\sum_j s_j}{\sum_j n_j}, \qquad
+        g = \frac{\sum_j \nabla s_j}{\sum_j n_j}
+
+    the full-batch sum over the full-batch count (e.g. valid tokens under a padding
+    mask), not the mean of per-microbatch ratios :math:`s_j / n_j`. ``count`` is not
+    differentiated. A total count of 0 gives NaN/inf, visibly.
+
+    Model state (``has_state``): ``loss_fn(params, state, mb) -> (out, new_state)`` with
+    ``out`` as above; the state (batch statistics, counters) is carried through the scan in
+    order, microbatch ``j`` seeing the state microbatch ``j - 1`` left, and is not
+    differentiated.
+
+    Precision: gradients are accumulated in ``accum_dtype`` whatever their own dtype
+    (bfloat16 params give bfloat16 microbatch gradients, summed in float32), and the
+    **returned grads are in** ``accum_dtype``; loss and counts accumulate in float32 and
+    the returned loss is float32. Nothing assumes the loss is unscaled: a loss multiplied
+    by a loss scale gives scaled grads (inf/NaN from an overflow propagate into the sum),
+    which the caller unscales.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)``; returns ``loss`` (mean mode) or
+        ``(loss_sum, count)`` (token-weighted); with ``has_aux`` those are wrapped as
+        ``(that, aux)``.
+      num_microbatches: a static Python int >= 1 dividing the batch size.
+      has_aux: ``loss_fn`` also returns ``aux``. The result is then
+        ``((loss, aux), grads)`` where every leaf of ``aux`` is stacked along a new
+        leading axis of size ``num_microbatches`` (entry j from microbatch j).
+      accum_dtype: floating dtype of the gradient accumulator and returned grads.
+      token_weighted: ``loss_fn`` returns ``(loss_sum, count)``; see above.
+      split: how the batch becomes microbatches: ``"contiguous"``, ``"strided"``,
+        ``"presplit"`` (the batch is already ``(num_microbatches, S, ...)``) or a callable
+        ``splitter(batch, num_microbatches)``. The loss and gradient of a row-wise mean
+        loss do not depend on it; per-microbatch ``aux`` follows the split's rows.
+      with_index: call ``loss_fn(params, microbatch, index)`` with the microbatch's int32
+        index ``0 <= index < num_microbatches`` (for a per-microbatch PRNG key, say).
+      has_state: ``loss_fn`` takes and returns a model state (see above); the result is
+        then ``(params, batch, state) -> ((value, new_state), grads)``.
+      unroll: forwarded to ``lax.scan``: ``True`` unrolls every microbatch into straight
+        code. On XLA:CPU a loop makes convolutions several times slower, and unrolling
+        removes that cost, but XLA then schedules the microbatches' activations together,
+        which spends the memory accumulation saves (see README).
+      scan_single: ``False``: one microbatch runs without a scan (``value_and_grad`` once).
+
+    Returns:
+      A function ``(params, batch) -> (loss, grads)`` (``((loss, aux), grads)`` with
+      ``has_aux``), traceable under ``jax.jit``.
+
+    Raises:
+      TypeError: ``num_microbatches`` is not an int, ``accum_dtype`` not floating or
+        ``split`` not a splitter (now); the batch errors of the splitter, a new state of
+        another structure, or a loss output of another structure or dtype (at call or trace
+        time).
+      ValueError: ``num_microbatches < 1`` or an unknown ``split`` name (now); a loss or token
+        count that is not a scalar (at call or trace time).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def loss_fn(w, batch):
+      ...     return jnp.mean((batch["x"] * w - batch["y"]) ** 2)
+      >>> batch = {"x": jnp.array([1.0, 2.0, 3.0, 4.0]), "y": jnp.array([2.0, 4.0, 6.0, 9.0])}
+      >>> w = jnp.float32(2.0)
+      >>> microbatched_value_and_grad(loss_fn, 2)(w, batch)
+      (Array(0.25, dtype=float32), Array(-2., dtype=float32))
+      >>> jax.value_and_grad(loss_fn)(w, batch)
+      (Array(0.25, dtype=float32), Array(-2., dtype=float32))
+    """
+    num_microbatches = check_num_microbatches(num_microbatches)
+    dtype = _check_accum_dtype(accum_dtype)
+    splitter = get_splitter(split)
+    with_index, has_state, scan_single = (
+        check_bool(name, value)
+        for name, value in (("with_index", with_index), ("has_state", has_state), ("scan_single", scan_single))
+    )
+    if not (isinstance(unroll, bool) or is_int(unroll) and unroll >= 1):
+        raise TypeError(f"unroll must be a bool or an int >= 1, got {unroll!r}")
+
+    def objective(params: Any, state: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, tuple]:
+        # value_and_grad differentiates the first output only; count, aux and the state ride along.
+        out = loss_fn(params, state, microbatch, *index) if has_state else loss_fn(params, microbatch, *index)
+        if has_state and not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"has_state=True: loss_fn must return (out, new_state), got {type(out).__name__}")
+        out, new_state = out if has_state else (out, None)
+        if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"has_aux=True: loss_fn must return (value, aux), got {type(out).__name__}")
+        value, aux = out if has_aux else (out, None)
+        if token_weighted:
+            if not (isinstance(value, tuple) and len(value) == 2):
+                raise TypeError(
+                    f"token_weighted=True: loss_fn must return (loss_sum, count), got {type(value).__name__}"
+                )
+            loss_sum, count = value
+            count = check_scalar_output(
+                "token_weighted=True: loss_fn's count", count, integer=True, reduce="jnp.sum(mask)"
+            )
+        else:
+            loss_sum, count = value, None
+        # value_and_grad differentiates a real floating scalar only.
+        loss_sum = check_scalar_output(
+            "loss_fn's loss_sum" if token_weighted else "loss_fn's loss",
+            loss_sum,
+            reduce="jnp.sum" if token_weighted else "jnp.mean",
+        )
+        if has_state:
+            new_state = _keep_state_types(new_state, state)
+        return loss_sum, (count, aux, new_state)
+
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def accumulate(params: Any, batch: Any, state: Any = None) -> tuple[Any, Any]:
+        microbatches = splitter(batch, num_microbatches)
+        if with_index:  # the index rides along the scanned inputs, never inside the batch
+            microbatches = (microbatches, jnp.arange(num_microbatches, dtype=jnp.int32))
+        zero = jnp.zeros((), jnp.float32)
+        init = (zero, zero, init_grad_accumulator(params, dtype), state)
+
+        def body(carry: tuple, inputs: Any) -> tuple[tuple, Any]:
+            loss_total, count_total, grads_total, state = carry
+            (loss, (count, aux, state)), grads = grad_fn(params, state, *(inputs if with_index else (inputs,)))
+            if token_weighted:
+                count_total = count_total + jnp.asarray(count).astype(jnp.float32)
+            grads_total = jax.tree.map(lambda a, g: a + g.astype(dtype), grads_total, grads)
+            return (loss_total + loss.astype(jnp.float32), count_total, grads_total, state), aux
+
+        if num_microbatches == 1 and not scan_single:
+            carry, aux = body(init, jax.tree.map(lambda leaf: leaf[0], microbatches))
+            (loss_total, count_total, grads_total, state), auxes = carry, jax.tree.map(lambda a: a[None], aux)
+        else:
+            (loss_total, count_total, grads_total, state), auxes = jax.lax.scan(
+                body, init, microbatches, length=num_microbatches, unroll=unroll
+            )
+        denominator = count_total if token_weighted else jnp.float32(num_microbatches)
+        loss = loss_total / denominator
+        grads = jax.tree.map(lambda g: g / denominator.astype(dtype), grads_total)
+        value = (loss, auxes) if has_aux else loss
+        return ((value, state) if has_state else value), grads
+
+    return accumulate

@@ -1,0 +1,13 @@
+"""Checkpoints that survive a kill: written atomically, verified, restored to any layout.
+
+.. code-block:: text
+
+    checkpointer.py  Checkpointer: save, restore, retention (orbax underneath)
+    layout.py        the folders of a checkpoint directory, and what is committed
+    manifest.py      what each checkpoint holds, with checksums
+    trees.py         a train state as savable trees, and back
+"""
+
+from leanstep.checkpoints.checkpointer import Checkpointer, CheckpointError, RestoreResult
+
+__all__ = ["CheckpointError", "Checkpointer", "RestoreResult"]

@@ -1,0 +1,176 @@
+r"""FLOPs of a traced program, each loop body counted times its trip count.
+
+:func:`count_flops` walks the program and every sub-program in it (``jit``, ``scan``,
+``while``, ``cond``, ``remat2``, custom derivatives) and adds up, per equation:
+
+.. code-block:: text
+
+    dot_general   2 * prod(output shape) * prod(contracted sizes)
+    elementwise   prod(output shape)     (add, mul, tanh, exp, select_n, ...)
+    reduction     prod(input shape)      (reduce_sum, argmax, cumsum, ...)
+    scan          its body times its length
+    cond          the most expensive branch
+    while         its body once (the trip count is not known when tracing)
+    anything else 0, plus its sub-programs
+
+XLA's own ``cost_analysis()`` counts a while loop's body once, whatever its trip
+count, so it cannot compare two microbatch counts; the count here can.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from leanstep.common.jaxprs import is_remat_primitive, sub_jaxprs
+
+__all__ = ["ELEMENTWISE_PRIMITIVES", "REDUCTION_PRIMITIVES", "count_flops", "equation_flops"]
+
+#: Primitives that cost one FLOP per output element.
+ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
+    [
+        "abs",
+        "acos",
+        "acosh",
+        "add",
+        "add_any",
+        "and",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "cos",
+        "cosh",
+        "div",
+        "eq",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "exp",
+        "exp2",
+        "expm1",
+        "floor",
+        "ge",
+        "gt",
+        "igamma",
+        "imag",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "lgamma",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "or",
+        "pow",
+        "real",
+        "reduce_precision",
+        "rem",
+        "round",
+        "rsqrt",
+        "select_n",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "square",
+        "sub",
+        "tan",
+        "tanh",
+        "xor",
+    ]
+)
+#: Primitives that cost one FLOP per input element.
+REDUCTION_PRIMITIVES: frozenset[str] = frozenset(
+    [
+        "argmax",
+        "argmin",
+        "cumlogsumexp",
+        "cummax",
+        "cummin",
+        "cumprod",
+        "cumsum",
+        "reduce_and",
+        "reduce_max",
+        "reduce_min",
+        "reduce_or",
+        "reduce_prod",
+        "reduce_sum",
+        "reduce_xor",
+    ]
+)
+
+
+def _size(var: Any) -> int:
+    return math.prod(getattr(var.aval, "shape", ()))
+
+
+def equation_flops(eqn: Any) -> float:
+    """FLOPs of one equation by itself, its sub-programs not included (see the module doc).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> eqn, = jax.make_jaxpr(jnp.matmul)(jnp.ones((2, 3)), jnp.ones((3, 4))).eqns
+      >>> equation_flops(eqn)  # 2 * (2 * 4) * 3
+      48.0
+    """
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs_shape = eqn.invars[0].aval.shape
+        return 2.0 * _size(eqn.outvars[0]) * math.prod(lhs_shape[d] for d in lhs_contract)
+    if name in ELEMENTWISE_PRIMITIVES:
+        return float(sum(_size(v) for v in eqn.outvars))
+    if name in REDUCTION_PRIMITIVES:
+        return float(sum(_size(v) for v in eqn.invars))
+    return 0.0
+
+
+def _jaxpr_flops(jaxpr: Any, dots_only: bool = False) -> float:
+    flops = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        flops += equation_flops(eqn) if not dots_only or name == "dot_general" else 0.0
+        subs = [sub for _, sub in sub_jaxprs(eqn)]
+        if name == "scan":
+            flops += eqn.params["length"] * _jaxpr_flops(subs[0], dots_only)
+        elif name == "cond":
+            flops += max(_jaxpr_flops(sub, dots_only) for sub in subs)
+        elif is_remat_primitive(name):
+            flops += _jaxpr_flops(subs[0], dots_only)
+        else:
+            for sub in subs:
+                flops += _jaxpr_flops(sub, dots_only)
+    return flops
+
+
+def count_flops(closed_jaxpr: Any, *, dots_only: bool = False) -> float:
+    """FLOPs of a traced program, each loop body counted times its trip count (see the module doc).
+
+    Args:
+      closed_jaxpr: a ``ClosedJaxpr`` or ``Jaxpr`` (``jax.make_jaxpr(f)(*args)``).
+      dots_only: count matrix multiplies (``dot_general``) only.
+
+    Returns:
+      The FLOP count, a float.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def f(w, x):
+      ...     return jax.lax.scan(lambda h, _: (jnp.tanh(h @ w), None), x, None, length=3)[0]
+      >>> count_flops(jax.make_jaxpr(f)(jnp.ones((4, 4)), jnp.ones((2, 4))))  # 3 * (2*2*4*4 + 2*4)
+      216.0
+    """
+    return _jaxpr_flops(getattr(closed_jaxpr, "jaxpr", closed_jaxpr), dots_only)

@@ -1,0 +1,333 @@
+r"""Pick the number of microbatches and the remat policy for a memory budget, before running.
+
+For every candidate setting the train step is traced and compiled ahead of time on
+``jax.ShapeDtypeStruct`` stand-ins (nothing is materialized, nothing runs), and XLA's
+own accounting of the compiled executable gives its memory:
+
+.. code-block:: text
+
+    peak  = arguments + outputs - aliased + temporaries       (memory_analysis(), bytes)
+    flops = count_flops(traced step)                          (loop bodies x trip count)
+
+``aliased`` is the part of the outputs that reuses donated argument buffers (the new
+state written over the old one), so it is not new memory. ``temporaries`` is XLA's
+buffer assignment for everything live inside the step (activations, residuals,
+gradient accumulator, optimizer temporaries), already packed by its liveness analysis.
+XLA's ``cost_analysis()`` FLOPs are reported too (``xla_flops``), but they count a
+while loop's body once, so they fall as ``1 / num_microbatches``: they cannot rank
+microbatch counts.
+
+The chosen setting fits the budget and is predicted fastest::
+
+    fitting  = [c for c in candidates if c.peak_bytes <= budget]
+    close    = [c for c in fitting if c.flops <= (1 + flops_rtol) * min(f.flops for f in fitting)]
+    chosen   = min(close, key=(num_microbatches, flops))
+
+FLOPs within ``flops_rtol`` count as equal because accumulation adds a few FLOPs per
+microbatch; without the tolerance a 0.01% difference would beat the microbatch count.
+Compiling dominates planning time (tracing is ~0.3 s a candidate, compiling several),
+so candidates are compiled lazily. Settings that differ only in the microbatch count
+form a family, ranked by the FLOPs of its fewest-microbatch member (the only one
+traced up front); families go in order of FLOPs, and in each the search tries the fewest
+microbatches, then the most (if that does not fit, no count does), then bisects: this
+assumes the peak does not grow with the microbatch count, as activations shrink with
+the microbatch. Where it fails (a model so small that per-microbatch overhead outweighs
+its activations) the choice still fits, since it was compiled, but may use more
+microbatches than needed. Families whose FLOPs exceed the best fitting one's by more
+than ``flops_rtol`` are never compiled, and nothing more is compiled once the arguments alone
+(the state and the batch, the same for every candidate) exceed the budget.
+``exhaustive=True`` compiles every candidate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from leanstep.blocks.loss_scale import LossScale
+from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.blocks.precision import Precision, get_precision
+from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
+from leanstep.common.checks import is_int
+from leanstep.common.memory_sizes import parse_bytes
+from leanstep.inspection.flops import count_flops
+from leanstep.planning.candidates import (
+    abstract_tree,
+    compile_candidate,
+    compiler_options_for,
+    first_fit,
+)
+from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
+
+__all__ = ["BudgetError", "Candidate", "Plan", "Setting", "plan", "settings_grid"]
+
+
+def settings_grid(
+    batch_size: int,
+    *,
+    remat_policies: Iterable[str] = REMAT_POLICIES,
+    precisions: Iterable[str] = ("float32",),
+    microbatches: Iterable[int] | None = None,
+) -> tuple[Setting, ...]:
+    """Every combination of microbatch count (default: the divisors of ``batch_size``), policy and precision.
+
+    Example:
+      >>> [s[:3] for s in settings_grid(4, remat_policies=("none", "dots"))][:3]
+      [(1, 'none', 'float32'), (1, 'dots', 'float32'), (2, 'none', 'float32')]
+    """
+    if not is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    counts = (
+        [m for m in range(1, batch_size + 1) if batch_size % m == 0] if microbatches is None else list(microbatches)
+    )
+    return tuple(Setting(int(m), r, p) for m in counts for r in remat_policies for p in precisions)
+
+
+def _check_setting(setting: Any, batch_size: int) -> Setting:
+    try:
+        setting = Setting(*setting)
+    except TypeError:
+        raise TypeError(f"candidates must hold (num_microbatches, remat, precision) triples, got {setting!r}") from None
+    m = setting.num_microbatches
+    if not is_int(m) or m < 1 or batch_size % m:
+        raise ValueError(
+            f"candidate {tuple(setting)}: num_microbatches={m!r} must be a positive divisor of "
+            f"the batch size {batch_size}"
+        )
+    get_remat_policy(setting.remat)
+    get_precision(setting.precision)
+    return Setting(int(m), setting.remat, setting.precision)
+
+
+def plan(
+    make_loss_fn: Callable[[str], Callable[..., Any]],
+    params: Any,
+    batch: Any,
+    optimizer: optax.GradientTransformation,
+    *,
+    budget_bytes: int | str,
+    candidates: Sequence[tuple[int, str, str]] | None = None,
+    precision: str | Precision = "float32",
+    max_grad_norm: float | None = None,
+    loss_scale: str | LossScale = "none",
+    flops_rtol: float = 0.02,
+    exhaustive: bool = False,
+    model_state: Any = None,
+    compiler_options: dict[str, Any] | str | None = "auto",
+    num_devices: int | None = None,
+    accelerator: Any = "h100",
+    rules: Any = None,
+    **step_kwargs: Any,
+) -> Plan:
+    """Compiles (never runs) the train step for each candidate and picks the fastest that fits.
+
+    With ``num_devices`` it plans a cluster instead: mesh, microbatches, remat and reduction
+    per device, priced on ``accelerator`` (:func:`leanstep.planning.cluster.plan_cluster`, to
+    which ``rules`` and the grid options ``meshes``, ``remat_policies``, ``reductions``,
+    ``microbatches`` go; ``flops_rtol`` is its ``rtol``).
+
+    See the module doc for the peak formula and the choice. Steps are built with
+    :func:`leanstep.make_train_step` (jitted, state donated) exactly as a run builds them.
+
+    Args:
+      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn(params, batch)``.
+      params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` (only shapes are used).
+      batch: one full batch, arrays or ``ShapeDtypeStruct``; leaves share the leading batch axis.
+      optimizer: the ``optax.GradientTransformation`` of the run.
+      budget_bytes: bytes, or a size string such as ``"512MiB"`` (see :func:`leanstep.common.memory_sizes.parse_bytes`).
+      candidates: ``(num_microbatches, remat, precision)`` settings; default
+        :func:`settings_grid` over the batch size's divisors, :data:`REMAT_POLICIES`
+        and ``precision``.
+      precision: the precision of the default candidates.
+      max_grad_norm, loss_scale: as in the run (they change the state and the step a little).
+      flops_rtol: FLOPs within this relative distance of the fewest count as equal.
+      exhaustive: compile every candidate, not only those that could be chosen.
+      compiler_options: passed to ``compile()``; ``"auto"``: on CPU, LLVM optimization level 0
+        (``xla_backend_optimization_level=0``), which compiles about 3x faster and leaves
+        XLA's buffer assignment, hence every memory number, unchanged (it only changes
+        code generation, after buffer assignment); elsewhere XLA's defaults. Executables
+        planned with it run slower: recompile the chosen setting to train.
+      model_state: the model's state for a stateful loss (arrays or ``ShapeDtypeStruct``;
+        pass ``has_state=True`` too), or None.
+      **step_kwargs: further :func:`make_train_step` arguments (``has_aux``, ``token_weighted``,
+        ``has_state``, ...).
+
+    Returns:
+      A :class:`Plan`.
+
+    Raises:
+      BudgetError: no candidate fits (the message names the smallest peak and its setting).
+      ValueError, TypeError: a bad budget, candidate or option.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> def make_loss_fn(policy):
+      ...     def loss_fn(p, b):
+      ...         return jnp.mean(jnp.tanh(b["x"] @ p["w"]) ** 2)
+      ...     return loss_fn
+      >>> params, batch = {"w": jnp.ones((8, 8))}, {"x": jnp.ones((4, 8))}
+      >>> p = plan(make_loss_fn, params, batch, optax.sgd(0.1), budget_bytes="1MiB",
+      ...          candidates=[(1, "none", "float32"), (2, "none", "float32")])
+      >>> p.chosen.setting[:3], p.chosen.fits
+      ((1, 'none', 'float32'), True)
+    """
+    if num_devices is not None:
+        from leanstep.planning.cluster import plan_cluster
+
+        if candidates is not None or model_state is not None:
+            raise ValueError(
+                "candidates= and model_state= plan one device; for num_devices= give meshes=, "
+                "remat_policies=, reductions= or microbatches="
+            )
+        return plan_cluster(
+            make_loss_fn,
+            params,
+            batch,
+            optimizer,
+            num_devices=num_devices,
+            budget_bytes=budget_bytes,
+            accelerator=accelerator,
+            rules=rules,
+            precision=precision if isinstance(precision, str) else str(precision),
+            max_grad_norm=max_grad_norm,
+            loss_scale=loss_scale,
+            rtol=flops_rtol,
+            exhaustive=exhaustive,
+            compiler_options=compiler_options,
+            **step_kwargs,
+        )
+    if rules is not None:
+        raise ValueError("rules= lay parameters out over a cluster; give num_devices= too")
+    start = time.perf_counter()
+    budget = parse_bytes(budget_bytes)
+    if not callable(make_loss_fn):
+        raise TypeError(f"make_loss_fn must be callable, got {type(make_loss_fn).__name__}")
+    if not (isinstance(flops_rtol, (int, float)) and 0 <= flops_rtol < 1):
+        raise ValueError(f"flops_rtol must be a number in [0, 1), got {flops_rtol!r}")
+    batch_sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
+    batch_size = next(iter(batch_sizes)) if len(batch_sizes) == 1 else None
+    if batch_size is None:
+        raise ValueError(
+            f"batch leaves must share one leading batch axis, got leading sizes {sorted(map(str, batch_sizes))}"
+        )
+    precision_name = precision if isinstance(precision, str) else str(precision)
+    given = settings_grid(batch_size, precisions=(precision_name,)) if candidates is None else candidates
+    settings = [_check_setting(s, batch_size) for s in given]
+    if not settings:
+        raise ValueError("candidates is empty; give at least one (num_microbatches, remat, precision)")
+    compiler_options = compiler_options_for(compiler_options, jax.default_backend())
+    scale = get_loss_scale(loss_scale)
+    state = jax.eval_shape(
+        lambda p, m: TrainState.create(p, optimizer, loss_scale=scale, model_state=m),
+        abstract_tree(params),
+        abstract_tree(model_state),
+    )
+    batch = abstract_tree(batch)
+
+    loss_fns: dict[str, Callable[..., Any]] = {}
+    traced: dict[Setting, Any] = {}
+
+    def trace(candidate: Candidate) -> Candidate:
+        s, t0 = candidate.setting, time.perf_counter()
+        if s.remat not in loss_fns:
+            loss_fns[s.remat] = make_loss_fn(s.remat)
+        step = make_train_step(
+            loss_fns[s.remat],
+            precision=s.precision,
+            num_microbatches=s.num_microbatches,
+            max_grad_norm=max_grad_norm,
+            **step_kwargs,
+        )
+        traced[s] = step.trace(state, batch)
+        return dataclasses.replace(
+            candidate, flops=count_flops(traced[s].jaxpr), trace_seconds=time.perf_counter() - t0
+        )
+
+    def compile_at(i: int, candidate: Candidate) -> Candidate:
+        candidate = candidate if candidate.setting in traced else trace(candidate)
+        return compile_candidate(candidate, traced[candidate.setting], budget, compiler_options)
+
+    initial = [Candidate(s) for s in dict.fromkeys(settings)]  # duplicates dropped
+    # A family's FLOPs are its fewest-microbatch member's (more microbatches add <0.1%):
+    # the others are traced only when compiled.
+    first: dict[tuple[str, str, str, str], int] = {}  # by everything of a setting but its microbatches
+    for i, c in enumerate(initial):
+        j = first.setdefault(c.setting[1:], i)
+        first[c.setting[1:]] = i if c.setting.num_microbatches < initial[j].setting.num_microbatches else j
+    for i in first.values():
+        initial[i] = trace(initial[i])
+    final = _search(initial, compile_at, flops_rtol, exhaustive, budget)
+    chosen = _choose(final, flops_rtol)
+    if chosen is None:
+        raise BudgetError(budget, min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes)), final)
+    return Plan(budget, final, chosen, time.perf_counter() - start)
+
+
+def _choose(candidates: Sequence[Candidate], rtol: float) -> Candidate | None:
+    """The rule of the module doc: fitting, FLOPs within ``rtol`` of the fewest, then fewest microbatches."""
+    least, _ = _best(candidates, rtol)
+    close = [c for c in candidates if c.fits and known(c.flops) <= (1 + rtol) * least]
+    return min(close, key=lambda c: (c.setting.num_microbatches, c.flops)) if close else None
+
+
+def _search(
+    candidates: list[Candidate],
+    compile_at: Callable[[int, Candidate], Candidate],
+    rtol: float,
+    exhaustive: bool,
+    budget: int | None = None,
+) -> tuple[Candidate, ...]:
+    """Compiles the candidates the choice depends on (see the module doc); returns all, families in FLOPs order."""
+    found = list(candidates)
+
+    def hopeless() -> bool:
+        # Every candidate takes the same arguments (the state and the batch): once they alone
+        # exceed the budget, nothing fits, and compiling more only says so again.
+        return budget is not None and any(c.compiled and known(c.argument_bytes) > budget for c in found)
+
+    families: dict[tuple[str, str, str, str], list[int]] = {}
+    for i, candidate in enumerate(found):
+        families.setdefault(candidate.setting[1:], []).append(i)
+
+    def family_flops(members: list[int]) -> float:
+        return min((f for f in (found[i].flops for i in members) if f is not None), default=float("inf"))
+
+    # Stable sorts: equal FLOPs keep the order given, equal families sort by microbatch count.
+    family_order = sorted(families.values(), key=family_flops)
+    for members in family_order:
+        members.sort(key=lambda i: found[i].setting.num_microbatches)
+
+    def fits(i: int) -> bool:
+        if not found[i].compiled:
+            if not exhaustive and hopeless():
+                return False
+            found[i] = compile_at(i, found[i])
+        return bool(found[i].fits)
+
+    for members in family_order:
+        if exhaustive:
+            for i in members:
+                fits(i)
+            continue
+        least, best_m = _best(found, rtol)
+        if family_flops(members) > (1 + rtol) * least:
+            break  # families come in FLOPs order: none after this one can be chosen
+        first_fit([i for i in members if found[i].setting.num_microbatches < best_m], fits)
+    return tuple(found[i] for members in family_order for i in members)
+
+
+def _best(candidates: Sequence[Candidate], rtol: float) -> tuple[float, float]:
+    """``(fewest FLOPs among fitting, fewest microbatches among those close to it)``; inf if none fits."""
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        return float("inf"), float("inf")
+    least = min(known(c.flops) for c in fitting)
+    return least, min(c.setting.num_microbatches for c in fitting if known(c.flops) <= (1 + rtol) * least)

@@ -1,0 +1,181 @@
+"""What a training run carries from one step to the next, and what one step reports.
+
+The state types every stage works on, in a module that depends only on the loss-scale state
+types and the shared checks, so that every other module can import it and none of them
+import each other in a circle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from leanstep.blocks.loss_scale import LossScale
+from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.common.checks import check_optimizer, is_int
+from leanstep.step.param_checks import check_params
+
+__all__ = ["StepMetrics", "TrainState"]
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["step", "params", "opt_state", "loss_scale", "rng", "consecutive_skips", "model_state"],
+    meta_fields=["optimizer"],
+)
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a training run carries from one step to the next, as one pytree.
+
+    The optimizer is given once, to :meth:`create`, and travels with the state as static
+    pytree metadata (as in flax's ``TrainState``): the step takes it from here, and
+    ``jax.jit`` treats two different optimizers as two different programs.
+
+    Attributes:
+      step: int32 count of steps taken, skipped ones included (it indexes the data).
+      params: the float32 master parameters.
+      opt_state: the optax optimizer's state; it does not advance on a skipped step.
+      loss_scale: a :class:`DynamicLossScale`, :class:`StaticLossScale` or
+        :class:`NoOpLossScale`.
+      rng: a ``uint32[2]`` PRNG key; microbatch ``j`` of step ``t`` gets
+        ``fold_in(fold_in(rng, t), j)`` (with ``uses_rng``).
+      consecutive_skips: int32 count of non-finite steps in a row (saturating).
+      model_state: the model's non-trainable state (batch statistics, counters, a model's own
+        RNG state), or None. The optimizer never sees it, it is never cast to the compute
+        dtype, and a skipped step leaves it unchanged (``make_train_step(has_state=True)``).
+      optimizer: the ``optax.GradientTransformation`` (static).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: LossScale
+    rng: jax.Array
+    consecutive_skips: jax.Array
+    model_state: Any
+    optimizer: optax.GradientTransformation
+
+    @classmethod
+    def create(
+        cls,
+        params: Any,
+        optimizer: optax.GradientTransformation,
+        *,
+        loss_scale: str | LossScale = "none",
+        seed: int = 0,
+        model_state: Any = None,
+    ) -> TrainState:
+        """Builds the state at step 0.
+
+        The master weights are float32 whatever the dtype of ``params``: bfloat16 and float16
+        leaves are widened exactly, float64 ones (under ``jax_enable_x64``) are rounded to
+        float32. A train step refuses a precision whose params dtype is not float32
+        (:func:`leanstep.blocks.precision.check_train_precision`), so no policy can say otherwise.
+
+        Args:
+          params: a pytree of concrete floating-point arrays; they are stored as float32 masters.
+          optimizer: any ``optax.GradientTransformation``; its ``init`` builds ``opt_state``
+            and the train step applies it.
+          loss_scale: ``"dynamic"``, ``"none"`` or a loss-scale instance (a static scale needs
+            its value: ``StaticLossScale.create(1024.0)``).
+          seed: the seed of ``rng``, an int in ``[0, 2**32 - 1]`` (``[0, 2**63 - 1]`` under
+            ``jax_enable_x64``): without x64 a PRNG key keeps 32 bits of the seed, so a wider
+            seed would give the run of another.
+          model_state: a pytree of arrays the model carries besides its parameters (kept in
+            its own dtypes), or None.
+
+        Raises:
+          TypeError: a parameter leaf is not a floating-point array (a framework's
+            non-parameter variables among them are named, with the split to use) or is a
+            ``jax.ShapeDtypeStruct``, ``optimizer`` is not a hashable ``GradientTransformation``,
+            ``seed`` is not an int, ``loss_scale`` is neither a name nor a loss scale, or a
+            ``model_state`` leaf is not a concrete array.
+          ValueError: ``params`` has no leaves, or ``seed`` is out of range.
+
+        Example:
+          >>> import jax.numpy as jnp, optax
+          >>> state = TrainState.create({"w": jnp.ones(3)}, optax.sgd(0.1), loss_scale="dynamic")
+          >>> int(state.step), state.params["w"].dtype, float(state.loss_scale.loss_scale)
+          (0, dtype('float32'), 32768.0)
+        """
+        check_optimizer(optimizer)
+        try:
+            hash(optimizer)
+        except TypeError:
+            raise TypeError(
+                "optimizer must be hashable: it is static metadata of the state, so jax.jit can "
+                "tell two optimizers apart; build it from optax transformations"
+            ) from None
+        if not is_int(seed):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+        bits = 63 if jax.config.jax_enable_x64 else 32  # type: ignore[attr-defined]  # jax adds its options at run time
+        if not 0 <= seed <= 2**bits - 1:
+            raise ValueError(
+                f"seed must be an int in [0, 2**{bits} - 1], got {seed!r}"
+                + ("" if bits == 63 else "; a PRNG key keeps 32 bits of the seed without jax_enable_x64")
+            )
+        if not isinstance(loss_scale, (str, LossScale)):
+            raise TypeError(
+                f"loss_scale must be 'dynamic', 'static', 'none' or a LossScale (e.g. "
+                f"leanstep.StaticLossScale.create(1024.0)), got {type(loss_scale).__name__} {loss_scale!r}"
+            )
+        if isinstance(loss_scale, str) and loss_scale.strip().lower() == "static":
+            raise ValueError(
+                "loss_scale='static' needs its scale: pass loss_scale=leanstep.StaticLossScale.create(S) "
+                "(e.g. S=1024.0)"
+            )
+        check_params(params)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
+            where = f"model_state{jax.tree_util.keystr(path)}"
+            if isinstance(leaf, jax.ShapeDtypeStruct):
+                raise TypeError(
+                    f"{where} is a jax.ShapeDtypeStruct (a shape without values); TrainState.create "
+                    "needs concrete arrays"
+                )
+            if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+                raise TypeError(f"{where} is a {type(leaf).__name__}; the model state must be a pytree of arrays")
+        params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        state = cls(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            loss_scale=get_loss_scale(loss_scale),
+            rng=jax.random.key_data(jax.random.key(seed)),
+            consecutive_skips=jnp.zeros((), jnp.int32),
+            model_state=jax.tree.map(jnp.asarray, model_state),
+            optimizer=optimizer,
+        )
+        # One buffer per leaf: the step donates the state, and XLA refuses to donate a buffer
+        # that two leaves share (the caller's params, or counters built from one zeros array).
+        return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), state)
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with ``changes`` applied (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+
+class StepMetrics(NamedTuple):
+    """What one step reports, as device arrays (reading them is the caller's host sync).
+
+    Attributes:
+      loss: float32, the unscaled loss of the whole batch.
+      grad_norm: float32, the global norm of the accumulated, unscaled gradient, before clipping.
+      loss_scale: float32, the scale this step used.
+      skipped: bool, the gradient was not finite and nothing was applied.
+      clipped: bool, the gradient norm exceeded ``max_grad_norm``.
+      consecutive_skips: int32, non-finite steps in a row, this one included.
+      aux: the loss function's auxiliary output stacked over microbatches, or None.
+    """
+
+    loss: jax.Array
+    grad_norm: jax.Array
+    loss_scale: jax.Array
+    skipped: jax.Array
+    clipped: jax.Array
+    consecutive_skips: jax.Array
+    aux: Any = None

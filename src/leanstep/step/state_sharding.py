@@ -1,0 +1,124 @@
+"""Where a train state lives on a mesh: parameters and their optimizer moments by the partition
+rules, everything else (step counter, loss scale, PRNG key, model state) replicated.
+
+The mesh roles and the rules are :mod:`leanstep.sharding`'s; this module applies them to a
+:class:`leanstep.TrainState`, which the sharding package does not know.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from leanstep.common.checks import same_treedef
+from leanstep.sharding.meshes import mesh_axes, place_global
+from leanstep.sharding.partition_rules import param_specs
+from leanstep.step.state import TrainState
+
+__all__ = ["shard_train_state", "state_shardings"]
+
+Tree = TypeVar("Tree")
+
+
+def state_shardings(
+    state: Tree,
+    mesh: Mesh,
+    *,
+    fsdp: bool = False,
+    data_axis: str = "data",
+    rules: Any = None,
+    fsdp_axis: str = "fsdp",
+    tensor_axis: str = "tensor",
+) -> Tree:
+    """The :class:`NamedSharding` of every leaf of a train state (concrete or abstract).
+
+    The leaves of ``state.params`` and ``state.opt_state`` (every leaf, for a state that is
+    not a :class:`leanstep.TrainState`) follow :func:`leanstep.param_specs` for the mesh's
+    roles (:func:`leanstep.mesh_axes`): split over the FSDP and tensor axes by ``rules``, the
+    largest divisible dimension over the FSDP axis otherwise, replicated over data-parallel
+    axes. The step counter, loss scale, PRNG key and model state are replicated. An
+    optimizer-state leaf shaped like no parameter (a count, a scalar) is replicated too.
+
+    Args:
+      state: a :class:`leanstep.TrainState`, any pytree of arrays, or of ``jax.ShapeDtypeStruct``.
+      mesh: the device mesh.
+      fsdp: on a mesh without an FSDP axis, make ``data_axis`` the FSDP axis.
+      data_axis: the data-parallel axis of a one-axis mesh.
+      rules: partition rules (:mod:`leanstep.sharding.partition_rules`); None: the fallback only.
+      fsdp_axis, tensor_axis: the names of the FSDP and tensor axes, if the mesh has them.
+
+    Returns:
+      A pytree of the structure of ``state`` with a ``NamedSharding`` per leaf.
+
+    Raises:
+      TypeError: ``mesh`` is not a Mesh.
+      ValueError: ``data_axis`` is not one of its axes, or a rule does not fit a parameter.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, leanstep
+      >>> state = TrainState.create({"w": jnp.zeros((4, 8))}, optax.adam(1e-3))
+      >>> mesh = leanstep.data_mesh(jax.devices()[:1])
+      >>> state_shardings(state, mesh, fsdp=True).params["w"].spec
+      P()
+    """
+    axes = mesh_axes(mesh, data_axis, fsdp=fsdp, fsdp_axis=fsdp_axis, tensor_axis=tensor_axis)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    named = lambda spec: NamedSharding(mesh, spec)
+    if not isinstance(state, TrainState):
+        return jax.tree.map(named, param_specs(state, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    params = jax.tree.map(named, param_specs(state.params, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    fallback = lambda leaf: named(param_specs(leaf, axes))
+    return jax.tree.map(lambda _: replicated, state).replace(
+        params=params, opt_state=_like_params(state.opt_state, state.params, params, fallback)
+    )
+
+
+def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable[[Any], NamedSharding]) -> Any:
+    """Optimizer-state subtrees shaped like the params (Adam's mu, nu) laid out like them; other
+    leaves (counts, factored statistics) by the fallback."""
+    structure, shapes = jax.tree.structure(params), [np.shape(p) for p in jax.tree.leaves(params)]
+
+    def is_params_like(node: Any) -> bool:
+        return (
+            same_treedef(jax.tree.structure(node), structure) and [np.shape(x) for x in jax.tree.leaves(node)] == shapes
+        )
+
+    def place(node: Any) -> Any:
+        if is_params_like(node):
+            return jax.tree.unflatten(jax.tree.structure(node), jax.tree.leaves(shardings))
+        return jax.tree.map(fallback, node)
+
+    return jax.tree.map(place, opt_state, is_leaf=is_params_like)
+
+
+def shard_train_state(
+    state: Tree,
+    mesh: Mesh,
+    *,
+    fsdp: bool = False,
+    data_axis: str = "data",
+    rules: Any = None,
+    fsdp_axis: str = "fsdp",
+    tensor_axis: str = "tensor",
+) -> Tree:
+    """Places ``state`` on ``mesh`` with :func:`state_shardings` (every process passes the same state).
+
+    Args and Raises: as :func:`state_shardings`.
+
+    Returns:
+      The state as global ``jax.Array`` s; in a multi-process run each process holds its shards.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, leanstep
+      >>> state = TrainState.create({"w": jnp.zeros((4, 8))}, optax.sgd(0.1))
+      >>> shard_train_state(state, leanstep.data_mesh()).params["w"].sharding.is_fully_replicated
+      True
+    """
+    shardings = state_shardings(
+        state, mesh, fsdp=fsdp, data_axis=data_axis, rules=rules, fsdp_axis=fsdp_axis, tensor_axis=tensor_axis
+    )
+    return jax.tree.map(place_global, state, shardings)

@@ -1,0 +1,371 @@
+"""One jitted train step: the gradient stage, then the guarded update, inside the sharding layer."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, Literal, Protocol, overload
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from leanstep.blocks.microbatches import Splitter, check_num_microbatches, get_splitter
+from leanstep.blocks.precision import Precision
+from leanstep.common.checks import INT32_MAX, check_bool, check_optimizer, check_positive
+from leanstep.step.gradients import gradient_stage
+from leanstep.step.sharding_layer import ShardingLayer
+from leanstep.step.state import StepMetrics, TrainState
+from leanstep.step.update import guarded_update
+
+__all__ = ["JittedTrainStep", "make_train_step"]
+
+
+class JittedTrainStep(Protocol):
+    """What :func:`make_train_step` returns with ``jit=True`` (the default): ``step(state, batch)``
+    and the jitted function's ``lower``, ``trace`` and ``eval_shape``."""
+
+    def __call__(self, state: TrainState, batch: Any, /) -> tuple[TrainState, StepMetrics]: ...
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered: ...
+
+    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced: ...
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+@overload
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation | None = ...,
+    *,
+    precision: str | Precision = ...,
+    num_microbatches: int = ...,
+    max_grad_norm: float | None = ...,
+    has_aux: bool = ...,
+    token_weighted: bool = ...,
+    uses_rng: bool = ...,
+    cast_batch: bool = ...,
+    has_state: bool = ...,
+    split: str | Splitter | None = ...,
+    unroll: int | bool = ...,
+    jit: Literal[True] = ...,
+    donate: bool = ...,
+    mesh: Mesh | ShardingLayer | None = ...,
+    data_axis: str = ...,
+    fsdp: bool = ...,
+    rules: Any = ...,
+    reduce: str = ...,
+) -> JittedTrainStep: ...
+
+
+@overload
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation | None = ...,
+    *,
+    precision: str | Precision = ...,
+    num_microbatches: int = ...,
+    max_grad_norm: float | None = ...,
+    has_aux: bool = ...,
+    token_weighted: bool = ...,
+    uses_rng: bool = ...,
+    cast_batch: bool = ...,
+    has_state: bool = ...,
+    split: str | Splitter | None = ...,
+    unroll: int | bool = ...,
+    jit: bool,
+    donate: bool = ...,
+    mesh: Mesh | ShardingLayer | None = ...,
+    data_axis: str = ...,
+    fsdp: bool = ...,
+    rules: Any = ...,
+    reduce: str = ...,
+) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]: ...
+
+
+def make_train_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation | None = None,
+    *,
+    precision: str | Precision = "float32",
+    num_microbatches: int = 1,
+    max_grad_norm: float | None = None,
+    has_aux: bool = False,
+    token_weighted: bool = False,
+    uses_rng: bool = False,
+    cast_batch: bool = True,
+    has_state: bool = False,
+    split: str | Splitter | None = None,
+    unroll: int | bool = 1,
+    jit: bool = True,
+    donate: bool = True,
+    mesh: Mesh | ShardingLayer | None = None,
+    data_axis: str = "data",
+    fsdp: bool = False,
+    rules: Any = None,
+    reduce: str = "auto",
+) -> JittedTrainStep | Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
+    r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
+
+    The order, which is the point of this function::
+
+        p_c   = cast(params, compute_dtype)                  # masters stay float32
+        for each microbatch m (one lax.scan):                # value_and_grad in the body
+            l_m, g_m = value_and_grad(S * loss_fn)(p_c, m)
+            G += float32(g_m)                                # float32 accumulator
+        G = unscale(G / M)                                   # once, after accumulation
+        finite = all entries of G finite                     # once, over the whole gradient
+        n = global_norm(G); G *= min(1, c / n)               # clip the unscaled total
+        params', opt' = optimizer(G)                         # applied only if finite:
+        params, opt = finite ? (params', opt') : (params, opt)   # bit-identical on a skip
+        S = adjust(S, finite)
+
+    It is a composition of public stages: :func:`leanstep.gradient_stage` (the first four
+    lines), :func:`leanstep.guarded_update` (the rest) and, with a ``mesh``,
+    :class:`leanstep.ShardingLayer` around both. The optimizer is the state's
+    (:meth:`TrainState.create`).
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)`` with
+        ``uses_rng``) returning a scalar loss, ``(loss, aux)`` with ``has_aux``, or
+        ``(loss_sum, count)`` with ``token_weighted`` (then the loss is the whole batch's
+        ``sum / count``, not a mean of microbatch means; with ``has_aux`` too,
+        ``((loss_sum, count), aux)``). It receives params (and, with ``cast_batch``, the
+        batch's floating leaves) in the compute dtype.
+      optimizer: deprecated: the optimizer is given once, to :meth:`TrainState.create`.
+        If given, it is used instead of the state's (with a ``DeprecationWarning``).
+      precision: a :class:`Precision` or its string form, e.g.
+        ``"params=float32,compute=bfloat16,output=float32"``; with ``strict`` the
+        loss runs under :func:`strict_precision`.
+      num_microbatches: static number of equal microbatches the batch is split into.
+      max_grad_norm: clip the accumulated gradient to this global norm; None: no clipping.
+      has_aux: ``loss_fn`` also returns aux; it comes back in the metrics, stacked over
+        microbatches.
+      token_weighted: ``loss_fn`` returns ``(loss_sum, count)``.
+      uses_rng: pass ``fold_in(fold_in(state.rng, step), j)`` to microbatch ``j``'s loss.
+      cast_batch: cast the batch's floating leaves to the compute dtype (integer
+        leaves such as token ids are left alone). Without it a float32 input would
+        silently promote a bf16 matmul back to float32.
+      has_state: the model carries ``state.model_state`` (batch statistics, counters):
+        ``loss_fn(params, model_state, batch[, key])`` returns ``(out, new_model_state)``
+        with ``out`` as above; the state is threaded through the microbatches in order and
+        kept only if the step is applied.
+      split: how the batch becomes microbatches (see :mod:`leanstep.blocks.microbatches`);
+        None: ``"contiguous"``, or ``"strided"`` with a mesh (so no row moves between
+        devices: the full-batch loss and gradient are the same, per-microbatch ``aux``
+        and keys follow the strided rows, the same on any device count).
+      unroll: forwarded to the microbatch ``lax.scan``; ``True`` unrolls it (on XLA:CPU
+        convolutions in a loop run several times slower; unrolled microbatches cost memory).
+        One microbatch never runs in a scan.
+      jit: compile the step with ``jax.jit`` (the step then has the jitted function's
+        ``lower``, ``trace`` and ``eval_shape``).
+      donate: donate the state's buffers to the step (only with ``jit``); the
+        state passed in must not be used again (a call with it raises a ValueError).
+      mesh: run sharded on this device mesh through :class:`leanstep.ShardingLayer` (or
+        through the layer given): the axes have roles by name (an ``"fsdp"`` axis splits
+        the parameters, a ``"tensor"`` axis is tensor parallel, every other axis is data
+        parallel; see :func:`leanstep.mesh_axes`); the batch's rows are split over the
+        batch axes, the state is laid out by :func:`leanstep.state_shardings` (inputs laid
+        out differently are resharded; lay them out once with
+        :func:`leanstep.shard_train_state` and :func:`leanstep.shard_batch`); finiteness is
+        decided on the reduced gradient, so every device skips the same steps. None: one
+        device.
+      data_axis: the data axis of a one-axis mesh.
+      fsdp: on a mesh without an ``"fsdp"`` axis, split parameters and optimizer state
+        over ``data_axis`` (ZeRO-3) instead of replicating them.
+      rules: partition rules, ``((pattern, roles), ...)`` (see
+        :mod:`leanstep.sharding.partition_rules`); None: the largest divisible dimension over the
+        FSDP axis.
+      reduce: where the gradient is reduced: ``"auto"`` (data-parallel axes once per step,
+        after the microbatch scan; the FSDP axis per layer, ZeRO-3; with ``has_state``,
+        as ``"microbatch"``), ``"step"`` (every axis once per step) or ``"microbatch"``
+        (XLA reduces every microbatch; the loss sees whole microbatches). See
+        :mod:`leanstep.step.sharding_layer`.
+
+    Returns:
+      The step function.
+
+    Raises:
+      ValueError: ``num_microbatches`` < 1, ``max_grad_norm`` not a normal, finite float32 > 0,
+        a ``precision`` whose params dtype is not float32 (the masters are float32:
+        :func:`leanstep.blocks.precision.check_train_precision`), ``data_axis`` not an axis of
+        ``mesh``, ``split="presplit"`` with a mesh; at trace time, the batch not divisible by
+        ``num_microbatches`` (times the data-axis size, with a mesh), ``state.params`` not
+        float32, ``state.opt_state`` not built by the optimizer applied, a token count that is
+        not a scalar, or a ``"save:NAME"`` remat policy naming a tag the loss never sets; at
+        call time, an input array that was deleted (a donated state used again).
+      TypeError: ``loss_fn`` not callable, ``jit`` or ``donate`` not a bool, ``mesh`` not a
+        ``jax.sharding.Mesh``; at trace time, ``state`` not a :class:`TrainState`; at call
+        time, a ``jax.ShapeDtypeStruct`` or non-array leaf in the state or batch.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> def loss_fn(params, batch):
+      ...     return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+      >>> state = TrainState.create({"w": jnp.zeros((2, 1))}, optax.sgd(0.1), loss_scale="dynamic")
+      >>> step = make_train_step(loss_fn, precision="compute=bfloat16",
+      ...                        num_microbatches=2, max_grad_norm=1.0)
+      >>> batch = {"x": jnp.ones((4, 2)), "y": jnp.ones((4, 1))}
+      >>> state, metrics = step(state, batch)
+      >>> float(metrics.loss), float(metrics.grad_norm), bool(metrics.skipped), bool(metrics.clipped)
+      (1.0, 2.828..., False, True)
+    """
+    if optimizer is not None:
+        check_optimizer(optimizer)
+        warnings.warn(
+            "make_train_step(loss_fn, optimizer) is deprecated: the optimizer is given once, to "
+            "TrainState.create(params, optimizer), and the step uses the state's",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    num_microbatches = check_num_microbatches(num_microbatches)
+    max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
+    jit, donate = check_bool("jit", jit), check_bool("donate", donate)
+    if check_bool("fsdp", fsdp) and mesh is None:
+        raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
+    if mesh is None and (rules is not None or reduce != "auto"):
+        raise ValueError("rules= and reduce= lay the step out over a mesh; pass mesh= too")
+    layer: ShardingLayer | None
+    if isinstance(mesh, ShardingLayer):
+        if (data_axis, fsdp, rules, reduce) != ("data", False, None, "auto"):
+            raise ValueError("mesh= is a ShardingLayer: give data_axis, fsdp, rules and reduce to it, not here")
+        layer = mesh
+    else:
+        if has_state and reduce == "auto":
+            reduce = "microbatch"  # batch statistics must see whole microbatches, as on one device
+        layer = None if mesh is None else ShardingLayer(mesh, data_axis, fsdp=fsdp, rules=rules, reduce=reduce)
+    if layer is not None and has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
+        raise ValueError(
+            f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
+            "device would differ between devices that reduce their gradient once per step; use "
+            "reduce='microbatch' (the default with has_state)"
+        )
+    if layer is not None and split == "presplit":
+        raise ValueError(
+            "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
+            f"{data_axis!r}, and the sharding layer splits it into strided microbatches"
+        )
+    splitter = get_splitter(split or ("contiguous" if layer is None else "strided"))
+    gradients = gradient_stage(
+        loss_fn,
+        precision=precision,
+        num_microbatches=num_microbatches,
+        has_aux=has_aux,
+        token_weighted=token_weighted,
+        uses_rng=uses_rng,
+        cast_batch=cast_batch,
+        has_state=has_state,
+        unroll=unroll,
+        split=splitter if layer is None else layer.split(splitter),
+        params_layout=None if layer is None else layer.model_params,
+    )
+    if layer is not None:
+        gradients = layer.gradients(gradients, token_weighted=token_weighted)
+
+    def core(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if uses_rng else None
+        grads = gradients(state.params, batch, state.loss_scale, key, state.model_state)
+        run = state if optimizer is None else state.replace(optimizer=optimizer)
+        new_state, info = guarded_update(
+            run, grads.grads, loss=grads.loss, max_grad_norm=max_grad_norm, model_state=grads.model_state
+        )
+        new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1, optimizer=state.optimizer)
+        return new_state, StepMetrics(
+            loss=grads.loss,
+            grad_norm=info.grad_norm,
+            loss_scale=jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
+            skipped=~info.finite,
+            clipped=info.clipped,
+            consecutive_skips=new_state.consecutive_skips,
+            aux=grads.aux,
+        )
+
+    sharded = core if layer is None else layer.around(core, num_microbatches)
+
+    def step(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"state must be a TrainState (see TrainState.create), got {type(state).__name__}")
+        if has_state != (state.model_state is not None):
+            raise ValueError(
+                "has_state=True needs TrainState.create(..., model_state=...)"
+                if has_state
+                else "the state holds a model_state: pass has_state=True, and loss_fn(params, model_state, "
+                "batch) returning (loss, new_model_state)"
+            )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
+            if jnp.result_type(leaf) != jnp.float32:
+                raise ValueError(
+                    f"state.params{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; the "
+                    "master weights must be float32 (TrainState.create stores them so; the compute dtype "
+                    "is the precision's)"
+                )
+        jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)  # the batch's errors, at trace time
+        return sharded(state, batch)
+
+    if not jit:
+        return step
+    return _CheckedStep(jax.jit(step, donate_argnums=(0,) if donate else ()), donate)
+
+
+def _input_problem(leaf: Any, name: str, donate: bool) -> tuple[type[Exception], str] | None:
+    """What is wrong with one input leaf, or None."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return TypeError, (
+            "is a jax.ShapeDtypeStruct (a shape without values); the step runs on arrays. To trace it "
+            "without data use step.trace(state, batch), jax.eval_shape(step, state, batch) or "
+            "leanstep.audit(step, state, batch)"
+        )
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+        if name == "state" and donate:
+            return ValueError, (
+                "has been deleted; the step donates its input state (donate=True), so the state "
+                "passed to an earlier call is gone: use the state each call returns (state, metrics "
+                "= step(state, batch)), or build the step with donate=False to keep its input"
+            )
+        return ValueError, "has been deleted (donated to, or deleted by, an earlier call)"
+    if not (hasattr(leaf, "dtype") or hasattr(leaf, "__jax_array__") or isinstance(leaf, (bool, int, float, complex))):
+        return TypeError, f"is a {type(leaf).__name__}; the {name} must be a pytree of arrays"
+    return None
+
+
+def _check_inputs(state: Any, batch: Any, donate: bool) -> None:
+    """What the compiled step cannot take, named before it reaches JAX: abstract, deleted or non-array leaves."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be a TrainState (see TrainState.create), got {type(state).__name__}")
+    for name, tree in (("state", state), ("batch", batch)):
+        for index, leaf in enumerate(jax.tree.leaves(tree)):  # key paths (slow) only for the message
+            problem = _input_problem(leaf, name, donate)
+            if problem is not None:
+                error, message = problem
+                path = jax.tree_util.tree_leaves_with_path(tree)[index][0]
+                raise error(f"{name}{jax.tree_util.keystr(path)} {message}") from None
+
+
+class _CheckedStep:
+    """The jitted step behind a check of its inputs; everything else (``lower``, ``trace``) is the jitted one's."""
+
+    def __init__(self, jitted: Callable[..., Any], donate: bool) -> None:
+        self._jitted, self._donate = jitted, donate
+        self.__wrapped__ = jitted
+        self.__doc__ = jitted.__doc__
+
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+        counter = getattr(state, "step", None)  # one leaf stands for a donated or abstract state: cheap, every call
+        if isinstance(counter, jax.ShapeDtypeStruct) or (
+            isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer) and counter.is_deleted()
+        ):
+            _check_inputs(state, batch, self._donate)
+        try:
+            return self._jitted(state, batch)
+        except (TypeError, ValueError, RuntimeError):
+            # Only on the error path (the inputs of a real run are hundreds of leaves): an input JAX
+            # cannot take is named; any other error is the original one.
+            _check_inputs(state, batch, self._donate)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_jitted":  # not yet set: no recursion
+            raise AttributeError(name)
+        return getattr(self._jitted, name)

@@ -1,0 +1,266 @@
+r"""The guarded update: unscale once, decide finiteness once, clip, apply only if finite.
+
+.. code-block:: text
+
+    G = unscale(G_scaled, S)                           # once, after accumulation
+    finite = all(isfinite(G)) and isfinite(loss)       # once, over the whole gradient
+    n = global_norm(G);  G *= min(1, c / n)            # clip the unscaled total
+    finite = finite and isfinite(n)                    # a norm that overflows float32 too
+    params', opt' = optimizer(G)
+    params, opt = finite ? (params', opt') : (params, opt)    # bit-identical on a skip
+    S = adjust(S, finite);  skips = finite ? 0 : skips + 1
+
+:func:`guarded_update` does this to a :class:`leanstep.TrainState`;
+:func:`guarded_update_transform` offers the same as an optax transformation wrapping any
+optimizer, in the spirit of ``optax.apply_if_finite`` (which neither unscales nor clips, and
+counts but keeps no loss scale).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from leanstep.blocks.clipping import clip_by_global_norm, global_norm
+from leanstep.blocks.loss_scale import LossScale, all_finite
+from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive, same_structure, tree_difference
+from leanstep.step.state import TrainState
+
+__all__ = ["GuardedState", "UpdateInfo", "guarded_update", "guarded_update_transform"]
+
+
+class UpdateInfo(NamedTuple):
+    """What the guarded update decided.
+
+    Attributes:
+      grad_norm: float32 global norm of the unscaled gradient, before clipping.
+      finite: bool; False: the update was skipped.
+      clipped: bool, the norm exceeded ``max_grad_norm`` (and the update was applied).
+    """
+
+    grad_norm: jax.Array
+    finite: jax.Array
+    clipped: jax.Array
+
+
+def _where_tree(condition: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(condition, n, o), new, old)
+
+
+def _saturating_increment(count: jax.Array) -> jax.Array:
+    return (jnp.minimum(count, INT32_MAX - 1) + 1).astype(jnp.int32)
+
+
+def check_opt_state(
+    opt_state: Any, optimizer: optax.GradientTransformation, params: Any, name: str = "state.opt_state"
+) -> None:
+    """Raises unless ``opt_state`` has the structure, shapes and dtypes of ``optimizer.init(params)``.
+
+    Compared with ``jax.eval_shape(optimizer.init, params)`` (nothing runs), so an optimizer
+    state built for another optimizer or other parameters is named here, not deep inside the
+    optimizer's update (``'EmptyState' object has no attribute 'mu'``). An ``init`` that cannot
+    be traced is left to the optimizer.
+
+    Raises:
+      ValueError: the first place where the two differ.
+    """
+    abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
+    try:
+        expected = jax.eval_shape(optimizer.init, abstract)
+    except TypeError:  # an init that reads concrete values; its own update reports a mismatch
+        return
+    difference = tree_difference(opt_state, expected, name, "optimizer.init(params)")
+    if difference is not None:
+        raise ValueError(
+            f"{name} does not match the optimizer the step applies: {difference}; was the state built "
+            "for another optimizer (or other parameters)? Build it with TrainState.create(params, "
+            "optimizer) for the optimizer that updates it"
+        )
+
+
+def _check_grads(scaled_grads: Any, params: Any) -> None:
+    """One gradient per parameter, of its shape (the dtypes may differ: float32 gradients, any masters)."""
+    if not same_structure(scaled_grads, params):
+        raise ValueError(
+            "scaled_grads must have the structure of the params (one gradient per parameter): "
+            f"{tree_difference(scaled_grads, params, 'scaled_grads', 'params')}"
+        )
+    for (path, grad), param in zip(jax.tree_util.tree_leaves_with_path(scaled_grads), jax.tree.leaves(params)):
+        if jnp.shape(grad) != jnp.shape(param):
+            where = jax.tree_util.keystr(path)
+            raise ValueError(
+                f"scaled_grads{where} has shape {jnp.shape(grad)}, params{where} has "
+                f"{jnp.shape(param)}; a gradient is shaped like its parameter"
+            )
+
+
+def _checked_update(
+    scaled_grads: Any,
+    opt_state: Any,
+    params: Any,
+    optimizer: optax.GradientTransformation,
+    loss_scale: LossScale,
+    max_grad_norm: float | None,
+    loss: jax.Array | None,
+) -> tuple[Any, Any, UpdateInfo]:
+    """The optimizer's updates and next state (that state kept as it was unless finite)."""
+    _check_grads(scaled_grads, params)
+    grads = loss_scale.unscale(scaled_grads)
+    # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
+    # not depend on the parameters, or in a stop_gradient).
+    finite = all_finite(grads) if loss is None else all_finite(grads) & jnp.isfinite(loss)
+    if max_grad_norm is None:
+        grad_norm = global_norm(grads)
+        clipped = jnp.zeros((), bool)
+    else:
+        grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
+        clipped = grad_norm > max_grad_norm
+        # A finite gradient whose float32 norm overflows would be clipped to zero, not applied.
+        finite = finite & jnp.isfinite(grad_norm)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    return updates, _where_tree(finite, new_opt_state, opt_state), UpdateInfo(grad_norm, finite, clipped & finite)
+
+
+def guarded_update(
+    state: TrainState,
+    scaled_grads: Any,
+    *,
+    loss: jax.Array | None = None,
+    max_grad_norm: float | None = None,
+    model_state: Any = None,
+) -> tuple[TrainState, UpdateInfo]:
+    """Applies ``state.optimizer`` to the scaled gradient if it is finite (see the module doc).
+
+    ``params``, ``opt_state``, ``loss_scale``, ``consecutive_skips`` and (given the new one)
+    ``model_state`` advance; ``step`` and ``rng`` are the caller's. On a skipped step params,
+    optimizer state and model state come back bit-identical (a ``jnp.where`` on every leaf,
+    not a zero update).
+
+    Args:
+      state: the :class:`TrainState` before the step.
+      scaled_grads: the gradient of ``loss_scale * loss`` (float32), shaped like the params.
+      loss: the step's loss; a non-finite one skips the step too. None: not checked.
+      max_grad_norm: clip to this global norm; None: no clipping.
+      model_state: the model state the step computed, kept only if the step is applied;
+        None: ``state.model_state`` is left as it is.
+
+    Returns:
+      ``(state, info)``: the new state and an :class:`UpdateInfo`.
+
+    Raises:
+      ValueError, TypeError: ``max_grad_norm`` is not a positive finite number or None (normal
+        in float32), ``state.opt_state`` was not built by ``state.optimizer`` for these params,
+        or ``scaled_grads`` is not shaped like the params.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> state = TrainState.create({"w": jnp.zeros(2)}, optax.sgd(1.0), loss_scale="dynamic")
+      >>> scaled = {"w": jnp.array([3.0, 4.0]) * state.loss_scale.loss_scale}
+      >>> new, info = guarded_update(state, scaled, max_grad_norm=1.0)
+      >>> new.params["w"], float(info.grad_norm), bool(info.clipped)
+      (Array([-0.6, -0.8], dtype=float32), 5.0, True)
+      >>> new, info = guarded_update(state, {"w": jnp.array([jnp.nan, 1.0])})
+      >>> new.params["w"], bool(info.finite), float(new.loss_scale.loss_scale), int(new.consecutive_skips)
+      (Array([0., 0.], dtype=float32), False, 16384.0, 1)
+    """
+    max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
+    check_opt_state(state.opt_state, state.optimizer, state.params)
+    updates, opt_state, info = _checked_update(
+        scaled_grads, state.opt_state, state.params, state.optimizer, state.loss_scale, max_grad_norm, loss
+    )
+    new_params = optax.apply_updates(state.params, updates)
+    skips = jnp.where(info.finite, 0, _saturating_increment(state.consecutive_skips))
+    return state.replace(
+        params=_where_tree(info.finite, new_params, state.params),
+        opt_state=opt_state,
+        loss_scale=state.loss_scale.adjust(info.finite),
+        consecutive_skips=skips.astype(jnp.int32),
+        model_state=state.model_state
+        if model_state is None
+        else _where_tree(info.finite, model_state, state.model_state),
+    ), info
+
+
+class GuardedState(NamedTuple):
+    """The state of :func:`guarded_update_transform`.
+
+    Attributes:
+      inner_state: the wrapped optimizer's state (it does not advance on a skipped update).
+      loss_scale: the loss scale; scale the loss with ``state.loss_scale.scale(loss)``.
+      consecutive_skips: int32 non-finite updates in a row (saturating).
+      grad_norm: float32 norm of the last unscaled gradient, before clipping.
+    """
+
+    inner_state: Any
+    loss_scale: LossScale
+    consecutive_skips: jax.Array
+    grad_norm: jax.Array
+
+
+def guarded_update_transform(
+    optimizer: optax.GradientTransformation,
+    *,
+    loss_scale: str | LossScale = "dynamic",
+    max_grad_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """:func:`guarded_update` as an optax transformation wrapping ``optimizer``.
+
+    ``update(scaled_grads, state, params)`` takes the gradient of the *scaled* loss (scale
+    it with ``state.loss_scale.scale(loss)``), and returns the wrapped optimizer's updates
+    of the unscaled, clipped gradient, or all-zero updates when that gradient is not finite
+    (the inner state is then kept, and the loss scale backs off). Zero updates leave
+    finite params unchanged, except that ``-0.0 + 0.0`` is ``+0.0``; use
+    :func:`guarded_update` where a skipped step must be bit-identical.
+
+    Args:
+      optimizer: the optax optimizer to guard.
+      loss_scale: ``"dynamic"``, ``"none"`` or a loss-scale instance (a static scale
+        needs its value: ``StaticLossScale.create(S)``).
+      max_grad_norm: clip the unscaled gradient to this global norm; None: no clipping.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a :class:`GuardedState`; ``params``
+      must be passed to ``update``.
+
+    Raises:
+      TypeError, ValueError: a bad argument, named.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> from leanstep.blocks.loss_scale import StaticLossScale
+      >>> tx = guarded_update_transform(optax.sgd(1.0), loss_scale=StaticLossScale.create(4.0),
+      ...                               max_grad_norm=1.0)
+      >>> params = {"w": jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.array([12.0, 16.0])}, state, params)
+      >>> updates["w"], float(state.grad_norm)
+      (Array([-0.6, -0.8], dtype=float32), 5.0)
+      >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+      >>> updates["w"], int(state.consecutive_skips)
+      (Array([0., 0.], dtype=float32), 1)
+    """
+    check_optimizer(optimizer)
+    max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
+    initial_scale = get_loss_scale(loss_scale)
+
+    def init_fn(params: Any) -> GuardedState:
+        return GuardedState(optimizer.init(params), initial_scale, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+
+    def update_fn(scaled_grads: Any, state: GuardedState, params: Any = None) -> tuple[Any, GuardedState]:
+        if params is None:
+            raise ValueError("guarded_update_transform needs params: call update(grads, state, params)")
+        updates, inner, info = _checked_update(
+            scaled_grads, state.inner_state, params, optimizer, state.loss_scale, max_grad_norm, None
+        )
+        updates = _where_tree(info.finite, updates, jax.tree.map(jnp.zeros_like, updates))
+        skips = jnp.where(info.finite, 0, _saturating_increment(state.consecutive_skips))
+        return updates, GuardedState(
+            inner, state.loss_scale.adjust(info.finite), skips.astype(jnp.int32), info.grad_norm
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
