@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from leanstep import Accumulation, LossContract
 from leanstep.blocks.loss_scale import StaticLossScale
 from leanstep.blocks.microbatches import split_microbatches
 from leanstep.step.gradients import Gradients, gradient_stage
@@ -56,7 +57,7 @@ def assert_close(actual, expected, rtol=2e-6, atol=1e-6) -> None:
 @pytest.mark.parametrize("num_microbatches", [1, 3, 4])
 def test_mean_mode_is_the_scaled_full_batch_gradient(split, num_microbatches):
     params, batch = params0(), batch0()
-    stage = jax.jit(gradient_stage(mean_loss, num_microbatches=num_microbatches, split=split))
+    stage = jax.jit(gradient_stage(mean_loss, accumulation=Accumulation(num_microbatches, split=split)))
     given = split_microbatches(batch, num_microbatches) if split == "presplit" else batch
     result = stage(params, given, SCALE)
     loss, grads = jax.value_and_grad(mean_loss)(params, batch)
@@ -72,7 +73,7 @@ def test_token_weighted_is_the_full_batch_sum_over_count_with_aux():
     def with_aux(params, batch):
         return sum_and_count(params, batch), jnp.max(batch["x"])
 
-    stage = jax.jit(gradient_stage(with_aux, num_microbatches=4, token_weighted=True, has_aux=True))
+    stage = jax.jit(gradient_stage(with_aux, accumulation=4, loss=LossContract(has_aux=True, token_weighted=True)))
     result = stage(params, batch, SCALE)
     ratio = lambda p: sum_and_count(p, batch)[0] / sum_and_count(p, batch)[1]
     loss, grads = jax.value_and_grad(ratio)(params)
@@ -90,7 +91,7 @@ def test_each_microbatch_gets_fold_in_of_the_key_and_its_index():
         return mean_loss(params, batch), jax.random.key_data(key)
 
     key = jax.random.key(7)
-    stage = jax.jit(gradient_stage(loss_fn, num_microbatches=3, has_aux=True, uses_rng=True))
+    stage = jax.jit(gradient_stage(loss_fn, accumulation=3, loss=LossContract(has_aux=True, uses_rng=True)))
     result = stage(params0(), batch0(), None, key)
     expected = np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(key, j))) for j in range(3)])
     np.testing.assert_array_equal(result.aux, expected)
@@ -138,7 +139,7 @@ def test_the_loss_sees_compute_dtype_params_and_batch_and_the_layout_hook():
     ],
 )
 def test_bad_loss_outputs_are_named(kwargs, out, error, pattern):
-    stage = gradient_stage(lambda p, b: out(), **kwargs)
+    stage = gradient_stage(lambda p, b: out(), loss=LossContract(**kwargs))
     with pytest.raises(error, match=pattern):
         stage(params0(), batch0())
 
@@ -147,11 +148,11 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="loss_fn must be callable"):
         gradient_stage("loss")
     with pytest.raises(TypeError, match="uses_rng must be a bool"):
-        gradient_stage(mean_loss, uses_rng="yes")
+        gradient_stage(mean_loss, loss=LossContract(uses_rng="yes"))
     with pytest.raises(TypeError, match="params_layout must be callable"):
         gradient_stage(mean_loss, params_layout=3)
     with pytest.raises(ValueError, match="batch size 12 is not divisible by num_microbatches=5"):
-        gradient_stage(mean_loss, num_microbatches=5)(params0(), batch0())
+        gradient_stage(mean_loss, accumulation=5)(params0(), batch0())
 
 
 def test_aux_comes_back_in_the_output_dtype():
@@ -165,14 +166,16 @@ def test_aux_comes_back_in_the_output_dtype():
         ("params=float32,compute=bfloat16,output=float32", jnp.float32),
         ("params=float32,compute=bfloat16,output=bfloat16", jnp.bfloat16),
     ):
-        result = gradient_stage(loss_fn, precision=spec, has_aux=True, num_microbatches=2)(params0(), batch0())
+        result = gradient_stage(loss_fn, precision=spec, accumulation=2, loss=LossContract(has_aux=True))(
+            params0(), batch0()
+        )
         assert result.aux.dtype == dtype and result.loss.dtype == jnp.float32  # the loss stays float32
 
 
 def test_unrolled_microbatches_give_the_scanned_gradient():
     params, batch = params0(), batch0()
-    scanned = jax.jit(gradient_stage(mean_loss, num_microbatches=4))(params, batch, SCALE)
-    unrolled = gradient_stage(mean_loss, num_microbatches=4, unroll=True)
+    scanned = jax.jit(gradient_stage(mean_loss, accumulation=4))(params, batch, SCALE)
+    unrolled = gradient_stage(mean_loss, accumulation=Accumulation(4, unroll=True))
     jaxpr = jax.make_jaxpr(unrolled)(params, batch, SCALE)
     (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert scan.params["unroll"] == 4  # lax.scan(unroll=True) unrolls every step

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 
+from leanstep import LossContract
 from leanstep.checkpoints.checkpointer import Checkpointer
 from leanstep.step.gradients import gradient_stage
 from leanstep.step.state import TrainState
@@ -85,7 +86,7 @@ def test_the_state_is_checkpointed_with_the_rest(tmp_path):
 
 
 def test_the_gradient_stage_returns_the_state_and_differentiates_only_params():
-    stage = gradient_stage(counting_loss, has_state=True, has_aux=True, num_microbatches=2)
+    stage = gradient_stage(counting_loss, accumulation=2, loss=LossContract(has_aux=True, has_state=True))
     model_state = state0().model_state
     result = stage(state0().params, batch0(), model_state=model_state)
     assert int(result.model_state["count"]) == 7

@@ -45,6 +45,7 @@ def worker(mode: str, args: list[str]) -> None:
     from jax.experimental import multihost_utils
 
     from leanstep.sharding.meshes import shard_batch
+    from leanstep.step.sharding_layer import ShardingLayer
     from leanstep.step.state_sharding import shard_train_state
     from leanstep.step.train_step import TrainState, make_train_step
 
@@ -77,7 +78,12 @@ def worker(mode: str, args: list[str]) -> None:
     }
     arrays = {}
     for name, (run_mesh, fsdp) in runs.items():
-        step = make_train_step(loss_fn, num_microbatches=2, max_grad_norm=1.0, mesh=run_mesh, fsdp=fsdp)
+        step = make_train_step(
+            loss_fn,
+            num_microbatches=2,
+            max_grad_norm=1.0,
+            mesh=None if run_mesh is None else ShardingLayer(run_mesh, fsdp=fsdp),
+        )
         state = TrainState.create(params, opt, loss_scale="dynamic")
         if run_mesh is not None:
             state = shard_train_state(state, run_mesh, fsdp=fsdp)

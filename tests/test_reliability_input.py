@@ -108,7 +108,7 @@ API = [
         "step/optimizer_a_string",
         lambda p: make_train_step(_loss, "adam"),
         TypeError,
-        "optimizer must be an optax.GradientTransformation",
+        "make_train_step takes no optimizer since leanstep 0.8",
     ),
     Case(
         "step/num_microbatches_zero",

@@ -28,7 +28,7 @@ import optax
 import pytest
 
 import leanstep
-from leanstep import audit, checkpoint_name, gradient_stage, remat
+from leanstep import LossContract, audit, checkpoint_name, gradient_stage, remat
 from leanstep.blocks.clipping import clip_by_global_norm, clip_by_global_norm_transform
 from leanstep.blocks.loss_scale import DynamicLossScale, StaticLossScale
 from leanstep.blocks.precision import Precision, check_train_precision, get_precision
@@ -464,7 +464,7 @@ CASES = [
         "accumulate/has_aux_without_aux",
         lambda p: _accumulate(_loss, has_aux=True),
         TypeError,
-        "has_aux=True: loss_fn must return (value, aux)",
+        "has_aux=True: loss_fn must return (loss, aux)",
     ),
     # --- 2d. ShapeDtypeStructs (and other non-arrays) where arrays are needed ----------------------
     Case(
@@ -713,7 +713,7 @@ def test_an_integer_token_count_gives_the_full_batch_sum_over_count():
         errors = (b["x"] @ params["w"] - b["y"]) ** 2
         return jnp.sum(errors * b["mask"]), jnp.sum(b["mask"])
 
-    result = gradient_stage(loss_fn, token_weighted=True, num_microbatches=2)({"w": jnp.ones(2)}, batch)
+    result = gradient_stage(loss_fn, accumulation=2, loss=LossContract(token_weighted=True))({"w": jnp.ones(2)}, batch)
     x, y, m = (np.asarray(batch[k], np.float64) for k in ("x", "y", "mask"))
     np.testing.assert_allclose(result.loss, np.sum((x @ np.ones(2) - y) ** 2 * m) / m.sum(), rtol=1e-6)
     assert float(result.token_count) == 3.0

@@ -31,10 +31,10 @@ from leanstep.sharding.meshes import (
     data_mesh,
     fsdp_partition_spec,
     shard_batch,
-    shard_train_state,
-    state_shardings,
 )
+from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
+from leanstep.step.state_sharding import shard_train_state, state_shardings
 from leanstep.step.train_step import make_train_step
 
 SIZES = (3, 24, 5)  # d_in, hidden, d_out: no parameter shape (or shard of one) looks like a batch slice
@@ -94,7 +94,7 @@ def report_rows(compiled, mesh, params) -> list[dict]:
     ]
 
 
-#: name -> (mesh shape, make_train_step options); every layout the sharding layer has.
+#: name -> (mesh shape, ShardingLayer options); every layout the sharding layer has.
 LAYOUTS = {
     "dp": ({"data": 8}, {}),
     "fsdp": ({"data": 8}, {"fsdp": True}),
@@ -144,7 +144,7 @@ def worker8(out: Path) -> None:
         for layout, (shape, options) in LAYOUTS.items():
             mesh, tag = layout_mesh(shape), f"{layout}{num_mb}"
             place = {k: v for k, v in options.items() if k in ("fsdp", "rules")}
-            step = make_train_step(mlp_loss, num_microbatches=num_mb, mesh=mesh, **options, **STEP_KW)
+            step = make_train_step(mlp_loss, num_microbatches=num_mb, mesh=ShardingLayer(mesh, **options), **STEP_KW)
             state = shard_train_state(new_state(), mesh, **place)
             results[f"{tag}/specs"] = {k: str(s.spec) for k, s in flat_shardings(state).items()}
             run = step
@@ -193,7 +193,7 @@ def worker8(out: Path) -> None:
             place = {k: v for k, v in options.items() if k in ("fsdp", "rules")}
             state = checkpointer.restore(shard_train_state(new_state(), mesh, **place)).state
             arrays.update({f"{layout}/restored{k}": v for k, v in flat(state).items()})
-            step = make_train_step(mlp_loss, num_microbatches=4, mesh=mesh, **options, **STEP_KW)
+            step = make_train_step(mlp_loss, num_microbatches=4, mesh=ShardingLayer(mesh, **options), **STEP_KW)
             for t in (3, 4):
                 state, _ = step(state, shard_batch(batch_at(t), mesh))
             arrays.update({f"{layout}/continued{k}": v for k, v in flat(state).items()})
@@ -243,7 +243,8 @@ def worker4(out: Path) -> None:
             }
             results[f"{name}/num_devices"] = len(state.params["w1"].sharding.device_set)
             arrays.update({f"{name}/restored{k}": v for k, v in flat(state).items()})
-            step = make_train_step(mlp_loss, num_microbatches=4, mesh=mesh, fsdp=fsdp, **STEP_KW)
+            layer = None if mesh is None else ShardingLayer(mesh, fsdp=fsdp)
+            step = make_train_step(mlp_loss, num_microbatches=4, mesh=layer, **STEP_KW)
             for t in (3, 4):
                 batch = batch_at(t) if mesh is None else shard_batch(batch_at(t), mesh)
                 state, _ = step(state, batch)
@@ -433,19 +434,15 @@ def test_bad_mesh_and_axis():
     with pytest.raises(ValueError, match=r"data_axis='batch' is not an axis of the mesh; its axes are \('data',\)"):
         state_shardings(new_state(), mesh, data_axis="batch")
     with pytest.raises(ValueError, match="data_axis='batch'"):
-        make_train_step(mlp_loss, mesh=mesh, data_axis="batch")
-    with pytest.raises(ValueError, match="fsdp=True shards the state over a mesh"):
-        make_train_step(mlp_loss, fsdp=True)
-    with pytest.raises(ValueError, match="rules= and reduce= lay the step out over a mesh"):
-        make_train_step(mlp_loss, reduce="step")
+        make_train_step(mlp_loss, mesh=ShardingLayer(mesh, "batch"))
     with pytest.raises(ValueError, match="reduce must be one of"):
-        make_train_step(mlp_loss, mesh=mesh, reduce="sometimes")
+        make_train_step(mlp_loss, mesh=ShardingLayer(mesh, reduce="sometimes"))
     with pytest.raises(ValueError, match="has_state=True with reduce='step'"):
-        make_train_step(mlp_loss, mesh=mesh, reduce="step", has_state=True)
+        make_train_step(mlp_loss, mesh=ShardingLayer(mesh, reduce="step"), has_state=True)
     with pytest.raises(ValueError, match="partition rule 'w1' names 3 dimensions"):
         state_shardings(new_state(), mesh, rules=(("w1", ("fsdp", None, None)),))
     with pytest.raises(TypeError, match="fsdp must be a bool, got str 'yes'"):
-        make_train_step(mlp_loss, mesh=mesh, fsdp="yes")
+        make_train_step(mlp_loss, mesh=ShardingLayer(mesh, fsdp="yes"))
     with pytest.raises(ValueError, match=r"batch\['s'\] has shape \(\); its leading"):
         shard_batch({"s": np.float32(1.0)}, mesh)
     with pytest.raises(ValueError, match="at least one device"):
@@ -473,6 +470,30 @@ def test_one_device_mesh_step_matches_plain_step_and_keeps_rng_per_microbatch():
     np.testing.assert_array_equal(sharded.aux[0], x0.reshape(16, 4).T)
     # Microbatch j gets fold_in(step key, j) on both paths.
     np.testing.assert_array_equal(sharded.aux[1], plain.aux[1])
+
+
+def test_the_0_7_sharding_keywords_still_work_with_a_warning_and_the_same_refusals():
+    """make_train_step(mesh=mesh, fsdp=True) is make_train_step(mesh=ShardingLayer(mesh, fsdp=True)) through 0.8."""
+    mesh = data_mesh(jax.devices()[:1])
+    with pytest.warns(
+        DeprecationWarning, match=r"make_train_step\(fsdp=\) is deprecated: pass mesh=leanstep.ShardingLayer"
+    ):
+        old = make_train_step(mlp_loss, mesh=mesh, fsdp=True, jit=False, **STEP_KW)
+    new = make_train_step(mlp_loss, mesh=ShardingLayer(mesh, fsdp=True), jit=False, **STEP_KW)
+    old_params, new_params = (flat(step(new_state(), batch_at(0))[0].params) for step in (old, new))
+    assert old_params.keys() == new_params.keys()
+    for key in old_params:
+        np.testing.assert_array_equal(old_params[key], new_params[key])
+    assert any(not np.array_equal(v, flat(new_state().params)[k]) for k, v in new_params.items())  # it moved
+    for kwargs, pattern in (
+        (dict(fsdp=True), "fsdp=True shards the state over a mesh"),
+        (dict(reduce="step"), "rules= and reduce= lay the step out over a mesh"),
+        (dict(mesh=ShardingLayer(mesh), reduce="step"), "mesh= is a ShardingLayer: give data_axis"),
+    ):
+        with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=pattern):
+            make_train_step(mlp_loss, **kwargs)
+    with pytest.raises(TypeError, match=r"make_train_step\(\) got unexpected keyword argument\(s\): fsdp_axis"):
+        make_train_step(mlp_loss, mesh=mesh, fsdp_axis="x")
 
 
 if __name__ == "__main__":

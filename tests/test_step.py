@@ -751,24 +751,15 @@ def test_bad_settings_raise_naming_the_argument(kwargs, error, pattern):
 def test_non_optax_optimizer_raises(optimizer):
     with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
         TrainState.create(init_mlp(), optimizer)
-    if optimizer is not None:  # the deprecated second argument is checked too
-        with pytest.raises(TypeError, match="optimizer must be an optax.GradientTransformation"):
-            make_train_step(mse_loss, optimizer)
 
 
-def test_deprecated_optimizer_argument_warns_and_is_used_instead_of_the_states():
-    """The old form make_train_step(loss_fn, optimizer) still works for one release: with a
-    DeprecationWarning, applying the optimizer it was given (not the state's), compiling once."""
-    batch = make_batch(0)
-    with pytest.warns(DeprecationWarning, match="the optimizer is given once, to TrainState.create"):
-        old = make_train_step(mse_loss, optax.sgd(0.5), num_microbatches=2)
-    new = make_train_step(mse_loss, num_microbatches=2)
-    state_old = state_new = None
-    for _ in range(2):
-        state_old, _ = old(state_old or TrainState.create(init_mlp(), optax.sgd(0.01)), batch)
-        state_new, _ = new(state_new or TrainState.create(init_mlp(), optax.sgd(0.5)), batch)
-    assert_bit_identical(state_old.params, state_new.params)
-    assert old._cache_size() == 1
+@pytest.mark.parametrize("optimizer", [optax.sgd(0.5), optax.sgd, "adam"])
+def test_the_removed_optimizer_argument_is_a_type_error_naming_the_new_form(optimizer):
+    """make_train_step(loss_fn, optimizer) was deprecated in 0.2 and is refused since 0.8."""
+    with pytest.raises(
+        TypeError, match=r"takes no optimizer since leanstep 0\.8.*TrainState\.create\(params, optimizer\)"
+    ):
+        make_train_step(mse_loss, optimizer)
 
 
 def test_optimizer_is_static_state_metadata():

@@ -10,7 +10,9 @@ from leanstep import _moved
 from leanstep.blocks import (
     REMAT_POLICIES,
     SPLITS,
+    Accumulation,
     DynamicLossScale,
+    LossContract,
     LossScale,
     NoOpLossScale,
     Precision,
@@ -43,7 +45,16 @@ from leanstep.inspection import (
     collectives_report,
     saved_residuals_report,
 )
-from leanstep.planning import ACCELERATORS, Accelerator, BudgetError, Plan, get_accelerator, plan
+from leanstep.planning import (
+    ACCELERATORS,
+    Accelerator,
+    BudgetError,
+    Plan,
+    SearchOptions,
+    SearchSpace,
+    get_accelerator,
+    plan,
+)
 from leanstep.sharding import (
     MeshAxes,
     batch_sharding,
@@ -82,6 +93,7 @@ __all__ = [
     "REMAT_POLICIES",
     "SPLITS",
     "Accelerator",
+    "Accumulation",
     "AuditReport",
     "BudgetError",
     "CheckpointError",
@@ -92,6 +104,7 @@ __all__ = [
     "DynamicLossScale",
     "Gradients",
     "GuardedState",
+    "LossContract",
     "LossScale",
     "MeshAxes",
     "NoOpLossScale",
@@ -100,6 +113,8 @@ __all__ = [
     "PrecisionWarning",
     "ResidualReport",
     "RestoreResult",
+    "SearchOptions",
+    "SearchSpace",
     "ShardingLayer",
     "StaticLossScale",
     "StepMetrics",

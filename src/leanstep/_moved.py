@@ -71,15 +71,12 @@ MOVED_ATTRIBUTES: dict[tuple[str, str], str] = {
 }
 
 
-def _warn(old: str, new: str) -> None:
-    # Point the warning at the importer: the first frame outside importlib and this module.
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename == __file__ or "importlib" in frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+def _warn(old: str, new: str, stacklevel: int) -> None:
+    # ``warnings`` skips importlib's own frames, so the levels count leanstep's frames only.
     warnings.warn(
         f"{old} moved to {new} in leanstep 0.8; the old path goes in 0.9 (the names in leanstep itself stay)",
         DeprecationWarning,
-        stacklevel=level,
+        stacklevel=stacklevel + 1,
     )
 
 
@@ -105,7 +102,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         new = MOVED[spec.name]
-        _warn(spec.name, new)
+        _warn(spec.name, new, stacklevel=2)  # create_module, then the importer
         return _Forward(spec.name, importlib.import_module(new))
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -123,5 +120,5 @@ def moved_attribute(module: str, name: str) -> Any:
     new = MOVED_ATTRIBUTES.get((module, name))
     if new is None:
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    _warn(f"{module}.{name}", f"{new}.{name}")
+    _warn(f"{module}.{name}", f"{new}.{name}", stacklevel=3)  # the package's __getattr__, then its user
     return getattr(importlib.import_module(new), name)

@@ -11,14 +11,16 @@ rematerialization, microbatches and their accumulation.
     clipping.py             the global gradient norm, and clipping by it
     rematerialization.py    remat policies by name, checkpoint_name
     microbatches.py         a batch split into microbatches: contiguous, strided, presplit
-    accumulation.py         microbatched_value_and_grad: one lax.scan, a float32 accumulator
+    loss_contract.py        LossContract: what a loss takes and returns, parsed once
+    accumulation.py         Accumulation, microbatched_value_and_grad: one lax.scan, float32 sums
 
 Each depends only on :mod:`leanstep.common`, and on the blocks listed above it.
 """
 
-from leanstep.blocks.accumulation import microbatched_value_and_grad
+from leanstep.blocks.accumulation import Accumulation, microbatched_value_and_grad
 from leanstep.blocks.clipping import clip_by_global_norm, clip_by_global_norm_transform, global_norm
 from leanstep.blocks.compute_dtype_check import PrecisionWarning
+from leanstep.blocks.loss_contract import LossContract, LossOutput
 from leanstep.blocks.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.blocks.microbatches import (
@@ -35,7 +37,10 @@ from leanstep.blocks.rounding import strict_precision
 __all__ = [
     "REMAT_POLICIES",
     "SPLITS",
+    "Accumulation",
     "DynamicLossScale",
+    "LossContract",
+    "LossOutput",
     "LossScale",
     "NoOpLossScale",
     "Precision",

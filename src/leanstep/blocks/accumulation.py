@@ -11,6 +11,7 @@ divides by the total token count, not a mean of per-microbatch means.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -18,10 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from leanstep.blocks.loss_contract import LossContract, LossOutput
 from leanstep.blocks.microbatches import Splitter, check_num_microbatches, get_splitter
-from leanstep.common.checks import check_bool, check_scalar_output, is_int, same_structure
+from leanstep.common.checks import check_bool, is_int
 
-__all__ = ["init_grad_accumulator", "microbatched_value_and_grad"]
+__all__ = ["Accumulation", "accumulate", "init_grad_accumulator", "microbatched_value_and_grad"]
 
 Tree = TypeVar("Tree")
 
@@ -56,14 +58,102 @@ def _check_accum_dtype(accum_dtype: DTypeLike) -> jnp.dtype:
     return dtype
 
 
-def _keep_state_types(new: Any, old: Any) -> Any:
-    """``new`` state in ``old``'s structure and dtypes: a scan carry must keep its type."""
-    if not same_structure(new, old):
-        raise TypeError(
-            "has_state=True: loss_fn must return a new model state of the structure it was given; "
-            f"got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}"
-        )
-    return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)), new, old)
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """How a batch is walked: in how many microbatches, split how, unrolled how far.
+
+    Checked once, when made: the splitter is resolved here and nowhere else.
+
+    Attributes:
+      num_microbatches: a static Python int >= 1 dividing the batch size.
+      split: ``"contiguous"``, ``"strided"``, ``"presplit"`` or a callable
+        ``splitter(batch, num_microbatches)`` (see :mod:`leanstep.blocks.microbatches`).
+      unroll: forwarded to ``lax.scan``: ``True`` unrolls every microbatch into straight code
+        (faster convolutions on XLA:CPU, more memory: the microbatches' activations are
+        scheduled together).
+
+    Raises:
+      TypeError: ``num_microbatches`` not an int, ``split`` not a splitter, ``unroll`` not a
+        bool or an int >= 1.
+      ValueError: ``num_microbatches`` < 1, or an unknown ``split`` name.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> accumulation = Accumulation(2, split="strided")
+      >>> accumulation.split_batch({"x": jnp.arange(4)})["x"]
+      Array([[0, 2],
+             [1, 3]], dtype=int32)
+    """
+
+    num_microbatches: int = 1
+    split: str | Splitter = "contiguous"
+    unroll: int | bool = 1
+    #: The resolved ``split`` (:func:`leanstep.get_splitter`), once.
+    splitter: Splitter = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_microbatches", check_num_microbatches(self.num_microbatches))
+        object.__setattr__(self, "splitter", get_splitter(self.split))
+        if not (isinstance(self.unroll, bool) or is_int(self.unroll) and self.unroll >= 1):
+            raise TypeError(f"unroll must be a bool or an int >= 1, got {self.unroll!r}")
+
+    def split_batch(self, batch: Any) -> Any:
+        """``batch`` as ``num_microbatches`` microbatches: every leaf ``(M, S, ...)``."""
+        return self.splitter(batch, self.num_microbatches)
+
+    def replace(self, **changes: Any) -> Accumulation:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def accumulate(
+    objective: Callable[..., tuple[jax.Array, LossOutput]],
+    accumulation: Accumulation,
+    *,
+    token_weighted: bool,
+    with_index: bool = False,
+    accum_dtype: DTypeLike = jnp.float32,
+    scan_single: bool = True,
+) -> Callable[..., tuple[tuple[jax.Array, jax.Array, Any, Any], Any]]:
+    r"""The microbatch scan over an objective that has already read its loss's output.
+
+    ``objective(params, state, microbatch[, index])`` returns ``(value, parsed)``: the value to
+    differentiate and the :class:`LossOutput` riding along (its ``value`` is not used here). The
+    result, ``(params, batch, state) -> ((loss, count, auxes, state), grads)``, sums ``value``
+    and ``count`` in float32 and the gradients in ``accum_dtype`` and divides by ``M`` (or by the
+    total count when token-weighted); ``auxes`` are stacked over microbatches.
+    """
+    dtype = _check_accum_dtype(accum_dtype)
+    num_microbatches = accumulation.num_microbatches
+    grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+    def run(params: Any, batch: Any, state: Any = None) -> tuple[tuple[jax.Array, jax.Array, Any, Any], Any]:
+        microbatches = accumulation.split_batch(batch)
+        if with_index:  # the index rides along the scanned inputs, never inside the batch
+            microbatches = (microbatches, jnp.arange(num_microbatches, dtype=jnp.int32))
+        zero = jnp.zeros((), jnp.float32)
+        init = (zero, zero, init_grad_accumulator(params, dtype), state)
+
+        def body(carry: tuple, inputs: Any) -> tuple[tuple, Any]:
+            loss_total, count_total, grads_total, state = carry
+            (loss, out), grads = grad_fn(params, state, *(inputs if with_index else (inputs,)))
+            if token_weighted:
+                count_total = count_total + out.token_count
+            grads_total = jax.tree.map(lambda a, g: a + g.astype(dtype), grads_total, grads)
+            return (loss_total + loss.astype(jnp.float32), count_total, grads_total, out.model_state), out.aux
+
+        if num_microbatches == 1 and not scan_single:
+            carry, aux = body(init, jax.tree.map(lambda leaf: leaf[0], microbatches))
+            (loss_total, count_total, grads_total, state), auxes = carry, jax.tree.map(lambda a: a[None], aux)
+        else:
+            (loss_total, count_total, grads_total, state), auxes = jax.lax.scan(
+                body, init, microbatches, length=num_microbatches, unroll=accumulation.unroll
+            )
+        denominator = count_total if token_weighted else jnp.float32(num_microbatches)
+        grads = jax.tree.map(lambda g: g / denominator.astype(dtype), grads_total)
+        return (loss_total / denominator, count_total, auxes, state), grads
+
+    return run
 
 
 def microbatched_value_and_grad(
@@ -143,7 +233,7 @@ def microbatched_value_and_grad(
       unroll: forwarded to ``lax.scan``: ``True`` unrolls every microbatch into straight
         code. On XLA:CPU a loop makes convolutions several times slower, and unrolling
         removes that cost, but XLA then schedules the microbatches' activations together,
-        which spends the memory accumulation saves (see README).
+        which spends the memory accumulation saves (see docs/frameworks.md).
       scan_single: ``False``: one microbatch runs without a scan (``value_and_grad`` once).
 
     Returns:
@@ -169,74 +259,28 @@ def microbatched_value_and_grad(
       >>> jax.value_and_grad(loss_fn)(w, batch)
       (Array(0.25, dtype=float32), Array(-2., dtype=float32))
     """
-    num_microbatches = check_num_microbatches(num_microbatches)
-    dtype = _check_accum_dtype(accum_dtype)
-    splitter = get_splitter(split)
-    with_index, has_state, scan_single = (
-        check_bool(name, value)
-        for name, value in (("with_index", with_index), ("has_state", has_state), ("scan_single", scan_single))
-    )
-    if not (isinstance(unroll, bool) or is_int(unroll) and unroll >= 1):
-        raise TypeError(f"unroll must be a bool or an int >= 1, got {unroll!r}")
+    accumulation = Accumulation(num_microbatches, split, unroll)
+    _check_accum_dtype(accum_dtype)
+    contract = LossContract(has_aux=has_aux, token_weighted=token_weighted, has_state=has_state)
+    with_index, scan_single = check_bool("with_index", with_index), check_bool("scan_single", scan_single)
 
-    def objective(params: Any, state: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, tuple]:
+    def objective(params: Any, state: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, LossOutput]:
         # value_and_grad differentiates the first output only; count, aux and the state ride along.
-        out = loss_fn(params, state, microbatch, *index) if has_state else loss_fn(params, microbatch, *index)
-        if has_state and not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(f"has_state=True: loss_fn must return (out, new_state), got {type(out).__name__}")
-        out, new_state = out if has_state else (out, None)
-        if has_aux and not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(f"has_aux=True: loss_fn must return (value, aux), got {type(out).__name__}")
-        value, aux = out if has_aux else (out, None)
-        if token_weighted:
-            if not (isinstance(value, tuple) and len(value) == 2):
-                raise TypeError(
-                    f"token_weighted=True: loss_fn must return (loss_sum, count), got {type(value).__name__}"
-                )
-            loss_sum, count = value
-            count = check_scalar_output(
-                "token_weighted=True: loss_fn's count", count, integer=True, reduce="jnp.sum(mask)"
-            )
-        else:
-            loss_sum, count = value, None
-        # value_and_grad differentiates a real floating scalar only.
-        loss_sum = check_scalar_output(
-            "loss_fn's loss_sum" if token_weighted else "loss_fn's loss",
-            loss_sum,
-            reduce="jnp.sum" if token_weighted else "jnp.mean",
-        )
-        if has_state:
-            new_state = _keep_state_types(new_state, state)
-        return loss_sum, (count, aux, new_state)
+        out = contract.parse(loss_fn(*contract.arguments(params, state, microbatch), *index), state)
+        return out.value, out
 
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    run = accumulate(
+        objective,
+        accumulation,
+        token_weighted=token_weighted,
+        with_index=with_index,
+        accum_dtype=accum_dtype,
+        scan_single=scan_single,
+    )
 
-    def accumulate(params: Any, batch: Any, state: Any = None) -> tuple[Any, Any]:
-        microbatches = splitter(batch, num_microbatches)
-        if with_index:  # the index rides along the scanned inputs, never inside the batch
-            microbatches = (microbatches, jnp.arange(num_microbatches, dtype=jnp.int32))
-        zero = jnp.zeros((), jnp.float32)
-        init = (zero, zero, init_grad_accumulator(params, dtype), state)
-
-        def body(carry: tuple, inputs: Any) -> tuple[tuple, Any]:
-            loss_total, count_total, grads_total, state = carry
-            (loss, (count, aux, state)), grads = grad_fn(params, state, *(inputs if with_index else (inputs,)))
-            if token_weighted:
-                count_total = count_total + jnp.asarray(count).astype(jnp.float32)
-            grads_total = jax.tree.map(lambda a, g: a + g.astype(dtype), grads_total, grads)
-            return (loss_total + loss.astype(jnp.float32), count_total, grads_total, state), aux
-
-        if num_microbatches == 1 and not scan_single:
-            carry, aux = body(init, jax.tree.map(lambda leaf: leaf[0], microbatches))
-            (loss_total, count_total, grads_total, state), auxes = carry, jax.tree.map(lambda a: a[None], aux)
-        else:
-            (loss_total, count_total, grads_total, state), auxes = jax.lax.scan(
-                body, init, microbatches, length=num_microbatches, unroll=unroll
-            )
-        denominator = count_total if token_weighted else jnp.float32(num_microbatches)
-        loss = loss_total / denominator
-        grads = jax.tree.map(lambda g: g / denominator.astype(dtype), grads_total)
+    def value_and_grad(params: Any, batch: Any, state: Any = None) -> tuple[Any, Any]:
+        (loss, _, auxes, state), grads = run(params, batch, state)
         value = (loss, auxes) if has_aux else loss
         return ((value, state) if has_state else value), grads
 
-    return accumulate
+    return value_and_grad

@@ -119,7 +119,7 @@ def split_strided_microbatches(batch: Tree, num_microbatches: int) -> Tree:
       ``batch`` with every leaf of shape ``(num_microbatches, B / num_microbatches) + leaf.shape[1:]``.
 
     Raises:
-      The errors of :func:`split_microbatches`.
+      ValueError, TypeError: as :func:`split_microbatches`.
 
     Example:
       >>> import jax.numpy as jnp

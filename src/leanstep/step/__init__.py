@@ -4,15 +4,20 @@
 
     state.py           TrainState, StepMetrics: what a run carries from step to step
     param_checks.py    what may be trained as parameters
-    loss_contract.py   LossContract: what the loss takes and returns, parsed once
+    keywords.py        the gradient stage's 0.7 keywords, folded into values (deprecated)
     gradients.py       stage 1, gradient_stage: cast, microbatch, accumulate
     update.py          stage 2, guarded_update: unscale, check, clip, apply or skip
     state_sharding.py  where a train state lives on a mesh
     sharding_layer.py  stage 3, ShardingLayer: both stages over a mesh, one reduction
+    settings.py        StepSettings: loss contract, accumulation, layer; refusals in one place
     train_step.py      make_train_step: the three composed, jitted, inputs checked
+
+What the loss takes and returns (:class:`leanstep.LossContract`) and how the batch is walked
+(:class:`leanstep.Accumulation`) are building blocks: :mod:`leanstep.blocks`.
 """
 
 from leanstep.step.gradients import Gradients, gradient_stage
+from leanstep.step.settings import StepSettings, step_settings
 from leanstep.step.sharding_layer import REDUCTIONS, ShardingLayer
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.state_sharding import shard_train_state, state_shardings
@@ -26,6 +31,7 @@ __all__ = [
     "JittedTrainStep",
     "ShardingLayer",
     "StepMetrics",
+    "StepSettings",
     "TrainState",
     "UpdateInfo",
     "gradient_stage",
@@ -34,4 +40,5 @@ __all__ = [
     "make_train_step",
     "shard_train_state",
     "state_shardings",
+    "step_settings",
 ]

@@ -31,13 +31,14 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from leanstep.blocks.accumulation import microbatched_value_and_grad
+from leanstep.blocks.accumulation import Accumulation, accumulate
 from leanstep.blocks.compute_dtype_check import PrecisionWarning, unused_compute_dtype
+from leanstep.blocks.loss_contract import LossContract, LossOutput
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale
-from leanstep.blocks.microbatches import Splitter, check_num_microbatches, get_splitter
 from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.rematerialization import check_saved_names
-from leanstep.common.checks import check_bool, check_callable, check_scalar_output
+from leanstep.common.checks import check_bool, check_callable
+from leanstep.step.keywords import loss_settings
 
 __all__ = ["Gradients", "gradient_stage"]
 
@@ -63,48 +64,15 @@ class Gradients(NamedTuple):
     token_count: jax.Array | None = None
 
 
-def _check_loss(value: Any, name: str) -> jax.Array:
-    """``loss_fn``'s ``name`` output as float32, checked at trace time (shape and dtype are static)."""
-    return check_scalar_output(
-        f"loss_fn's {name}", value, reduce="jnp.sum" if name == "loss_sum" else "jnp.mean"
-    ).astype(jnp.float32)
-
-
-def _check_count(value: Any) -> jax.Array:
-    """``loss_fn``'s token count as float32: a real scalar, the number of terms ``loss_sum`` adds up."""
-    return check_scalar_output(
-        "token_weighted=True: loss_fn's count", value, integer=True, reduce="jnp.sum(mask)"
-    ).astype(jnp.float32)
-
-
-def _unpack(out: Any, *, has_aux: bool, token_weighted: bool) -> tuple[Any, Any]:
-    """``(value, aux)`` of one loss_fn output, after checking its structure."""
-    expected = "(loss_sum, count)" if token_weighted else "loss"
-    if has_aux:
-        expected = f"({expected}, aux)"
-    pair = isinstance(out, tuple) and len(out) == 2
-    value, aux = out if has_aux and pair else (out, None)
-    if (has_aux and not pair) or (token_weighted and not (isinstance(value, tuple) and len(value) == 2)):
-        flags = " and ".join(
-            f"{flag}=True" for flag, on in (("has_aux", has_aux), ("token_weighted", token_weighted)) if on
-        )
-        raise TypeError(f"{flags}: loss_fn must return {expected}, got {type(out).__name__}")
-    return value, aux
-
-
 def gradient_stage(
     loss_fn: Callable[..., Any],
     *,
     precision: str | Precision = "float32",
-    num_microbatches: int = 1,
-    split: str | Splitter = "contiguous",
-    has_aux: bool = False,
-    token_weighted: bool = False,
-    uses_rng: bool = False,
+    accumulation: Accumulation | int = 1,
+    loss: LossContract | None = None,
     cast_batch: bool = True,
-    has_state: bool = False,
-    unroll: int | bool = 1,
     params_layout: Callable[[Any, Callable[[Any], None]], Any] | None = None,
+    **deprecated: Any,
 ) -> Callable[..., Gradients]:
     r"""Builds ``gradients(params, batch, loss_scale=None, key=None, model_state=None) -> Gradients``.
 
@@ -115,32 +83,26 @@ def gradient_stage(
     scan, never through the batch).
 
     Args:
-      loss_fn: ``loss_fn(params, microbatch[, key])`` returning a scalar ``loss``, or
-        ``(loss_sum, count)`` with ``token_weighted``; with ``has_aux``, that paired with
-        an ``aux`` output: ``(loss, aux)`` or ``((loss_sum, count), aux)``. With
-        ``has_state`` it is ``loss_fn(params, model_state, microbatch[, key])`` and returns
-        ``(that, new_model_state)``. It receives the params (and, with ``cast_batch``, the
-        batch's floating leaves) in the compute dtype.
+      loss_fn: ``loss_fn(params, microbatch)`` returning a scalar ``loss``, or whatever
+        ``loss`` says it takes and returns (:class:`leanstep.LossContract`: aux, a token
+        count, a PRNG key, a model state). It receives the params (and, with ``cast_batch``,
+        the batch's floating leaves) in the compute dtype.
       precision: a :class:`Precision` or its string form, its params dtype float32; with
         ``strict`` the loss runs under :func:`strict_precision`.
-      num_microbatches: static number of equal microbatches.
-      split: ``"contiguous"``, ``"strided"``, ``"presplit"`` or a callable
-        ``splitter(batch, num_microbatches)`` (see :mod:`leanstep.blocks.microbatches`).
-      has_aux: ``loss_fn`` also returns aux; it comes back stacked over microbatches.
-      token_weighted: ``loss_fn`` returns ``(loss_sum, count)``; the loss and gradient are
-        the whole batch's ``sum / count``. With ``has_aux`` the stacked aux is
+      accumulation: an :class:`leanstep.Accumulation` (microbatches, split, unroll), or the
+        number of contiguous microbatches.
+      loss: what ``loss_fn`` takes and returns; None: ``LossContract()``, a scalar loss of
+        ``(params, batch)``. Token-weighted with aux, the stacked aux is
         ``(loss_sum, count, aux)`` per microbatch.
-      uses_rng: pass a per-microbatch PRNG key to ``loss_fn``.
       cast_batch: cast the batch's floating leaves to the compute dtype (integer leaves
         such as token ids stay): a float32 input would otherwise promote a bf16 matmul
         back to float32.
-      has_state: thread a model state (batch statistics, counters) through the
-        microbatches in order; ``model_state=`` then holds its value before the step.
-      unroll: forwarded to the microbatch ``lax.scan`` (see
-        :func:`leanstep.microbatched_value_and_grad`: faster convolutions on CPU, more memory).
       params_layout: ``params_layout(params_c, probe)`` lays out the compute-dtype params
         before the loss sees them (the sharding layer, :class:`leanstep.ShardingLayer`);
         ``probe(params_c)`` traces the loss once on abstract values. None: nothing.
+      **deprecated: the 0.7 keywords ``num_microbatches``, ``split``, ``unroll`` (now
+        ``accumulation=``) and ``has_aux``, ``token_weighted``, ``uses_rng``, ``has_state``
+        (now ``loss=``), accepted through 0.8 with a ``DeprecationWarning``.
 
     Returns:
       The gradient function, traceable under ``jax.jit``.
@@ -158,24 +120,14 @@ def gradient_stage(
       >>> def loss_fn(w, batch):
       ...     return jnp.mean((batch["x"] * w - batch["y"]) ** 2)
       >>> batch = {"x": jnp.array([1.0, 2.0, 3.0, 4.0]), "y": jnp.array([2.0, 4.0, 6.0, 9.0])}
-      >>> gradients = gradient_stage(loss_fn, num_microbatches=2)
+      >>> gradients = gradient_stage(loss_fn, accumulation=2)
       >>> gradients(jnp.float32(2.0), batch, StaticLossScale.create(8.0))
       Gradients(loss=Array(0.25, dtype=float32), grads=Array(-16., dtype=float32), aux=None, model_state=None, token_count=None)
     """
     check_callable("loss_fn", loss_fn)
     policy = check_train_precision(precision)
-    num_microbatches = check_num_microbatches(num_microbatches)
-    splitter = get_splitter(split)
-    has_aux, token_weighted, uses_rng, cast_batch, has_state = (
-        check_bool(name, value)
-        for name, value in (
-            ("has_aux", has_aux),
-            ("token_weighted", token_weighted),
-            ("uses_rng", uses_rng),
-            ("cast_batch", cast_batch),
-            ("has_state", has_state),
-        )
-    )
+    contract, accumulation = loss_settings(loss, accumulation, deprecated, where="gradient_stage")
+    cast_batch = check_bool("cast_batch", cast_batch)
     if params_layout is not None:
         check_callable("params_layout", params_layout)
     model_loss = policy.wrap(loss_fn)
@@ -189,71 +141,46 @@ def gradient_stage(
         model_state: Any = None,
     ) -> Gradients:
         scale = NoOpLossScale() if loss_scale is None else loss_scale
-        if uses_rng and key is None:
+        if contract.uses_rng and key is None:
             raise ValueError("uses_rng=True: pass the step's PRNG key as key=")
-        if has_state and model_state is None:
+        if contract.has_state and model_state is None:
             raise ValueError("has_state=True: pass the model state before the step as model_state=")
 
-        def scaled_loss(params_c: Any, *args: Any) -> tuple[Any, Any]:
-            *state, microbatch, index = args if uses_rng else (*args, None)
-            extra = (jax.random.fold_in(key, index),) if uses_rng and key is not None else ()  # key: checked above
-            out = model_loss(params_c, *state, microbatch, *extra)
-            if has_state:
-                if not (isinstance(out, tuple) and len(out) == 2):
-                    raise TypeError(
-                        f"has_state=True: loss_fn must return (out, new_model_state), got {type(out).__name__}"
-                    )
-                out, new_state = out
-            value, aux = _unpack(out, has_aux=has_aux, token_weighted=token_weighted)
-            aux = policy.cast_to_output(aux)
-            result: tuple[Any, Any]
-            if token_weighted:
-                loss_sum, count = value
-                loss_sum, count = _check_loss(loss_sum, "loss_sum"), _check_count(count)
-                result = (scale.scale(loss_sum), count), (loss_sum, count, aux)
-            else:
-                loss = _check_loss(value, "loss")
-                result = scale.scale(loss), (loss, aux)
-            return (result, new_state) if has_state else result
+        def scaled_loss(params_c: Any, state: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, LossOutput]:
+            microbatch_key = jax.random.fold_in(key, index[0]) if key is not None and contract.uses_rng else None
+            out = contract.parse(model_loss(*contract.arguments(params_c, state, microbatch, microbatch_key)), state)
+            # The unscaled loss (and count) ride along in aux, for the batch's loss below.
+            kept = (out.value, out.token_count, policy.cast_to_output(out.aux))
+            return scale.scale(out.value), out._replace(aux=kept)
 
-        accumulate = microbatched_value_and_grad(
+        run = accumulate(
             scaled_loss,
-            num_microbatches,
-            has_aux=True,
-            token_weighted=token_weighted,
-            split=splitter,
-            with_index=uses_rng,
-            has_state=has_state,
-            unroll=unroll,
+            accumulation,
+            token_weighted=contract.token_weighted,
+            with_index=contract.uses_rng,
             scan_single=False,
         )
         data = policy.cast_to_compute(batch) if cast_batch else batch
         params_c = policy.cast_to_compute(params)
-        state_in = model_state if has_state else None
+        state_in = model_state if contract.has_state else None
         if params_layout is not None:
 
             def probe(p: Any) -> None:  # the loss on abstract values, for the layer to see what it gathers
-                jax.eval_shape(
-                    model_loss, *_abstract_loss_args(p, state_in, data, splitter, num_microbatches, uses_rng)
-                )
+                jax.eval_shape(model_loss, *_abstract_loss_args(p, state_in, data, accumulation, contract))
 
             params_c = params_layout(params_c, probe)
-        (value, scaled_grads) = accumulate(params_c, data, model_state) if has_state else accumulate(params_c, data)
+        (_, _, (values, counts, aux), new_state), scaled_grads = run(params_c, data, state_in)
         if not checked:  # after the outputs' own checks; marked only once passed, so a caught error comes again
-            _check_traced_loss(
-                model_loss, params_c, state_in, data, splitter, num_microbatches, uses_rng, policy.compute_dtype
-            )
+            _check_traced_loss(model_loss, params_c, state_in, data, accumulation, contract, policy.compute_dtype)
             checked.append(True)
-        (_, per_microbatch), new_state = value if has_state else (value, None)
         count = None
-        if token_weighted:
-            loss_sums, counts, aux = per_microbatch
+        if contract.token_weighted:
             count = jnp.sum(counts)
-            loss = jnp.sum(loss_sums) / count
-            aux = (loss_sums, counts, aux) if has_aux else None
+            loss = jnp.sum(values) / count
+            aux = (values, counts, aux) if contract.has_aux else None
         else:
-            losses, aux = per_microbatch
-            loss = jnp.mean(losses)
+            loss = jnp.mean(values)
+            aux = aux if contract.has_aux else None
         # Gradients w.r.t. the compute-dtype copy come back float32 (the accumulator's dtype).
         return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state, token_count=count)
 
@@ -261,16 +188,14 @@ def gradient_stage(
 
 
 def _abstract_loss_args(
-    params_c: Any, model_state: Any, batch: Any, splitter: Splitter, num_microbatches: int, uses_rng: bool
+    params_c: Any, model_state: Any, batch: Any, accumulation: Accumulation, contract: LossContract
 ) -> tuple[Any, ...]:
     """The loss's arguments for one microbatch, as ``jax.ShapeDtypeStruct`` s."""
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
-    microbatches = jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)
+    microbatches = jax.eval_shape(accumulation.split_batch, batch)
     microbatch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), microbatches)
-    args = (abstract(params_c), *(() if model_state is None else (abstract(model_state),)), microbatch)
-    if uses_rng:
-        args += (jax.eval_shape(lambda: jax.random.key(0)),)
-    return args
+    key = jax.eval_shape(lambda: jax.random.key(0)) if contract.uses_rng else None
+    return contract.arguments(abstract(params_c), abstract(model_state), microbatch, key)
 
 
 def _check_traced_loss(
@@ -278,9 +203,8 @@ def _check_traced_loss(
     params_c: Any,
     model_state: Any,
     batch: Any,
-    splitter: Splitter,
-    num_microbatches: int,
-    uses_rng: bool,
+    accumulation: Accumulation,
+    contract: LossContract,
     compute_dtype: Any,
 ) -> None:
     """The loss, traced once on abstract values (nothing runs), checked for what a setting would not do.
@@ -289,7 +213,7 @@ def _check_traced_loss(
     (:func:`leanstep.blocks.rematerialization.check_saved_names`); a low compute dtype that no matmul
     runs in is one :class:`PrecisionWarning`.
     """
-    args = _abstract_loss_args(params_c, model_state, batch, splitter, num_microbatches, uses_rng)
+    args = _abstract_loss_args(params_c, model_state, batch, accumulation, contract)
     # Only the program matters here, not the outputs (whose structure the real trace checks).
     jaxpr = jax.make_jaxpr(lambda *a: [x for x in jax.tree.leaves(loss_fn(*a)) if isinstance(x, jax.Array)])(*args)
     check_saved_names(jaxpr)

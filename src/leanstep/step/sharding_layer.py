@@ -247,34 +247,7 @@ class ShardingLayer:
             def local(params: Any, batch: Any, loss_scale: Any, key: Any) -> Gradients:
                 if key is not None and devices > 1:  # each device draws its own randomness for its rows
                     key = jax.random.fold_in(key, jax.lax.axis_index(manual))
-                out = traced(params, batch, loss_scale, key, None)
-                # The stage's token count is there exactly when it is token-weighted.
-                weight = out.token_count if token_weighted and out.token_count is not None else jnp.float32(1.0)
-                total = jax.lax.psum(weight, manual)
-                fsdp = axes.fsdp if axes.fsdp in manual else None
-
-                def reduce_leaf(_: Any, grad: Any, spec: PartitionSpec) -> Any:
-                    grad = grad * weight if token_weighted else grad
-                    dim = None if fsdp is None else _dim_of(spec, fsdp)
-                    rest = tuple(a for a in manual if a != fsdp or dim is None)
-                    if dim is not None:
-                        grad = jax.lax.psum_scatter(grad, fsdp, scatter_dimension=dim, tiled=True)
-                    return (jax.lax.psum(grad, rest) if rest else grad) / total
-
-                grads = _map_specs(reduce_leaf, out.grads, specs)
-                loss = jax.lax.psum(out.loss * weight, manual) / total
-                mean = lambda tree: jax.tree.map(
-                    lambda a: (
-                        jax.lax.pmean(a, manual) if jnp.issubdtype(a.dtype, jnp.floating) else jax.lax.psum(a, manual)
-                    ),
-                    tree,
-                )
-                if token_weighted and out.aux is not None:  # per-microbatch sums and counts: summed exactly
-                    sums, counts, user = out.aux
-                    aux = (jax.lax.psum(sums, manual), jax.lax.psum(counts, manual), mean(user))
-                else:
-                    aux = mean(out.aux)
-                return Gradients(loss=loss, grads=grads, aux=aux, model_state=None, token_count=total)
+                return self._reduced(traced(params, batch, loss_scale, key, None), specs, token_weighted=token_weighted)
 
             rows = make_spec([batch_manual])
             return jax.shard_map(
@@ -293,6 +266,36 @@ class ShardingLayer:
             )(params, batch, loss_scale, key)
 
         return with_specs(reduced)
+
+    def _reduced(self, out: Gradients, specs: Any, *, token_weighted: bool) -> Gradients:
+        """One device's gradient stage output, reduced over the manual axes (inside ``shard_map``):
+        ``psum`` (``psum_scatter`` over a manual FSDP axis), token-weighted by the devices' counts."""
+        manual, axes = self.manual_axes, self.axes
+        # The stage's token count is there exactly when it is token-weighted.
+        weight = out.token_count if token_weighted and out.token_count is not None else jnp.float32(1.0)
+        total = jax.lax.psum(weight, manual)
+        fsdp = axes.fsdp if axes.fsdp in manual else None
+
+        def reduce_leaf(_: Any, grad: Any, spec: PartitionSpec) -> Any:
+            grad = grad * weight if token_weighted else grad
+            dim = None if fsdp is None else _dim_of(spec, fsdp)
+            rest = tuple(a for a in manual if a != fsdp or dim is None)
+            if dim is not None:
+                grad = jax.lax.psum_scatter(grad, fsdp, scatter_dimension=dim, tiled=True)
+            return (jax.lax.psum(grad, rest) if rest else grad) / total
+
+        grads = _map_specs(reduce_leaf, out.grads, specs)
+        loss = jax.lax.psum(out.loss * weight, manual) / total
+        mean = lambda tree: jax.tree.map(
+            lambda a: jax.lax.pmean(a, manual) if jnp.issubdtype(a.dtype, jnp.floating) else jax.lax.psum(a, manual),
+            tree,
+        )
+        if token_weighted and out.aux is not None:  # per-microbatch sums and counts: summed exactly
+            sums, counts, user = out.aux
+            aux = (jax.lax.psum(sums, manual), jax.lax.psum(counts, manual), mean(user))
+        else:
+            aux = mean(out.aux)
+        return Gradients(loss=loss, grads=grads, aux=aux, model_state=None, token_count=total)
 
     def around(
         self, step: Callable[[TrainState, Any], tuple[TrainState, StepMetrics]], num_microbatches: int

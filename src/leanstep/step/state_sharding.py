@@ -49,7 +49,8 @@ def state_shardings(
       fsdp: on a mesh without an FSDP axis, make ``data_axis`` the FSDP axis.
       data_axis: the data-parallel axis of a one-axis mesh.
       rules: partition rules (:mod:`leanstep.sharding.partition_rules`); None: the fallback only.
-      fsdp_axis, tensor_axis: the names of the FSDP and tensor axes, if the mesh has them.
+      fsdp_axis: the name of the FSDP axis, if the mesh has one.
+      tensor_axis: the name of the tensor axis, if the mesh has one.
 
     Returns:
       A pytree of the structure of ``state`` with a ``NamedSharding`` per leaf.

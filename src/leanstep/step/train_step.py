@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, overload
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh
 
-from leanstep.blocks.microbatches import Splitter, check_num_microbatches, get_splitter
+from leanstep.blocks.accumulation import Accumulation
+from leanstep.blocks.loss_contract import LossContract
+from leanstep.blocks.microbatches import Splitter
 from leanstep.blocks.precision import Precision
-from leanstep.common.checks import INT32_MAX, check_bool, check_optimizer, check_positive
+from leanstep.common.checks import INT32_MAX, check_bool, check_positive
 from leanstep.step.gradients import gradient_stage
+from leanstep.step.settings import step_settings
 from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.update import guarded_update
@@ -38,7 +39,7 @@ class JittedTrainStep(Protocol):
 @overload
 def make_train_step(
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation | None = ...,
+    optimizer: None = ...,
     *,
     precision: str | Precision = ...,
     num_microbatches: int = ...,
@@ -46,24 +47,23 @@ def make_train_step(
     has_aux: bool = ...,
     token_weighted: bool = ...,
     uses_rng: bool = ...,
-    cast_batch: bool = ...,
     has_state: bool = ...,
     split: str | Splitter | None = ...,
     unroll: int | bool = ...,
+    cast_batch: bool = ...,
     jit: Literal[True] = ...,
     donate: bool = ...,
     mesh: Mesh | ShardingLayer | None = ...,
-    data_axis: str = ...,
-    fsdp: bool = ...,
-    rules: Any = ...,
-    reduce: str = ...,
+    loss: LossContract | None = ...,
+    accumulation: Accumulation | None = ...,
+    **deprecated: Any,
 ) -> JittedTrainStep: ...
 
 
 @overload
 def make_train_step(
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation | None = ...,
+    optimizer: None = ...,
     *,
     precision: str | Precision = ...,
     num_microbatches: int = ...,
@@ -71,23 +71,22 @@ def make_train_step(
     has_aux: bool = ...,
     token_weighted: bool = ...,
     uses_rng: bool = ...,
-    cast_batch: bool = ...,
     has_state: bool = ...,
     split: str | Splitter | None = ...,
     unroll: int | bool = ...,
+    cast_batch: bool = ...,
     jit: bool,
     donate: bool = ...,
     mesh: Mesh | ShardingLayer | None = ...,
-    data_axis: str = ...,
-    fsdp: bool = ...,
-    rules: Any = ...,
-    reduce: str = ...,
+    loss: LossContract | None = ...,
+    accumulation: Accumulation | None = ...,
+    **deprecated: Any,
 ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]: ...
 
 
 def make_train_step(
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation | None = None,
+    optimizer: None = None,
     *,
     precision: str | Precision = "float32",
     num_microbatches: int = 1,
@@ -95,17 +94,16 @@ def make_train_step(
     has_aux: bool = False,
     token_weighted: bool = False,
     uses_rng: bool = False,
-    cast_batch: bool = True,
     has_state: bool = False,
     split: str | Splitter | None = None,
     unroll: int | bool = 1,
+    cast_batch: bool = True,
     jit: bool = True,
     donate: bool = True,
     mesh: Mesh | ShardingLayer | None = None,
-    data_axis: str = "data",
-    fsdp: bool = False,
-    rules: Any = None,
-    reduce: str = "auto",
+    loss: LossContract | None = None,
+    accumulation: Accumulation | None = None,
+    **deprecated: Any,
 ) -> JittedTrainStep | Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
 
@@ -127,6 +125,12 @@ def make_train_step(
     :class:`leanstep.ShardingLayer` around both. The optimizer is the state's
     (:meth:`TrainState.create`).
 
+    The settings are three values (:mod:`leanstep.step.settings` checks them together):
+    ``loss=`` a :class:`leanstep.LossContract`, ``accumulation=`` a
+    :class:`leanstep.Accumulation` and ``mesh=`` a ``Mesh`` or a
+    :class:`leanstep.ShardingLayer`. The keywords ``has_aux`` ... ``unroll`` are the short
+    form of the first two, for the common case; give either form, not both.
+
     Args:
       loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)`` with
         ``uses_rng``) returning a scalar loss, ``(loss, aux)`` with ``has_aux``, or
@@ -134,8 +138,8 @@ def make_train_step(
         ``sum / count``, not a mean of microbatch means; with ``has_aux`` too,
         ``((loss_sum, count), aux)``). It receives params (and, with ``cast_batch``, the
         batch's floating leaves) in the compute dtype.
-      optimizer: deprecated: the optimizer is given once, to :meth:`TrainState.create`.
-        If given, it is used instead of the state's (with a ``DeprecationWarning``).
+      optimizer: no longer taken (a TypeError says so): the optimizer is given once, to
+        :meth:`TrainState.create`.
       precision: a :class:`Precision` or its string form, e.g.
         ``"params=float32,compute=bfloat16,output=float32"``; with ``strict`` the
         loss runs under :func:`strict_precision`.
@@ -172,17 +176,15 @@ def make_train_step(
         :func:`leanstep.shard_train_state` and :func:`leanstep.shard_batch`); finiteness is
         decided on the reduced gradient, so every device skips the same steps. None: one
         device.
-      data_axis: the data axis of a one-axis mesh.
-      fsdp: on a mesh without an ``"fsdp"`` axis, split parameters and optimizer state
-        over ``data_axis`` (ZeRO-3) instead of replicating them.
-      rules: partition rules, ``((pattern, roles), ...)`` (see
-        :mod:`leanstep.sharding.partition_rules`); None: the largest divisible dimension over the
-        FSDP axis.
-      reduce: where the gradient is reduced: ``"auto"`` (data-parallel axes once per step,
-        after the microbatch scan; the FSDP axis per layer, ZeRO-3; with ``has_state``,
-        as ``"microbatch"``), ``"step"`` (every axis once per step) or ``"microbatch"``
-        (XLA reduces every microbatch; the loss sees whole microbatches). See
-        :mod:`leanstep.step.sharding_layer`.
+      loss: what ``loss_fn`` takes and returns, as one value (in place of ``has_aux``,
+        ``token_weighted``, ``uses_rng`` and ``has_state``).
+      accumulation: how the batch is walked, as one value (in place of
+        ``num_microbatches``, ``split`` and ``unroll``; its split is used as given, on a
+        mesh too).
+      **deprecated: the 0.7 sharding keywords ``data_axis``, ``fsdp``, ``rules`` and
+        ``reduce``, accepted through 0.8 with a ``DeprecationWarning``: give them to
+        ``mesh=leanstep.ShardingLayer(mesh, data_axis, fsdp=..., rules=..., reduce=...)``.
+        ``reduce`` defaults to ``"microbatch"`` with ``has_state`` on a plain ``Mesh``.
 
     Returns:
       The step function.
@@ -190,14 +192,15 @@ def make_train_step(
     Raises:
       ValueError: ``num_microbatches`` < 1, ``max_grad_norm`` not a normal, finite float32 > 0,
         a ``precision`` whose params dtype is not float32 (the masters are float32:
-        :func:`leanstep.blocks.precision.check_train_precision`), ``data_axis`` not an axis of
-        ``mesh``, ``split="presplit"`` with a mesh; at trace time, the batch not divisible by
+        :func:`leanstep.blocks.precision.check_train_precision`), ``split="presplit"`` with a
+        mesh, a model state with a reduction that lets it differ between devices, a value and
+        its short-form keywords both given; at trace time, the batch not divisible by
         ``num_microbatches`` (times the data-axis size, with a mesh), ``state.params`` not
         float32, ``state.opt_state`` not built by the optimizer applied, a token count that is
         not a scalar, or a ``"save:NAME"`` remat policy naming a tag the loss never sets; at
         call time, an input array that was deleted (a donated state used again).
       TypeError: ``loss_fn`` not callable, ``jit`` or ``donate`` not a bool, ``mesh`` not a
-        ``jax.sharding.Mesh``; at trace time, ``state`` not a :class:`TrainState`; at call
+        ``jax.sharding.Mesh``, an ``optimizer``, an unknown keyword; at trace time, ``state`` not a :class:`TrainState`; at call
         time, a ``jax.ShapeDtypeStruct`` or non-array leaf in the state or batch.
 
     Example:
@@ -213,65 +216,35 @@ def make_train_step(
       (1.0, 2.828..., False, True)
     """
     if optimizer is not None:
-        check_optimizer(optimizer)
-        warnings.warn(
-            "make_train_step(loss_fn, optimizer) is deprecated: the optimizer is given once, to "
-            "TrainState.create(params, optimizer), and the step uses the state's",
-            DeprecationWarning,
-            stacklevel=2,
+        raise TypeError(
+            "make_train_step takes no optimizer since leanstep 0.8 (deprecated since 0.2): give it once, to "
+            "TrainState.create(params, optimizer); the step applies the state's"
         )
-    num_microbatches = check_num_microbatches(num_microbatches)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     jit, donate = check_bool("jit", jit), check_bool("donate", donate)
-    if check_bool("fsdp", fsdp) and mesh is None:
-        raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
-    if mesh is None and (rules is not None or reduce != "auto"):
-        raise ValueError("rules= and reduce= lay the step out over a mesh; pass mesh= too")
-    layer: ShardingLayer | None
-    if isinstance(mesh, ShardingLayer):
-        if (data_axis, fsdp, rules, reduce) != ("data", False, None, "auto"):
-            raise ValueError("mesh= is a ShardingLayer: give data_axis, fsdp, rules and reduce to it, not here")
-        layer = mesh
-    else:
-        if has_state and reduce == "auto":
-            reduce = "microbatch"  # batch statistics must see whole microbatches, as on one device
-        layer = None if mesh is None else ShardingLayer(mesh, data_axis, fsdp=fsdp, rules=rules, reduce=reduce)
-    if layer is not None and has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
-        raise ValueError(
-            f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
-            "device would differ between devices that reduce their gradient once per step; use "
-            "reduce='microbatch' (the default with has_state)"
-        )
-    if layer is not None and split == "presplit":
-        raise ValueError(
-            "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
-            f"{data_axis!r}, and the sharding layer splits it into strided microbatches"
-        )
-    splitter = get_splitter(split or ("contiguous" if layer is None else "strided"))
+    short: dict[str, Any] = dict(has_aux=has_aux, token_weighted=token_weighted, uses_rng=uses_rng, has_state=has_state)
+    short.update(num_microbatches=num_microbatches, split=split, unroll=unroll)
+    settings = step_settings(loss, accumulation, mesh, short=short, deprecated=deprecated)
+    contract, accumulation, layer = settings.loss, settings.accumulation, settings.layer
+    num_microbatches = accumulation.num_microbatches
     gradients = gradient_stage(
         loss_fn,
         precision=precision,
-        num_microbatches=num_microbatches,
-        has_aux=has_aux,
-        token_weighted=token_weighted,
-        uses_rng=uses_rng,
+        accumulation=settings.stage_accumulation,
+        loss=contract,
         cast_batch=cast_batch,
-        has_state=has_state,
-        unroll=unroll,
-        split=splitter if layer is None else layer.split(splitter),
         params_layout=None if layer is None else layer.model_params,
     )
     if layer is not None:
-        gradients = layer.gradients(gradients, token_weighted=token_weighted)
+        gradients = layer.gradients(gradients, token_weighted=contract.token_weighted)
 
     def core(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if uses_rng else None
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if contract.uses_rng else None
         grads = gradients(state.params, batch, state.loss_scale, key, state.model_state)
-        run = state if optimizer is None else state.replace(optimizer=optimizer)
         new_state, info = guarded_update(
-            run, grads.grads, loss=grads.loss, max_grad_norm=max_grad_norm, model_state=grads.model_state
+            state, grads.grads, loss=grads.loss, max_grad_norm=max_grad_norm, model_state=grads.model_state
         )
-        new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1, optimizer=state.optimizer)
+        new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1)
         return new_state, StepMetrics(
             loss=grads.loss,
             grad_norm=info.grad_norm,
@@ -287,10 +260,10 @@ def make_train_step(
     def step(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         if not isinstance(state, TrainState):
             raise TypeError(f"state must be a TrainState (see TrainState.create), got {type(state).__name__}")
-        if has_state != (state.model_state is not None):
+        if contract.has_state != (state.model_state is not None):
             raise ValueError(
                 "has_state=True needs TrainState.create(..., model_state=...)"
-                if has_state
+                if contract.has_state
                 else "the state holds a model_state: pass has_state=True, and loss_fn(params, model_state, "
                 "batch) returning (loss, new_model_state)"
             )
@@ -301,7 +274,7 @@ def make_train_step(
                     "master weights must be float32 (TrainState.create stores them so; the compute dtype "
                     "is the precision's)"
                 )
-        jax.eval_shape(lambda b: splitter(b, num_microbatches), batch)  # the batch's errors, at trace time
+        jax.eval_shape(accumulation.split_batch, batch)  # the batch's errors, at trace time
         return sharded(state, batch)
 
     if not jit:

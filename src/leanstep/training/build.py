@@ -20,6 +20,7 @@ from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.precision import Precision, get_precision
 from leanstep.blocks.rematerialization import check_saved_names
 from leanstep.models import Model, build_model
+from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import JittedTrainStep, make_train_step
 from leanstep.training.auto_precision import resolve_precision
@@ -120,10 +121,9 @@ class Run:
             precision=config.precision,
             num_microbatches=config.microbatches,
             max_grad_norm=config.max_grad_norm,
-            mesh=mesh,
-            fsdp=config.fsdp,
-            rules=None if mesh is None else self.model.rules,
-            reduce="auto" if mesh is None else config.reduce,  # without a mesh only the default is allowed
+            mesh=None
+            if mesh is None
+            else ShardingLayer(mesh, fsdp=config.fsdp, rules=self.model.rules, reduce=config.reduce),
         )
 
 

@@ -1,0 +1,152 @@
+r"""What a loss function takes and returns: one value, read once per call of the loss.
+
+Four independent choices, each a field of :class:`LossContract`:
+
+.. code-block:: text
+
+    field           loss_fn's arguments                         loss_fn returns
+    (none)          (params, batch)                             loss
+    has_aux         -                                           (that, aux)
+    token_weighted  -                                           (loss_sum, count) in place of loss
+    uses_rng        ... then key                                -
+    has_state       (params, model_state, batch[, key])         (that, new_model_state)
+
+so with all four, ``loss_fn(params, model_state, batch, key)`` returns
+``(((loss_sum, count), aux), new_model_state)``. :meth:`LossContract.parse` reads one output
+into a :class:`LossOutput` and checks it (structure, a real floating scalar loss, a real scalar
+count, a new model state of the structure and dtypes it was given) with errors that name the
+field; the gradient stage, the accumulation and the sharding layer use the parsed value and
+never look at the raw output again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from leanstep.common.checks import check_bool, check_scalar_output, same_structure
+
+__all__ = ["LossContract", "LossOutput"]
+
+
+class LossOutput(NamedTuple):
+    """One call of the loss, parsed.
+
+    Attributes:
+      value: float32 scalar: the loss, or the ``loss_sum`` of a token-weighted loss.
+      token_count: float32 scalar token count (token-weighted), or None. (Not ``count``:
+        that would hide the tuple's ``count`` method.)
+      aux: the aux output (``has_aux``), or None.
+      model_state: the new model state (``has_state``) in the old state's dtypes, or None.
+    """
+
+    value: jax.Array
+    token_count: jax.Array | None
+    aux: Any
+    model_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LossContract:
+    """What a loss function takes and returns (see the module doc).
+
+    Attributes:
+      has_aux: the loss returns ``(out, aux)``; aux comes back stacked over microbatches.
+      token_weighted: the loss returns ``(loss_sum, count)``: the batch's loss is
+        ``sum(loss_sum) / sum(count)``, not a mean of microbatch means.
+      uses_rng: the loss takes a PRNG key as its last argument.
+      has_state: the loss takes a model state after the params and returns
+        ``(out, new_model_state)``.
+
+    Raises:
+      TypeError: a field that is not a bool.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> contract = LossContract(has_aux=True)
+      >>> contract.expected
+      '(loss, aux)'
+      >>> contract.parse((jnp.float32(2.0), {"acc": 1}))
+      LossOutput(value=Array(2., dtype=float32), token_count=None, aux={'acc': 1}, model_state=None)
+    """
+
+    has_aux: bool = False
+    token_weighted: bool = False
+    uses_rng: bool = False
+    has_state: bool = False
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            object.__setattr__(self, field.name, check_bool(field.name, getattr(self, field.name)))
+
+    @property
+    def flags(self) -> str:
+        """The fields that are set, as keywords: ``"has_aux=True and token_weighted=True"``."""
+        on = [f"{field.name}=True" for field in dataclasses.fields(self) if getattr(self, field.name)]
+        return " and ".join(on)
+
+    @property
+    def expected(self) -> str:
+        """What the loss must return, as a structure: ``"((loss_sum, count), aux)"``."""
+        out = "(loss_sum, count)" if self.token_weighted else "loss"
+        out = f"({out}, aux)" if self.has_aux else out
+        return f"({out}, new_model_state)" if self.has_state else out
+
+    def arguments(self, params: Any, model_state: Any, batch: Any, key: Any = None) -> tuple[Any, ...]:
+        """The loss's positional arguments: ``(params, [model_state,] batch[, key])``."""
+        return (params, *((model_state,) if self.has_state else ()), batch, *((key,) if self.uses_rng else ()))
+
+    def parse(self, out: Any, model_state: Any = None) -> LossOutput:
+        """One output of the loss, checked (at trace time: structure, shapes and dtypes are static).
+
+        Args:
+          out: what the loss returned.
+          model_state: the model state the loss was given (``has_state``): the new one must
+            have its structure, and is cast to its dtypes (a scan carry keeps its type).
+
+        Raises:
+          TypeError: ``out`` is not of the :attr:`expected` structure, the loss is not a real
+            floating scalar or the count not a real scalar, or the new model state is of
+            another structure.
+          ValueError: the loss or the count is not a scalar.
+        """
+        new_state = None
+        if self.has_state:
+            out, new_state = _pair(out, "has_state=True: loss_fn must return (out, new_model_state)", out)
+            new_state = _keep_state_types(new_state, model_state)
+        whole, aux, count = out, None, None
+        if self.has_aux:
+            out, aux = _pair(out, self._structure_error(), whole)
+        if self.token_weighted:
+            out, count = _pair(out, self._structure_error(), whole)
+            count = check_scalar_output(
+                "token_weighted=True: loss_fn's count", count, integer=True, reduce="jnp.sum(mask)"
+            ).astype(jnp.float32)
+        name = "loss_fn's loss_sum" if self.token_weighted else "loss_fn's loss"
+        value = check_scalar_output(name, out, reduce="jnp.sum" if self.token_weighted else "jnp.mean")
+        return LossOutput(value.astype(jnp.float32), count, aux, new_state)
+
+    def _structure_error(self) -> str:
+        flags = " and ".join(f"{name}=True" for name in ("has_aux", "token_weighted") if getattr(self, name))
+        out = "(loss_sum, count)" if self.token_weighted else "loss"
+        return f"{flags}: loss_fn must return {f'({out}, aux)' if self.has_aux else out}"
+
+
+def _pair(out: Any, message: str, whole: Any) -> tuple[Any, Any]:
+    """``out``'s two entries; TypeError ``message`` (naming ``whole``'s type) if it is not a pair."""
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(f"{message}, got {type(whole).__name__}")
+    return out[0], out[1]
+
+
+def _keep_state_types(new: Any, old: Any) -> Any:
+    """``new`` state in ``old``'s structure and dtypes: a scan carry must keep its type."""
+    if not same_structure(new, old):
+        raise TypeError(
+            "has_state=True: loss_fn must return a new model state of the structure it was given; "
+            f"got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}"
+        )
+    return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)), new, old)

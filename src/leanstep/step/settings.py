@@ -1,0 +1,142 @@
+"""A step's settings as three values, made and checked in one place.
+
+.. code-block:: text
+
+    LossContract    what the loss takes and returns           (leanstep.blocks.loss_contract)
+    Accumulation    microbatches, split, unroll               (leanstep.blocks.accumulation)
+    ShardingLayer   the mesh, its rules, where to reduce      (leanstep.step.sharding_layer)
+
+:func:`step_settings` turns the keywords of :func:`leanstep.make_train_step` into all three
+and refuses every combination that cannot work, here and nowhere else
+(:func:`leanstep.step.keywords.loss_settings` does the same for the gradient stage's two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+from jax.sharding import Mesh
+
+from leanstep.blocks.accumulation import Accumulation
+from leanstep.blocks.loss_contract import LossContract
+from leanstep.step.keywords import unexpected_keywords
+from leanstep.step.sharding_layer import ShardingLayer
+
+__all__ = ["StepSettings", "step_settings"]
+
+_SHARDING_KEYWORDS = {"data_axis": "data", "fsdp": False, "rules": None, "reduce": "auto"}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+    """What :func:`leanstep.make_train_step` composes, checked together.
+
+    Attributes:
+      loss: what the loss takes and returns.
+      accumulation: how the batch is walked; with a mesh, the split is strided unless given
+        (the layer adds its constraint: :meth:`ShardingLayer.split`).
+      layer: the sharding layer, or None on one device.
+    """
+
+    loss: LossContract
+    accumulation: Accumulation
+    layer: ShardingLayer | None
+
+    @property
+    def stage_accumulation(self) -> Accumulation:
+        """The accumulation the gradient stage runs: on a mesh, its microbatches constrained by the layer."""
+        if self.layer is None:
+            return self.accumulation
+        return self.accumulation.replace(split=self.layer.split(self.accumulation.split))
+
+
+def step_settings(
+    loss: LossContract | None,
+    accumulation: Accumulation | None,
+    mesh: Mesh | ShardingLayer | None,
+    *,
+    short: dict[str, Any],
+    deprecated: dict[str, Any],
+) -> StepSettings:
+    """The step's three values, every combination that cannot work refused (the one place).
+
+    Args:
+      loss: the loss contract, or None: made from ``short``.
+      accumulation: the accumulation, or None: made from ``short``.
+      mesh: a ``Mesh``, a :class:`ShardingLayer`, or None.
+      short: the short-form keywords of :func:`leanstep.make_train_step` (``has_aux`` ...
+        ``unroll``), as given; ``split`` None means not chosen (contiguous; strided on a mesh).
+      deprecated: the 0.7 sharding keywords (``data_axis``, ``fsdp``, ``rules``, ``reduce``),
+        folded into a layer with a ``DeprecationWarning``.
+
+    Raises:
+      TypeError: an unknown keyword, or a value of the wrong type.
+      ValueError: a value beside its short-form keywords; sharding keywords without a mesh or
+        beside a layer; a model state with a reduction that would let it differ between
+        devices; a presplit batch on a mesh.
+    """
+    unknown = set(deprecated) - set(_SHARDING_KEYWORDS)
+    if unknown:
+        raise unexpected_keywords("make_train_step", unknown)
+    flags = {k: short[k] for k in ("has_aux", "token_weighted", "uses_rng", "has_state")}
+    if loss is None:
+        loss = LossContract(**flags)
+    elif not isinstance(loss, LossContract):
+        raise TypeError(f"loss must be a leanstep.LossContract, got {type(loss).__name__}")
+    elif any(flags.values()):
+        raise ValueError(
+            "give has_aux, token_weighted, uses_rng and has_state inside loss=LossContract(...), not beside it"
+        )
+    split = short["split"]
+    split_given = split is not None or accumulation is not None
+    if accumulation is None:
+        accumulation = Accumulation(
+            short["num_microbatches"], "contiguous" if split is None else split, short["unroll"]
+        )
+    elif not isinstance(accumulation, Accumulation):
+        raise TypeError(f"accumulation must be a leanstep.Accumulation, got {type(accumulation).__name__}")
+    elif (short["num_microbatches"], split, short["unroll"]) != (1, None, 1):
+        raise ValueError("give num_microbatches, split and unroll inside accumulation=Accumulation(...), not beside it")
+    layer = _layer(mesh, deprecated, has_state=loss.has_state)
+    if layer is None:
+        return StepSettings(loss, accumulation, None)
+    if loss.has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
+        raise ValueError(
+            f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
+            "device would differ between devices that reduce their gradient once per step; use "
+            "reduce='microbatch' (the default with has_state)"
+        )
+    if accumulation.split == "presplit":
+        raise ValueError(
+            "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
+            f"{layer.data_axis!r}, and the sharding layer splits it into strided microbatches"
+        )
+    return StepSettings(loss, accumulation if split_given else accumulation.replace(split="strided"), layer)
+
+
+def _layer(mesh: Mesh | ShardingLayer | None, deprecated: dict[str, Any], *, has_state: bool) -> ShardingLayer | None:
+    defaults = _SHARDING_KEYWORDS
+    given = {k: v for k, v in deprecated.items() if not (type(v) is type(defaults[k]) and v == defaults[k])}
+    if deprecated:
+        warnings.warn(
+            f"make_train_step({', '.join(f'{k}=' for k in sorted(deprecated))}) is deprecated: pass "
+            "mesh=leanstep.ShardingLayer(mesh, ...) (leanstep 0.8; the keywords go in 0.9)",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+    if mesh is None:
+        if "fsdp" in given:
+            raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
+        if given:
+            raise ValueError("rules= and reduce= lay the step out over a mesh; pass mesh= too")
+        return None
+    if isinstance(mesh, ShardingLayer):
+        if given:
+            raise ValueError("mesh= is a ShardingLayer: give data_axis, fsdp, rules and reduce to it, not here")
+        return mesh
+    keywords = {**_SHARDING_KEYWORDS, **deprecated}
+    if has_state and keywords["reduce"] == "auto":
+        keywords["reduce"] = "microbatch"  # batch statistics must see whole microbatches, as on one device
+    return ShardingLayer(mesh, **keywords)
