@@ -42,9 +42,10 @@ def worker(out: Path) -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     import optax
 
-    from leanstep.bench import scaling
+    from benchmarks import scaling
     from leanstep.planning.cluster import plan_cluster
     from leanstep.planning.one_device import BudgetError
+    from leanstep.planning.search_options import SearchOptions, SearchSpace
     from leanstep.sharding.distributed import device_mesh, parse_mesh
     from leanstep.training import RunConfig
     from leanstep.training.analysis import plan_run
@@ -62,11 +63,13 @@ def worker(out: Path) -> None:
         budget_bytes="1GiB",
         accelerator=get_accelerator("h100", node_size=4),
         rules=work.rules,
-        meshes=[{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 4}],
-        remat_policies=["full"],
-        reductions=["auto"],
-        microbatches=[1],
-        exhaustive=True,
+        space=SearchSpace(
+            meshes=[{"data": 8}, {"fsdp": 8}, {"data": 2, "fsdp": 4}],
+            remat_policies=["full"],
+            reductions=["auto"],
+            microbatches=[1],
+        ),
+        search=SearchOptions(exhaustive=True),
     )
     results["stack"] = stack.to_json()
 
@@ -204,4 +207,5 @@ def test_presets_price_collectives_by_where_their_group_lies():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
     worker(Path(sys.argv[2]))

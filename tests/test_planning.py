@@ -15,13 +15,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from leanstep import planning
 from leanstep.blocks.rematerialization import remat
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
 from leanstep.common.memory_sizes import format_bytes
 from leanstep.planning.candidates import first_fit
-from leanstep.planning.one_device import BudgetError, Candidate, Setting, plan, settings_grid
+from leanstep.planning.one_device import (
+    BudgetError,
+    Candidate,
+    Setting,
+    choose,
+    plan,
+    search_candidates,
+    settings_grid,
+)
+from leanstep.planning.search_options import SearchOptions
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 from leanstep.training import RunConfig, analysis, build_run
@@ -72,7 +80,7 @@ def _plan(budget, **kw):
 @pytest.fixture(scope="module")
 def everything():
     """Every candidate compiled (6 small compiles, shared by the tests below)."""
-    return _plan("1GiB", exhaustive=True)
+    return _plan("1GiB", search=SearchOptions(exhaustive=True))
 
 
 def _nbytes(tree):
@@ -158,7 +166,7 @@ def _lazy_choice(candidates, budget, rtol=0.02):
         used.append(i)
         return dataclasses.replace(candidates[i], fits=candidates[i].peak_bytes <= budget)
 
-    chosen = planning._choose(planning._search(blank, compile_at, rtol, exhaustive=False), rtol)
+    chosen = choose(search_candidates(blank, compile_at, rtol, exhaustive=False), rtol)
     return (chosen.setting if chosen else None), len(used)
 
 
@@ -241,7 +249,7 @@ def test_arguments_over_the_budget_stop_the_search_after_one_compile(everything)
         return dataclasses.replace(found, fits=found.peak_bytes <= arguments - 1)
 
     blank = [Candidate(c.setting, flops=c.flops) for c in everything.candidates]
-    result = planning._search(blank, compile_at, 0.02, exhaustive=False, budget=arguments - 1)
+    result = search_candidates(blank, compile_at, 0.02, exhaustive=False, budget=arguments - 1)
     assert len(compiled) == 1 and sum(c.compiled for c in result) == 1 and not any(c.fits for c in result)
     with pytest.raises(BudgetError, match="no setting fits"):
         _plan(arguments - 1)
@@ -267,8 +275,6 @@ def test_settings_grid_uses_the_divisors():
         (dict(candidates=[(1, "sometimes", "float32")]), ValueError, "unknown policy='sometimes'"),
         (dict(candidates=[(1, "none")]), TypeError, "triples"),
         (dict(candidates=[]), ValueError, "candidates is empty"),
-        (dict(flops_rtol=1.5), ValueError, "flops_rtol must be a number in"),
-        (dict(compiler_options="fast"), TypeError, "compiler_options must be a dict"),
         (dict(budget_bytes="a lot"), ValueError, "is not a size"),
     ],
 )
@@ -276,6 +282,25 @@ def test_plan_rejects_bad_input_before_compiling(kwargs, error, match):
     kwargs.setdefault("budget_bytes", "1MiB")
     with pytest.raises(error, match=match):
         plan(make_loss_fn, _params(), _batch(), OPT, **kwargs)
+
+
+def test_search_options_reject_a_bad_margin_or_compiler_options_when_made():
+    with pytest.raises(ValueError, match=r"rtol must be a number in \[0, 1\), got 1.5"):
+        SearchOptions(rtol=1.5)
+    with pytest.raises(TypeError, match="compiler_options must be a dict, 'auto' or None, got 'fast'"):
+        SearchOptions(compiler_options="fast")
+
+
+def test_plan_takes_0_8_0s_flat_search_keywords_with_a_warning_naming_the_new_form():
+    warning = r"plan\(flops_rtol=\) is deprecated .*search=SearchOptions\(rtol=...\)"
+    # Checked as the value checks it.
+    with pytest.warns(DeprecationWarning, match=warning), pytest.raises(ValueError, match="rtol must be a number in"):
+        plan(make_loss_fn, _params(), _batch(), OPT, budget_bytes="1MiB", flops_rtol=1.5)
+    with (
+        pytest.raises(TypeError, match="give exhaustive inside search=SearchOptions"),
+        pytest.warns(DeprecationWarning),
+    ):
+        plan(make_loss_fn, _params(), _batch(), OPT, budget_bytes="1MiB", exhaustive=True, search=SearchOptions())
 
 
 def test_plan_rejects_batch_leaves_of_different_lengths():

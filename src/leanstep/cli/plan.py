@@ -22,12 +22,9 @@ def _int_list(text: str) -> list[int]:
 
 def add_parsers(subparsers: Any) -> None:
     """Registers ``plan`` and ``audit``."""
-    from leanstep.blocks.rematerialization import REMAT_POLICIES
     from leanstep.training import RunConfig
 
     d = RunConfig()
-    from leanstep.planning.cost_model import ACCELERATORS
-
     p = subparsers.add_parser(
         "plan",
         help="pick microbatches and remat (and, for --devices N, the mesh) for a memory budget, without running",
@@ -46,53 +43,43 @@ def add_parsers(subparsers: Any) -> None:
         "with --devices the default is the accelerator's memory",
     )
     add_run_flags(p, d)
-    cluster = p.add_argument_group("cluster (--devices)")
-    cluster.add_argument("--devices", type=int, default=None, help="plan for this many devices")
-    cluster.add_argument(
-        "--accelerator",
-        default="h100",
-        choices=tuple(ACCELERATORS),
-        help="the device the cost model prices (presets: see leanstep.planning.cost_model)",
-    )
-    cluster.add_argument("--mesh", default=None, metavar="AXES", help="plan this mesh only, e.g. data=8,fsdp=8")
-    cluster.add_argument("--reductions", default="auto,step", help="comma-separated gradient reductions to consider")
-    cluster.add_argument("--peak-flops", type=float, default=None, help="override the preset's peak FLOP/s")
-    cluster.add_argument(
-        "--bandwidth",
-        type=float,
-        default=None,
-        help="override the preset's in-node bandwidth, bytes/s per device one way",
-    )
-    cluster.add_argument(
-        "--inter-bandwidth",
-        type=float,
-        default=None,
-        help="override the preset's bandwidth between nodes, bytes/s per device one way",
-    )
-    cluster.add_argument("--node-size", type=int, default=None, help="override the preset's devices per node")
-    cluster.add_argument(
-        "--efficiency", type=float, default=None, help="override the fraction of peak FLOP/s reached (preset 0.5)"
-    )
-    search = p.add_argument_group("search")
-    search.add_argument(
-        "--remat-policies", default=",".join(REMAT_POLICIES), help="comma-separated policies to consider"
-    )
-    search.add_argument(
-        "--microbatch-counts",
-        type=_int_list,
-        default=None,
-        help="comma-separated counts to consider (default: %(default)s, meaning every divisor of --batch-size)",
-    )
-    search.add_argument(
-        "--all",
-        dest="exhaustive",
-        action="store_true",
-        help="compile every candidate, not only those that could be chosen",
-    )
+    groups: dict[str, Any] = {}
+    for title, flag, options in _plan_flags():
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        groups[title].add_argument(flag, **options)
     p.add_argument("--json", dest="json_path", metavar="FILE", help="also write the plan as JSON")
     add_compile_cache_flag(p)
     p.set_defaults(run=run_plan)
+    _add_audit_parser(subparsers, d)
 
+
+def _plan_flags() -> list[tuple[str, str, dict[str, Any]]]:
+    """``leanstep plan``'s own flags: ``(argument group, flag, add_argument keywords)``."""
+    from leanstep.blocks.rematerialization import REMAT_POLICIES
+    from leanstep.planning.cost_model import ACCELERATORS
+
+    c, s, preset, link = "cluster (--devices)", "search", "override the preset's", "bytes/s per device one way"
+    prices = "the device the cost model prices (presets: see leanstep.planning.cost_model)"
+    counts = "comma-separated counts to consider (default: %(default)s, meaning every divisor of --batch-size)"
+    every = "compile every candidate, not only those that could be chosen"
+    return [
+        (c, "--devices", dict(type=int, help="plan for this many devices")),
+        (c, "--accelerator", dict(default="h100", choices=tuple(ACCELERATORS), help=prices)),
+        (c, "--mesh", dict(metavar="AXES", help="plan this mesh only, e.g. data=8,fsdp=8")),
+        (c, "--reductions", dict(default="auto,step", help="comma-separated gradient reductions to consider")),
+        (c, "--peak-flops", dict(type=float, help=f"{preset} peak FLOP/s")),
+        (c, "--bandwidth", dict(type=float, help=f"{preset} in-node bandwidth, {link}")),
+        (c, "--inter-bandwidth", dict(type=float, help=f"{preset} bandwidth between nodes, {link}")),
+        (c, "--node-size", dict(type=int, help=f"{preset} devices per node")),
+        (c, "--efficiency", dict(type=float, help="override the fraction of peak FLOP/s reached (preset 0.5)")),
+        (s, "--remat-policies", dict(default=",".join(REMAT_POLICIES), help="comma-separated policies to consider")),
+        (s, "--microbatch-counts", dict(type=_int_list, help=counts)),
+        (s, "--all", dict(dest="exhaustive", action="store_true", help=every)),
+    ]
+
+
+def _add_audit_parser(subparsers: Any, d: Any) -> None:
     a = subparsers.add_parser(
         "audit",
         help="show what the train step really does: scans, remat, residuals, matmul dtypes, host syncs",
@@ -169,10 +156,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from leanstep.common.files import check_output_path
-    from leanstep.common.memory_sizes import parse_bytes
-    from leanstep.planning.one_device import BudgetError, settings_grid
-    from leanstep.training.analysis import plan_run
+    from leanstep.common.outputs import check_output_path
+    from leanstep.planning.one_device import BudgetError
+    from leanstep.training.auto_precision import resolve_precision
 
     try:
         json_path = None if args.json_path is None else check_output_path(args.json_path, what="--json")
@@ -180,64 +166,21 @@ def run_plan(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     cluster = args.devices is not None or args.mesh is not None
     if args.devices is not None:
-        from leanstep.sharding.distributed import configure_devices
-
-        try:  # before JAX starts: the planner compiles for this many simulated CPU devices
-            configure_devices(args.devices)
-        except ValueError as error:
-            raise InputError(str(error).replace("num_devices", "--devices")) from None
-        except RuntimeError:
-            pass  # JAX already runs (an embedding process): plan_run plans in a subprocess
-    if args.budget is None and not cluster:
-        raise InputError("--budget is required (per device with --devices), e.g. --budget 2GiB")
-    try:
-        budget = None if args.budget is None else parse_bytes(args.budget)
-    except ValueError as error:
-        raise InputError(f"--budget: {error}") from None
+        _configure_devices(args.devices)
+    budget = _budget(args, cluster)
     config = _config(args, microbatches=1, remat="none", **({"mesh": args.mesh} if args.mesh else {}))
-    from leanstep.training.auto_precision import resolve_precision
-
     config = dataclasses.replace(config, precision=resolve_precision(config.precision, priced_accelerator=cluster)[0])
-    policies = [name.strip() for name in args.remat_policies.split(",") if name.strip()]
     console = Console()
     try:
-        if cluster:
-            accelerator = _accelerator(args)
-            log = Console(stderr=True)
-            result = plan_run(
-                config,
-                budget,
-                num_devices=args.devices,
-                accelerator=accelerator,
-                remat_policies=policies,
-                microbatches=args.microbatch_counts,
-                progress=lambda line: log.print(line, highlight=False, markup=False),
-                reductions=[r.strip() for r in args.reductions.split(",") if r.strip()],
-                exhaustive=args.exhaustive,
-            )
-        else:
-            candidates = settings_grid(
-                config.batch_size,
-                remat_policies=policies,
-                precisions=(config.precision,),
-                microbatches=args.microbatch_counts,
-            )
-            result = plan_run(config, budget, candidates=candidates, exhaustive=args.exhaustive)
+        result = _cluster_plan(args, config, budget) if cluster else _one_device_plan(args, config, budget)
     except BudgetError as error:
         if cluster:
             console.print(_cluster_table(error.candidates, error.budget_bytes, None, None))
         else:
             console.print(_table(error.candidates, budget, None, config.precision))
         console.print(Text.assemble(("leanstep plan:", "bold red"), f" {error}"))
-        _write_json(
-            json_path,
-            {
-                "budget_bytes": error.budget_bytes,
-                "chosen": None,
-                "error": str(error),
-                "candidates": [c.to_json() for c in error.candidates],
-            },
-        )
+        failed = {"budget_bytes": error.budget_bytes, "chosen": None, "error": str(error)}
+        _write_json(json_path, {**failed, "candidates": [c.to_json() for c in error.candidates]})
         return 1
     except (TypeError, ValueError) as error:
         raise InputError(str(error)) from None
@@ -254,32 +197,93 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0 if _write_json(json_path, result.to_json()) else 1
 
 
+def _configure_devices(devices: int) -> None:
+    from leanstep.sharding.distributed import configure_devices
+
+    try:  # before JAX starts: the planner compiles for this many simulated CPU devices
+        configure_devices(devices)
+    except ValueError as error:
+        raise InputError(str(error).replace("num_devices", "--devices")) from None
+    except RuntimeError:
+        pass  # JAX already runs (an embedding process): plan_run plans in a subprocess
+
+
+def _budget(args: argparse.Namespace, cluster: bool) -> int | None:
+    from leanstep.common.memory_sizes import parse_bytes
+
+    if args.budget is None and not cluster:
+        raise InputError("--budget is required (per device with --devices), e.g. --budget 2GiB")
+    try:
+        return None if args.budget is None else parse_bytes(args.budget)
+    except ValueError as error:
+        raise InputError(f"--budget: {error}") from None
+
+
+def _split(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _one_device_plan(args: argparse.Namespace, config: Any, budget: int | None) -> Any:
+    from leanstep.planning.one_device import settings_grid
+    from leanstep.training.analysis import plan_run
+
+    candidates = settings_grid(
+        config.batch_size,
+        remat_policies=_split(args.remat_policies),
+        precisions=(config.precision,),
+        microbatches=args.microbatch_counts,
+    )
+    return plan_run(config, budget, candidates=candidates, exhaustive=args.exhaustive)
+
+
+def _cluster_plan(args: argparse.Namespace, config: Any, budget: int | None) -> Any:
+    from rich.console import Console
+
+    from leanstep.training.analysis import plan_run
+
+    accelerator = _accelerator(args)
+    log = Console(stderr=True)
+    return plan_run(
+        config,
+        budget,
+        num_devices=args.devices,
+        accelerator=accelerator,
+        remat_policies=_split(args.remat_policies),
+        microbatches=args.microbatch_counts,
+        progress=lambda line: log.print(line, highlight=False, markup=False),
+        reductions=_split(args.reductions),
+        exhaustive=args.exhaustive,
+    )
+
+
+#: The cost model's overrides: :class:`leanstep.planning.cost_model.Accelerator` field -> the flag that sets it.
+_OVERRIDES = {
+    "flops": "--peak-flops",
+    "bandwidth": "--bandwidth",
+    "inter_bandwidth": "--inter-bandwidth",
+    "node_size": "--node-size",
+    "efficiency": "--efficiency",
+}
+
+
 def _accelerator(args: argparse.Namespace) -> Any:
     from leanstep.planning.cost_model import get_accelerator
 
     if args.node_size is not None and not 1 <= args.node_size <= 2**31 - 1:
         raise InputError(f"--node-size must be an integer in [1, 2147483647], got {args.node_size}")
+    overrides = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in _OVERRIDES.items()}
     try:
-        return get_accelerator(
-            args.accelerator,
-            flops=args.peak_flops,
-            bandwidth=args.bandwidth,
-            inter_bandwidth=args.inter_bandwidth,
-            node_size=args.node_size,
-            efficiency=args.efficiency,
-        )
+        return get_accelerator(args.accelerator, **overrides)
     except ValueError as error:  # named by the flag that set the field
-        flags = {
-            "Accelerator.flops": "--peak-flops",
-            "Accelerator.bandwidth": "--bandwidth",
-            "Accelerator.inter_bandwidth": "--inter-bandwidth",
-            "Accelerator.node_size": "--node-size",
-            "Accelerator.efficiency": "--efficiency",
-        }
         message = str(error)
-        for field, flag in flags.items():
-            message = message.replace(field + " ", f"{flag} ({field}) ", 1)
+        for field, flag in _OVERRIDES.items():
+            message = message.replace(f"Accelerator.{field} ", f"{flag} (Accelerator.{field}) ", 1)
         raise InputError(message) from None
+
+
+#: The columns of the cluster table.
+_CLUSTER_COLUMNS: tuple[str, ...] = ("", "mesh", "reduce", "remat", "micro", "peak", "GFLOP/dev", "GB/step")
+_CLUSTER_COLUMNS += ("compute", "comm", "predicted", "why not chosen")
 
 
 def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) -> Any:
@@ -289,23 +293,11 @@ def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) 
     from rich.text import Text
 
     from leanstep.common.memory_sizes import format_bytes
-    from leanstep.planning.cluster import format_seconds
+    from leanstep.planning.cluster_grid import format_seconds
+    from leanstep.planning.records import family_rows
 
-    families: dict[Any, list[Any]] = {}
-    for c in candidates:
-        families.setdefault(c.setting[1:], []).append(c)
-
-    def representative(members: list[Any]) -> Any:
-        if chosen is not None and chosen in members:
-            return chosen
-        fitting = [c for c in members if c.fits]
-        compiled = [c for c in members if c.compiled]
-        return min(fitting, key=lambda c: c.predicted_seconds) if fitting else (compiled or members)[-1]
-
-    rows = sorted(
-        (representative(m) for m in families.values()),
-        key=lambda c: (c is not chosen, c.predicted_seconds is None, c.predicted_seconds or 0.0),
-    )
+    rows = family_rows(candidates, chosen)
+    families = {c.setting[1:] for c in candidates}
     compiles = sum(c.compiled for c in candidates)
     where = (
         ""
@@ -323,20 +315,7 @@ def _cluster_table(candidates: Any, budget: int, chosen: Any, accelerator: Any) 
         f"each; {compiles} compiled. peak = per-device arguments + outputs - donated + temporaries; "
         "predicted = dot FLOPs / (peak FLOP/s x efficiency) + collectives (leanstep.planning.cost_model)",
     )
-    for name in (
-        "",
-        "mesh",
-        "reduce",
-        "remat",
-        "micro",
-        "peak",
-        "GFLOP/dev",
-        "GB/step",
-        "compute",
-        "comm",
-        "predicted",
-        "why not chosen",
-    ):
+    for name in _CLUSTER_COLUMNS:
         table.add_column(
             name,
             justify="left" if name in ("", "mesh", "reduce", "remat", "why not chosen") else "right",
@@ -370,7 +349,7 @@ def _write_json(path: Path | None, value: Any) -> bool:
     The plan is not lost to a full disk: it is printed on stdout instead, and one line on stderr
     names the path and the reason.
     """
-    from leanstep.common.files import write_bytes_atomic
+    from leanstep.common.outputs import write_bytes_atomic
 
     if path is None:
         return True

@@ -20,12 +20,15 @@ from jax.sharding import PartitionSpec
 
 from leanstep.common.checks import is_int
 from leanstep.planning.cost_model import Accelerator, collective_seconds
+from leanstep.planning.records import Candidate, Setting
 
 __all__ = [
     "Family",
+    "Layout",
     "argument_bytes",
     "communication",
     "dominates",
+    "families_of",
     "format_seconds",
     "layout_sizes",
     "mesh_shapes",
@@ -105,17 +108,92 @@ def _spec_axes(spec: PartitionSpec) -> set[str]:
     return found
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What one mesh's layout costs, known before compiling: the facts a family is built from.
+
+    Attributes:
+      shape: the mesh shape.
+      rows: batch rows per device.
+      argument_bytes: per-device bytes of the sharded state and batch (:func:`argument_bytes`).
+      sizes: the bytes its collectives move (:func:`layout_sizes`).
+    """
+
+    shape: dict[str, int]
+    rows: int
+    argument_bytes: int
+    sizes: dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
 class Family:
-    """One mesh, remat policy and reduction; ``members`` index its candidates (by microbatch count)."""
+    """One mesh, remat policy and reduction; ``members`` index its candidates (by microbatch count).
+
+    ``bound`` is its fewest-microbatch member's lower bound, ``estimate`` that member's estimate
+    (:func:`communication`, plus the compute bound of the policy).
+    """
 
     shape: dict[str, int]
     remat: str
     reduce: str
-    members: list[int]
+    members: tuple[int, ...]
     argument_bytes: int = 0
     bound: float = 0.0
     estimate: float = 0.0
+
+
+def families_of(
+    layout: Layout,
+    space: Any,
+    precision: str,
+    compute_seconds: dict[str, float],
+    accelerator: Accelerator,
+    first: int = 0,
+) -> tuple[list[Candidate], list[Family]]:
+    """The candidates and families of one layout, with their bounds (no compiling).
+
+    Args:
+      layout: the mesh's :class:`Layout`.
+      space: the :class:`leanstep.planning.search_options.SearchSpace` (its policies, counts and reductions).
+      precision: every candidate's precision.
+      compute_seconds: by policy, the step's dot FLOPs over all devices at the FLOP rate (the compute bound).
+      accelerator: prices the communication.
+      first: the index of the first new candidate in the plan's list.
+
+    Example:
+      >>> from leanstep.planning.cost_model import get_accelerator
+      >>> from leanstep.planning.search_options import SearchSpace
+      >>> layout = Layout({"data": 2}, rows=4, argument_bytes=100, sizes={"shard": 0.0})
+      >>> found, families = families_of(
+      ...     layout, SearchSpace(["none"], [1, 2, 3]), "float32", {"none": 0.5}, get_accelerator("h100"))
+      >>> [c.setting.num_microbatches for c in found], families[0].members, families[0].bound
+      ([1, 2], (0, 1), 0.5)
+    """
+    candidates: list[Candidate] = []
+    families: list[Family] = []
+    text, counts = mesh_text(layout.shape), None if space.microbatches is None else set(space.microbatches)
+    ms = [m for m in range(1, layout.rows + 1) if layout.rows % m == 0 and (counts is None or m in counts)]
+    for reduce in space.reductions or ("auto", "step"):
+        if reduce == "step" and layout.shape.get("fsdp", 1) == 1:
+            continue  # the same step as "auto" without an fsdp axis
+        for policy in space.remat_policies if ms else ():
+
+            def seconds(m: int, bound: bool, policy: str = policy, reduce: str = reduce) -> float:
+                comm = communication(layout.shape, reduce, m, policy, layout.sizes, accelerator, bound=bound)
+                return compute_seconds[policy] + comm
+
+            start = first + len(candidates)
+            bounds = [seconds(m, True) for m in ms]
+            candidates += [
+                Candidate(
+                    Setting(m, policy, precision, text, reduce), argument_bytes=layout.argument_bytes, bound_seconds=b
+                )
+                for m, b in zip(ms, bounds)
+            ]
+            members = tuple(range(start, first + len(candidates)))
+            estimate = seconds(ms[0], False)
+            families.append(Family(layout.shape, policy, reduce, members, layout.argument_bytes, bounds[0], estimate))
+    return candidates, families
 
 
 def communication(

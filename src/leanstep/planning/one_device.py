@@ -17,13 +17,13 @@ XLA's ``cost_analysis()`` FLOPs are reported too (``xla_flops``), but they count
 while loop's body once, so they fall as ``1 / num_microbatches``: they cannot rank
 microbatch counts.
 
-The chosen setting fits the budget and is predicted fastest::
+The chosen setting fits the budget and is predicted fastest (``rtol``: :class:`SearchOptions`)::
 
     fitting  = [c for c in candidates if c.peak_bytes <= budget]
-    close    = [c for c in fitting if c.flops <= (1 + flops_rtol) * min(f.flops for f in fitting)]
+    close    = [c for c in fitting if c.flops <= (1 + rtol) * min(f.flops for f in fitting)]
     chosen   = min(close, key=(num_microbatches, flops))
 
-FLOPs within ``flops_rtol`` count as equal because accumulation adds a few FLOPs per
+FLOPs within ``rtol`` count as equal because accumulation adds a few FLOPs per
 microbatch; without the tolerance a 0.01% difference would beat the microbatch count.
 Compiling dominates planning time (tracing is ~0.3 s a candidate, compiling several),
 so candidates are compiled lazily. Settings that differ only in the microbatch count
@@ -34,9 +34,9 @@ assumes the peak does not grow with the microbatch count, as activations shrink 
 the microbatch. Where it fails (a model so small that per-microbatch overhead outweighs
 its activations) the choice still fits, since it was compiled, but may use more
 microbatches than needed. Families whose FLOPs exceed the best fitting one's by more
-than ``flops_rtol`` are never compiled, and nothing more is compiled once the arguments alone
+than ``rtol`` are never compiled, and nothing more is compiled once the arguments alone
 (the state and the batch, the same for every candidate) exceed the budget.
-``exhaustive=True`` compiles every candidate.
+``SearchOptions(exhaustive=True)`` compiles every candidate.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import optax
 
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
-from leanstep.blocks.precision import Precision, get_precision
+from leanstep.blocks.precision import get_precision
 from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.common.checks import is_int
 from leanstep.common.memory_sizes import parse_bytes
@@ -64,10 +64,22 @@ from leanstep.planning.candidates import (
     first_fit,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
+from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 
-__all__ = ["BudgetError", "Candidate", "Plan", "Setting", "plan", "settings_grid"]
+__all__ = [
+    "BudgetError",
+    "Candidate",
+    "Plan",
+    "SearchOptions",
+    "SearchSpace",
+    "Setting",
+    "choose",
+    "plan",
+    "search_candidates",
+    "settings_grid",
+]
 
 
 def settings_grid(
@@ -114,25 +126,20 @@ def plan(
     optimizer: optax.GradientTransformation,
     *,
     budget_bytes: int | str,
-    candidates: Sequence[tuple[int, str, str]] | None = None,
-    precision: str | Precision = "float32",
-    max_grad_norm: float | None = None,
+    candidates: Sequence[tuple[int, str, str]] | SearchSpace | None = None,
+    search: SearchOptions | None = None,
     loss_scale: str | LossScale = "none",
-    flops_rtol: float = 0.02,
-    exhaustive: bool = False,
     model_state: Any = None,
-    compiler_options: dict[str, Any] | str | None = "auto",
     num_devices: int | None = None,
     accelerator: Any = "h100",
-    rules: Any = None,
     **step_kwargs: Any,
 ) -> Plan:
     """Compiles (never runs) the train step for each candidate and picks the fastest that fits.
 
     With ``num_devices`` it plans a cluster instead: mesh, microbatches, remat and reduction
     per device, priced on ``accelerator`` (:func:`leanstep.planning.cluster.plan_cluster`, to
-    which ``rules`` and the grid options ``meshes``, ``remat_policies``, ``reductions``,
-    ``microbatches`` go; ``flops_rtol`` is its ``rtol``).
+    which ``candidates``, a :class:`SearchSpace`, goes as its ``space``, and ``rules`` among the
+    ``step_kwargs``).
 
     See the module doc for the peak formula and the choice. Steps are built with
     :func:`leanstep.make_train_step` (jitted, state donated) exactly as a run builds them.
@@ -143,22 +150,23 @@ def plan(
       batch: one full batch, arrays or ``ShapeDtypeStruct``; leaves share the leading batch axis.
       optimizer: the ``optax.GradientTransformation`` of the run.
       budget_bytes: bytes, or a size string such as ``"512MiB"`` (see :func:`leanstep.common.memory_sizes.parse_bytes`).
-      candidates: ``(num_microbatches, remat, precision)`` settings; default
-        :func:`settings_grid` over the batch size's divisors, :data:`REMAT_POLICIES`
-        and ``precision``.
-      precision: the precision of the default candidates.
-      max_grad_norm, loss_scale: as in the run (they change the state and the step a little).
-      flops_rtol: FLOPs within this relative distance of the fewest count as equal.
-      exhaustive: compile every candidate, not only those that could be chosen.
-      compiler_options: passed to ``compile()``; ``"auto"``: on CPU, LLVM optimization level 0
-        (``xla_backend_optimization_level=0``), which compiles about 3x faster and leaves
-        XLA's buffer assignment, hence every memory number, unchanged (it only changes
-        code generation, after buffer assignment); elsewhere XLA's defaults. Executables
-        planned with it run slower: recompile the chosen setting to train.
+      candidates: what to try: ``(num_microbatches, remat, precision)`` settings, or a
+        :class:`SearchSpace` (its policies times its microbatch counts, every divisor of the
+        batch size by default, at ``precision``); default ``SearchSpace()``, every policy of
+        :data:`REMAT_POLICIES`.
+      search: how (:class:`SearchOptions`): ``rtol``, FLOPs within this relative distance of
+        the fewest count as equal; ``exhaustive``, compile every candidate, not only those that
+        could be chosen; ``compiler_options`` for ``compile()`` (``"auto"``: LLVM -O0 on CPU,
+        which leaves every memory number unchanged).
+      loss_scale: as in the run (it changes the state a little).
       model_state: the model's state for a stateful loss (arrays or ``ShapeDtypeStruct``;
         pass ``has_state=True`` too), or None.
-      **step_kwargs: further :func:`make_train_step` arguments (``has_aux``, ``token_weighted``,
-        ``has_state``, ...).
+      num_devices: plan a cluster of this many devices.
+      accelerator: the accelerator the cluster's plan is priced on.
+      **step_kwargs: the run's :func:`make_train_step` arguments: ``precision`` (of the default
+        candidates), ``max_grad_norm``, ``has_aux``, ``token_weighted``, ``has_state``, ...
+        0.8.0's flat search keywords (``flops_rtol=``, ``exhaustive=``, ``compiler_options=``,
+        ``remat_policies=``, ...) still work, with a ``DeprecationWarning``.
 
     Returns:
       A :class:`Plan`.
@@ -179,13 +187,14 @@ def plan(
       >>> p.chosen.setting[:3], p.chosen.fits
       ((1, 'none', 'float32'), True)
     """
+    candidates, search, step_kwargs = legacy_keywords("plan", candidates, search, step_kwargs)
     if num_devices is not None:
         from leanstep.planning.cluster import plan_cluster
 
-        if candidates is not None or model_state is not None:
+        if (candidates is not None and not isinstance(candidates, SearchSpace)) or model_state is not None:
             raise ValueError(
-                "candidates= and model_state= plan one device; for num_devices= give meshes=, "
-                "remat_policies=, reductions= or microbatches="
+                "a list of candidates= and model_state= plan one device; for num_devices= give "
+                "candidates=SearchSpace(meshes=..., remat_policies=..., reductions=..., microbatches=...)"
             )
         return plan_cluster(
             make_loss_fn,
@@ -195,90 +204,107 @@ def plan(
             num_devices=num_devices,
             budget_bytes=budget_bytes,
             accelerator=accelerator,
-            rules=rules,
-            precision=precision if isinstance(precision, str) else str(precision),
-            max_grad_norm=max_grad_norm,
+            space=candidates,
+            search=search,
             loss_scale=loss_scale,
-            rtol=flops_rtol,
-            exhaustive=exhaustive,
-            compiler_options=compiler_options,
             **step_kwargs,
         )
-    if rules is not None:
+    if step_kwargs.get("rules") is not None:
         raise ValueError("rules= lay parameters out over a cluster; give num_devices= too")
     start = time.perf_counter()
     budget = parse_bytes(budget_bytes)
     if not callable(make_loss_fn):
         raise TypeError(f"make_loss_fn must be callable, got {type(make_loss_fn).__name__}")
-    if not (isinstance(flops_rtol, (int, float)) and 0 <= flops_rtol < 1):
-        raise ValueError(f"flops_rtol must be a number in [0, 1), got {flops_rtol!r}")
-    batch_sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
-    batch_size = next(iter(batch_sizes)) if len(batch_sizes) == 1 else None
-    if batch_size is None:
-        raise ValueError(
-            f"batch leaves must share one leading batch axis, got leading sizes {sorted(map(str, batch_sizes))}"
-        )
-    precision_name = precision if isinstance(precision, str) else str(precision)
-    given = settings_grid(batch_size, precisions=(precision_name,)) if candidates is None else candidates
-    settings = [_check_setting(s, batch_size) for s in given]
-    if not settings:
-        raise ValueError("candidates is empty; give at least one (num_microbatches, remat, precision)")
-    compiler_options = compiler_options_for(compiler_options, jax.default_backend())
+    precision = step_kwargs.pop("precision", "float32")
+    settings = _settings(candidates, _batch_size(batch), precision if isinstance(precision, str) else str(precision))
     scale = get_loss_scale(loss_scale)
     state = jax.eval_shape(
         lambda p, m: TrainState.create(p, optimizer, loss_scale=scale, model_state=m),
         abstract_tree(params),
         abstract_tree(model_state),
     )
-    batch = abstract_tree(batch)
-
-    loss_fns: dict[str, Callable[..., Any]] = {}
-    traced: dict[Setting, Any] = {}
-
-    def trace(candidate: Candidate) -> Candidate:
-        s, t0 = candidate.setting, time.perf_counter()
-        if s.remat not in loss_fns:
-            loss_fns[s.remat] = make_loss_fn(s.remat)
-        step = make_train_step(
-            loss_fns[s.remat],
-            precision=s.precision,
-            num_microbatches=s.num_microbatches,
-            max_grad_norm=max_grad_norm,
-            **step_kwargs,
-        )
-        traced[s] = step.trace(state, batch)
-        return dataclasses.replace(
-            candidate, flops=count_flops(traced[s].jaxpr), trace_seconds=time.perf_counter() - t0
-        )
-
-    def compile_at(i: int, candidate: Candidate) -> Candidate:
-        candidate = candidate if candidate.setting in traced else trace(candidate)
-        return compile_candidate(candidate, traced[candidate.setting], budget, compiler_options)
-
-    initial = [Candidate(s) for s in dict.fromkeys(settings)]  # duplicates dropped
-    # A family's FLOPs are its fewest-microbatch member's (more microbatches add <0.1%):
-    # the others are traced only when compiled.
-    first: dict[tuple[str, str, str, str], int] = {}  # by everything of a setting but its microbatches
-    for i, c in enumerate(initial):
-        j = first.setdefault(c.setting[1:], i)
-        first[c.setting[1:]] = i if c.setting.num_microbatches < initial[j].setting.num_microbatches else j
-    for i in first.values():
-        initial[i] = trace(initial[i])
-    final = _search(initial, compile_at, flops_rtol, exhaustive, budget)
-    chosen = _choose(final, flops_rtol)
+    steps = _Steps(make_loss_fn, state, abstract_tree(batch), step_kwargs)
+    options = compiler_options_for(search.compiler_options, jax.default_backend())
+    compile_at = lambda i, c: compile_candidate(steps.trace(c), steps.traced[c.setting], budget, options)
+    final = search_candidates(_traced_families(settings, steps), compile_at, search.rtol, search.exhaustive, budget)
+    chosen = choose(final, search.rtol)
     if chosen is None:
         raise BudgetError(budget, min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes)), final)
     return Plan(budget, final, chosen, time.perf_counter() - start)
 
 
-def _choose(candidates: Sequence[Candidate], rtol: float) -> Candidate | None:
+def _batch_size(batch: Any) -> int:
+    batch_sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
+    batch_size = next(iter(batch_sizes)) if len(batch_sizes) == 1 else None
+    if batch_size is None:
+        raise ValueError(
+            f"batch leaves must share one leading batch axis, got leading sizes {sorted(map(str, batch_sizes))}"
+        )
+    return int(batch_size)
+
+
+def _settings(candidates: Any, batch_size: int, precision: str) -> list[Setting]:
+    """The checked settings to plan: ``candidates`` as given, or its (default) :class:`SearchSpace`'s grid."""
+    if candidates is None or isinstance(candidates, SearchSpace):
+        space = SearchSpace() if candidates is None else candidates
+        if space.cluster_only:
+            raise ValueError(f"{' and '.join(space.cluster_only)} plan a cluster; give num_devices= too")
+        candidates = settings_grid(
+            batch_size, remat_policies=space.remat_policies, precisions=(precision,), microbatches=space.microbatches
+        )
+    settings = [_check_setting(s, batch_size) for s in candidates]
+    if not settings:
+        raise ValueError("candidates is empty; give at least one (num_microbatches, remat, precision)")
+    return settings
+
+
+class _Steps:
+    """Traces a setting's step once (its losses made once per policy); keeps the traced steps for compiling."""
+
+    def __init__(self, make_loss_fn: Callable[[str], Any], state: Any, batch: Any, step_kwargs: dict[str, Any]):
+        self.make_loss_fn, self.state, self.batch, self.step_kwargs = make_loss_fn, state, batch, step_kwargs
+        self.loss_fns: dict[str, Callable[..., Any]] = {}
+        self.traced: dict[Setting, Any] = {}
+
+    def trace(self, candidate: Candidate) -> Candidate:
+        """``candidate`` with its FLOPs and trace time (as it is, if already traced)."""
+        s, t0 = candidate.setting, time.perf_counter()
+        if s in self.traced:
+            return candidate
+        if s.remat not in self.loss_fns:
+            self.loss_fns[s.remat] = self.make_loss_fn(s.remat)
+        step = make_train_step(
+            self.loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches, **self.step_kwargs
+        )
+        self.traced[s] = step.trace(self.state, self.batch)
+        flops = count_flops(self.traced[s].jaxpr)
+        return dataclasses.replace(candidate, flops=flops, trace_seconds=time.perf_counter() - t0)
+
+
+def _traced_families(settings: Sequence[Setting], steps: _Steps) -> list[Candidate]:
+    """A candidate per setting (duplicates dropped), each family's fewest-microbatch member traced.
+
+    A family's FLOPs are that member's (more microbatches add <0.1%): the others are traced
+    only when compiled.
+    """
+    initial = [Candidate(s) for s in dict.fromkeys(settings)]
+    first: dict[tuple[str, str, str, str], int] = {}  # by everything of a setting but its microbatches
+    for i, c in enumerate(initial):
+        j = first.setdefault(c.setting[1:], i)
+        first[c.setting[1:]] = i if c.setting.num_microbatches < initial[j].setting.num_microbatches else j
+    for i in first.values():
+        initial[i] = steps.trace(initial[i])
+    return initial
+
+
+def choose(candidates: Sequence[Candidate], rtol: float) -> Candidate | None:
     """The rule of the module doc: fitting, FLOPs within ``rtol`` of the fewest, then fewest microbatches."""
     least, _ = _best(candidates, rtol)
     close = [c for c in candidates if c.fits and known(c.flops) <= (1 + rtol) * least]
     return min(close, key=lambda c: (c.setting.num_microbatches, c.flops)) if close else None
 
 
-def _search(
+def search_candidates(
     candidates: list[Candidate],
     compile_at: Callable[[int, Candidate], Candidate],
     rtol: float,

@@ -6,11 +6,12 @@ Plain records, filled in by :func:`leanstep.plan` (:mod:`leanstep.planning.one_d
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from leanstep.common.memory_sizes import format_bytes
 
-__all__ = ["BudgetError", "Candidate", "Plan", "Setting", "known"]
+__all__ = ["BudgetError", "Candidate", "Plan", "Setting", "family_rows", "known"]
 
 _T = TypeVar("_T")
 
@@ -96,6 +97,33 @@ def known(value: _T | None) -> _T:
     if value is None:
         raise RuntimeError("planning read a figure of a candidate before computing it")
     return value
+
+
+def family_rows(candidates: Sequence[Candidate], chosen: Candidate | None) -> list[Candidate]:
+    """One candidate per family (a setting but its microbatch count), the chosen one's first, then
+    by predicted time: the chosen candidate, else the fastest fitting member, else the last compiled,
+    else the last.
+
+    Example:
+      >>> rows = [Candidate(Setting(m, "none", "float32"), predicted_seconds=s, fits=True) for m, s in ((1, 2.0), (2, 1.0))]
+      >>> [c.setting.num_microbatches for c in family_rows(rows, None)]
+      [2]
+    """
+    families: dict[tuple[Any, ...], list[Candidate]] = {}
+    for c in candidates:
+        families.setdefault(tuple(c.setting[1:]), []).append(c)
+
+    def representative(members: list[Candidate]) -> Candidate:
+        if chosen is not None and chosen in members:
+            return chosen
+        fitting = [c for c in members if c.fits]
+        compiled = [c for c in members if c.compiled]
+        return min(fitting, key=lambda c: known(c.predicted_seconds)) if fitting else (compiled or members)[-1]
+
+    return sorted(
+        (representative(m) for m in families.values()),
+        key=lambda c: (c is not chosen, c.predicted_seconds is None, c.predicted_seconds or 0.0),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import jax
 
 from leanstep.inspection.auditing import AuditReport, audit
 from leanstep.planning.one_device import BudgetError, Plan, plan
+from leanstep.planning.search_options import SearchOptions, SearchSpace, split_options
 from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
@@ -38,8 +39,11 @@ def plan_run(
     ``config.mesh``, whose mesh is then kept): also the mesh and the reduction, per device,
     priced on ``accelerator`` (:func:`leanstep.planning.cluster.plan_cluster`); where this process
     has too few devices, planning runs in a subprocess with ``num_devices`` simulated CPU devices
-    (its plan then carries no executables). ``options`` go to the planner (``candidates``,
-    ``exhaustive``, ``meshes``, ``remat_policies``, ...). Apply the choice with
+    (its plan then carries no executables). ``options`` go to the planner, flat: the fields of
+    :class:`leanstep.planning.search_options.SearchSpace` (``remat_policies``, ``microbatches``,
+    ``meshes``, ``reductions``) and of :class:`~leanstep.planning.search_options.SearchOptions`
+    (``exhaustive``, ``rtol``, ``compiler_options``, ``progress``, ...), ``candidates`` (one
+    device), and :func:`leanstep.make_train_step` arguments. Apply the choice with
     ``dataclasses.replace(config, microbatches=s.num_microbatches, remat=s.remat)`` (and
     ``mesh=s.mesh, reduce=s.reduce`` on a cluster), ``s = plan_run(config, budget).chosen.setting``.
 
@@ -54,21 +58,7 @@ def plan_run(
     if config.fsdp:
         raise ValueError("--budget plans --mesh, not --fsdp: use --mesh auto, or name a mesh such as --mesh fsdp=8")
     if not cluster:
-        run = build_run(dataclasses.replace(config, microbatches=1, remat="none"))  # both are planned here
-        options.setdefault("precision", config.precision)
-        if budget_bytes is None:
-            raise ValueError("a one-device plan needs a budget (bytes or a size such as 2GiB)")
-        return plan(
-            run.loss_fn,
-            run.abstract_params(),
-            run.batch_spec(),
-            run.optimizer,
-            budget_bytes=budget_bytes,
-            max_grad_norm=config.max_grad_norm,
-            loss_scale=run.loss_scale,
-            **options,
-        )
-    from leanstep.planning.cluster import plan_cluster
+        return _plan_one_device(config, budget_bytes, options)
     from leanstep.sharding.distributed import parse_mesh
 
     if config.mesh is not None:
@@ -80,7 +70,10 @@ def plan_run(
         options.setdefault("meshes", [{"data": num_devices}])
     if len(jax.devices("cpu")) < num_devices and len(jax.devices()) < num_devices:
         return _plan_in_child(config, budget_bytes, num_devices, accelerator, options)
+    from leanstep.planning.cluster import plan_cluster
+
     run = build_run(dataclasses.replace(config, microbatches=1, remat="none", mesh=None, devices=None))
+    space, search, rest = split_options(options)
     return plan_cluster(
         run.loss_fn,
         run.abstract_params(),
@@ -90,10 +83,36 @@ def plan_run(
         budget_bytes=budget_bytes,
         accelerator=accelerator,
         rules=run.model.rules,
+        space=SearchSpace(**space),
+        search=SearchOptions(**search),
+        loss_scale=run.loss_scale,
         precision=config.precision,
         max_grad_norm=config.max_grad_norm,
+        **rest,
+    )
+
+
+def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options: dict[str, Any]) -> Plan:
+    """:func:`plan_run` on one device: ``options`` sorted into the planner's values."""
+    run = build_run(dataclasses.replace(config, microbatches=1, remat="none"))  # both are planned here
+    if budget_bytes is None:
+        raise ValueError("a one-device plan needs a budget (bytes or a size such as 2GiB)")
+    space, search, rest = split_options(options)
+    rest.setdefault("precision", config.precision)
+    candidates = rest.pop("candidates", None)
+    if space and candidates is not None:
+        raise ValueError(f"give candidates= or {', '.join(f'{name}=' for name in space)}, not both")
+    return plan(
+        run.loss_fn,
+        run.abstract_params(),
+        run.batch_spec(),
+        run.optimizer,
+        budget_bytes=budget_bytes,
+        candidates=SearchSpace(**space) if space else candidates,
+        search=SearchOptions(**search),
         loss_scale=run.loss_scale,
-        **options,
+        max_grad_norm=config.max_grad_norm,
+        **rest,
     )
 
 

@@ -1,0 +1,180 @@
+"""What a plan tries and how it searches: the two settings values of :func:`leanstep.plan`.
+
+.. code-block:: text
+
+    SearchSpace    the settings to try: remat policies x microbatch counts (x meshes x reductions
+                   on a cluster); one device may name its settings instead (``candidates=``)
+    SearchOptions  how to search them: the margin within which two predictions count as equal,
+                   whether to compile everything, XLA's options, what to keep and report
+
+Both are frozen and checked when made, so a bad grid fails before anything is traced.
+:func:`split_options` sorts flat keywords (``exhaustive=True``, ``meshes=[...]``: the form of
+:func:`leanstep.training.analysis.plan_run` and of leanstep 0.8.0's planners) into the two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
+from leanstep.common.checks import is_int, is_real
+from leanstep.step.sharding_layer import REDUCTIONS
+
+__all__ = ["SEARCH_FIELDS", "SPACE_FIELDS", "SearchOptions", "SearchSpace", "legacy_keywords", "split_options"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """The settings a plan tries: every combination of the axes below.
+
+    Attributes:
+      remat_policies: the remat policies (:data:`leanstep.REMAT_POLICIES` by default).
+      microbatches: the microbatch counts; None: every count that divides the rows per device.
+      meshes: a cluster's mesh shapes (``{"data": 2, "fsdp": 4}``); None: every mesh of the
+        devices, the tensor axis at most one node (:func:`leanstep.planning.cluster_grid.mesh_shapes`).
+      reductions: a cluster's gradient reductions (:class:`leanstep.ShardingLayer`); None:
+        ``("auto", "step")``.
+
+    Raises:
+      ValueError: an unknown policy or reduction, a microbatch count that is not a positive int.
+
+    Example:
+      >>> SearchSpace(remat_policies=["none", "full"], microbatches=[1, 2])
+      SearchSpace(remat_policies=('none', 'full'), microbatches=(1, 2), meshes=None, reductions=None)
+    """
+
+    remat_policies: tuple[str, ...] = REMAT_POLICIES
+    microbatches: tuple[int, ...] | None = None
+    meshes: tuple[dict[str, int], ...] | None = None
+    reductions: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        policies = tuple(self.remat_policies)
+        for policy in policies:
+            get_remat_policy(policy)
+        counts = None if self.microbatches is None else tuple(self.microbatches)
+        for m in counts or ():
+            if not is_int(m) or m < 1:
+                raise ValueError(f"SearchSpace.microbatches must hold positive ints, got {m!r}")
+        reductions = None if self.reductions is None else tuple(self.reductions)
+        for reduce in reductions or ():
+            if reduce not in REDUCTIONS:
+                raise ValueError(f"reductions must be among {REDUCTIONS}, got {reduce!r}")
+        meshes = None if self.meshes is None else tuple(dict(shape) for shape in self.meshes)
+        object.__setattr__(self, "remat_policies", policies)
+        object.__setattr__(self, "microbatches", counts)
+        object.__setattr__(self, "reductions", reductions)
+        object.__setattr__(self, "meshes", meshes)
+
+    @property
+    def cluster_only(self) -> list[str]:
+        """The fields set that only a cluster plan has (``meshes``, ``reductions``)."""
+        return [name for name in ("meshes", "reductions") if getattr(self, name) is not None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """How a plan searches its :class:`SearchSpace`.
+
+    Attributes:
+      rtol: figures within this fraction count as equal: FLOPs on one device, predicted step
+        times on a cluster (the pruning margin there).
+      exhaustive: compile every candidate, not only those that could be chosen.
+      compiler_options: passed to ``compile()``; ``"auto"``: on CPU, LLVM optimization level 0
+        (``xla_backend_optimization_level=0``), which compiles about 3x faster and leaves
+        XLA's buffer assignment, hence every memory number, unchanged (it only changes
+        code generation, after buffer assignment); elsewhere XLA's defaults. Executables
+        planned with it run slower: recompile the chosen setting to train.
+      keep_executables: a cluster plan keeps every compiled executable, not only the chosen
+        one's (a one-device plan keeps them all).
+      progress: called with a line after each compile (cluster plans).
+
+    Raises:
+      ValueError: ``rtol`` outside ``[0, 1)``.
+      TypeError: ``compiler_options`` not a dict, ``"auto"`` or None.
+
+    Example:
+      >>> SearchOptions(exhaustive=True).rtol
+      0.02
+    """
+
+    rtol: float = 0.02
+    exhaustive: bool = False
+    compiler_options: dict[str, Any] | str | None = "auto"
+    keep_executables: bool = False
+    progress: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        if not (is_real(self.rtol) and 0 <= self.rtol < 1):
+            raise ValueError(f"rtol must be a number in [0, 1), got {self.rtol!r}")
+        options = self.compiler_options
+        if options != "auto" and options is not None and not isinstance(options, dict):
+            raise TypeError(f"compiler_options must be a dict, 'auto' or None, got {options!r}")
+
+
+#: Flat keyword -> the :class:`SearchSpace` field it sets.
+SPACE_FIELDS = {f.name: f.name for f in dataclasses.fields(SearchSpace)}
+#: Flat keyword -> the :class:`SearchOptions` field it sets (``flops_rtol``: one-device 0.8.0's name of ``rtol``).
+SEARCH_FIELDS = {**{f.name: f.name for f in dataclasses.fields(SearchOptions)}, "flops_rtol": "rtol"}
+
+
+def split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Flat keywords sorted into ``(SearchSpace fields, SearchOptions fields, the rest)``.
+
+    Example:
+      >>> split_options({"exhaustive": True, "meshes": [{"data": 2}], "max_grad_norm": 1.0})
+      ({'meshes': [{'data': 2}]}, {'exhaustive': True}, {'max_grad_norm': 1.0})
+    """
+    space, search, rest = {}, {}, {}
+    for name, value in options.items():
+        if name in SPACE_FIELDS:
+            space[SPACE_FIELDS[name]] = value
+        elif name in SEARCH_FIELDS:
+            if SEARCH_FIELDS[name] in search:
+                raise TypeError(f"give rtol= or flops_rtol=, not both (got {options!r})")
+            search[SEARCH_FIELDS[name]] = value
+        else:
+            rest[name] = value
+    return space, search, rest
+
+
+def legacy_keywords(
+    where: str, space: Any, search: SearchOptions | None, step_kwargs: Mapping[str, Any]
+) -> tuple[Any, SearchOptions, dict[str, Any]]:
+    """``(space, search, step_kwargs)`` with 0.8.0's flat search keywords moved into the values.
+
+    They keep working through 0.8 with a ``DeprecationWarning`` naming the new form; given
+    beside the value they belong to, they are refused.
+
+    Raises:
+      TypeError: a flat keyword beside ``space=``/``candidates=`` or ``search=``.
+    """
+    space_fields, search_fields, rest = split_options(step_kwargs)
+    moved = sorted(set(step_kwargs) - set(rest))
+    if moved:
+        warnings.warn(
+            f"{where}({', '.join(f'{name}=' for name in moved)}) is deprecated and goes in 0.9: pass "
+            f"{_new_form(where, space_fields, search_fields)}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if space_fields:
+        if space is not None:
+            raise TypeError(f"{where}: give {', '.join(space_fields)} inside the SearchSpace, not beside it")
+        space = SearchSpace(**space_fields)
+    if search_fields and search is not None:
+        raise TypeError(f"{where}: give {', '.join(search_fields)} inside search=SearchOptions(...), not beside it")
+    return space, SearchOptions(**search_fields) if search is None else search, rest
+
+
+def _new_form(where: str, space_fields: Iterable[str], search_fields: Iterable[str]) -> str:
+    keyword = "candidates" if where == "plan" else "space"
+    forms = []
+    if space_fields:
+        forms.append(f"{keyword}=SearchSpace({', '.join(f'{name}=...' for name in space_fields)})")
+    if search_fields:
+        forms.append(f"search=SearchOptions({', '.join(f'{name}=...' for name in search_fields)})")
+    return " and ".join(forms)
