@@ -19,8 +19,6 @@ def _defaults() -> Any:
 
 
 def add_parser(subparsers: Any) -> None:
-    from leanstep.training.config import SCHEDULES
-
     d = _defaults()
     p = subparsers.add_parser(
         "train",
@@ -32,8 +30,22 @@ def add_parser(subparsers: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_run_flags(p, d)
-    run = p.add_argument_group("training")
-    run.add_argument(
+    training = p.add_argument_group("training")
+    _add_length_flags(training)
+    _add_optimizer_flags(training, d)
+    output = p.add_argument_group("output")
+    _add_output_flags(output, d)
+    # The usage line lists the flags as they are added: --budget between the output flags, as always.
+    _add_memory_budget_flag(training)
+    _add_stop_flags(output)
+    _add_scale_out_flags(p.add_argument_group("scaling out (JAX's mesh sharding and jax.distributed)"), d)
+    add_compile_cache_flag(p)
+    p.set_defaults(run=run_train)
+
+
+def _add_length_flags(group: Any) -> None:
+    """``--time-budget`` or ``--steps``: how long the run is."""
+    group.add_argument(
         "--time-budget",
         default=None,
         metavar="DURATION",
@@ -41,59 +53,79 @@ def add_parser(subparsers: Any) -> None:
         "schedule are set from the step time measured after compiling, and recorded in config.json "
         "(default: 3m, unless --steps is given; %(default)s here means that)",
     )
-    run.add_argument(
+    group.add_argument(
         "--steps",
         type=int,
         default=None,
         help="fix the run's length exactly, instead of --time-budget (%(default)s: sized by it)",
     )
-    run.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
-    run.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
-    run.add_argument("--remat", default=d.remat, help=remat_help())
-    run.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
-    run.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
-    run.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    run.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    run.add_argument("--seed", type=int, default=d.seed)
-    run.add_argument("--data", default=None, help="a text file or folder (default: the Python standard library)")
-    out = p.add_argument_group("output")
-    out.add_argument("--out", default=d.out, help="run directory")
-    out.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    out.add_argument("--eval-every", type=int, default=d.eval_every)
-    out.add_argument("--eval-batches", type=int, default=d.eval_batches)
-    out.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    out.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    out.add_argument(
+
+
+def _add_optimizer_flags(group: Any, d: Any) -> None:
+    """The step's settings, the optimizer and its schedule, the seed and the data, with ``d``'s defaults."""
+    from leanstep.training.config import SCHEDULES
+
+    group.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
+    group.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
+    group.add_argument("--remat", default=d.remat, help=remat_help())
+    group.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    group.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
+    group.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    group.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    group.add_argument("--seed", type=int, default=d.seed)
+    group.add_argument("--data", default=None, help="a text file or folder (default: the Python standard library)")
+
+
+def _add_output_flags(group: Any, d: Any) -> None:
+    """The run directory, evaluations, checkpoints and the stuck-loss-scale stop, with ``d``'s defaults."""
+    group.add_argument("--out", default=d.out, help="run directory")
+    group.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    group.add_argument("--eval-every", type=int, default=d.eval_every)
+    group.add_argument("--eval-batches", type=int, default=d.eval_batches)
+    group.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    group.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
+    group.add_argument(
         "--max-consecutive-skips",
         type=int,
         default=d.max_consecutive_skips,
         help="stop when this many steps in a row are skipped with the loss scale at its minimum",
     )
-    run.add_argument(
+
+
+def _add_memory_budget_flag(group: Any) -> None:
+    """``--budget``: memory per device, for which ``leanstep plan`` chooses the step's settings."""
+    group.add_argument(
         "--budget",
         default=None,
         metavar="SIZE",
         help="a memory budget (e.g. 512MiB): leanstep plan picks --microbatches and --remat "
         "for it before training (overrides both)",
     )
-    out.add_argument(
+
+
+def _add_stop_flags(group: Any) -> None:
+    """``--stop-at`` (a preemption on purpose) and ``--no-progress``."""
+    group.add_argument(
         "--stop-at",
         type=int,
         default=None,
         help="stop after this step with a checkpoint, as a preemption would (resume with --resume)",
     )
-    out.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
-    scale = p.add_argument_group("scaling out (JAX's mesh sharding and jax.distributed)")
-    scale.add_argument(
+    group.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
+
+
+def _add_scale_out_flags(group: Any, d: Any) -> None:
+    """Devices, the mesh and its reductions, and a multi-process run's coordinates."""
+    group.add_argument(
         "--devices",
         type=int,
         default=None,
         help="devices per process, data parallel; on CPU this simulates N devices (default: one device, unsharded)",
     )
-    scale.add_argument(
+    group.add_argument(
         "--fsdp", action="store_true", help="also shard parameters and optimizer state over the devices (ZeRO-3 style)"
     )
-    scale.add_argument(
+    group.add_argument(
         "--mesh",
         default=None,
         metavar="AXES",
@@ -102,45 +134,54 @@ def add_parser(subparsers: Any) -> None:
         "CPU it simulates the devices it needs. 'auto': leanstep plan chooses the mesh, "
         "--microbatches, --remat and --reduce for --budget over --devices (per process)",
     )
-    scale.add_argument(
+    group.add_argument(
         "--reduce",
         choices=("auto", "step", "microbatch"),
         default=d.reduce,
         help="where gradients are reduced over the mesh (see leanstep.ShardingLayer)",
     )
-    scale.add_argument(
+    group.add_argument(
         "--accelerator",
         default="h100",
         help="with --mesh auto: the device the plan's cost model prices (leanstep.planning.cost_model)",
     )
-    scale.add_argument(
+    group.add_argument(
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
         help="process 0's address for a multi-process run (jax.distributed; gloo on CPU)",
     )
-    scale.add_argument("--num-processes", type=int, default=None, help="processes in a multi-process run")
-    scale.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. P-1")
-    add_compile_cache_flag(p)
-    p.set_defaults(run=run_train)
+    group.add_argument("--num-processes", type=int, default=None, help="processes in a multi-process run")
+    group.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. P-1")
 
 
 def run_train(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.text import Text
-
-    from leanstep.cli.progress import TrainProgress
-    from leanstep.cli.render import render_summary
-    from leanstep.sharding.distributed import configure_devices
-    from leanstep.training import RunConfig, RunStopped, train
-    from leanstep.training.stop_signals import Terminated, raising_on_sigterm
 
     auto = args.mesh == "auto"
     if auto:
         if args.devices is None:
             raise InputError("--mesh auto plans a mesh over --devices N devices per process; give --devices")
         args.mesh = None
-    try:  # first: the device count and the processes are fixed once JAX makes its first array
+    _configure_devices(args)  # first: the device count and the processes are fixed once JAX makes its first array
+    config = _config_from(args)
+    console = Console(stderr=True)
+    try:
+        config.validate()
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    if auto and args.budget is None:
+        raise InputError("--mesh auto needs --budget (memory per device, e.g. 80GiB)")
+    if args.budget is not None:
+        config = _fit_memory_budget(config, args, auto, console)
+    return _train_and_report(config, args.resume, console)
+
+
+def _configure_devices(args: argparse.Namespace) -> None:
+    """JAX's devices and processes as the flags ask (:func:`leanstep.sharding.distributed.configure_devices`)."""
+    from leanstep.sharding.distributed import configure_devices
+
+    try:
         devices = args.devices
         if args.mesh is not None and devices is None:  # every device the mesh needs, split over the processes
             from leanstep.sharding.distributed import parse_mesh
@@ -155,6 +196,12 @@ def run_train(args: argparse.Namespace) -> int:
             "coordinator": "--coordinator",
         }
         raise InputError(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(error))) from None
+
+
+def _config_from(args: argparse.Namespace) -> Any:
+    """The :class:`~leanstep.training.RunConfig` of the flags (not yet validated)."""
+    from leanstep.training import RunConfig
+
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     given = {k: v for k, v in vars(args).items() if k in fields}
     if args.time_budget is not None and args.steps is not None:
@@ -168,46 +215,53 @@ def run_train(args: argparse.Namespace) -> int:
             raise InputError(str(error)) from None
     else:
         given.pop("time_budget")  # RunConfig's default: three minutes unless --steps is given
-    config = RunConfig(**given)
-    console = Console(stderr=True)
+    return RunConfig(**given)
+
+
+def _fit_memory_budget(config: Any, args: argparse.Namespace, auto: bool, console: Any) -> Any:
+    """``config`` with the microbatches and remat (and, with ``--mesh auto``, the mesh) ``leanstep plan`` chose."""
+    import jax
+    from rich.text import Text
+
+    from leanstep.training.analysis import plan_run
+
     try:
-        config.validate()
-    except ValueError as error:
-        raise InputError(str(error)) from None
-    if auto and args.budget is None:
-        raise InputError("--mesh auto needs --budget (memory per device, e.g. 80GiB)")
-    if args.budget is not None:
-        import jax
+        chosen = plan_run(
+            config,
+            args.budget,
+            accelerator=args.accelerator,
+            **({"num_devices": jax.device_count()} if auto else {}),
+        ).chosen
+    except ValueError as error:  # BudgetError included: nothing fits
+        raise InputError(f"--budget: {error}") from None
+    setting = chosen.setting
+    layout: dict[str, Any] = {"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}
+    config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat, **layout)
+    predicted = "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
+    console.print(
+        Text(
+            f"--budget {args.budget}: chose {setting.describe()} (predicted peak "
+            f"{chosen.peak_bytes:,} bytes{' per device' if setting.mesh else ''}{predicted})"
+        ),
+        soft_wrap=True,
+    )
+    return config
 
-        from leanstep.training.analysis import plan_run
 
-        try:
-            chosen = plan_run(
-                config,
-                args.budget,
-                accelerator=args.accelerator,
-                **({"num_devices": jax.device_count()} if auto else {}),
-            ).chosen
-        except ValueError as error:  # BudgetError included: nothing fits
-            raise InputError(f"--budget: {error}") from None
-        setting = chosen.setting
-        layout: dict[str, Any] = {"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}
-        config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat, **layout)
-        predicted = (
-            "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
-        )
-        console.print(
-            Text(
-                f"--budget {args.budget}: chose {setting.describe()} (predicted peak "
-                f"{chosen.peak_bytes:,} bytes{' per device' if setting.mesh else ''}{predicted})"
-            ),
-            soft_wrap=True,
-        )
+def _train_and_report(config: Any, resume: bool, console: Any) -> int:
+    """Trains ``config`` under a progress bar, then prints its summary, or the one line of why it stopped."""
+    from rich.text import Text
+
+    from leanstep.cli.progress import TrainProgress
+    from leanstep.cli.render import render_summary
+    from leanstep.training import RunStopped, train
+    from leanstep.training.stop_signals import Terminated, raising_on_sigterm
+
     try:
         # SIGTERM (like SIGINT) stops the run after a saved step; train() then delivers it again,
         # which here raises Terminated (or KeyboardInterrupt) carrying the RunStopped that says where.
         with raising_on_sigterm(), TrainProgress(enabled=config.progress, console=console) as progress:
-            summary = train(config, resume=args.resume, on_record=progress.handle)
+            summary = train(config, resume=resume, on_record=progress.handle)
     except ValueError as error:
         raise InputError(str(error)) from None
     except (RunStopped, KeyboardInterrupt, Terminated) as error:

@@ -5,9 +5,13 @@
     config.py       RunConfig: every flag of `leanstep train`, checked, naming the flag
     build.py        build_run(config) -> Run: model, optimizer, loss scale, loss, step
     data.py         the byte corpus (split by file) and the resumable batch sampler
-    trainer.py      train(config, on_record=...): setup, compile, plan, resume, finish
-    run_steps.py    the step loop: step, log, evaluate, checkpoint, stop (RunStopped)
+    trainer.py      train(config, on_record=...): setup, compile, plan, resume
+    run_steps.py    the step loop: take_step (the step and its record), then loop_actions
+    loop_state.py   what the loop passes between them: Tick, Stop, RunClock, RunStopped
+    actions.py      the periodic actions: time steps, replan, evaluate, log, checkpoint
+    stops.py        the stop checks: budget, stuck loss scale, signal, --stop-at; EndRun
     step_loop.py    what the loop works with (StepLoop) and compile_step
+    finish.py       summary.json and curves.png of a finished run
     budget.py       --time-budget: calibrate, plan, plan again
     stop_signals.py SIGINT/SIGTERM as a stop after the step, never inside a save
     run_dir.py      the run directory: checked first, written atomically

@@ -9,7 +9,7 @@ AMD Instinct GPUs and TPUs. ``auto`` computes in float32 on every CPU:
 - with them, XLA:CPU does not use them (jaxlib 0.10.2, a 2-core Xeon with ``amx_bf16`` and
   ``avx512_bf16``): ``leanstep bench --quick``'s matmul probe gave bfloat16 at most 285
   GFLOP/s (median 157) against float32's 280 (median 267), where PyTorch's oneDNN reached
-  1,437 against 385, and ``python -m leanstep.bench.step_profile`` timed the default step at
+  1,437 against 385, and ``python -m benchmarks.step_profile`` timed the default step at
   59.8 ms in bfloat16 against 43.5 ms in float32.
 
 The choice is a rule, not a timing taken at start-up, so that two runs of one command on one

@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -142,110 +143,15 @@ class RunConfig:
     def validate(self) -> RunConfig:
         """Checks every field, naming its flag; returns self.
 
+        The checks run one group of fields at a time: the counts, the run's length, its layout
+        over devices, its float32 numbers, then the names and paths (the model last: it builds
+        the model's config).
+
         Raises:
           ValueError: the first field that is wrong, with its flag and what would be right.
         """
-
-        def check_int(name: str, minimum: int = 1, maximum: int = INT32_MAX) -> None:
-            # Counters and sizes live in int32 (the step counter saturates there), so every one is
-            # bounded here, where it is parsed, not where it would overflow.
-            value = getattr(self, name)
-            if not is_int(value) or value < minimum:
-                raise ValueError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
-            if value > maximum:
-                raise ValueError(f"{_flag(name)} must be an integer in [{minimum}, {maximum}], got {value!r}")
-
-        for name in (
-            "batch_size",
-            "seq_len",
-            "microbatches",
-            "eval_every",
-            "eval_batches",
-            "checkpoint_every",
-            "keep_checkpoints",
-            "max_consecutive_skips",
-        ):
-            check_int(name)
-        check_int("warmup_steps", 0)
-        check_int("seed", 0, 2**32 - 1)  # a PRNG key keeps 32 bits of the seed
-        for name in ("steps", "d_model", "n_layers", "n_heads", "d_ff", "stop_at", "devices"):
-            if getattr(self, name) is not None:
-                check_int(name)
-        if self.batch_size * self.seq_len > INT32_MAX:
-            raise ValueError(
-                f"--batch-size {self.batch_size} times --seq-len {self.seq_len} is more than "
-                f"{INT32_MAX} tokens per step"
-            )
-        if self.time_budget is not None and not (
-            _is_number(self.time_budget, 0, strict=True) and self.time_budget <= MAX_TIME_BUDGET_S
-        ):
-            raise ValueError(
-                f"--time-budget must be a duration in (0 s, 30 days], like 3m or 90s, got {self.time_budget!r} seconds"
-            )
-        if self.steps is None and self.time_budget is None:
-            raise ValueError("--steps or --time-budget: give one (how long the run is)")
-        if self.stop_at is not None and self.steps is not None and self.stop_at > self.steps:
-            raise ValueError(f"--stop-at {self.stop_at} is past --steps {self.steps}: the run would never stop there")
-        if self.batch_size % self.microbatches:
-            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --microbatches {self.microbatches}")
-        if self.mesh is not None:
-            from leanstep.sharding.distributed import parse_mesh
-
-            parse_mesh(self.mesh)
-            if self.fsdp:
-                raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
-        from leanstep.step.sharding_layer import REDUCTIONS
-
-        if self.reduce not in REDUCTIONS:
-            raise ValueError(f"--reduce must be one of {', '.join(REDUCTIONS)}, got {self.reduce!r}")
-        if self.devices is not None and self.mesh is None and self.batch_size % (self.microbatches * self.devices):
-            raise ValueError(
-                f"--batch-size {self.batch_size} is not divisible by --microbatches "
-                f"{self.microbatches} times --devices {self.devices}"
-            )
-        # Each of these becomes a float32: a positive one must be a normal float32 (a denormal
-        # one flushes to zero, a huge one is inf), and a non-negative one finite in float32.
-        for name in ("lr", "initial_loss_scale", "max_grad_norm"):
-            value, none = getattr(self, name), " or 'none'" if name == "max_grad_norm" else ""
-            if name == "max_grad_norm" and value is None:
-                continue
-            if not _is_number(value, 0, strict=True):
-                raise ValueError(f"{_flag(name)} must be a positive finite number{none}, got {value!r}")
-            if not FLOAT32_TINY <= value <= FLOAT32_MAX:
-                raise ValueError(
-                    f"{_flag(name)} must be in float32's normal range [{FLOAT32_TINY:.8g}, "
-                    f"{FLOAT32_MAX:.8g}]{none} (it becomes a float32), got {value!r}"
-                )
-        if not _is_number(self.weight_decay, 0, strict=False):
-            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay!r}")
-        if self.weight_decay > FLOAT32_MAX:
-            raise ValueError(
-                f"--weight-decay must be at most {FLOAT32_MAX:.8g} (it becomes a float32), got {self.weight_decay!r}"
-            )
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        for flag, value in (("--out", self.out), ("--data", self.data)):
-            if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
-                raise ValueError(f"{flag} must be a non-empty path, got {value!r}")
-        for flag, parse, value in (
-            ("--precision", _check_precision, self.precision),
-            ("--remat", get_remat_policy, self.remat),
-        ):
-            try:
-                parse(value)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"{flag}: {error}") from None
-        try:
-            self.make_loss_scale()
-        except (TypeError, ValueError) as error:
-            raise ValueError(f"--loss-scale: {error}") from None
-        try:  # cheap: builds the config dataclass only, no arrays
-            build_model(self.model, self.size, **model_overrides(self))
-        except (TypeError, ValueError) as error:
-            flags = "".join(
-                f" {flag} {getattr(self, name)}" for flag, name in MODEL_FLAGS if getattr(self, name) is not None
-            )
-            raise ValueError(f"--model {self.model} --size {self.size}{flags}: {error}") from None
+        for check in _CHECKS:
+            check(self)
         return self
 
     def make_loss_scale(self) -> LossScale:
@@ -260,6 +166,141 @@ class RunConfig:
         """The fields (other than :data:`RESUMABLE_FIELDS`) whose value differs from a saved config."""
         mine = self.to_json()
         return sorted(k for k in mine if k not in RESUMABLE_FIELDS and (k not in saved or saved[k] != mine[k]))
+
+
+def _check_int(config: RunConfig, name: str, minimum: int = 1, maximum: int = INT32_MAX) -> None:
+    # Counters and sizes live in int32 (the step counter saturates there), so every one is
+    # bounded here, where it is parsed, not where it would overflow.
+    value = getattr(config, name)
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{_flag(name)} must be an integer in [{minimum}, {maximum}], got {value!r}")
+
+
+def _check_counts(config: RunConfig) -> None:
+    """The counts and sizes: integers in int32's range (the seed in 32 bits), and the tokens per step."""
+    for name in (
+        "batch_size",
+        "seq_len",
+        "microbatches",
+        "eval_every",
+        "eval_batches",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "max_consecutive_skips",
+    ):
+        _check_int(config, name)
+    _check_int(config, "warmup_steps", 0)
+    _check_int(config, "seed", 0, 2**32 - 1)  # a PRNG key keeps 32 bits of the seed
+    for name in ("steps", "d_model", "n_layers", "n_heads", "d_ff", "stop_at", "devices"):
+        if getattr(config, name) is not None:
+            _check_int(config, name)
+    if config.batch_size * config.seq_len > INT32_MAX:
+        raise ValueError(
+            f"--batch-size {config.batch_size} times --seq-len {config.seq_len} is more than "
+            f"{INT32_MAX} tokens per step"
+        )
+
+
+def _check_length(config: RunConfig) -> None:
+    """The run's length: ``--steps`` or a ``--time-budget`` in (0 s, 30 days], and ``--stop-at`` within it."""
+    if config.time_budget is not None and not (
+        _is_number(config.time_budget, 0, strict=True) and config.time_budget <= MAX_TIME_BUDGET_S
+    ):
+        raise ValueError(
+            f"--time-budget must be a duration in (0 s, 30 days], like 3m or 90s, got {config.time_budget!r} seconds"
+        )
+    if config.steps is None and config.time_budget is None:
+        raise ValueError("--steps or --time-budget: give one (how long the run is)")
+    if config.stop_at is not None and config.steps is not None and config.stop_at > config.steps:
+        raise ValueError(f"--stop-at {config.stop_at} is past --steps {config.steps}: the run would never stop there")
+
+
+def _check_layout(config: RunConfig) -> None:
+    """The batch split into microbatches and over devices, ``--mesh``, ``--fsdp`` and ``--reduce``."""
+    if config.batch_size % config.microbatches:
+        raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches {config.microbatches}")
+    if config.mesh is not None:
+        from leanstep.sharding.distributed import parse_mesh
+
+        parse_mesh(config.mesh)
+        if config.fsdp:
+            raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
+    from leanstep.step.sharding_layer import REDUCTIONS
+
+    if config.reduce not in REDUCTIONS:
+        raise ValueError(f"--reduce must be one of {', '.join(REDUCTIONS)}, got {config.reduce!r}")
+    if (
+        config.devices is not None
+        and config.mesh is None
+        and config.batch_size % (config.microbatches * config.devices)
+    ):
+        raise ValueError(
+            f"--batch-size {config.batch_size} is not divisible by --microbatches "
+            f"{config.microbatches} times --devices {config.devices}"
+        )
+
+
+def _check_float32s(config: RunConfig) -> None:
+    """The numbers that become float32s: the positive ones normal, ``--weight-decay`` finite."""
+    # A positive one must be a normal float32 (a denormal one flushes to zero, a huge one is
+    # inf), and a non-negative one finite in float32.
+    for name in ("lr", "initial_loss_scale", "max_grad_norm"):
+        value, none = getattr(config, name), " or 'none'" if name == "max_grad_norm" else ""
+        if name == "max_grad_norm" and value is None:
+            continue
+        if not _is_number(value, 0, strict=True):
+            raise ValueError(f"{_flag(name)} must be a positive finite number{none}, got {value!r}")
+        if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+            raise ValueError(
+                f"{_flag(name)} must be in float32's normal range [{FLOAT32_TINY:.8g}, "
+                f"{FLOAT32_MAX:.8g}]{none} (it becomes a float32), got {value!r}"
+            )
+    if not _is_number(config.weight_decay, 0, strict=False):
+        raise ValueError(f"--weight-decay must be a finite number >= 0, got {config.weight_decay!r}")
+    if config.weight_decay > FLOAT32_MAX:
+        raise ValueError(
+            f"--weight-decay must be at most {FLOAT32_MAX:.8g} (it becomes a float32), got {config.weight_decay!r}"
+        )
+
+
+def _check_parts(config: RunConfig) -> None:
+    """The names and paths: schedule, ``--out``/``--data``, precision, remat, loss scale, the model."""
+    if config.schedule not in SCHEDULES:
+        raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
+    for flag, value in (("--out", config.out), ("--data", config.data)):
+        if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
+            raise ValueError(f"{flag} must be a non-empty path, got {value!r}")
+    for flag, parse, value in (
+        ("--precision", _check_precision, config.precision),
+        ("--remat", get_remat_policy, config.remat),
+    ):
+        try:
+            parse(value)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{flag}: {error}") from None
+    try:
+        config.make_loss_scale()
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--loss-scale: {error}") from None
+    try:  # cheap: builds the config dataclass only, no arrays
+        build_model(config.model, config.size, **model_overrides(config))
+    except (TypeError, ValueError) as error:
+        flags = "".join(
+            f" {flag} {getattr(config, name)}" for flag, name in MODEL_FLAGS if getattr(config, name) is not None
+        )
+        raise ValueError(f"--model {config.model} --size {config.size}{flags}: {error}") from None
+
+
+#: :meth:`RunConfig.validate`'s checks, in order: each raises ValueError for the first wrong field of its group.
+_CHECKS: tuple[Callable[[RunConfig], None], ...] = (
+    _check_counts,
+    _check_length,
+    _check_layout,
+    _check_float32s,
+    _check_parts,
+)
 
 
 def model_overrides(config: RunConfig) -> dict[str, int]:

@@ -5,7 +5,7 @@ run's summary (``leanstep report``).
 
 Plots use :class:`matplotlib.figure.Figure` with the Agg canvas, never pyplot, so drawing
 changes no global state (no backend switch, no open figures). The PNG is drawn in memory and
-written atomically (:func:`leanstep.common.files.write_bytes_atomic`): a full disk or a read-only
+written atomically (:func:`leanstep.common.outputs.write_bytes_atomic`): a full disk or a read-only
 folder leaves the old chart (or none), never half a file, and is an ``OSError`` naming the path.
 """
 
@@ -17,19 +17,15 @@ import math
 import os
 import pathlib
 import stat
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from leanstep.common.checks import is_real
-from leanstep.common.files import (
-    describe_mode,
-    read_regular_file,
-    stat_path,
-    write_bytes_atomic,
-)
+from leanstep.common.files import describe_mode, read_regular_file, stat_path
+from leanstep.common.outputs import write_bytes_atomic
 from leanstep.training.metrics_log import RunMetrics, read_metrics
 from leanstep.training.summary import summarize
 
@@ -136,30 +132,58 @@ def plot_curves(
     path = pathlib.Path(path)
     summary = summarize(metrics)
     steps = metrics.train_column("step")
-    skipped = steps[metrics.train_column("skipped") > 0]
     # Fixed margins: a layout engine would measure every label and double the chart's time,
     # which a time-budgeted run spends inside its budget.
     fig = Figure(figsize=(10, 7), dpi=120)
     fig.subplots_adjust(left=0.1, right=0.93, bottom=0.07, top=0.91, wspace=0.34, hspace=0.3)
     FigureCanvasAgg(fig)
     (ax_loss, ax_scale), (ax_grad, ax_speed) = fig.subplots(2, 2)
-    style = {"marker": "o", "ms": 3} if steps.size <= 30 else {}
+    steps_drawn = _StepsDrawn(
+        steps=steps,
+        skipped=steps[metrics.train_column("skipped") > 0],
+        style={"marker": "o", "ms": 3} if steps.size <= 30 else {},
+        span=min(100, max(1, round(steps.size / 50))),
+    )
+    _plot_loss(ax_loss, metrics, steps_drawn)
+    _plot_loss_scale(ax_scale, metrics, steps_drawn)
+    _plot_grad_norm(ax_grad, metrics, steps_drawn, summary["clipped_steps"], max_grad_norm)
+    _plot_throughput(ax_speed, metrics, steps_drawn, summary["mean_tokens_per_sec"])
+    every_step = np.concatenate([steps, metrics.eval_column("step")])
+    lo, hi = (every_step.min(), every_step.max()) if every_step.size else (0.0, 1.0)
+    for ax in (ax_loss, ax_scale, ax_grad, ax_speed):
+        ax.set_xlim(lo - max(0.5, 0.02 * (hi - lo)), hi + max(0.5, 0.02 * (hi - lo)))
+    fig.suptitle(_title(metrics.name, summary), fontsize="large")
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    return write_bytes_atomic(path, png.getvalue())
 
+
+class _StepsDrawn(NamedTuple):
+    """What every panel draws against: the steps, the skipped ones, the line style, the EMA span."""
+
+    steps: np.ndarray
+    skipped: np.ndarray
+    style: dict[str, Any]  # markers for a short run
+    span: int  # 1: no EMA (a short run)
+
+
+def _plot_loss(ax: Any, metrics: RunMetrics, drawn: _StepsDrawn) -> None:
+    """Train loss (raw, and an EMA for a long run) and held-out loss, in nats; bits/byte on the right."""
+    steps, span = drawn.steps, drawn.span
     loss = metrics.train_column("loss")
     ok = np.isfinite(loss)
-    span = min(100, max(1, round(steps.size / 50)))
     if ok.any():
         # Short runs are drawn as they are; longer ones get a light raw line under an EMA.
-        ax_loss.plot(
-            steps[ok], loss[ok], color="tab:blue", alpha=0.3 if span > 1 else 1.0, lw=0.8, label="train", **style
+        ax.plot(
+            steps[ok], loss[ok], color="tab:blue", alpha=0.3 if span > 1 else 1.0, lw=0.8, label="train", **drawn.style
         )
     if span > 1 and ok.any():
-        ax_loss.plot(steps[ok], _ema(loss[ok], span), color="tab:blue", lw=1.8, label=f"train (EMA, span {span})")
+        ax.plot(steps[ok], _ema(loss[ok], span), color="tab:blue", lw=1.8, label=f"train (EMA, span {span})")
     estep, eloss = metrics.eval_column("step"), metrics.eval_column("heldout_loss")
     eok = np.isfinite(eloss)
     if eok.any():
         final_bpb = metrics.eval[np.flatnonzero(eok)[-1]].heldout_bits_per_byte
-        ax_loss.plot(
+        ax.plot(
             estep[eok],
             eloss[eok],
             "o-",
@@ -169,87 +193,92 @@ def plot_curves(
             label=f"held-out (final {final_bpb:.3f} bits/byte)",
         )
     ln2 = math.log(2.0)
-    ax_loss.secondary_yaxis("right", functions=(lambda x: x / ln2, lambda x: x * ln2)).set_ylabel("bits/byte")
-    _mark_events(ax_loss, metrics, skipped)
-    _finish(ax_loss, "train and held-out loss", "loss (nats/byte)", bool(ok.any() or eok.any()))
+    ax.secondary_yaxis("right", functions=(lambda x: x / ln2, lambda x: x * ln2)).set_ylabel("bits/byte")
+    _mark_events(ax, metrics, drawn.skipped)
+    _finish(ax, "train and held-out loss", "loss (nats/byte)", bool(ok.any() or eok.any()))
 
+
+def _plot_loss_scale(ax: Any, metrics: RunMetrics, drawn: _StepsDrawn) -> None:
+    """The loss scale as a step function, on a log2 axis."""
     scale = metrics.train_column("loss_scale")
     ok = np.isfinite(scale) & (scale > 0)
-    ax_scale.plot(
-        steps[ok],
+    ax.plot(
+        drawn.steps[ok],
         scale[ok],
         color="tab:purple",
         drawstyle="steps-post",
         label="loss scale" if ok.any() else None,
-        **style,
+        **drawn.style,
     )
-    ax_scale.set_yscale("log", base=2)
-    _mark_events(ax_scale, metrics, skipped)
-    _finish(ax_scale, "dynamic loss scale", "loss scale (log2)", bool(ok.any()))
+    ax.set_yscale("log", base=2)
+    _mark_events(ax, metrics, drawn.skipped)
+    _finish(ax, "dynamic loss scale", "loss scale (log2)", bool(ok.any()))
 
+
+def _plot_grad_norm(
+    ax: Any, metrics: RunMetrics, drawn: _StepsDrawn, clipped_steps: int, max_grad_norm: float | None
+) -> None:
+    """The gradient norm before clipping (and a geometric EMA), the clipped steps and the threshold."""
+    steps, span = drawn.steps, drawn.span
     grad = metrics.train_column("grad_norm")
     ok = np.isfinite(grad) & (grad > 0)
-    ax_grad.plot(
+    ax.plot(
         steps[ok],
         grad[ok],
         color="tab:green",
         lw=0.8,
         alpha=0.35 if span > 1 else 1,
         label="grad norm" if ok.any() else None,
-        **style,
+        **drawn.style,
     )
     if span > 1 and ok.any():  # geometric EMA: the panel is logarithmic
-        ax_grad.plot(
+        ax.plot(
             steps[ok],
             np.exp(_ema(np.log(grad[ok]), span)),
             color="tab:green",
             lw=1.6,
             label=f"grad norm (EMA, span {span})",
         )
-    _ticks(
-        ax_grad, steps[metrics.train_column("clipped") > 0], 0.98, "tab:orange", f"clipped ({summary['clipped_steps']})"
-    )
+    _ticks(ax, steps[metrics.train_column("clipped") > 0], 0.98, "tab:orange", f"clipped ({clipped_steps})")
     if max_grad_norm is not None:
-        ax_grad.axhline(max_grad_norm, color="black", ls="--", lw=1, label=f"max_grad_norm = {max_grad_norm:g}")
-    ax_grad.set_yscale("log")
-    _mark_events(ax_grad, metrics, skipped)
-    _finish(ax_grad, "gradient global norm (before clipping)", "grad norm (log)", bool(ok.any()))
+        ax.axhline(max_grad_norm, color="black", ls="--", lw=1, label=f"max_grad_norm = {max_grad_norm:g}")
+    ax.set_yscale("log")
+    _mark_events(ax, metrics, drawn.skipped)
+    _finish(ax, "gradient global norm (before clipping)", "grad norm (log)", bool(ok.any()))
 
+
+def _plot_throughput(ax: Any, metrics: RunMetrics, drawn: _StepsDrawn, mean_speed: float | None) -> None:
+    """Tokens per second, the compiling steps (the first, and each resume's) left out, and their mean."""
+    steps = drawn.steps
     speed = metrics.train_column("tokens_per_sec")
     compiling = np.isin(steps, np.concatenate([steps[:1], metrics.resumed_at]))
     ok = np.isfinite(speed) & ~compiling
     if ok.any():
         left_out = int(compiling.sum())
-        ax_speed.plot(
+        ax.plot(
             steps[ok],
             speed[ok],
             color="tab:cyan",
             lw=0.9,
-            **style,
+            **drawn.style,
             label=(f"tokens/sec ({left_out} compile step{'s' * (left_out != 1)} left out)"),
         )
-    mean_speed = summary["mean_tokens_per_sec"]
     if mean_speed is not None:
-        ax_speed.axhline(mean_speed, color="0.3", ls="--", lw=1, label=f"mean {mean_speed:,.0f} (after compile)")
+        ax.axhline(mean_speed, color="0.3", ls="--", lw=1, label=f"mean {mean_speed:,.0f} (after compile)")
     if ok.any() and speed[ok].max() > 0:  # from zero, so a 2% wobble looks like one
-        ax_speed.set_ylim(0, 1.1 * speed[ok].max())
-    _finish(ax_speed, "throughput", "tokens/sec", bool(ok.any()))
+        ax.set_ylim(0, 1.1 * speed[ok].max())
+    _finish(ax, "throughput", "tokens/sec", bool(ok.any()))
 
-    every_step = np.concatenate([steps, estep])
-    lo, hi = (every_step.min(), every_step.max()) if every_step.size else (0.0, 1.0)
-    for ax in (ax_loss, ax_scale, ax_grad, ax_speed):
-        ax.set_xlim(lo - max(0.5, 0.02 * (hi - lo)), hi + max(0.5, 0.02 * (hi - lo)))
-    fig.suptitle(
-        f"{metrics.name}: {summary['steps']:,} step{'s' * (summary['steps'] != 1)} · train loss "
+
+def _title(name: str, summary: dict[str, Any]) -> str:
+    """The chart's title: the run, its steps, its final losses, its skipped and clipped steps."""
+    return (
+        f"{name}: {summary['steps']:,} step{'s' * (summary['steps'] != 1)} · train loss "
         f"{_fmt(summary['final_train_loss'])} · held-out "
         f"{_fmt(summary['final_heldout_bits_per_byte'])} bits/byte (best "
         f"{_fmt(summary['best_heldout_bits_per_byte'])}) · {summary['skipped_steps']} skipped, "
-        f"{summary['clipped_steps']} clipped",
-        fontsize="large",
+        f"{summary['clipped_steps']} clipped"
     )
-    png = io.BytesIO()
-    fig.savefig(png, format="png")
-    return write_bytes_atomic(path, png.getvalue())
 
 
 def report(run_dir: str | os.PathLike[str], *, chart: str | os.PathLike[str] | None = None) -> dict[str, Any]:

@@ -18,13 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from leanstep.common.checks import is_int
-from leanstep.common.files import (
-    describe_skipped,
-    expand_path,
-    read_regular_file,
-    stat_path,
-    walk_regular_files,
-)
+from leanstep.common.files import describe_skipped, expand_path, read_regular_file, stat_path, walk_regular_files
 
 #: Cap on the default corpus, so that loading it takes a fraction of a second.
 DEFAULT_CORPUS_BYTES = 8_000_000

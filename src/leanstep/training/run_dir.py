@@ -17,7 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from leanstep.common.files import read_regular_file, write_bytes_atomic
+from leanstep.common.files import read_regular_file
+from leanstep.common.outputs import write_bytes_atomic
 from leanstep.training.config import RunConfig
 
 __all__ = ["check_out", "check_run", "saved_run", "with_saved_plan", "write_json_atomic"]

@@ -28,9 +28,9 @@ from leanstep.training.schedule import Schedule
 __all__ = ["StepLoop", "applied_updates", "evaluate", "in_background", "place_eval_batch", "step_batch", "warming_up"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StepLoop:
-    """What the step loop works with; built by :func:`leanstep.training.train`."""
+    """What the step loop works with; built, by keyword, by :func:`leanstep.training.train`."""
 
     config: RunConfig
     checkpointer: Checkpointer | None  # None until the run directory is open

@@ -54,12 +54,14 @@ from leanstep.sharding.distributed import device_mesh, parse_mesh
 from leanstep.sharding.meshes import mesh_axes
 from leanstep.step.state import TrainState
 from leanstep.step.state_sharding import shard_train_state
-from leanstep.training.budget import plan_budget
-from leanstep.training.build import build_run
+from leanstep.training.budget import BudgetPlan, plan_budget
+from leanstep.training.build import Run, build_run
 from leanstep.training.config import RunConfig, config_hash
-from leanstep.training.data import BatchSampler, heldout_batches, load_corpus
+from leanstep.training.data import BatchSampler, Corpus, heldout_batches, load_corpus
+from leanstep.training.finish import finish_run
 from leanstep.training.legacy_state import restore_state
-from leanstep.training.metrics_log import read_metrics, truncate_metrics
+from leanstep.training.loop_state import RunStopped
+from leanstep.training.metrics_log import truncate_metrics
 from leanstep.training.records import Note, Record, RunStart
 from leanstep.training.run_dir import (
     check_out,
@@ -68,7 +70,7 @@ from leanstep.training.run_dir import (
     write_json_atomic,
 )
 from leanstep.training.run_lock import RunLock
-from leanstep.training.run_steps import RunStopped, planned_steps, run_steps
+from leanstep.training.run_steps import planned_steps, run_steps
 from leanstep.training.schedule import set_total_steps
 from leanstep.training.step_loop import (
     StepLoop,
@@ -172,7 +174,7 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
             lock.release()
         raise
     try:
-        return _train_locked(config, run, resume, corpus, described, mesh, emit, lock, origin)
+        return _train_locked(_Setup(config, run, resume, corpus, described, mesh, emit, lock, origin))
     finally:
         if lock is not None:
             lock.release()
@@ -189,68 +191,110 @@ def _take(lock: RunLock) -> Exception | None:
     return None
 
 
-def _train_locked(
-    config: RunConfig,
-    run: Any,
-    resume: bool,
-    corpus: Any,
-    described: dict[str, Any],
-    mesh: Mesh | None,
-    emit: Callable[..., None],
-    lock: RunLock | None,
-    origin: float,
-) -> dict[str, Any]:
-    """:func:`train` from the moment it holds the run directory (``lock``; None on process > 0)."""
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What :func:`train` has checked once it holds the run directory (``lock``; None on process > 0)."""
+
+    config: RunConfig
+    run: Run
+    resume: bool
+    corpus: Corpus
+    described: dict[str, Any]  # corpus.describe()
+    mesh: Mesh | None
+    emit: Callable[..., None]
+    lock: RunLock | None
+    origin: float  # time.perf_counter() when train() began
+
+    @property
+    def primary(self) -> bool:
+        """Whether this process writes the run directory (process 0)."""
+        return jax.process_index() == 0
+
+
+def _train_locked(setup: _Setup) -> dict[str, Any]:
+    """:func:`train` from the moment it holds the run directory: compile, plan, open, resume, step, finish."""
+    template = _initial_state(setup)
+    loop = warming_up(_make_loop(setup), template.params)  # the evaluation compiles beside the step
+    step_compile = compile_step(loop, template)
+    plan = None
+    if setup.config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
+        plan = _plan(loop, template, step_compile["seconds"])
+        loop = dataclasses.replace(loop, config=dataclasses.replace(loop.config, steps=plan.steps))
+    config = loop.config
+    template = template.replace(opt_state=set_total_steps(template.opt_state, planned_steps(config)))
+    run_info = _run_info(setup, config, template, plan, step_compile)
+    checkpointer, notes = _open_run_dir(setup, config, run_info, plan)
+    loop = dataclasses.replace(loop, checkpointer=checkpointer)
+    try:
+        _resume_and_run(setup, loop, template, run_info, notes, plan)
+    except BaseException:
+        with contextlib.suppress(CheckpointError):  # report the first failure, not a follow-on one
+            checkpointer.close()
+        raise
+    checkpointer.close()
     out = Path(config.out)
-    config_path, metrics_path, ckpt_dir = out / "config.json", out / "metrics.jsonl", out / "checkpoints"
-    primary, many = jax.process_index() == 0, jax.process_count() > 1
-    template = run.init_state()
-    if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
-        template = shard_train_state(template, mesh, fsdp=config.fsdp, rules=run.model.rules)
-    else:  # committed to its device, as a restored state is: a new run and a resumed one share programs
-        template = jax.device_put(template, jax.devices()[0])
-    eval_data = heldout_batches(corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
-    loop = StepLoop(
-        config,
-        None,
-        metrics_path if primary else None,
-        run.make_step(mesh=mesh),
+    if not setup.primary:
+        return {"process_index": jax.process_index(), "curves": str(out / "curves.png")}  # process 0 draws it
+    return finish_run(out, run_info, max_grad_norm=config.max_grad_norm, emit=setup.emit)
+
+
+def _initial_state(setup: _Setup) -> TrainState:
+    """The run's initial state, placed as a restored one is, so that a new run and a resumed one share programs."""
+    template = setup.run.init_state()
+    if setup.mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
+        return shard_train_state(template, setup.mesh, fsdp=setup.config.fsdp, rules=setup.run.model.rules)
+    return jax.device_put(template, jax.devices()[0])  # committed to its device, as a restored state is
+
+
+def _make_loop(setup: _Setup) -> StepLoop:
+    """The parts of the step loop, before the run directory is open (no checkpointer yet)."""
+    config, run, mesh = setup.config, setup.run, setup.mesh
+    eval_data = heldout_batches(setup.corpus.heldout, config.batch_size, config.seq_len, config.eval_batches)
+    return StepLoop(
+        config=config,
+        checkpointer=None,
+        metrics_path=Path(config.out) / "metrics.jsonl" if setup.primary else None,
+        step_fn=run.make_step(mesh=mesh),
         # A replicated result: one scalar every process can read.
-        jax.jit(
+        eval_fn=jax.jit(
             lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
             out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()),
         ),
-        BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed),
-        eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data],
-        run.schedule,
-        emit if primary else _ignore,
-        mesh,
-        origin,
+        sampler=BatchSampler(setup.corpus.train, config.batch_size, config.seq_len, config.seed),
+        eval_data=eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data],
+        schedule=run.schedule,
+        emit=setup.emit if setup.primary else _ignore,
+        mesh=mesh,
+        origin=setup.origin,
     )
-    loop = warming_up(loop, template.params)  # the evaluation compiles beside the step
-    step_compile = compile_step(loop, template)
-    plan = None
-    if config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
 
-        def scratch() -> TrainState:  # buffers of its own: the calibration's steps donate their input
-            return jax.jit(lambda state: jax.tree.map(jnp.copy, state))(template)
 
-        plan = plan_budget(
-            config,
-            loop.step_fn,
-            scratch,
-            lambda i: step_batch(loop, i),
-            lambda p: evaluate(loop, p),
-            origin,
-            evaluations=1,  # compiled already (warming_up)
-            compile_s=step_compile["seconds"],
-        )
-        config = dataclasses.replace(config, steps=plan.steps)
-        loop = dataclasses.replace(loop, config=config)
-    template = template.replace(opt_state=set_total_steps(template.opt_state, planned_steps(config)))
-    run_info = {
+def _plan(loop: StepLoop, template: TrainState, compile_s: float) -> BudgetPlan:
+    """``--time-budget``'s plan: the compiled step timed on a scratch copy of ``template``."""
+
+    def scratch() -> TrainState:  # buffers of its own: the calibration's steps donate their input
+        return jax.jit(lambda state: jax.tree.map(jnp.copy, state))(template)
+
+    return plan_budget(
+        loop.config,
+        loop.step_fn,
+        scratch,
+        lambda i: step_batch(loop, i),
+        lambda p: evaluate(loop, p),
+        loop.origin,
+        evaluations=1,  # compiled already (warming_up)
+        compile_s=compile_s,
+    )
+
+
+def _run_info(
+    setup: _Setup, config: RunConfig, template: TrainState, plan: BudgetPlan | None, step_compile: dict[str, Any]
+) -> dict[str, Any]:
+    """``config.json``: the run's config and what it ran on."""
+    run, mesh = setup.run, setup.mesh
+    return {
         "run": config.to_json(),
-        "corpus": described,
+        "corpus": setup.described,
         "model_config": dataclasses.asdict(run.model.config),
         "parameters": int(sum(x.size for x in jax.tree.leaves(template.params))),
         "flops_per_token": run.model.flops_per_token,
@@ -264,73 +308,61 @@ def _train_locked(
         "time_budget_plan": None if plan is None else plan.to_json(),
         "compile_cache": {"directory": cache_directory(), "step": step_compile},
     }
+
+
+def _open_run_dir(
+    setup: _Setup, config: RunConfig, run_info: dict[str, Any], plan: BudgetPlan | None
+) -> tuple[Checkpointer, list[str]]:
+    """The run directory made and cleaned up, its checkpointer open; the notes to show before the first step."""
+    out = Path(config.out)
+    resume, primary = setup.resume, setup.primary
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not resume and primary:  # before the first checkpoint, so that a run killed from here on can be resumed
-            write_json_atomic(config_path, run_info)
-        notes = remove_unfinished_saves(ckpt_dir) if resume and primary else []
-        took_over = lock.took_over() if lock is not None else None
+            write_json_atomic(out / "config.json", run_info)
+        notes = remove_unfinished_saves(out / "checkpoints") if resume and primary else []
+        took_over = setup.lock.took_over() if setup.lock is not None else None
         notes += [f"warning: {took_over}"] if took_over else []
         notes += [] if plan is None else [plan.describe()]
-        if many:  # ... and cleaned it up before any process opens the checkpoints
+        if jax.process_count() > 1:  # ... and cleaned it up before any process opens the checkpoints
             multihost_utils.sync_global_devices("leanstep: run directory ready")
-        checkpointer = Checkpointer(ckpt_dir, max_to_keep=config.keep_checkpoints)
+        return Checkpointer(out / "checkpoints", max_to_keep=config.keep_checkpoints), notes
     except (OSError, CheckpointError) as error:
         raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
 
-    loop = dataclasses.replace(loop, checkpointer=checkpointer)
-    try:
-        state, elapsed_before = template, 0.0
-        if resume and checkpointer.latest_step() is not None:
-            state, elapsed_before = _restore(checkpointer, template, config, notes)
-            # The schedule spans --steps: the saved length, or a longer one (an extension).
-            state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
-        if resume and primary:
-            try:
-                truncate_metrics(metrics_path, int(state.step))
-                write_json_atomic(config_path, run_info)  # a resumable field may have changed
-            except OSError as error:
-                raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
-        emit(*(Note(note) for note in notes))
-        loop.emit(RunStart(planned_steps(config), int(state.step)))
 
-        def replanned(new: Any) -> None:  # config.json names the steps before a checkpoint holds them
-            run_info.update(run={**run_info["run"], "steps": new.steps}, time_budget_plan=new.to_json())
-            if primary:
-                write_json_atomic(config_path, run_info)
+def _resume_and_run(
+    setup: _Setup,
+    loop: StepLoop,
+    template: TrainState,
+    run_info: dict[str, Any],
+    notes: list[str],
+    plan: BudgetPlan | None,
+) -> None:
+    """Restores the newest checkpoint (``--resume``), says the notes and starts, then runs the steps."""
+    config, checkpointer, primary = loop.config, loop.checkpointer, setup.primary
+    assert checkpointer is not None  # the run directory is open
+    config_path = Path(config.out) / "config.json"
+    state, elapsed_before = template, 0.0
+    if setup.resume and checkpointer.latest_step() is not None:
+        state, elapsed_before = _restore(checkpointer, template, config, notes)
+        # The schedule spans --steps: the saved length, or a longer one (an extension).
+        state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
+    if setup.resume and primary:
+        try:
+            truncate_metrics(Path(config.out) / "metrics.jsonl", int(state.step))
+            write_json_atomic(config_path, run_info)  # a resumable field may have changed
+        except OSError as error:
+            raise RunStopped(f"cannot write the run directory --out {str(Path(config.out))!r}: {error}", 1) from None
+    setup.emit(*(Note(note) for note in notes))
+    loop.emit(RunStart(planned_steps(config), int(state.step)))
 
-        run_steps(loop, state, elapsed_before, plan=plan, on_replan=replanned)
-    except BaseException:
-        with contextlib.suppress(CheckpointError):  # report the first failure, not a follow-on one
-            checkpointer.close()
-        raise
-    checkpointer.close()
-    if not primary:
-        return {"process_index": jax.process_index(), "curves": str(out / "curves.png")}  # process 0 draws it
-    from leanstep.training.curves import plot_curves  # matplotlib: only now
-    from leanstep.training.summary import summarize
+    def replanned(new: BudgetPlan) -> None:  # config.json names the steps before a checkpoint holds them
+        run_info.update(run={**run_info["run"], "steps": new.steps}, time_budget_plan=new.to_json())
+        if primary:
+            write_json_atomic(config_path, run_info)
 
-    try:  # the run is done and checkpointed: an output that fails from here on loses no work
-        metrics_record = read_metrics(metrics_path)
-        summary = {**summarize(metrics_record, run_info), "curves": None}
-        write_json_atomic(out / "summary.json", summary)  # the numbers first: a failed chart cannot lose them
-    except OSError as error:
-        raise RunStopped(
-            f"the run finished and its last checkpoint is intact, but summary.json could not be "
-            f"written ({error}); write it with leanstep report {out}",
-            1,
-        ) from None
-    try:
-        summary["curves"] = str(plot_curves(metrics_record, out / "curves.png", max_grad_norm=config.max_grad_norm))
-        write_json_atomic(out / "summary.json", summary)  # now naming the chart
-    except OSError as error:  # ENOSPC, EACCES, ...: plot_curves leaves no partial file
-        emit(
-            Note(
-                f"warning: curves.png was not written ({error}); summary.json holds the numbers and "
-                f"leanstep report {out} redraws the chart"
-            )
-        )
-    return summary
+    run_steps(loop, state, elapsed_before, plan=plan, on_replan=replanned)
 
 
 def _restore(

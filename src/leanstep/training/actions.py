@@ -1,0 +1,173 @@
+"""The step loop's periodic work: time the steps, plan again, evaluate, log, checkpoint.
+
+Each is an :class:`~leanstep.training.loop_state.Action`: ``when(tick)`` is its trigger, read
+after every step, and ``do(tick)`` its work. The loop runs them in the order
+:func:`leanstep.training.run_steps.loop_actions` lists them, beside the stop checks of
+:mod:`leanstep.training.stops`::
+
+    TimeSteps       while a replan is pending     keep the step's time
+    Replan          step == plan.replan_at        plan the budget again from those times
+    Evaluate        step % every == 0, the last   the held-out loss, an EvalRecord
+                    step, or the budget's end
+    LogRecords      every step                    metrics.jsonl and the run's callback
+    SaveCheckpoint  step % every == 0, the last   a checkpoint, with signals deferred
+                    step, or a stop; never at
+                    the minimum loss scale
+
+Example:
+  >>> from leanstep.training.loop_state import Tick
+  >>> evaluate = Evaluate(every=4, evaluate=lambda params: 2.0)
+  >>> [step for step in range(1, 11) if evaluate.when(Tick(state=None, step=step, steps=10))]
+  [4, 8, 10]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from leanstep.checkpoints.checkpointer import Checkpointer, CheckpointError
+from leanstep.training.budget import BudgetPlan, replan
+from leanstep.training.config import RunConfig
+from leanstep.training.loop_state import RunClock, RunStopped, Stop, Tick
+from leanstep.training.metrics_log import MetricsWriter
+from leanstep.training.records import EvalRecord, Note, RunStart
+from leanstep.training.schedule import set_total_steps
+from leanstep.training.stop_signals import StopSignals
+
+__all__ = ["Evaluate", "LogRecords", "Replan", "SaveCheckpoint", "TimeSteps", "replan_pending"]
+
+
+def replan_pending(plan: BudgetPlan | None) -> bool:
+    """Whether ``plan`` is still to be made again from the loop's own step times."""
+    return plan is not None and plan.replan_at is not None and plan.loop_step_s is None
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeSteps:
+    """Keeps each step's time in ``step_times`` while a replan is pending: the pace :class:`Replan` reads."""
+
+    step_times: list[float]
+
+    def when(self, tick: Tick) -> bool:
+        return replan_pending(tick.plan)
+
+    def do(self, tick: Tick) -> Tick:
+        self.step_times.append(tick.seconds)
+        return tick
+
+
+@dataclasses.dataclass(frozen=True)
+class Replan:
+    """Plans a ``--time-budget`` run again after step ``plan.replan_at`` (:func:`~leanstep.training.budget.replan`).
+
+    The new length goes into the tick and the optimizer state's schedule; ``on_replan(plan)``
+    then records it (``config.json``) and ``emit`` says it, with a new ``RunStart``.
+    """
+
+    config: RunConfig
+    clock: RunClock
+    step_times: list[float]  # the steps' times so far (TimeSteps)
+    on_replan: Callable[[BudgetPlan], None]
+    emit: Callable[..., None]
+
+    def when(self, tick: Tick) -> bool:
+        return replan_pending(tick.plan) and tick.plan is not None and tick.step == tick.plan.replan_at
+
+    def do(self, tick: Tick) -> Tick:
+        assert tick.plan is not None  # when() holds
+        plan = replan(tick.plan, self.config, tick.step, self.clock.session_s(), self.step_times)
+        state = tick.state.replace(opt_state=set_total_steps(tick.state.opt_state, plan.steps))
+        self.on_replan(plan)
+        self.emit(Note(plan.describe()), RunStart(plan.steps, tick.step))
+        return dataclasses.replace(tick, state=state, steps=plan.steps, plan=plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluate:
+    """The held-out loss every ``every`` steps, after the last one, and when the budget runs out."""
+
+    every: int
+    evaluate: Callable[[Any], float]  # evaluate(params) -> the mean held-out loss
+
+    def when(self, tick: Tick) -> bool:
+        return tick.step % self.every == 0 or tick.step == tick.steps or tick.stopping("budget")
+
+    def do(self, tick: Tick) -> Tick:
+        return tick.with_records(EvalRecord.from_loss(tick.step, self.evaluate(tick.state.params)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LogRecords:
+    """Every step: its records to ``metrics.jsonl`` (``log``; None: another process writes it), then to ``emit``.
+
+    A failed write stops the run (:class:`RunStopped`, exit code 1), saying where its work is.
+    """
+
+    log: MetricsWriter | None
+    emit: Callable[..., None]
+    checkpoints: Path  # the checkpoint directory, for the message
+
+    def when(self, tick: Tick) -> bool:
+        return True
+
+    def do(self, tick: Tick) -> Tick:
+        if self.log is not None:
+            try:
+                self.log.write(*tick.records)
+            except OSError as error:
+                raise write_failed(self.log.path, error, tick.where_saved(self.checkpoints)) from None
+        self.emit(*tick.records)
+        return tick
+
+
+def write_failed(path: Path, error: OSError, where_saved: str) -> RunStopped:
+    """The stop for a ``metrics.jsonl`` that cannot be opened or written."""
+    return RunStopped(f"cannot write {path}: {error}; {where_saved}", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveCheckpoint:
+    """A checkpoint every ``every`` steps, after the last one and before any stop.
+
+    A step stuck at the minimum loss scale is never saved: such a state is not worth keeping,
+    and saving it could prune a good checkpoint. The save runs with signals deferred
+    (:meth:`StopSignals.deferred`); one that arrives during it stops the run at this step, which
+    is saved, except in a multi-process run (``many``), where every process must stop after the
+    same step and the next step's check finds it.
+    """
+
+    every: int
+    checkpointer: Checkpointer
+    config_sha256: str  # written with each checkpoint: a resume checks it
+    signals: StopSignals
+    out: Path  # the run directory, for the message
+    many: bool = False
+
+    def when(self, tick: Tick) -> bool:
+        due = tick.step % self.every == 0 or tick.step == tick.steps or bool(tick.stops)
+        return tick.skips_at_minimum == 0 and due
+
+    def do(self, tick: Tick) -> Tick:
+        with self.signals.deferred():
+            self.save(tick)
+        tick = dataclasses.replace(tick, last_saved=tick.step)
+        received = self.signals.received
+        if not self.many and received is not None and not tick.stopping("signal"):
+            tick = tick.with_stop(Stop("signal", received))
+        return tick
+
+    def save(self, tick: Tick) -> None:
+        """Saves ``tick``'s state with where the run's data is and its time; a failure stops the run."""
+        extra = {"data_position": tick.step, "elapsed_s": tick.record.elapsed_s, "config_sha256": self.config_sha256}
+        try:
+            self.checkpointer.save(tick.step, tick.state, extra=extra)
+        except CheckpointError as error:
+            raise RunStopped(
+                f"stopped at step {tick.step}: its checkpoint could not be written ({error}); "
+                f"{tick.where_saved(self.checkpointer.directory)}. Free space or fix the directory, then continue "
+                f"with --resume --out {self.out}",
+                1,
+            ) from None
