@@ -1,11 +1,11 @@
-"""leanstep.bench.plan_check: the planned step run for real in a child process, its memory measured."""
+"""benchmarks.plan_check: the planned step run for real in a child process, its memory measured."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from leanstep.bench.plan_check import validate_plan
+from benchmarks.plan_check import validate_plan
 from leanstep.training import RunConfig
 
 

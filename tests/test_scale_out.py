@@ -2,7 +2,7 @@
 
 The models are the issue's: an 8-layer stack of 1024x1024 layers and the built-in transformer at
 d_model 1024 (101M parameters). References: a hand-written FSDP step with per-layer gathers
-(:func:`leanstep.bench.scaling.reference_fsdp_step`: jit, scan, value_and_grad, optax, no leanstep
+(:func:`benchmarks.scaling.reference_fsdp_step`: jit, scan, value_and_grad, optax, no leanstep
 stage) for memory; the data-parallel step's arguments for the 1/8 bound; the gradient's size for
 bytes. This file is also the worker (``python tests/test_scale_out.py worker OUT``).
 """
@@ -24,7 +24,7 @@ def worker(out: Path) -> None:
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
-    from leanstep.bench import scaling
+    from benchmarks import scaling
     from leanstep.sharding.distributed import device_mesh
 
     results = {}
@@ -83,4 +83,5 @@ def test_no_batch_rows_move_in_bfloat16(scale, model, layout):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks/
     worker(Path(sys.argv[2]))

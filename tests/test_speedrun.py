@@ -462,7 +462,7 @@ def test_cli_json_path_is_checked_first_and_run_errors_exit_2(recorded, tmp_path
 
 
 def test_step_pace_times_both_steps_in_turn(data, one_thread):
-    from leanstep.bench.step_pace import step_pace
+    from benchmarks.step_pace import step_pace
 
     with pytest.raises(ValueError, match="rounds=0"):
         step_pace(RunConfig(**TINY, data=str(data)), rounds=0)

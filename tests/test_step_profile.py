@@ -1,4 +1,4 @@
-"""The step profile (leanstep.bench.step_profile) and the HLO matmul list it reads (hlo_matmuls).
+"""The step profile (benchmarks.step_profile) and the HLO matmul list it reads (hlo_matmuls).
 
 The dot list of a compiled tiny-transformer step is checked against a count made by hand from
 the model's shapes; timing is never asserted.
@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from leanstep.bench.hlo_matmuls import list_loops, list_matmuls, standalone_matmul
-from leanstep.bench.step_profile import config_from_args, format_profile, profile_step
+from benchmarks.hlo_matmuls import list_loops, list_matmuls, standalone_matmul
+from benchmarks.step_profile import config_from_args, format_profile, profile_step
 from leanstep.training.config import RunConfig
 
 FLOAT32 = "params=float32,compute=float32,output=float32"

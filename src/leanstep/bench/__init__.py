@@ -22,6 +22,7 @@ PyTorch is a benchmark-only extra; without it the torch rows are skipped.
 """
 
 from leanstep.bench.chart import plot_benchmark
+from leanstep.bench.config import BenchConfig
 from leanstep.bench.cpu_peak import (
     FMA_UNITS_ASSUMPTION,
     CpuPeak,
@@ -42,7 +43,7 @@ from leanstep.bench.matmul import (
     xla_float32_peak,
     xla_matmul,
 )
-from leanstep.bench.runner import BenchConfig, machine_info, run_benchmark
+from leanstep.bench.runner import machine_info, run_benchmark
 from leanstep.bench.speedrun import compression_references, run_speedrun
 from leanstep.bench.speedrun_torch import (
     TorchPeerRun,

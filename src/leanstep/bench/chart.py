@@ -9,7 +9,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from leanstep.common.files import write_bytes_atomic
+from leanstep.common.outputs import write_bytes_atomic
 
 __all__ = ["plot_benchmark"]
 
@@ -137,7 +137,7 @@ def plot_benchmark(result: dict[str, Any], path: str | os.PathLike[str]) -> str:
     model FLOPs/s.
 
     Raises:
-      OSError: the PNG could not be written (see :func:`leanstep.common.files.write_bytes_atomic`:
+      OSError: the PNG could not be written (see :func:`leanstep.common.outputs.write_bytes_atomic`:
         nothing half-written is left at ``path``).
     """
     config, machine = result["config"], result["machine"]

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leanstep.bench.config import BenchConfig
 from leanstep.bench.contenders import (
     Contender,
     Spec,
@@ -23,10 +24,7 @@ from leanstep.bench.matmul import measure_matmul_gflops, torch_matmul, xla_matmu
 from leanstep.bench.timing import summarize_times, time_interleaved
 from leanstep.bench.torch_step import torch_available
 from leanstep.bench.utilization import describe_probe, model_flops_utilization
-from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
-from leanstep.common.checks import is_int, is_real
-from leanstep.models import build_model
-from leanstep.training import RunConfig, build_run
+from leanstep.training import build_run
 
 __all__ = ["BenchConfig", "machine_info", "run_benchmark"]
 
@@ -35,123 +33,6 @@ FLOPS_SOURCE = (
     "remat recomputation not counted). XLA's cost analysis (xla_gflop) counts each lax.scan body once, "
     "not per iteration, so it is reported but not used."
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    """What one ``leanstep bench`` run measures. :meth:`full` and :meth:`quick` are the presets.
-
-    The comparisons (leanstep vs hand-written, leanstep vs torch) use ``num_microbatches``;
-    leanstep vs hand-written uses ``remat`` and bf16 compute (``leanstep train``'s defaults);
-    leanstep vs torch uses the ``"full"`` policy on both sides, because
-    ``torch.utils.checkpoint`` saves exactly the block inputs.
-    """
-
-    size: str = "small"
-    model_overrides: tuple[tuple[str, int], ...] = ()
-    batch_size: int = 16
-    num_microbatches: int = 2
-    remat: str = "dots"
-    microbatch_sweep: tuple[int, ...] = (1, 2, 4, 8)
-    remat_sweep: tuple[str, ...] = (*REMAT_POLICIES, "save:attn_out,mlp_hidden")
-    repeats: int = 10
-    torch_repeats: int = 3
-    warmup: int = 0
-    torch: bool = True
-    torch_compile: bool = False
-    torch_threads: int | None = None
-    matmul_size: int = 4096
-    matmul_repeats: int = 5
-    matmul_max_seconds: float = 20.0
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    initial_loss_scale: float = 2.0**15
-    seed: int = 0
-
-    @classmethod
-    def full(cls, **changes: Any) -> BenchConfig:
-        """The default run: ``leanstep train``'s model and batch (about 5-8 minutes on 2 cores)."""
-        return cls(**changes).validate()
-
-    @classmethod
-    def quick(cls, **changes: Any) -> BenchConfig:
-        """A small version (tiny model, few repeats, under 2 minutes on 2 cores)."""
-        fields = dict(
-            size="tiny",
-            repeats=50,
-            torch_repeats=5,
-            matmul_size=2048,
-            matmul_repeats=3,
-            microbatch_sweep=(1, 2, 4),
-            remat_sweep=("full", "dots"),
-        )
-        return cls(**{**fields, **changes}).validate()
-
-    def validate(self) -> BenchConfig:
-        """Checks every field, naming it; returns self. Raises ValueError."""
-        for name in (
-            "batch_size",
-            "num_microbatches",
-            "repeats",
-            "torch_repeats",
-            "matmul_size",
-            "matmul_repeats",
-            "torch_threads",
-        ):
-            value = getattr(self, name)
-            if name == "torch_threads" and value is None:
-                continue
-            if not is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
-        if not is_real(self.matmul_max_seconds) or not self.matmul_max_seconds > 0:
-            raise ValueError(f"matmul_max_seconds must be a number > 0, got {self.matmul_max_seconds!r}")
-        sweep = (self.num_microbatches, *self.microbatch_sweep)
-        if any(not is_int(m) or m < 1 for m in sweep):
-            raise ValueError(f"microbatch counts must be integers >= 1, got {sweep}")
-        bad = [m for m in sweep if self.batch_size % m]
-        if bad:
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by num_microbatches {bad}")
-        for policy in (self.remat, *self.remat_sweep):
-            get_remat_policy(policy)
-        build_model("transformer", self.size, **dict(self.model_overrides))
-        return self
-
-    def run_config(self) -> RunConfig:
-        """The training run this benchmark times (constant learning rate), as ``leanstep train`` would build it."""
-        overrides = dict(self.model_overrides)
-        seq_len = build_model("transformer", self.size, **overrides).seq_len  # the preset's, unless overridden
-        sizes: dict[str, Any] = {name: value for name, value in overrides.items() if name != "seq_len"}
-        return RunConfig(
-            model="transformer",
-            size=self.size,
-            seq_len=seq_len,
-            batch_size=self.batch_size,
-            microbatches=self.num_microbatches,
-            remat=self.remat,
-            lr=self.lr,
-            weight_decay=self.weight_decay,
-            schedule="constant",
-            max_grad_norm=self.max_grad_norm,
-            initial_loss_scale=self.initial_loss_scale,
-            seed=self.seed,
-            **sizes,
-        )
-
-    def specs(self, with_torch: bool) -> list[Spec]:
-        """Every contender, deduplicated, in the order they are timed each round."""
-        m, bf16 = self.num_microbatches, "bfloat16"
-        specs = [Spec("leanstep", bf16, m, self.remat), Spec("handwritten_jax", bf16, m, self.remat)]
-        specs += [Spec("leanstep", bf16, n, self.remat) for n in self.microbatch_sweep]
-        specs += [Spec("leanstep", bf16, m, policy) for policy in self.remat_sweep]
-        for precision in ("float32", bf16):
-            specs.append(Spec("leanstep", precision, m, "full"))
-            if with_torch:
-                variants = ("eager", "compiled") if self.torch_compile else ("eager",)
-                specs += [Spec("torch", precision, m, "full", variant) for variant in variants]
-        return list(dict.fromkeys(specs))
 
 
 def machine_info() -> dict[str, Any]:
@@ -239,6 +120,161 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
+def _set_up_torch(config: BenchConfig, machine: dict[str, Any], notes: list[str]) -> bool:
+    """Whether the torch rows run; if they do, torch's thread count is set and recorded in ``machine``."""
+    with_torch = config.torch and torch_available()
+    if config.torch and not with_torch:
+        notes.append(
+            "torch is not installed: torch rows skipped, torch ratios and peaks are null (pip install -e '.[bench]')."
+        )
+    if with_torch:
+        import torch
+
+        torch.set_num_threads(config.torch_threads or machine["jax_threads"])
+        machine.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    return with_torch
+
+
+def _measure_matmuls(config: BenchConfig, with_torch: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    """The matmul peaks, ``{backend}_{dtype}``: XLA, then torch (None without it), each float32 then bfloat16."""
+    matmul: dict[str, Any] = {}
+    for backend, make in (("xla", xla_matmul), ("torch", torch_matmul)):
+        for dtype in ("float32", "bfloat16"):
+            if backend == "torch" and not with_torch:
+                matmul[f"{backend}_{dtype}"] = None
+                continue
+            log(f"matmul peak: {backend} {dtype}")
+            matmul[f"{backend}_{dtype}"] = measure_matmul_gflops(
+                make,
+                dtype,
+                max_size=config.matmul_size,
+                repeats=config.matmul_repeats,
+                max_seconds=config.matmul_max_seconds,
+            )
+    return matmul
+
+
+def _build_contenders(
+    config: BenchConfig,
+    specs: list[Spec],
+    model: Any,
+    params: Any,
+    optimizer: Any,
+    tokens: np.ndarray,
+    log: Callable[[str], None],
+) -> dict[str, Contender]:
+    """Every contender of ``specs``, compiled and past its first step, by :attr:`Spec.key`."""
+    batch = {"tokens": jnp.asarray(tokens)}
+    contenders: dict[str, Contender] = {}
+    for spec in specs:
+        log(f"compile + first step: {spec.key}")
+        if spec.impl == "torch":
+            contenders[spec.key] = build_torch_contender(
+                spec,
+                model.config,
+                tokens,
+                max_grad_norm=config.max_grad_norm,
+                initial_loss_scale=config.initial_loss_scale,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                seed=config.seed,
+            )
+        else:
+            contenders[spec.key] = build_jax_contender(
+                spec,
+                model,
+                params,
+                batch,
+                optimizer,
+                max_grad_norm=config.max_grad_norm,
+                initial_loss_scale=config.initial_loss_scale,
+            )
+    return contenders
+
+
+def _first_step_checks(ours: Contender, theirs: Contender) -> dict[str, Any]:
+    """leanstep's first step against the hand-written one's, from the same parameters: losses, largest difference."""
+    diffs = jax.tree.leaves(
+        jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), ours.first_params, theirs.first_params)
+    )
+    return {
+        "first_step_loss_leanstep": ours.first_loss,
+        "first_step_loss_handwritten": theirs.first_loss,
+        "first_step_max_abs_param_diff": max(diffs),
+    }
+
+
+def _ratios(
+    config: BenchConfig, rows: list[dict[str, Any]], paired: list[float], ours: Contender, theirs: Contender
+) -> dict[str, float | None]:
+    """leanstep's time and temporary memory over the hand-written step's, and its time over torch's per precision."""
+
+    def median_ms(**match: Any) -> float | None:
+        found = _find(rows, num_microbatches=config.num_microbatches, **match)
+        return min((row["step_ms_median"] for row in found), default=None)
+
+    ratios = {
+        "leanstep_over_handwritten_time": _ratio(
+            median_ms(impl="leanstep", precision="bfloat16", remat=config.remat), median_ms(impl="handwritten_jax")
+        ),
+        "leanstep_over_handwritten_time_paired_median": float(np.median(paired)),
+        "leanstep_over_handwritten_temp_bytes": _ratio(ours.stats["temp_bytes"], theirs.stats["temp_bytes"]),
+    }
+    for precision in ("float32", "bfloat16"):
+        ratios[f"leanstep_over_torch_time_{precision}"] = _ratio(
+            median_ms(impl="leanstep", precision=precision, remat="full"), median_ms(impl="torch", precision=precision)
+        )
+    return ratios
+
+
+def _mfu_summary(config: BenchConfig, rows: list[dict[str, Any]], gflop: float, cpu: Limit) -> dict[str, Any]:
+    """The model FLOPs utilization of leanstep's main row (bf16, ``num_microbatches``, ``remat``)."""
+    main_row = _find(
+        rows, impl="leanstep", precision="bfloat16", num_microbatches=config.num_microbatches, remat=config.remat
+    )[0]
+    return {
+        "flops_source": FLOPS_SOURCE,
+        "model_gflop_per_step": gflop,
+        "leanstep_achieved_gflops": main_row["achieved_gflops"],
+        **{
+            f"leanstep_{key}": main_row[key]
+            for key in ("mfu", "mfu_against", "mfu_note", "cpu_peak_fraction", "cpu_peak_note")
+        },
+        "cpu_float32_peak_gflops": cpu[0],
+    }
+
+
+def _diagnostics(ours: Contender, theirs: Contender) -> dict[str, Any]:
+    """HLO op counts of leanstep's step and the hand-written one, and each op whose count differs."""
+    ours_ops, theirs_ops = ours.hlo_ops or {}, theirs.hlo_ops or {}
+    return {
+        "hlo_op_count_leanstep": sum(ours_ops.values()),
+        "hlo_op_count_handwritten": sum(theirs_ops.values()),
+        "hlo_ops_that_differ": {
+            op: [ours_ops.get(op, 0), theirs_ops.get(op, 0)]
+            for op in sorted(set(ours_ops) | set(theirs_ops))
+            if ours_ops.get(op, 0) != theirs_ops.get(op, 0)
+        },
+    }
+
+
+def _closing_notes(machine: dict[str, Any], notes: list[str]) -> None:
+    """Records the end's load average in ``machine``; notes a busy machine, then how the timings were taken."""
+    if hasattr(os, "getloadavg"):
+        machine["load_average_1min_end"] = os.getloadavg()[0]
+        # The start value is other processes' load (this one has not started working yet).
+        if machine["load_average_1min"] > machine["cores_available"] / 2:
+            notes.append(
+                f"the machine was busy (1-minute load average {machine['load_average_1min']:.1f} at the "
+                f"start, {machine['load_average_1min_end']:.1f} at the end, on {machine['cores_available']} "
+                "cores): times are noisy, and PyTorch's OpenMP threads suffer most from a busy machine."
+            )
+    notes.append(
+        "Timings are wall-clock medians of interleaved (round-robin) steps on random tokens; "
+        "leanstep-vs-torch rows use remat 'full' on both sides (torch.utils.checkpoint per block)."
+    )
+
+
 def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Runs every measurement of ``config`` and returns the JSON-ready result.
 
@@ -263,31 +299,8 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
     config.validate()
     notes: list[str] = []
     machine = machine_info()
-    with_torch = config.torch and torch_available()
-    if config.torch and not with_torch:
-        notes.append(
-            "torch is not installed: torch rows skipped, torch ratios and peaks are null (pip install -e '.[bench]')."
-        )
-    if with_torch:
-        import torch
-
-        torch.set_num_threads(config.torch_threads or machine["jax_threads"])
-        machine.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
-
-    matmul: dict[str, Any] = {}
-    for backend, make in (("xla", xla_matmul), ("torch", torch_matmul)):
-        for dtype in ("float32", "bfloat16"):
-            if backend == "torch" and not with_torch:
-                matmul[f"{backend}_{dtype}"] = None
-                continue
-            log(f"matmul peak: {backend} {dtype}")
-            matmul[f"{backend}_{dtype}"] = measure_matmul_gflops(
-                make,
-                dtype,
-                max_size=config.matmul_size,
-                repeats=config.matmul_repeats,
-                max_seconds=config.matmul_max_seconds,
-            )
+    with_torch = _set_up_torch(config, machine, notes)
+    matmul = _measure_matmuls(config, with_torch, log)
     peaks = {key: None if value is None else value["gflops"] for key, value in matmul.items()}
     probes = {key: (peaks[key], describe_probe(key, value)) for key, value in matmul.items() if value}
     cpu_peak = read_cpu_peak()
@@ -298,46 +311,14 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
     tokens = np.random.default_rng(config.seed).integers(
         0, model.config.vocab_size, (config.batch_size, model.seq_len + 1), np.int32
     )
-    batch = {"tokens": jnp.asarray(tokens)}
     tokens_per_step = config.batch_size * model.seq_len
     gflop = model.flops_per_token * tokens_per_step / 1e9
-
-    contenders: dict[str, Contender] = {}
-    for spec in config.specs(with_torch):
-        log(f"compile + first step: {spec.key}")
-        if spec.impl == "torch":
-            contenders[spec.key] = build_torch_contender(
-                spec,
-                model.config,
-                tokens,
-                max_grad_norm=config.max_grad_norm,
-                initial_loss_scale=config.initial_loss_scale,
-                lr=config.lr,
-                weight_decay=config.weight_decay,
-                seed=config.seed,
-            )
-        else:
-            contenders[spec.key] = build_jax_contender(
-                spec,
-                model,
-                params,
-                batch,
-                optimizer,
-                max_grad_norm=config.max_grad_norm,
-                initial_loss_scale=config.initial_loss_scale,
-            )
+    contenders = _build_contenders(config, config.specs(with_torch), model, params, optimizer, tokens, log)
 
     main = Spec("leanstep", "bfloat16", config.num_microbatches, config.remat)
     hand = dataclasses.replace(main, impl="handwritten_jax")
     ours, theirs = contenders[main.key], contenders[hand.key]
-    diffs = jax.tree.leaves(
-        jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), ours.first_params, theirs.first_params)
-    )
-    checks = {
-        "first_step_loss_leanstep": ours.first_loss,
-        "first_step_loss_handwritten": theirs.first_loss,
-        "first_step_max_abs_param_diff": max(diffs),
-    }
+    checks = _first_step_checks(ours, theirs)
     for contender in contenders.values():  # the first steps are done: free the copies
         contender.first_params = None
 
@@ -351,58 +332,10 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
     )
     rows = [_row(c, times[key], gflop, probes, cpu, tokens_per_step) for key, c in contenders.items()]
     paired = [a / b for a, b in zip(times[main.key], times[hand.key])]
-
-    def median_ms(**match: Any) -> float | None:
-        found = _find(rows, num_microbatches=config.num_microbatches, **match)
-        return min((row["step_ms_median"] for row in found), default=None)
-
-    main_row = _find(
-        rows, impl="leanstep", precision="bfloat16", num_microbatches=config.num_microbatches, remat=config.remat
-    )[0]
-    ratios = {
-        "leanstep_over_handwritten_time": _ratio(
-            median_ms(impl="leanstep", precision="bfloat16", remat=config.remat), median_ms(impl="handwritten_jax")
-        ),
-        "leanstep_over_handwritten_time_paired_median": float(np.median(paired)),
-        "leanstep_over_handwritten_temp_bytes": _ratio(ours.stats["temp_bytes"], theirs.stats["temp_bytes"]),
-    }
-    for precision in ("float32", "bfloat16"):
-        ratios[f"leanstep_over_torch_time_{precision}"] = _ratio(
-            median_ms(impl="leanstep", precision=precision, remat="full"), median_ms(impl="torch", precision=precision)
-        )
-    mfu = {
-        "flops_source": FLOPS_SOURCE,
-        "model_gflop_per_step": gflop,
-        "leanstep_achieved_gflops": main_row["achieved_gflops"],
-        **{
-            f"leanstep_{key}": main_row[key]
-            for key in ("mfu", "mfu_against", "mfu_note", "cpu_peak_fraction", "cpu_peak_note")
-        },
-        "cpu_float32_peak_gflops": cpu[0],
-    }
-    ours_ops, theirs_ops = ours.hlo_ops or {}, theirs.hlo_ops or {}
-    diagnostics = {
-        "hlo_op_count_leanstep": sum(ours_ops.values()),
-        "hlo_op_count_handwritten": sum(theirs_ops.values()),
-        "hlo_ops_that_differ": {
-            op: [ours_ops.get(op, 0), theirs_ops.get(op, 0)]
-            for op in sorted(set(ours_ops) | set(theirs_ops))
-            if ours_ops.get(op, 0) != theirs_ops.get(op, 0)
-        },
-    }
-    if hasattr(os, "getloadavg"):
-        machine["load_average_1min_end"] = os.getloadavg()[0]
-        # The start value is other processes' load (this one has not started working yet).
-        if machine["load_average_1min"] > machine["cores_available"] / 2:
-            notes.append(
-                f"the machine was busy (1-minute load average {machine['load_average_1min']:.1f} at the "
-                f"start, {machine['load_average_1min_end']:.1f} at the end, on {machine['cores_available']} "
-                "cores): times are noisy, and PyTorch's OpenMP threads suffer most from a busy machine."
-            )
-    notes.append(
-        "Timings are wall-clock medians of interleaved (round-robin) steps on random tokens; "
-        "leanstep-vs-torch rows use remat 'full' on both sides (torch.utils.checkpoint per block)."
-    )
+    ratios = _ratios(config, rows, paired, ours, theirs)
+    mfu = _mfu_summary(config, rows, gflop, cpu)
+    diagnostics = _diagnostics(ours, theirs)
+    _closing_notes(machine, notes)
     return {
         "config": {**dataclasses.asdict(config), "model": dataclasses.asdict(model.config),
                    "seq_len": model.seq_len, "tokens_per_step": tokens_per_step},

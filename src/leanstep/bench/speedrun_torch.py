@@ -37,9 +37,15 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
+from leanstep.bench.torch_peer import (
+    PeerLoop,
+    PeerTrainer,
+    calibrated_plan,
+    torch_heldout_bits_per_byte,
+    train_loop,
+)
 from leanstep.bench.torch_step import build_torch_model, load_jax_params
 from leanstep.blocks.precision import get_precision
 from leanstep.models import build_model
@@ -49,15 +55,10 @@ from leanstep.training.auto_precision import (
     choose_precision,
     cpu_flags,
 )
-from leanstep.training.budget import BudgetPlan, plan_steps, replan, replan_step
 from leanstep.training.config import RunConfig, model_overrides
 from leanstep.training.data import BatchSampler, Corpus, heldout_batches, load_corpus
-from leanstep.training.schedule import make_schedule
 
 __all__ = ["TorchPeerRun", "choose_torch_precision", "torch_heldout_bits_per_byte", "train_torch_peer"]
-
-#: Steps timed after the first (which compiles), as :func:`leanstep.training.budget.calibrate`.
-TIMED_STEPS = 4
 
 
 class TorchPeerRun(NamedTuple):
@@ -115,36 +116,59 @@ def _device(torch: Any) -> tuple[str, str | None, frozenset[str] | None]:
         return "cpu", None, None
 
 
-def torch_heldout_bits_per_byte(model: Any, batches: list[dict[str, np.ndarray]], *, bfloat16: bool = False) -> float:
-    """Held-out bits per byte of ``model`` on ``batches`` (see the module doc), ``no_grad``, eager.
-
-    Args:
-      model: from :func:`build_torch_model`: ``model(tokens)`` is the mean cross-entropy in nats.
-      batches: :func:`leanstep.training.data.heldout_batches`, ``{"tokens": int (B, T + 1)}`` each.
-      bfloat16: compute under ``torch.autocast(bfloat16)``, as the training steps did.
-
-    Raises:
-      ValueError: ``batches`` is empty.
-    """
-    import torch
-
-    if not batches:
-        raise ValueError("batches is empty: no held-out batch to evaluate")
-    device = next(model.parameters()).device
-    losses = []
-    with torch.no_grad(), torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bfloat16):
-        for batch in batches:
-            losses.append(float(model(torch.from_numpy(np.asarray(batch["tokens"])).to(device, torch.long))))
-    return float(np.mean(losses)) / math.log(2)
-
-
-def _adamw(torch: Any, model: Any, config: RunConfig) -> tuple[Any, str]:
-    """AdamW of ``config`` over every parameter (optax's adamw decays them all); fused where torch has it."""
-    kwargs = {"lr": config.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": config.weight_decay}
-    try:
-        return torch.optim.AdamW(model.parameters(), fused=True, **kwargs), "fused"
-    except (RuntimeError, TypeError, ValueError):  # no fused kernel for this device or torch
-        return torch.optim.AdamW(model.parameters(), foreach=True, **kwargs), "foreach"
+def _peer_result(
+    peer: PeerTrainer,
+    loop: PeerLoop,
+    *,
+    start: float,
+    budget_s: float | None,
+    precision_reason: str,
+    remat: bool,
+    init: str,
+) -> dict[str, Any]:
+    """The final evaluation and the JSON-ready result of :func:`train_torch_peer` (see its doc)."""
+    config, torch = peer.config, peer.torch
+    began = time.perf_counter()
+    bits = peer.evaluate()
+    final_eval_s = time.perf_counter() - began
+    loop.curve.append([loop.done, bits])
+    train_losses = [float(x) for x in loop.losses[-10:]]
+    if loop.budget_plan is None:
+        plan = {"compile_s": loop.loop_times[0], "step_s": statistics.median(loop.loop_times[1:] or loop.loop_times)}
+    else:
+        plan = {
+            key: value
+            for key, value in loop.budget_plan.to_json().items()
+            if key not in ("budget_s", "steps", "checkpoint_s", "finish_s")
+        } | {"replanned_at_s": loop.replanned_at_s}
+    return {
+        "contender": "pytorch",
+        "heldout_bits_per_byte": bits,
+        "heldout_loss": bits * math.log(2),
+        "heldout_curve": loop.curve,
+        "final_train_loss": float(np.mean(train_losses)),
+        "steps": loop.done,
+        "planned_steps": loop.steps,
+        "tokens": loop.done * config.batch_size * config.seq_len,
+        "budget_s": budget_s,
+        "elapsed_s": time.perf_counter() - start,
+        "stopped_at_budget": loop.stopped,
+        **plan,
+        "slowest_step_s": max(loop.loop_times),
+        "final_eval_s": final_eval_s,
+        "precision": "bfloat16" if peer.bfloat16 else "float32",
+        "precision_reason": precision_reason,
+        "torch_compile": peer.forward is not peer.model,
+        "torch_compile_reason": peer.compile_reason,
+        "remat": remat,
+        "remat_reason": f"--remat {config.remat}: "
+        + ("torch.utils.checkpoint around each block" if remat else "no activation checkpointing"),
+        "init": init,
+        "adamw": peer.adamw,
+        "device": peer.device,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def train_torch_peer(
@@ -197,156 +221,29 @@ def train_torch_peer(
     if initial_params is not None:
         load_jax_params(model, initial_params)
     model = model.to(device)
-    initial = {name: value.clone() for name, value in model.state_dict().items()}
-    optimizer, adamw = _adamw(torch, model, config)
-    forward, compile_reason = model, "off: torch_compile=False"
-    if torch_compile:
-        try:
-            forward, compile_reason = torch.compile(model), "compiled (Inductor)"
-        except Exception as error:  # noqa: BLE001 - any failure of torch.compile means: run eager
-            compile_reason = f"torch.compile unavailable ({type(error).__name__}: {error}); eager"
-    params = list(model.parameters())
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    def gradients(module: Any, tokens: Any) -> Any:
-        optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=device)
-        for microbatch in tokens.chunk(config.microbatches):
-            with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=bfloat16):
-                loss = module(microbatch) / config.microbatches
-            loss.backward()
-            total += loss.detach()
-        return total
-
-    # One compiled scalar function, called once a step (as leanstep's loop calls its schedule);
-    # compiled by the first calibration step, so before the plan.
-    learning_rate = jax.jit(make_schedule(config.schedule, config.lr, config.warmup_steps))
-
-    def step(index: int, total: int) -> tuple[Any, float]:
-        nonlocal forward, compile_reason
-        began = time.perf_counter()
-        lr = float(learning_rate(index, total))
-        tokens = torch.from_numpy(sampler.batch_at(index)["tokens"]).to(device, torch.long)
-        try:
-            loss = gradients(forward, tokens)
-        except Exception as error:  # compilation fails lazily, at the first call: then run eager
-            if forward is model:
-                raise
-            compile_reason = f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0]}); eager"
-            forward = model
-            torch.compiler.reset()
-            loss = gradients(model, tokens)
-        if config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        sync()
-        return loss, time.perf_counter() - began
-
-    def evaluate() -> float:
-        return torch_heldout_bits_per_byte(model, eval_data, bfloat16=bfloat16)
-
+    peer = PeerTrainer(
+        torch,
+        config,
+        model,
+        device=device,
+        bfloat16=bfloat16,
+        torch_compile=torch_compile,
+        sampler=sampler,
+        eval_data=eval_data,
+    )
     budget_s: float | None = None
-    budget_plan, replanned_at_s = None, None  # the plan, as leanstep's (leanstep.training.budget)
+    budget_plan = None  # the plan, as leanstep's (leanstep.training.budget)
     if config.steps is not None:
         steps = config.steps
     elif config.time_budget is None:  # RunConfig refuses this already
         raise ValueError("--steps or --time-budget: give one (how long the run is)")
     else:  # calibrate as leanstep does, then start again from the initial weights
         budget_s = float(config.time_budget)
-        times = [step(i, 1 + TIMED_STEPS)[1] for i in range(1 + TIMED_STEPS)]
-        evaluate()
-        began = time.perf_counter()
-        evaluate()
-        eval_s = time.perf_counter() - began
-        with torch.no_grad():
-            model.load_state_dict(initial)  # in place: a compiled graph stays valid
-        optimizer, adamw = _adamw(torch, model, config)
-        spent, step_s = time.perf_counter() - start, statistics.median(times[1:])
-        steps = plan_steps(budget_s, spent, step_s, eval_s, config.eval_every, 0.0, config.checkpoint_every, 0.0)
-        if steps < 1:
-            raise ValueError(
-                f"--time-budget {budget_s:g}s leaves the PyTorch peer no time for a step: {spent:.1f} s "
-                f"went to loading, compiling and timing, a step takes {step_s:.3g} s and an evaluation "
-                f"{eval_s:.3g} s"
-            )
-        at = replan_step(config, steps)
-        budget_plan = BudgetPlan(
-            budget_s=budget_s,
-            planned_at_s=spent,
-            compile_s=times[0],
-            step_s=step_s,
-            step_times_s=tuple(times[1:]),
-            eval_s=eval_s,
-            checkpoint_s=0.0,
-            finish_s=0.0,
-            steps=steps,
-            replan_at=at if at is not None and at < steps else None,
-            calibrated_steps=steps,
-        )
-    losses, curve, done, stopped, loop_times = [], [], 0, False, []
-    while done < steps:
-        loss, seconds = step(done, steps)
-        losses.append(loss)
-        loop_times.append(seconds)
-        done += 1
-        if budget_plan is not None and done == budget_plan.replan_at:  # as leanstep's loop: its own recent pace
-            replanned_at_s = time.perf_counter() - start
-            budget_plan = replan(budget_plan, config, done, replanned_at_s, loop_times)
-            steps = budget_plan.steps
-        if done < steps and done % config.eval_every == 0:
-            curve.append([done, evaluate()])
-        if (
-            budget_plan is not None
-            and done < steps
-            and time.perf_counter() - start + (budget_plan.loop_step_s or budget_plan.step_s) + budget_plan.eval_s
-            > budget_plan.budget_s
-        ):
-            stopped = True  # slower than planned: the next step and the evaluation would end past the budget
-            break
-    began = time.perf_counter()
-    bits = evaluate()
-    final_eval_s = time.perf_counter() - began
-    curve.append([done, bits])
-    train_losses = [float(x) for x in losses[-10:]]
-    if budget_plan is None:
-        plan = {"compile_s": loop_times[0], "step_s": statistics.median(loop_times[1:] or loop_times)}
-    else:
-        plan = {
-            key: value
-            for key, value in budget_plan.to_json().items()
-            if key not in ("budget_s", "steps", "checkpoint_s", "finish_s")
-        } | {"replanned_at_s": replanned_at_s}
-    result = {
-        "contender": "pytorch",
-        "heldout_bits_per_byte": bits,
-        "heldout_loss": bits * math.log(2),
-        "heldout_curve": curve,
-        "final_train_loss": float(np.mean(train_losses)),
-        "steps": done,
-        "planned_steps": steps,
-        "tokens": done * config.batch_size * config.seq_len,
-        "budget_s": budget_s,
-        "elapsed_s": time.perf_counter() - start,
-        "stopped_at_budget": stopped,
-        **plan,
-        "slowest_step_s": max(loop_times),
-        "final_eval_s": final_eval_s,
-        "precision": "bfloat16" if bfloat16 else "float32",
-        "precision_reason": precision_reason,
-        "torch_compile": forward is not model,
-        "torch_compile_reason": compile_reason,
-        "remat": remat,
-        "remat_reason": f"--remat {config.remat}: "
-        + ("torch.utils.checkpoint around each block" if remat else "no activation checkpointing"),
-        "init": "leanstep's initial parameters" if initial_params is not None else f"GPT-2 (seed {config.seed})",
-        "adamw": adamw,
-        "device": device,
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-    }
+        budget_plan = calibrated_plan(peer, config, budget_s, start)
+        steps = budget_plan.steps
+    loop = train_loop(peer, config, steps, budget_plan, start)
+    init = "leanstep's initial parameters" if initial_params is not None else f"GPT-2 (seed {config.seed})"
+    result = _peer_result(
+        peer, loop, start=start, budget_s=budget_s, precision_reason=precision_reason, remat=remat, init=init
+    )
     return TorchPeerRun(result, model)

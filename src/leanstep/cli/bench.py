@@ -108,7 +108,7 @@ _FIELDS = {
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from leanstep.bench.runner import BenchConfig
+    from leanstep.bench.config import BenchConfig
 
     changes = {field: getattr(args, flag) for flag, field in _FIELDS.items() if getattr(args, flag) is not None}
     changes.update(torch=args.torch, seed=args.seed)
@@ -147,7 +147,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from leanstep.bench.chart import plot_benchmark
     from leanstep.bench.runner import run_benchmark
     from leanstep.cli.bench_table import render_benchmark
-    from leanstep.common.files import check_output_path
+    from leanstep.common.outputs import check_output_path
 
     config = _config(args)
     try:

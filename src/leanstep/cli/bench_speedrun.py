@@ -45,7 +45,8 @@ def add_speedrun_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="train leanstep, then the same model in PyTorch, each for --time-budget, and compare "
         "held-out bits per byte with gzip -9 and xz -9e (takes --size, --batch-size, "
-        "--microbatches, --remat, --seed, --no-torch, --torch-compile/--no-torch-compile, --json; the peer compiles by default on a GPU, runs eager on a CPU)",
+        "--microbatches, --remat, --seed, --no-torch, --torch-compile/--no-torch-compile, --json; "
+        "the peer compiles by default on a GPU, runs eager on a CPU)",
     )
     group.add_argument(
         "--time-budget",
@@ -167,7 +168,7 @@ def run_speedrun_command(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from leanstep.bench.speedrun import run_speedrun
-    from leanstep.common.files import check_output_path
+    from leanstep.common.outputs import check_output_path
     from leanstep.training import RunStopped
 
     budget, config = _speedrun_config(args)

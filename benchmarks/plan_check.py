@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from benchmarks import child_env
 from leanstep.step.train_step import JittedTrainStep
 from leanstep.training.analysis import plan_run
 from leanstep.training.build import build_run
@@ -166,10 +167,10 @@ def validate_plan(
     )
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"config": run.to_json(), "compiler_options": compiler_options}, f)
-    code = f"from leanstep.bench.plan_check import measure_in_child; measure_in_child({f.name!r})"
+    code = f"from benchmarks.plan_check import measure_in_child; measure_in_child({f.name!r})"
     # A fixed mmap threshold makes every buffer over 64 KiB a fresh mapping whose pages count in the
     # RSS, instead of heap pages the warm-up step left resident (glibc raises the threshold on free).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = child_env({**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})  # the child imports benchmarks
     # check=False: a failure is raised below, with the child's stderr.
     child = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env, check=False

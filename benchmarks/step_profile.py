@@ -1,7 +1,7 @@
 r"""Where a train step's time goes: its matmuls at their standalone speed, and everything else.
 
 :func:`profile_step` compiles a run's step, times it, lists every dot and convolution of the
-compiled program (:func:`leanstep.bench.hlo_matmuls.list_matmuls`, trips of the layer and
+compiled program (:func:`benchmarks.hlo_matmuls.list_matmuls`, trips of the layer and
 microbatch loops included), times each distinct one alone, and splits the step:
 
 .. code-block:: text
@@ -12,7 +12,7 @@ microbatch loops included), times each distinct one alone, and splits the step:
     mfu          = model_flops / step_s / peak        peak: a large float32 matmul, same process
     mfu_ceiling  = model_flops / matmul_s / peak      the MFU if only the matmuls ran
 
-Run it as ``python -m leanstep.bench.step_profile --d-model 256 --d-ff 1024``.
+Run it as ``python -m benchmarks.step_profile --d-model 256 --d-ff 1024``.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from leanstep.bench.hlo_matmuls import (
+from benchmarks.hlo_matmuls import (
     MatmulOp,
     count_executed_ops,
     list_loops,
     list_matmuls,
     repeated_matmul,
 )
-from leanstep.bench.step_trace import trace_kernels
+from benchmarks.step_trace import format_trace, trace_kernels
 from leanstep.bench.timing import time_interleaved
 from leanstep.inspection.hlo_text import compiled_text
 from leanstep.step.gradients import Gradients, gradient_stage
@@ -61,7 +61,7 @@ def _phase_calls(run: Run, batch: dict[str, jax.Array]) -> dict[str, Callable[[]
     every microbatch, under ``lax.map``), ``gradients`` (the step's gradient stage, microbatch
     scan and accumulation included) and ``update`` (the guarded optimizer update)."""
     config, state = run.config, run.init_state()
-    gradients = gradient_stage(run.loss_fn(), precision=run.precision, num_microbatches=config.microbatches)
+    gradients = gradient_stage(run.loss_fn(), precision=run.precision, accumulation=config.microbatches)
     loss_fn, tokens = run.loss_fn(), batch["tokens"]
     microbatches = tokens.reshape(config.microbatches, -1, tokens.shape[1])
 
@@ -116,6 +116,22 @@ def _matmul_rows(
     return sorted(rows, key=lambda row: -row["seconds_total"])
 
 
+def _run_settings(config: RunConfig, run: Run) -> dict[str, Any]:
+    """The profile's ``config``: ``run``'s model sizes and ``config``'s batch, microbatches, precision and remat."""
+    sizes = run.model.config
+    # An instance of the model's config dataclass (is_dataclass is True of the class too).
+    model_config = dataclasses.asdict(sizes) if dataclasses.is_dataclass(sizes) and not isinstance(sizes, type) else {}
+    return {
+        **model_config,
+        "model": config.model,
+        "batch_size": config.batch_size,
+        "seq_len": config.seq_len,
+        "microbatches": config.microbatches,
+        "precision": config.precision,
+        "remat": config.remat,
+    }
+
+
 def profile_step(
     config: RunConfig,
     *,
@@ -149,7 +165,7 @@ def profile_step(
         microbatch, the gradient stage and the guarded update, to split forward, backward and
         update.
       trace_calls: steps run under the profiler, to measure each kernel inside the step
-        (:func:`leanstep.bench.step_trace.trace_kernels`); 0: none.
+        (:func:`benchmarks.step_trace.trace_kernels`); 0: none.
       min_call_s: the least time of one timed call of a standalone matmul's loop.
 
     Returns:
@@ -215,19 +231,9 @@ def profile_step(
     matmul_flops = sum(op.total_flops for op in ops)
     model_flops = float(run.model.flops_per_token) * rows * time_steps
     executed = count_executed_ops(hlo)
-    sizes = run.model.config  # an instance of the model's config dataclass (is_dataclass is True of the class too)
-    model_config = dataclasses.asdict(sizes) if dataclasses.is_dataclass(sizes) and not isinstance(sizes, type) else {}
     profile.update(
         {
-            "config": {
-                **model_config,
-                "model": config.model,
-                "batch_size": rows,
-                "seq_len": time_steps,
-                "microbatches": config.microbatches,
-                "precision": config.precision,
-                "remat": config.remat,
-            },
+            "config": _run_settings(config, run),
             "matmuls": matmuls,
             "loops": [
                 {"name": loop.name, "trip_count": loop.trip_count, "runs": loop.runs} for loop in list_loops(hlo)
@@ -251,36 +257,6 @@ def profile_step(
 
 def _shape(shape: tuple[str, tuple[int, ...]]) -> str:
     return f"{shape[0]}[{','.join(map(str, shape[1]))}]"
-
-
-def _format_trace(t: dict[str, Any], matmul_flops: float) -> list[str]:
-    """The lines of :func:`leanstep.bench.step_trace.trace_kernels`'s measurement."""
-    phases: dict[str, float] = {}
-    for group in t["groups"]:
-        phases[group["phase"]] = phases.get(group["phase"], 0.0) + group["seconds"]
-    ms = {key: t[key] * 1e3 for key in ("wall_s", "kernel_s", "busy_s", "matmul_s", "other_s")}
-    lines = [
-        "",
-        (
-            f"measured inside the step (XLA:CPU profiler; the fastest of {t['calls']} traced steps, "
-            f"{ms['wall_s']:.1f} ms)"
-        ),
-        (
-            f"  kernels       {ms['kernel_s']:9.1f} ms   {t['kernels']:.0f} kernels; busy {ms['busy_s']:.1f} ms "
-            f"(overlap {t['overlap']:.2f}), idle {ms['wall_s'] - ms['busy_s']:.1f} ms"
-        ),
-        (
-            f"  matmuls       {ms['matmul_s']:9.1f} ms   {t['matmul_kernels']:.0f} kernels, with what XLA fused "
-            f"into them: {matmul_flops / max(t['matmul_s'], 1e-12) / 1e9:.1f} GFLOP/s"
-        ),
-        f"  rest          {ms['other_s']:9.1f} ms   {t['kernels'] - t['matmul_kernels']:.0f} kernels",
-        "  by phase      " + ", ".join(f"{name} {spent * 1e3:.1f} ms" for name, spent in phases.items()),
-    ]
-    return lines + [
-        f"  {g['phase']:>9} {g['primitive']:<24} {g['seconds'] * 1e3:8.1f} ms "
-        f"{g['seconds'] / max(t['kernel_s'], 1e-12):6.1%} {g['kernels']:6.0f} kernels"
-        for g in t["groups"][:12]
-    ]
 
 
 def format_profile(profile: dict[str, Any]) -> str:
@@ -353,13 +329,13 @@ def format_profile(profile: dict[str, Any]) -> str:
         f"ceiling         MFU {p['mfu_ceiling']:.1%} if only the matmuls ran, at their standalone speed",
     ]
     if "trace" in p:
-        lines += _format_trace(p["trace"], p["hlo_matmul_flops"])
+        lines += format_trace(p["trace"], p["hlo_matmul_flops"])
     return "\n".join(lines)
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argparse.Namespace]:
     """The :class:`RunConfig` (float32 by default) and options of the command line."""
-    parser = argparse.ArgumentParser(prog="python -m leanstep.bench.step_profile", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=__doc__.split("\n")[0])
     for flag in ("--d-model", "--layers", "--heads", "--d-ff", "--batch-size", "--seq-len", "--microbatches"):
         parser.add_argument(flag, type=int)
     parser.add_argument("--model", default="transformer")
@@ -392,7 +368,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> tuple[RunConfig, argp
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m leanstep.bench.step_profile [--d-model N ...]``: prints the profile's table."""
+    """``python -m benchmarks.step_profile [--d-model N ...]``: prints the profile's table."""
     config, args = config_from_args(argv)
     profile = profile_step(
         config.validate(), repeats=args.repeats, phases=not args.no_phases, trace_calls=args.trace_calls

@@ -1,6 +1,6 @@
 """Per-device memory and communication of the sharded step, from compiled executables only.
 
-``python -m leanstep.bench.scaling`` compiles leanstep's step for 8 simulated CPU devices
+``python -m benchmarks.scaling`` compiles leanstep's step for 8 simulated CPU devices
 (in a subprocess, when this process has fewer) on two models, an 8-layer stack of 1024x1024
 tanh layers under ``lax.scan`` (Adam, float32, batch 64) and the built-in transformer at
 d_model 1024, 8 layers, d_ff 4096 (101M parameters, full remat, batch 32), for data
@@ -27,6 +27,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
+
+from benchmarks import child_env
 
 DEVICES = 8
 LAYOUTS = {"dp": {"data": 8}, "fsdp": {"fsdp": 8}, "hybrid": {"data": 2, "fsdp": 4}}
@@ -233,7 +235,7 @@ def table(rows: list[dict[str, Any]], references: dict[str, int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Prints the table (re-running itself on 8 simulated devices if needed)."""
-    parser = argparse.ArgumentParser(prog="python -m leanstep.bench.scaling", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scaling", description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--models", default="mlp-stack,transformer", help="comma-separated: mlp-stack, transformer")
     args = parser.parse_args(argv)
@@ -242,13 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     if jax.device_count() < DEVICES:
         if os.environ.get("LEANSTEP_SCALING_CHILD"):
             raise SystemExit(f"expected {DEVICES} devices, got {jax.device_count()}")
-        env = {
-            **os.environ,
-            "LEANSTEP_SCALING_CHILD": "1",
-            "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}",
-        }
-        return subprocess.call([sys.executable, "-m", "leanstep.bench.scaling", *(argv or sys.argv[1:])], env=env)
+        env = child_env(
+            {
+                **os.environ,
+                "LEANSTEP_SCALING_CHILD": "1",
+                "JAX_PLATFORMS": "cpu",
+                "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={DEVICES}",
+            }
+        )
+        return subprocess.call([sys.executable, "-m", "benchmarks.scaling", *(argv or sys.argv[1:])], env=env)
     from leanstep.sharding.distributed import device_mesh
 
     works: dict[str, Callable[[], Workload]] = {"mlp-stack": mlp_stack, "transformer": transformer}

@@ -18,8 +18,8 @@ fetched, PyTorch's loss read.
 
 .. code-block:: bash
 
-    python -m leanstep.bench.step_pace               # the default run's step, 12 rounds of 8
-    python -m leanstep.bench.step_pace --rounds 3 --size small --batch-size 16 --seq-len 128
+    python -m benchmarks.step_pace               # the default run's step, 12 rounds of 8
+    python -m benchmarks.step_pace --rounds 3 --size small --batch-size 16 --seq-len 128
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def step_pace(config: RunConfig | None = None, *, rounds: int = 12, steps: int =
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m leanstep.bench.step_pace", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_pace", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--size", default="mini")

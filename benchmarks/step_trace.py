@@ -34,9 +34,10 @@ import jax
 
 from leanstep.inspection.hlo_text import Instruction, parse_hlo
 
-__all__ = ["kernel_group", "trace_kernels"]
+__all__ = ["format_trace", "kernel_group", "trace_kernels"]
 
 _CONTAINERS = frozenset({"while", "call", "conditional"})
+_MARKER = "leanstep.trace_kernels call "  # names the profiler's annotation of each traced call
 
 
 def kernel_group(inst: Instruction, matmul: bool) -> tuple[str, str]:
@@ -119,13 +120,49 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
         called = re.findall(r"%([^\s,{}]+)", inst.attribute("calls") or "")
         return inst.op in ("dot", "convolution") or (inst.op == "fusion" and bool(with_matmul.intersection(called)))
 
-    marker = "leanstep.trace_kernels call "
+    windows, events = _kernel_events(call, calls, instructions, module.group(1) if module else None)
+    # The fastest call is the one least disturbed (by other processes, by the profiler's buffers).
+    first, last = min(windows, key=lambda window: window[1] - window[0])
+    chosen = [event for event in events if first <= event[0] <= last]
+    groups, rows = _kernel_rows(chosen, instructions, is_matmul)
+    kernel_s = sum(row["seconds"] for row in rows)
+    matmul_s = sum(row["seconds"] for row in rows if row["primitive"] == "matmul")
+    busy_s = _union_ns([event[:2] for event in chosen]) / 1e9
+    walls = sorted((end - start) / 1e9 for start, end in windows)
+    return {
+        "calls": calls,
+        "wall_s": walls[0],
+        "wall_s_median": walls[len(walls) // 2],
+        "kernel_s": kernel_s,
+        "busy_s": busy_s,
+        "matmul_s": matmul_s,
+        "other_s": kernel_s - matmul_s,
+        "kernels": sum(row["kernels"] for row in rows),
+        "matmul_kernels": sum(row["kernels"] for row in rows if row["primitive"] == "matmul"),
+        "overlap": kernel_s / busy_s if busy_s else 1.0,
+        "groups": sorted(
+            (
+                {"phase": phase, "primitive": primitive, "seconds": spent, "kernels": int(n)}
+                for (phase, primitive), (spent, n) in groups.items()
+            ),
+            key=lambda g: -g["seconds"],
+        ),
+        "top": sorted(rows, key=lambda row: -row["seconds"])[:top],
+    }
+
+
+def _kernel_events(
+    call: Callable[[], Any], calls: int, instructions: dict[str, Instruction], module: str | None
+) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]]]:
+    """``(windows, events)``: ``(start_ns, end_ns)`` of each of ``calls`` traced calls (after one untraced
+    warm-up call), and ``(start_ns, end_ns, name)`` of every kernel event of an instruction of ``module``
+    (loops and calls left out)."""
     call()
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory)
         try:
             for index in range(calls):
-                with jax.profiler.TraceAnnotation(f"{marker}{index}"):
+                with jax.profiler.TraceAnnotation(f"{_MARKER}{index}"):
                     call()
         finally:
             jax.profiler.stop_trace()
@@ -136,17 +173,24 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
     for plane in data.planes:
         for line in plane.lines:
             for event in line.events:
-                if event.name.startswith(marker):
+                if event.name.startswith(_MARKER):
                     windows.append((event.start_ns, event.end_ns))
                 inst = instructions.get(event.name)
                 if inst is None or inst.op in _CONTAINERS:
                     continue
-                if module and dict(event.stats).get("hlo_module", module.group(1)) != module.group(1):
+                if module and dict(event.stats).get("hlo_module", module) != module:
                     continue
                 events.append((event.start_ns, event.end_ns, event.name))
-    # The fastest call is the one least disturbed (by other processes, by the profiler's buffers).
-    first, last = min(windows, key=lambda window: window[1] - window[0])
-    chosen = [event for event in events if first <= event[0] <= last]
+    return windows, events
+
+
+def _kernel_rows(
+    chosen: list[tuple[int, int, str]],
+    instructions: dict[str, Instruction],
+    is_matmul: Callable[[Instruction], bool],
+) -> tuple[dict[tuple[str, str], list[float]], list[dict[str, Any]]]:
+    """``(groups, rows)`` of the kernel events ``chosen``: ``[seconds, kernels]`` per ``(phase, primitive)``,
+    and one row per instruction (``{"name", "op", "phase", "primitive", "seconds", "kernels"}``)."""
     seconds: collections.defaultdict[str, float] = collections.defaultdict(float)
     counts: collections.Counter[str] = collections.Counter()
     for start, end, name in chosen:
@@ -170,27 +214,34 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
                 "kernels": counts[name],
             }
         )
-    kernel_s = sum(seconds.values())
-    matmul_s = sum(row["seconds"] for row in rows if row["primitive"] == "matmul")
-    busy_s = _union_ns([event[:2] for event in chosen]) / 1e9
-    walls = sorted((end - start) / 1e9 for start, end in windows)
-    return {
-        "calls": calls,
-        "wall_s": walls[0],
-        "wall_s_median": walls[len(walls) // 2],
-        "kernel_s": kernel_s,
-        "busy_s": busy_s,
-        "matmul_s": matmul_s,
-        "other_s": kernel_s - matmul_s,
-        "kernels": sum(counts.values()),
-        "matmul_kernels": sum(row["kernels"] for row in rows if row["primitive"] == "matmul"),
-        "overlap": kernel_s / busy_s if busy_s else 1.0,
-        "groups": sorted(
-            (
-                {"phase": phase, "primitive": primitive, "seconds": spent, "kernels": int(n)}
-                for (phase, primitive), (spent, n) in groups.items()
-            ),
-            key=lambda g: -g["seconds"],
+    return groups, rows
+
+
+def format_trace(t: dict[str, Any], matmul_flops: float) -> list[str]:
+    """The lines of a :func:`trace_kernels` measurement ``t``, for a table; ``matmul_flops``: the matmuls' FLOPs."""
+    phases: dict[str, float] = {}
+    for group in t["groups"]:
+        phases[group["phase"]] = phases.get(group["phase"], 0.0) + group["seconds"]
+    ms = {key: t[key] * 1e3 for key in ("wall_s", "kernel_s", "busy_s", "matmul_s", "other_s")}
+    lines = [
+        "",
+        (
+            f"measured inside the step (XLA:CPU profiler; the fastest of {t['calls']} traced steps, "
+            f"{ms['wall_s']:.1f} ms)"
         ),
-        "top": sorted(rows, key=lambda row: -row["seconds"])[:top],
-    }
+        (
+            f"  kernels       {ms['kernel_s']:9.1f} ms   {t['kernels']:.0f} kernels; busy {ms['busy_s']:.1f} ms "
+            f"(overlap {t['overlap']:.2f}), idle {ms['wall_s'] - ms['busy_s']:.1f} ms"
+        ),
+        (
+            f"  matmuls       {ms['matmul_s']:9.1f} ms   {t['matmul_kernels']:.0f} kernels, with what XLA fused "
+            f"into them: {matmul_flops / max(t['matmul_s'], 1e-12) / 1e9:.1f} GFLOP/s"
+        ),
+        f"  rest          {ms['other_s']:9.1f} ms   {t['kernels'] - t['matmul_kernels']:.0f} kernels",
+        "  by phase      " + ", ".join(f"{name} {spent * 1e3:.1f} ms" for name, spent in phases.items()),
+    ]
+    return lines + [
+        f"  {g['phase']:>9} {g['primitive']:<24} {g['seconds'] * 1e3:8.1f} ms "
+        f"{g['seconds'] / max(t['kernel_s'], 1e-12):6.1%} {g['kernels']:6.0f} kernels"
+        for g in t["groups"][:12]
+    ]

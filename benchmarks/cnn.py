@@ -1,4 +1,4 @@
-"""What the microbatch loop costs a convolutional network: ``python -m leanstep.bench.cnn``.
+"""What the microbatch loop costs a convolutional network: ``python -m benchmarks.cnn``.
 
 The Flax NNX CNN of the framework's MNIST tutorial, with BatchNorm and Dropout, on random
 28x28 images, float32, timed interleaved (A B C A B C ...) against its own training loop
@@ -126,7 +126,7 @@ def run_cnn_benchmark(*, batch_size: int = 32, repeats: int = 15, microbatches: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cnn", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", metavar="FILE", help="also write the numbers as JSON")
     args = parser.parse_args(argv)
