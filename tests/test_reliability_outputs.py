@@ -28,9 +28,9 @@ from unittest import mock
 
 import pytest
 
-from leanstep import files
 from leanstep.bench import runner
 from leanstep.cli.main import main
+from leanstep.common import files, outputs
 from leanstep.training import analysis, curves, data
 from leanstep.training.curves import plot_curves, report
 from leanstep.training.data import load_corpus
@@ -98,7 +98,7 @@ API = [
     ),
     Case(
         "files/output_empty",
-        lambda p: files.check_output_path("", what="--json"),
+        lambda p: outputs.check_output_path("", what="--json"),
         ValueError,
         "--json must be a non-empty file path, got ''",
     ),
@@ -564,7 +564,7 @@ def _full_disk(path: Any, data: bytes) -> None:
 
 def test_bench_keeps_its_results_when_the_json_cannot_be_written_at_the_end(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(runner, "run_benchmark", lambda config, log: json.loads(json.dumps(_RESULT)))
-    monkeypatch.setattr(files, "write_bytes_atomic", _full_disk)
+    monkeypatch.setattr(outputs, "write_bytes_atomic", _full_disk)
     target = tmp_path / "b.json"
     assert main([*BENCH, "--chart", "none", "--json", str(target)]) == 1
     captured = capsys.readouterr()
@@ -600,7 +600,7 @@ def test_plan_keeps_its_plan_when_the_json_cannot_be_written_at_the_end(tmp_path
         to_json=lambda: {"chosen": {"remat": "none"}},
     )
     monkeypatch.setattr(analysis, "plan_run", lambda *args, **kwargs: result)
-    monkeypatch.setattr(files, "write_bytes_atomic", _full_disk)
+    monkeypatch.setattr(outputs, "write_bytes_atomic", _full_disk)
     target = tmp_path / "new" / "p.json"
     assert main([*PLAN, "--json", str(target)]) == 1
     captured = capsys.readouterr()
@@ -617,7 +617,7 @@ def test_writing_to_a_pipe_writes_in_place_and_keeps_the_pipe(tmp_path):
     reader = os.open(tmp_path / "out", os.O_RDONLY | os.O_NONBLOCK)  # a reader, so the writer's open returns
     try:
         with deadline():
-            files.write_bytes_atomic(tmp_path / "out", b"results\n")
+            outputs.write_bytes_atomic(tmp_path / "out", b"results\n")
         assert os.read(reader, 100) == b"results\n"
     finally:
         os.close(reader)
@@ -627,7 +627,7 @@ def test_writing_to_a_pipe_writes_in_place_and_keeps_the_pipe(tmp_path):
 def test_check_output_path_accepts_what_can_be_written(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "old.json").write_text("{}")
-    assert files.check_output_path("~/new/deeper/x.json", what="--json") == tmp_path / "new" / "deeper" / "x.json"
-    assert files.check_output_path(tmp_path / "old.json", what="--json") == tmp_path / "old.json"
-    assert files.check_output_path("/dev/stdout", what="--json") == Path("/dev/stdout")
+    assert outputs.check_output_path("~/new/deeper/x.json", what="--json") == tmp_path / "new" / "deeper" / "x.json"
+    assert outputs.check_output_path(tmp_path / "old.json", what="--json") == tmp_path / "old.json"
+    assert outputs.check_output_path("/dev/stdout", what="--json") == Path("/dev/stdout")
     assert sorted(os.listdir(tmp_path)) == ["old.json"]  # checking creates nothing

@@ -168,7 +168,7 @@ def dumps(value: Any) -> str:
 def write_json_or_print(path: Any, result: Any, log: Any) -> str | None:
     """Writes ``result`` as indented strict JSON to ``path`` atomically; if that fails, prints the
     JSON on stdout (every number, where the user can still save it) and returns what failed."""
-    from leanstep.common.files import write_bytes_atomic
+    from leanstep.common.outputs import write_bytes_atomic
 
     text = json.dumps(replace_non_finite(result), indent=2) + "\n"
     try:

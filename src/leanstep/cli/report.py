@@ -36,7 +36,8 @@ def run_report(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from leanstep.cli.render import render_summary
-    from leanstep.common.files import check_output_path, expand_path
+    from leanstep.common.files import expand_path
+    from leanstep.common.outputs import check_output_path
     from leanstep.training.curves import report
 
     try:

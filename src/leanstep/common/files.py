@@ -10,8 +10,8 @@ what they opened, and read at most a stated number of bytes:
     stat_path(path, what=)                  os.stat, its failure said in words
     read_regular_file(path, what=, limit=)  one regular file's bytes, or ValueError
     walk_regular_files(folder, what=, ...)  every regular file under a folder, and a count of the rest
-    check_output_path(path, what=)          an output that can be written, checked before the work
-    write_bytes_atomic(path, data)          temp file + os.replace: the old file or the new, never half
+
+Writing is :mod:`leanstep.common.outputs`'s (``check_output_path``, ``write_bytes_atomic``).
 
 ``what`` names the file in every message, path included (``"--data file '/x'"``), so the
 messages read as one line: ``--data file '/x' is a FIFO (named pipe), not a regular file``.
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import stat
 from pathlib import Path
 from typing import NamedTuple
@@ -30,14 +29,13 @@ from leanstep.common.memory_sizes import format_bytes
 
 __all__ = [
     "RegularFiles",
-    "check_output_path",
     "describe_mode",
     "describe_skipped",
     "expand_path",
+    "os_error_reason",
     "read_regular_file",
     "stat_path",
     "walk_regular_files",
-    "write_bytes_atomic",
 ]
 
 _CHUNK = 1 << 20
@@ -70,7 +68,7 @@ def describe_mode(mode: int) -> str:
     return "a file of unknown kind"
 
 
-def _reason(error: OSError) -> str:
+def os_error_reason(error: OSError) -> str:
     """The end of a message for a failed ``stat``/``open``: ``'is a symlink loop'``, ..."""
     if error.errno == errno.ELOOP:
         return "is a symlink loop (or has too many levels of symbolic links)"
@@ -96,7 +94,7 @@ def _read_open(path: Path, what: str, limit: int) -> bytes:
     try:
         fd = os.open(path, _OPEN_FLAGS)
     except OSError as error:
-        raise ValueError(f"{what} {_reason(error)}") from None
+        raise ValueError(f"{what} {os_error_reason(error)}") from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):  # swapped in after the stat
@@ -125,7 +123,7 @@ def stat_path(path: str | os.PathLike[str], *, what: str) -> os.stat_result:
     try:
         return os.stat(path)
     except OSError as error:
-        raise ValueError(f"{what} {_reason(error)}") from None
+        raise ValueError(f"{what} {os_error_reason(error)}") from None
 
 
 def read_regular_file(path: str | os.PathLike[str], *, what: str, limit: int) -> bytes:
@@ -239,7 +237,7 @@ def walk_regular_files(
     try:
         os.listdir(root)  # the top folder itself: an error here is the caller's, not a skip
     except OSError as error:
-        raise ValueError(f"{what} {_reason(error)}") from None
+        raise ValueError(f"{what} {os_error_reason(error)}") from None
     found: list[tuple[str, bytes]] = []
     skipped: dict[str, int] = {}
     total = seen = 0
@@ -298,117 +296,3 @@ def _entry_kind(path: Path) -> str | None:
             return "a broken symbolic link"
         return "an unreadable file"
     return None if stat.S_ISREG(mode) else describe_mode(mode)
-
-
-def check_output_path(path: str | os.PathLike[str], *, what: str) -> Path:
-    """Checks, before any work, that a file can be written at ``path``; returns it, ``~`` expanded.
-
-    Accepted: an existing regular file in a writable folder (it will be replaced atomically), a
-    path whose nearest existing ancestor is a writable folder (the folders are created when
-    writing), or an existing non-regular file such as ``/dev/stdout`` or a pipe, written in place.
-
-    Args:
-      path: the output path, as the flag gave it.
-      what: names the output in messages, e.g. ``"--json"``; the path is added.
-
-    Returns:
-      The path with ``~`` expanded.
-
-    Raises:
-      ValueError: ``"<what> '<path>' ..."``: the path is empty or a directory, a symlink loop, an
-        ancestor is a file, or the folder it goes in is not writable.
-
-    Example:
-      >>> import tempfile
-      >>> folder = Path(tempfile.mkdtemp())
-      >>> _ = (folder / "a").write_text("x")
-      >>> check_output_path(folder / "new" / "out.json", what="--json") == folder / "new" / "out.json"
-      True
-      >>> check_output_path(folder / "a" / "out.json", what="--json")
-      Traceback (most recent call last):
-      ...
-      ValueError: --json '.../a/out.json' cannot be created: '.../a' is not a directory
-    """
-    if not os.fspath(path):
-        raise ValueError(f"{what} must be a non-empty file path, got ''")
-    target = expand_path(path)
-    named = f"{what} {str(target)!r}"
-    try:
-        info = os.stat(target)
-    except OSError as error:
-        if error.errno not in (errno.ENOENT, errno.ENOTDIR):
-            raise ValueError(f"{named} {_reason(error)}") from None
-        info = None
-    if info is not None and stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{named} is a directory; expected a file path")
-    if info is not None and not stat.S_ISREG(info.st_mode):
-        return target  # a device or a pipe: written in place, nothing to create
-    ancestor = target.parent
-    while True:
-        try:
-            info = os.stat(ancestor)
-            break
-        except OSError as error:
-            if error.errno not in (errno.ENOENT, errno.ENOTDIR) or ancestor == ancestor.parent:
-                raise ValueError(f"{named} cannot be created: {str(ancestor)!r} {_reason(error)}") from None
-            ancestor = ancestor.parent
-    if not stat.S_ISDIR(info.st_mode):
-        raise ValueError(f"{named} cannot be created: {str(ancestor)!r} is not a directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"{named} cannot be written: the folder {str(ancestor)!r} is not writable")
-    return target
-
-
-def _named(error: OSError, path: Path) -> OSError:
-    """``error`` (same class and errno) naming ``path`` rather than a temporary file."""
-    if error.errno is None:
-        return OSError(f"cannot write {str(path)!r}: {error}")
-    return type(error)(error.errno, error.strerror or os.strerror(error.errno), os.fspath(path))
-
-
-def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Writes ``data`` to ``path`` whole or not at all: a temporary file, fsync, ``os.replace``.
-
-    Missing parent folders are created. If the write fails (a full disk, a read-only folder) the
-    temporary file is removed and whatever was at ``path`` before is untouched. A ``path`` that
-    exists and is not a regular file (``/dev/stdout``, a pipe) is written in place instead, since
-    replacing it would remove the device or pipe.
-
-    Returns:
-      ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-      OSError: of the same kind and ``errno`` as the failure (``ENOSPC``, ``EACCES``, ...), its
-        ``filename`` being ``path``.
-    """
-    path = Path(path)
-    try:
-        in_place = not stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        in_place = False
-    if in_place:
-        try:
-            with open(path, "wb") as file:
-                file.write(data)
-        except OSError as error:
-            raise _named(error, path) from None
-        return path
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except OSError as error:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass  # never created, or already gone: nothing is left behind either way
-        raise _named(error, path) from None
-    return path

@@ -31,130 +31,15 @@ import jax
 import numpy as np
 
 from leanstep.blocks.rematerialization import (
-    REMAT_POLICIES,
     check_saved_names,
-    get_remat_policy,
 )
 from leanstep.common.checks import check_callable
-from leanstep.common.jaxprs import is_remat_primitive, sub_jaxprs
 from leanstep.inspection.audit_records import HostSync, Matmul, RematRegion, ScanInfo
-from leanstep.inspection.flops import ELEMENTWISE_PRIMITIVES, count_flops, equation_flops
+from leanstep.inspection.audit_walk import Findings, policy_name, walk_jaxpr
+from leanstep.inspection.flops import ELEMENTWISE_PRIMITIVES, count_flops
 from leanstep.inspection.residuals import ResidualReport, saved_residuals_report, short_dtype_name
 
 __all__ = ["AuditReport", "audit", "audit_jaxpr", "policy_name"]
-
-HOST_SYNC_PRIMITIVES: frozenset[str] = frozenset(
-    {"pure_callback", "io_callback", "debug_callback", "debug_print", "callback", "infeed", "outfeed"}
-)
-
-
-def _aval(var: Any) -> tuple[tuple[int, ...], str]:
-    aval = var.aval
-    return tuple(getattr(aval, "shape", ())), str(getattr(aval, "dtype", type(aval).__name__))
-
-
-def policy_name(policy: Any) -> str:
-    """The leanstep name of a ``jax.checkpoint`` policy (``"dots"``, ``"save:a,b"``), else its repr.
-
-    Example:
-      >>> policy_name(jax.checkpoint_policies.dots_saveable)
-      'dots'
-      >>> policy_name(jax.checkpoint_policies.save_only_these_names("b", "a"))
-      'save:a,b'
-    """
-    for name in REMAT_POLICIES:
-        resolved = get_remat_policy(name)
-        if resolved is not None and (resolved is policy or resolved == policy):
-            return name
-    names = getattr(policy, "saveable_names", None)
-    if names is not None:
-        return "save:" + ",".join(sorted(names))
-    return getattr(policy, "__name__", repr(policy))
-
-
-@dataclasses.dataclass
-class _Collector:
-    scans: list[ScanInfo] = dataclasses.field(default_factory=list)
-    remats: list[RematRegion] = dataclasses.field(default_factory=list)
-    matmuls: list[Matmul] = dataclasses.field(default_factory=list)
-    host_syncs: list[HostSync] = dataclasses.field(default_factory=list)
-    equations: int = 0
-
-
-def _segment(eqn: Any) -> str:
-    name, params = eqn.primitive.name, eqn.params
-    if name in ("jit", "pjit") and "name" in params:
-        return f"{name}({params['name']})"
-    if name == "scan":
-        return f"scan({params['length']})"
-    if is_remat_primitive(name):
-        return f"{name}({policy_name(params.get('policy'))})"
-    return name
-
-
-def _walk(
-    jaxpr: Any, path: tuple[str, ...], scan_depth: int, multiplier: float, names: list[set[str]], out: _Collector
-) -> int:
-    """Visits ``jaxpr``, recording into ``out``; returns its dot_general count, sub-programs included.
-
-    ``multiplier`` is the product of the trip counts of the scans around ``jaxpr``; ``names``
-    holds the primitive-name sets of the remat regions around it, each of which gets every
-    primitive visited here.
-    """
-    matmuls = 0
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        out.equations += 1
-        for region in names:
-            region.add(name)
-        where = "/".join(path) or "top"
-        if name == "dot_general":
-            matmuls += 1
-            preferred = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
-            out.matmuls.append(
-                Matmul(
-                    _aval(eqn.invars[0]),
-                    _aval(eqn.invars[1]),
-                    str(np.dtype(preferred)),
-                    _aval(eqn.outvars[0])[1],
-                    scan_depth,
-                    where,
-                    equation_flops(eqn) * multiplier,
-                )
-            )
-        if name in HOST_SYNC_PRIMITIVES:
-            callback = eqn.params.get("callback")
-            func = getattr(callback, "callback_func", callback)
-            out.host_syncs.append(HostSync(name, where, getattr(func, "__name__", None)))
-        inner_path = (*path, _segment(eqn))
-        subs = list(sub_jaxprs(eqn))
-        if name == "scan":
-            length, before = eqn.params["length"], len(out.scans)
-            body_matmuls = _walk(subs[0][1], inner_path, scan_depth + 1, multiplier * length, names, out)
-            num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-            carry = tuple(_aval(v) for v in eqn.invars[num_consts : num_consts + num_carry])
-            out.scans.insert(
-                before, ScanInfo(length, bool(eqn.params["reverse"]), scan_depth, where, carry, body_matmuls)
-            )
-            matmuls += body_matmuls
-        elif is_remat_primitive(name):
-            remat_region: set[str] = set()
-            before = len(out.remats)
-            matmuls += _walk(subs[0][1], inner_path, scan_depth, multiplier, [*names, remat_region], out)
-            out.remats.insert(
-                before,
-                RematRegion(
-                    policy_name(eqn.params.get("policy")),
-                    bool(eqn.params.get("differentiated", False)),
-                    bool(eqn.params.get("prevent_cse", True)),
-                    where,
-                    tuple(sorted(remat_region)),
-                ),
-            )
-        else:  # cond branches, while's cond and body, call bodies: each one walked
-            for _, sub in subs:
-                matmuls += _walk(sub, inner_path, scan_depth, multiplier, names, out)
-    return matmuls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,8 +223,8 @@ def audit_jaxpr(closed_jaxpr: Any, *, residuals: ResidualReport | None = None) -
     if not hasattr(jaxpr, "eqns"):
         raise TypeError(f"closed_jaxpr must be a jaxpr (from jax.make_jaxpr), got {type(closed_jaxpr).__name__}")
     check_saved_names(jaxpr, "the audited program")
-    out = _Collector()
-    _walk(jaxpr, (), 0, 1.0, [], out)
+    out = Findings()
+    walk_jaxpr(jaxpr, (), 0, 1.0, [], out)
     return AuditReport(
         tuple(out.scans),
         tuple(out.remats),

@@ -53,7 +53,7 @@ class Model(NamedTuple):
 
 #: ``name -> (config class, init, loss, loss_sum, flops_per_token, {preset: config fields})``.
 #: "mini" transformer: 2 blocks, ~0.43 M params, the default of ``leanstep train`` (the best
-#: held-out bits per byte in three minutes on 2 CPU cores of what README's speedrun table tried);
+#: held-out bits per byte in three minutes on 2 CPU cores of what the speedrun table of docs/speedrun-and-benchmarks.md tried);
 #: "small": the same blocks, 4 of them, ~0.8 M params.
 MODELS: Mapping[str, tuple[Any, ...]] = {
     "transformer": (

@@ -232,7 +232,9 @@ def transformer_loss_sum(
     Args:
       params: from :func:`init_transformer`.
       batch: ``{"tokens": int (B, T + 1)}``, optionally with ``"mask"``.
-      config, remat_policy, compute_dtype: as in :func:`transformer_logits`.
+      config: as in :func:`transformer_logits`.
+      remat_policy: as in :func:`transformer_logits`.
+      compute_dtype: as in :func:`transformer_logits`.
 
     Returns:
       ``(loss_sum, count)``.
