@@ -91,6 +91,9 @@ def writers(rng: random.Random, root: Path, corpus: str, trial: int) -> dict[str
             kind = (
                 "in use"
                 if "is in use by another leanstep train (pid" in text
+                # The holder took the lock and has not written its pid yet: refused all the same.
+                else "in use, holder unnamed"
+                if "is in use by another leanstep train (a process that has not said who it is yet)" in text
                 else "holds a run"
                 if "already holds a run" in text
                 else "no run"
