@@ -49,7 +49,7 @@ class StepSettings:
         """The accumulation the gradient stage runs: on a mesh, its microbatches constrained by the layer."""
         if self.layer is None:
             return self.accumulation
-        return self.accumulation.replace(split=self.layer.split(self.accumulation.split))
+        return self.accumulation.replace(split=self.layer.split(self.accumulation.splitter))
 
 
 def step_settings(
