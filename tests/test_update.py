@@ -137,3 +137,63 @@ def test_transform_arguments_are_checked():
     tx = guarded_update_transform(OPT, loss_scale=StaticLossScale.create(2.0))
     with pytest.raises(ValueError, match="needs params"):
         tx.update(grads0(), tx.init(params0()))
+
+
+# No composition of leanstep's guards unscales twice (issue 27, item 13): the class of cases.
+GUARDS = {
+    "dynamic": lambda: guarded_update_transform(OPT, loss_scale="dynamic"),
+    "static": lambda: guarded_update_transform(OPT, loss_scale=StaticLossScale.create(8.0)),
+    "chained": lambda: optax.chain(optax.identity(), guarded_update_transform(OPT, loss_scale="dynamic")),
+    "nested-inner-none": lambda: guarded_update_transform(
+        guarded_update_transform(OPT, loss_scale="dynamic"), loss_scale="none"
+    ),
+}
+
+
+@pytest.mark.parametrize("guard", sorted(GUARDS))
+@pytest.mark.parametrize("state_scale", ["none", "dynamic"])
+def test_a_guard_with_a_loss_scale_inside_the_step_is_refused(guard, state_scale):
+    """make_train_step (guarded_update) unscales by the state's loss scale; a guard inside its optimizer
+    would divide again (by 32768 for a dynamic scale, whatever the state's scale is)."""
+    import leanstep
+
+    state = TrainState.create(params0(), GUARDS[guard](), loss_scale=state_scale)
+    with pytest.raises(ValueError, match="unscaled twice"):
+        guarded_update(state, grads0())
+    step = leanstep.make_train_step(lambda p, b: jnp.sum(p["w"] ** 2) * jnp.mean(b), jit=False)
+    with pytest.raises(ValueError, match="unscaled twice"):
+        step(state, jnp.ones(2))
+
+
+def test_a_guard_with_no_loss_scale_inside_the_step_only_guards_and_matches_the_plain_optimizer():
+    plain = TrainState.create(params0(), OPT, loss_scale="dynamic")
+    guarded = TrainState.create(params0(), guarded_update_transform(OPT, loss_scale="none"), loss_scale="dynamic")
+    scaled = jax.tree.map(lambda g: g * plain.loss_scale.loss_scale, grads0())
+    a, _ = guarded_update(plain, scaled)
+    b, _ = guarded_update(guarded, scaled)
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(jax.tree.leaves(a.params)[0], jax.tree.leaves(params0())[0])  # it moved
+
+
+def test_a_guard_around_a_scaling_guard_is_refused_at_init():
+    outer = guarded_update_transform(guarded_update_transform(OPT, loss_scale="dynamic"), loss_scale="dynamic")
+    with pytest.raises(ValueError, match="the optimizer given to guarded_update_transform .* unscaled twice"):
+        outer.init(params0())
+
+
+def test_the_transform_needs_its_loss_scale_named():
+    """The old default, dynamic, divided every update of an unscaled loss by 32768."""
+    with pytest.raises(TypeError, match="guarded_update_transform needs loss_scale=: 'none' for the gradient"):
+        guarded_update_transform(OPT)
+    tx = guarded_update_transform(optax.sgd(1.0), loss_scale="none")  # as optax.apply_if_finite
+    updates, _ = tx.update({"w": jnp.array([1.0, 2.0])}, tx.init({"w": jnp.zeros(2)}), {"w": jnp.zeros(2)})
+    np.testing.assert_array_equal(updates["w"], [-1.0, -2.0])
+
+
+def test_an_unscaling_guard_inside_a_non_scaling_one_unscales_once():
+    inner = guarded_update_transform(optax.sgd(1.0), loss_scale=StaticLossScale.create(4.0))
+    tx = guarded_update_transform(inner, loss_scale="none")
+    params = {"w": jnp.zeros(2)}
+    updates, _ = tx.update({"w": jnp.array([4.0, 8.0])}, tx.init(params), params)
+    np.testing.assert_array_equal(updates["w"], [-1.0, -2.0])  # divided by 4 once, not 16

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from leanstep.blocks.clipping import clip_by_global_norm, global_norm
-from leanstep.blocks.loss_scale import LossScale, all_finite
+from leanstep.blocks.loss_scale import LossScale, NoOpLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive, same_structure, tree_difference
 from leanstep.step.state import TrainState
@@ -170,6 +170,7 @@ def guarded_update(
     """
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     check_opt_state(state.opt_state, state.optimizer, state.params)
+    _refuse_second_unscale(state.opt_state, "the state's optimizer")
     updates, opt_state, info = _checked_update(
         scaled_grads, state.opt_state, state.params, state.optimizer, state.loss_scale, max_grad_norm, loss
     )
@@ -202,10 +203,35 @@ class GuardedState(NamedTuple):
     grad_norm: jax.Array
 
 
+def scaling_guards(opt_state: Any) -> list[GuardedState]:
+    """The :class:`GuardedState` s in an optimizer state whose loss scale is not a no-op.
+
+    Each divides the gradient it is given by its own loss scale, which only the code that
+    scaled the loss with that same scale may do: inside :func:`guarded_update` (and so
+    :func:`leanstep.make_train_step`), whose gradient is already unscaled by the state's loss
+    scale, or inside another guard, every one of them would unscale a second time.
+    """
+    found = []
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda node: isinstance(node, GuardedState)):
+        if isinstance(node, GuardedState):  # and the guards inside it
+            found += [node] * (not isinstance(node.loss_scale, NoOpLossScale)) + scaling_guards(node.inner_state)
+    return found
+
+
+def _refuse_second_unscale(opt_state: Any, where: str) -> None:
+    if scaling_guards(opt_state):
+        raise ValueError(
+            f"{where} holds a guarded_update_transform with a loss scale: the gradient would be unscaled "
+            "twice (the step, or the outer guard, already unscales it by its own loss scale). Give the "
+            "inner optax optimizer instead; the step already unscales once, checks finiteness and clips "
+            "(or build the inner guard with loss_scale='none')"
+        )
+
+
 def guarded_update_transform(
     optimizer: optax.GradientTransformation,
     *,
-    loss_scale: str | LossScale = "dynamic",
+    loss_scale: str | LossScale | None = None,
     max_grad_norm: float | None = None,
 ) -> optax.GradientTransformation:
     """:func:`guarded_update` as an optax transformation wrapping ``optimizer``.
@@ -219,8 +245,11 @@ def guarded_update_transform(
 
     Args:
       optimizer: the optax optimizer to guard.
-      loss_scale: ``"dynamic"``, ``"none"`` or a loss-scale instance (a static scale
-        needs its value: ``StaticLossScale.create(S)``).
+      loss_scale: required: ``"none"`` for gradients of an unscaled loss (a drop-in for
+        :func:`optax.apply_if_finite`), ``"dynamic"`` or a loss-scale instance (a static
+        scale needs its value: ``StaticLossScale.create(S)``) when the loss is scaled with
+        ``state.loss_scale.scale(loss)``. Not defaulted since 0.8: the old default,
+        ``"dynamic"``, divided the updates of an unscaled loss by 32768.
       max_grad_norm: clip the unscaled gradient to this global norm; None: no clipping.
 
     Returns:
@@ -228,7 +257,8 @@ def guarded_update_transform(
       must be passed to ``update``.
 
     Raises:
-      TypeError, ValueError: a bad argument, named.
+      TypeError, ValueError: a bad argument, named; no ``loss_scale``; (at ``init``) an
+        ``optimizer`` that holds a guard with a loss scale of its own (it would unscale twice).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -246,10 +276,19 @@ def guarded_update_transform(
     """
     check_optimizer(optimizer)
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
+    if loss_scale is None:
+        raise TypeError(
+            "guarded_update_transform needs loss_scale=: 'none' for the gradient of an unscaled loss (as "
+            "optax.apply_if_finite), 'dynamic' (or a LossScale) when you scale the loss with "
+            "state.loss_scale.scale(loss)"
+        )
     initial_scale = get_loss_scale(loss_scale)
 
     def init_fn(params: Any) -> GuardedState:
-        return GuardedState(optimizer.init(params), initial_scale, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
+        inner = optimizer.init(params)
+        if not isinstance(initial_scale, NoOpLossScale):
+            _refuse_second_unscale(inner, "the optimizer given to guarded_update_transform")
+        return GuardedState(inner, initial_scale, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32))
 
     def update_fn(scaled_grads: Any, state: GuardedState, params: Any = None) -> tuple[Any, GuardedState]:
         if params is None:
