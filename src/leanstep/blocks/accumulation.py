@@ -71,10 +71,14 @@ class Accumulation:
       unroll: forwarded to ``lax.scan``: ``True`` unrolls every microbatch into straight code
         (faster convolutions on XLA:CPU, more memory: the microbatches' activations are
         scheduled together).
+      divide: divide the summed loss and gradient by ``M`` (or by the total token count);
+        ``False`` leaves the sums, for a caller that adds them up across devices first and
+        divides by the global count (:class:`leanstep.ShardingLayer` does, token-weighted: a
+        device whose rows hold no token then adds 0, not 0/0).
 
     Raises:
       TypeError: ``num_microbatches`` not an int, ``split`` not a splitter, ``unroll`` not a
-        bool or an int >= 1.
+        bool or an int >= 1, ``divide`` not a bool.
       ValueError: ``num_microbatches`` < 1, or an unknown ``split`` name.
 
     Example:
@@ -88,12 +92,14 @@ class Accumulation:
     num_microbatches: int = 1
     split: str | Splitter = "contiguous"
     unroll: int | bool = 1
+    divide: bool = True
     #: The resolved ``split`` (:func:`leanstep.get_splitter`), once.
     splitter: Splitter = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_microbatches", check_num_microbatches(self.num_microbatches))
         object.__setattr__(self, "splitter", get_splitter(self.split))
+        object.__setattr__(self, "divide", check_bool("divide", self.divide))
         if not (isinstance(self.unroll, bool) or is_int(self.unroll) and self.unroll >= 1):
             raise TypeError(f"unroll must be a bool or an int >= 1, got {self.unroll!r}")
 
@@ -121,7 +127,8 @@ def accumulate(
     differentiate and the :class:`LossOutput` riding along (its ``value`` is not used here). The
     result, ``(params, batch, state) -> ((loss, count, auxes, state), grads)``, sums ``value``
     and ``count`` in float32 and the gradients in ``accum_dtype`` and divides by ``M`` (or by the
-    total count when token-weighted); ``auxes`` are stacked over microbatches.
+    total count when token-weighted; not at all with ``accumulation.divide=False``); ``auxes``
+    are stacked over microbatches.
     """
     dtype = _check_accum_dtype(accum_dtype)
     num_microbatches = accumulation.num_microbatches
@@ -149,6 +156,8 @@ def accumulate(
             (loss_total, count_total, grads_total, state), auxes = jax.lax.scan(
                 body, init, microbatches, length=num_microbatches, unroll=accumulation.unroll
             )
+        if not accumulation.divide:
+            return (loss_total, count_total, auxes, state), grads_total
         denominator = count_total if token_weighted else jnp.float32(num_microbatches)
         grads = jax.tree.map(lambda g: g / denominator.astype(dtype), grads_total)
         return (loss_total / denominator, count_total, auxes, state), grads

@@ -174,12 +174,13 @@ def gradient_stage(
             _check_traced_loss(model_loss, params_c, state_in, data, accumulation, contract, policy.compute_dtype)
             checked.append(True)
         count = None
+        # Without division (accumulation.divide=False) the loss is the sum the caller divides.
         if contract.token_weighted:
             count = jnp.sum(counts)
-            loss = jnp.sum(values) / count
+            loss = jnp.sum(values) / count if accumulation.divide else jnp.sum(values)
             aux = (values, counts, aux) if contract.has_aux else None
         else:
-            loss = jnp.mean(values)
+            loss = jnp.mean(values) if accumulation.divide else jnp.sum(values)
             aux = aux if contract.has_aux else None
         # Gradients w.r.t. the compute-dtype copy come back float32 (the accumulator's dtype).
         return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state, token_count=count)

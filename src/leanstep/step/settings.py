@@ -49,7 +49,9 @@ class StepSettings:
         """The accumulation the gradient stage runs: on a mesh, its microbatches constrained by the layer."""
         if self.layer is None:
             return self.accumulation
-        return self.accumulation.replace(split=self.layer.split(self.accumulation.splitter))
+        # Token-weighted over manual axes, each device hands on its sums (a device without tokens: 0, not 0/0).
+        sums = self.loss.token_weighted and bool(self.layer.manual_axes)
+        return self.accumulation.replace(split=self.layer.split(self.accumulation.splitter), divide=not sums)
 
 
 def step_settings(

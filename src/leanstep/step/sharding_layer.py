@@ -206,7 +206,12 @@ class ShardingLayer:
 
     def gradients(self, stage: Callable[..., Gradients], *, token_weighted: bool) -> Callable[..., Gradients]:
         """``stage`` (a :func:`leanstep.gradient_stage`) with the model's sharding context and,
-        over the manual axes, local accumulation and one reduction after it."""
+        over the manual axes, local accumulation and one reduction after it.
+
+        Token-weighted over manual axes, ``stage`` must hand on its sums (its accumulation
+        built with ``divide=False``, as :func:`leanstep.make_train_step` builds it): the layer
+        adds them up and divides by the global token count, so a device whose rows hold no
+        token adds 0 instead of 0/0."""
         manual = self.manual_axes
         axes = self.axes
 
@@ -271,13 +276,13 @@ class ShardingLayer:
         """One device's gradient stage output, reduced over the manual axes (inside ``shard_map``):
         ``psum`` (``psum_scatter`` over a manual FSDP axis), token-weighted by the devices' counts."""
         manual, axes = self.manual_axes, self.axes
-        # The stage's token count is there exactly when it is token-weighted.
+        # Token-weighted, the stage hands on sums (make_train_step builds it so: Accumulation.divide
+        # False), and the global count divides them: a device whose rows hold no token adds 0.
         weight = out.token_count if token_weighted and out.token_count is not None else jnp.float32(1.0)
         total = jax.lax.psum(weight, manual)
         fsdp = axes.fsdp if axes.fsdp in manual else None
 
         def reduce_leaf(_: Any, grad: Any, spec: PartitionSpec) -> Any:
-            grad = grad * weight if token_weighted else grad
             dim = None if fsdp is None else _dim_of(spec, fsdp)
             rest = tuple(a for a in manual if a != fsdp or dim is None)
             if dim is not None:
@@ -285,7 +290,7 @@ class ShardingLayer:
             return (jax.lax.psum(grad, rest) if rest else grad) / total
 
         grads = _map_specs(reduce_leaf, out.grads, specs)
-        loss = jax.lax.psum(out.loss * weight, manual) / total
+        loss = jax.lax.psum(out.loss if token_weighted else out.loss * weight, manual) / total
         mean = lambda tree: jax.tree.map(
             lambda a: jax.lax.pmean(a, manual) if jnp.issubdtype(a.dtype, jnp.floating) else jax.lax.psum(a, manual),
             tree,
