@@ -228,3 +228,64 @@ def test_names_that_left_the_sharding_package_still_resolve_with_a_warning():
 
 def test_loss_output_is_a_plain_record():
     assert LossOutput._fields == ("value", "token_count", "aux", "model_state")
+
+
+# Messages that name the flag (issue 27, item 9): every loss arity against every contract.
+ARITIES = {
+    2: lambda p, b: jnp.sum(b["x"] @ p["w"]),
+    3: lambda p, s, b: jnp.sum(b["x"] @ p["w"]),
+    4: lambda p, s, b, k: jnp.sum(b["x"] @ p["w"]),
+}
+
+
+@pytest.mark.parametrize("contract", CONTRACTS, ids=lambda c: c.flags or "plain")
+@pytest.mark.parametrize("arity", sorted(ARITIES))
+def test_a_loss_that_cannot_take_the_contract_s_arguments_is_named_at_build(contract, arity):
+    wanted = 2 + contract.has_state + contract.uses_rng
+    if wanted == arity:
+        contract.check_signature(ARITIES[arity])  # fits: nothing to say
+        return
+    with pytest.raises(TypeError, match=r"cannot be called as loss_fn\(params, .*has_state=True passes .*uses_rng"):
+        gradient_stage(ARITIES[arity], loss=contract)
+
+
+def test_a_loss_with_a_default_or_star_args_fits_and_a_builtin_is_let_through():
+    LossContract(uses_rng=True).check_signature(lambda p, b, key=None: 0.0)
+    LossContract(uses_rng=True, has_state=True).check_signature(lambda *args: 0.0)
+    LossContract().check_signature(max)
+
+
+@pytest.mark.parametrize("contract", [c for c in CONTRACTS if not (c.has_aux and c.token_weighted and c.has_state)])
+def test_a_tuple_the_contract_does_not_expect_names_the_fields_that_would(contract):
+    """A pair where the contract expects a scalar: the message names each unset field and its shape."""
+    out = (jnp.float32(1.0), jnp.float32(2.0))
+    # Wrapped as deep as the contract unpacks, so that the bare pair sits where the loss (or loss_sum) goes.
+    value = (out, 1) if contract.token_weighted else out
+    value = (value, "aux") if contract.has_aux else value
+    value = (value, {"n": jnp.int32(0)}) if contract.has_state else value
+    with pytest.raises(TypeError, match="got a tuple of 2") as caught:
+        contract.parse(value, {"n": jnp.int32(0)})
+    for field in ("has_aux", "token_weighted", "has_state"):
+        assert (f"needs {field}=True" in str(caught.value)) == (not getattr(contract, field)), caught.value
+
+
+@pytest.mark.parametrize(
+    ("make", "pattern"),
+    [
+        ("linen", r"params is a Linen module \(Dense\), which holds no parameters: initialize it"),
+        ("linen_inside", r"params\['model'\] is a Linen module \(Dense\)"),
+        ("equinox_state", r"params\[1\] is an eqx.nn.State .* model_state=state"),
+    ],
+)
+def test_a_framework_object_given_as_params_is_named_with_its_fix(make, pattern):
+    import equinox as eqx
+    import flax.linen as nn
+
+    model, eqx_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="batch")
+    params = {
+        "linen": lambda: nn.Dense(2),
+        "linen_inside": lambda: {"model": nn.Dense(2), "w": jnp.ones(2)},
+        "equinox_state": lambda: (eqx.filter(model, eqx.is_inexact_array), eqx_state),
+    }[make]()
+    with pytest.raises(TypeError, match=pattern):
+        TrainState.create(params, optax.sgd(0.1))

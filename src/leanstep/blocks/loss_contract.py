@@ -22,6 +22,7 @@ never look at the raw output again.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -99,6 +100,32 @@ class LossContract:
         """The loss's positional arguments: ``(params, [model_state,] batch[, key])``."""
         return (params, *((model_state,) if self.has_state else ()), batch, *((key,) if self.uses_rng else ()))
 
+    def check_signature(self, loss_fn: Any) -> None:
+        """Raises if ``loss_fn`` cannot take :meth:`arguments`, naming the field that would fit.
+
+        A callable whose signature Python cannot read (a builtin) is let through.
+
+        Raises:
+          TypeError: ``loss_fn`` takes fewer or more positional arguments than the contract passes.
+        """
+        try:
+            signature = inspect.signature(loss_fn)
+        except (TypeError, ValueError):
+            return
+        names = [name for name in ("params", "model_state", "batch", "key") if name in self._argument_names()]
+        try:
+            signature.bind(*names)
+        except TypeError:
+            said = f" ({self.flags})" if self.flags else ""
+            raise TypeError(
+                f"loss_fn{signature} cannot be called as loss_fn({', '.join(names)}){said}: has_state=True "
+                "passes the model state after params, uses_rng=True passes a PRNG key last; set exactly the "
+                "ones the loss takes (make_train_step's keywords, or loss=leanstep.LossContract(...))"
+            ) from None
+
+    def _argument_names(self) -> tuple[str, ...]:
+        return self.arguments("params", "model_state", "batch", "key")
+
     def parse(self, out: Any, model_state: Any = None) -> LossOutput:
         """One output of the loss, checked (at trace time: structure, shapes and dtypes are static).
 
@@ -125,9 +152,28 @@ class LossContract:
             count = check_scalar_output(
                 "token_weighted=True: loss_fn's count", count, integer=True, reduce="jnp.sum(mask)"
             ).astype(jnp.float32)
+        if isinstance(out, tuple):  # a structure no field of the contract says: name the fields that would
+            raise TypeError(self._tuple_error(out))
         name = "loss_fn's loss_sum" if self.token_weighted else "loss_fn's loss"
         value = check_scalar_output(name, out, reduce="jnp.sum" if self.token_weighted else "jnp.mean")
         return LossOutput(value.astype(jnp.float32), count, aux, new_state)
+
+    def _tuple_error(self, out: tuple) -> str:
+        hints = [
+            (field, shape)
+            for field, shape in (
+                ("has_aux", "(loss, aux)"),
+                ("token_weighted", "(loss_sum, count)"),
+                ("has_state", "(out, new_model_state)"),
+            )
+            if not getattr(self, field)
+        ]
+        said = f" ({self.flags})" if self.flags else ""
+        ways = "; ".join(f"{shape} needs {field}=True" for field, shape in hints)
+        return (
+            f"loss_fn's loss must be a real floating scalar, got a tuple of {len(out)}{said}: a loss that "
+            f"returns {ways} (make_train_step's keyword, or loss=leanstep.LossContract(...))"
+        )
 
     def _structure_error(self) -> str:
         flags = " and ".join(f"{name}=True" for name in ("has_aux", "token_weighted") if getattr(self, name))

@@ -127,6 +127,7 @@ def gradient_stage(
     check_callable("loss_fn", loss_fn)
     policy = check_train_precision(precision)
     contract, accumulation = loss_settings(loss, accumulation, deprecated, where="gradient_stage")
+    contract.check_signature(loss_fn)
     cast_batch = check_bool("cast_batch", cast_batch)
     if params_layout is not None:
         check_callable("params_layout", params_layout)

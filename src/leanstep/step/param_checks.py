@@ -52,9 +52,31 @@ def _check_linen(params: Any) -> None:
         )
 
 
+def _check_linen_module(params: Any) -> None:
+    linen = sys.modules.get("flax.linen")
+    if linen is None:
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, linen.Module)):
+        if isinstance(leaf, linen.Module):
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} is a Linen module ({type(leaf).__name__}), which holds no "
+                f"parameters: initialize it (variables = module.init(key, x)), then {_LINEN_SPLIT}"
+            )
+
+
 def _check_equinox(params: Any) -> None:
     eqx = sys.modules.get("equinox")
-    if eqx is None or not isinstance(params, eqx.Module):
+    if eqx is None:
+        return
+    is_state = lambda x: isinstance(x, eqx.nn.State)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=is_state):
+        if is_state(leaf):
+            raise TypeError(
+                f"params{jax.tree_util.keystr(path)} is an eqx.nn.State (batch statistics, counters), not "
+                "parameters: pass it as TrainState.create(params, optimizer, model_state=state), with "
+                "has_state=True and leanstep.frameworks.equinox.stateful_loss"
+            )
+    if not isinstance(params, eqx.Module):
         return
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         if not eqx.is_inexact_array(leaf):
@@ -91,5 +113,6 @@ def check_params(params: Any) -> None:
             )
     _check_nnx(params)
     _check_linen(params)
+    _check_linen_module(params)
     _check_equinox(params)
     check_floating_tree(params, "params", what="floating-point parameters")
