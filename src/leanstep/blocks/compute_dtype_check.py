@@ -15,11 +15,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from leanstep.common.jaxprs import equations
+from leanstep.common.jaxprs import MATMUL_PRIMITIVES, matmul_flops, weighted_equations
 
 __all__ = ["PrecisionWarning", "unused_compute_dtype"]
-
-_MATMULS = ("dot_general", "conv_general_dilated")
 
 
 class PrecisionWarning(UserWarning):
@@ -27,7 +25,12 @@ class PrecisionWarning(UserWarning):
 
 
 def unused_compute_dtype(fn: Callable[..., Any], args: tuple[Any, ...], compute_dtype: Any) -> str | None:
-    """A message when ``compute_dtype`` is below float32 and no matmul of ``fn(*args)`` uses it, else None.
+    """A message when ``compute_dtype`` is below float32 and a matmul or convolution of ``fn(*args)``
+    does not run in it, else None.
+
+    The message names how many do not, by operand dtypes, and their share of the FLOPs of the
+    matmuls and convolutions (a scan's body counted times its length), so that one float32
+    matmul a model keeps on purpose (a loss head) reads as the small share it is.
 
     Args:
       fn: the loss function; traced with ``jax.make_jaxpr`` (``args`` may be abstract).
@@ -39,7 +42,7 @@ def unused_compute_dtype(fn: Callable[..., Any], args: tuple[Any, ...], compute_
       >>> w = jnp.ones((2, 2), jnp.bfloat16)
       >>> print(unused_compute_dtype(lambda w: jnp.sum(w.astype(jnp.float32) @ w.astype(jnp.float32)),
       ...                            (w,), jnp.bfloat16))
-      compute dtype bfloat16, but none of the loss's 1 matmuls runs in it (float32 x float32: 1): ...
+      compute dtype bfloat16, but none of the loss's 1 matmuls and convolutions runs in it (float32 x float32: 1, 100.0% of their FLOPs): ...
       >>> unused_compute_dtype(lambda w: jnp.sum(w @ w), (w,), jnp.bfloat16) is None
       True
     """
@@ -47,14 +50,30 @@ def unused_compute_dtype(fn: Callable[..., Any], args: tuple[Any, ...], compute_
     if compute_dtype.itemsize >= 4:
         return None
     jaxpr = jax.make_jaxpr(fn)(*args)
-    kinds = collections.Counter(
-        tuple(str(v.aval.dtype) for v in eqn.invars[:2]) for eqn in equations(jaxpr) if eqn.primitive.name in _MATMULS
-    )
-    if not kinds or any(compute_dtype.name in kind for kind in kinds):
+    counts: collections.Counter[tuple[str, ...]] = collections.Counter()
+    flops: collections.defaultdict[tuple[str, ...], float] = collections.defaultdict(float)
+    for eqn, times in weighted_equations(jaxpr):
+        if eqn.primitive.name in MATMUL_PRIMITIVES:
+            kind = tuple(str(v.aval.dtype) for v in eqn.invars[:2])
+            counts[kind] += 1
+            flops[kind] += matmul_flops(eqn) * times
+    off = {kind: n for kind, n in counts.items() if compute_dtype.name not in kind}
+    if not off:
         return None
-    found = ", ".join(f"{' x '.join(kind)}: {count}" for kind, count in kinds.most_common())
+    total = sum(flops.values()) or 1.0
+    found = ", ".join(
+        f"{' x '.join(kind)}: {n}, {100 * flops[kind] / total:.1f}% of their FLOPs"
+        for kind, n in sorted(off.items(), key=lambda kv: -flops[kv[0]])
+    )
+    how_many = "none" if len(off) == len(counts) and sum(off.values()) == sum(counts.values()) else None
+    head = (
+        f"none of the loss's {sum(counts.values())} matmuls and convolutions runs in it"
+        if how_many
+        else f"{sum(off.values())} of the loss's {sum(counts.values())} matmuls and convolutions do not run in it"
+    )
     return (
-        f"compute dtype {compute_dtype.name}, but none of the loss's {sum(kinds.values())} matmuls runs in it "
-        f"({found}): the model casts its inputs back up. The usual cause is a framework dtype= argument "
-        "(e.g. flax.linen.Dense(dtype=jnp.float32)); build the model with dtype=None or the compute dtype"
+        f"compute dtype {compute_dtype.name}, but {head} ({found}): the model casts their inputs back up. "
+        "The usual causes: a framework dtype= argument (e.g. flax.linen.Dense(dtype=jnp.float32): build "
+        "the model with dtype=None or the compute dtype), a float32 model state (batch statistics) that "
+        "promotes what follows it, or an explicit astype(jnp.float32) in the model"
     )

@@ -17,10 +17,23 @@ names here have no leading underscore: the module is private, its functions are 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["equations", "is_remat_primitive", "is_sub_jaxpr", "map_sub_jaxprs", "sub_jaxprs"]
+__all__ = [
+    "MATMUL_PRIMITIVES",
+    "equations",
+    "is_remat_primitive",
+    "is_sub_jaxpr",
+    "map_sub_jaxprs",
+    "matmul_flops",
+    "sub_jaxprs",
+    "weighted_equations",
+]
+
+#: The primitives a tensor core or a CPU's matrix units run: matmuls and convolutions.
+MATMUL_PRIMITIVES: tuple[str, ...] = ("dot_general", "conv_general_dilated")
 
 
 def is_sub_jaxpr(value: Any) -> bool:
@@ -86,3 +99,56 @@ def equations(jaxpr: Any) -> Iterator[Any]:
         yield eqn
         for _, sub in sub_jaxprs(eqn):
             yield from equations(sub)
+
+
+def matmul_flops(eqn: Any) -> float:
+    r"""FLOPs of one matmul or convolution equation (0 for any other).
+
+    .. code-block:: text
+
+        dot_general           2 * prod(out shape) * prod(contracted sizes)
+        conv_general_dilated  2 * prod(out shape) * prod(kernel shape) / kernel out-features
+
+    A convolution's output element sums ``in_features / groups x kernel window`` products:
+    the kernel's size less its output-feature dimension (its ``rhs_spec[0]``). That holds for
+    the weight- and input-gradient convolutions JAX's transpose rules emit, whose "kernel"
+    is the other operand.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",
+      ...                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
+      >>> eqn, = jax.make_jaxpr(conv)(jnp.ones((1, 8, 8, 3)), jnp.ones((3, 3, 3, 16))).eqns
+      >>> matmul_flops(eqn)  # 2 * (8 * 8 * 16) * (3 * 3 * 3)
+      55296.0
+    """
+    name = eqn.primitive.name
+    out = math.prod(eqn.outvars[0].aval.shape)
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs_shape = eqn.invars[0].aval.shape
+        return 2.0 * out * math.prod(lhs_shape[d] for d in lhs_contract)
+    if name == "conv_general_dilated":
+        kernel = eqn.invars[1].aval.shape
+        out_features = kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return 2.0 * out * math.prod(kernel) / out_features
+    return 0.0
+
+
+def weighted_equations(jaxpr: Any, multiplier: float = 1.0) -> Iterator[tuple[Any, float]]:
+    """``(equation, times it runs)`` for every equation of a program and its sub-programs.
+
+    A scan's body runs ``length`` times; everything else once (a while loop's trip count is
+    not known when tracing; each branch of a cond counts once).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> jaxpr = jax.make_jaxpr(lambda x: jax.lax.scan(lambda c, _: (jnp.sin(c), None), x, length=5)[0])(1.0)
+      >>> [(eqn.primitive.name, n) for eqn, n in weighted_equations(jaxpr)]
+      [('scan', 1.0), ('sin', 5.0)]
+    """
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn, multiplier
+        inner = multiplier * eqn.params["length"] if eqn.primitive.name == "scan" else multiplier
+        for _, sub in sub_jaxprs(eqn):
+            yield from weighted_equations(sub, inner)

@@ -56,7 +56,7 @@ class RematRegion:
 
 @dataclasses.dataclass(frozen=True)
 class Matmul:
-    """One ``dot_general``.
+    """One ``dot_general`` or ``conv_general_dilated`` (a convolution: ``kind``).
 
     Attributes:
       lhs, rhs: operand ``(shape, dtype name)``.
@@ -64,7 +64,9 @@ class Matmul:
       out: the output dtype name.
       scan_depth: number of enclosing scans (0: outside any scan).
       path: the enclosing primitives.
-      flops: ``2 * prod(out shape) * prod(contracted sizes)``, times the trip counts around it.
+      flops: ``2 * prod(out shape) * prod(contracted sizes)`` (a convolution: its kernel
+        window times its input features), times the trip counts around it.
+      kind: the primitive, ``"dot_general"`` or ``"conv_general_dilated"``.
 
     Example:
       >>> m = Matmul(((2, 3), "bfloat16"), ((3, 4), "bfloat16"), "float32", "float32", 0, "top", 48.0)
@@ -79,6 +81,7 @@ class Matmul:
     scan_depth: int
     path: str
     flops: float
+    kind: str = "dot_general"
 
     @property
     def dtypes(self) -> tuple[str, str, str]:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
-from leanstep.common.jaxprs import is_remat_primitive, sub_jaxprs
+from leanstep.common.jaxprs import MATMUL_PRIMITIVES, is_remat_primitive, sub_jaxprs
 from leanstep.inspection.audit_records import HostSync, Matmul, RematRegion, ScanInfo
 from leanstep.inspection.flops import equation_flops
 
@@ -72,7 +72,7 @@ def _segment(eqn: Any) -> str:
 def walk_jaxpr(
     jaxpr: Any, path: tuple[str, ...], scan_depth: int, multiplier: float, names: list[set[str]], out: Findings
 ) -> int:
-    """Visits ``jaxpr``, recording into ``out``; returns its dot_general count, sub-programs included.
+    """Visits ``jaxpr``, recording into ``out``; returns its matmul and convolution count, sub-programs included.
 
     ``multiplier`` is the product of the trip counts of the scans around ``jaxpr``; ``names``
     holds the primitive-name sets of the remat regions around it, each of which gets every
@@ -85,7 +85,7 @@ def walk_jaxpr(
         for region in names:
             region.add(name)
         where = "/".join(path) or "top"
-        if name == "dot_general":
+        if name in MATMUL_PRIMITIVES:
             matmuls += 1
             preferred = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
             out.matmuls.append(
@@ -97,6 +97,7 @@ def walk_jaxpr(
                     scan_depth,
                     where,
                     equation_flops(eqn) * multiplier,
+                    name,
                 )
             )
         if name in HOST_SYNC_PRIMITIVES:

@@ -9,7 +9,7 @@ program and every sub-program in it (``jit``, ``scan``, ``while``, ``cond``,
     scans           every lax.scan: its length, direction, carry, matmuls in its body
     remat regions   every jax.checkpoint (primitive remat2): its policy, mapped back to a
                     leanstep name ("dots", "full", ...), and the primitives it recomputes
-    matmuls         every dot_general: operand dtypes, accumulation dtype, enclosing scans,
+    matmuls         every dot_general and convolution: operand dtypes, accumulation dtype, scans,
                     its FLOPs times the trip counts of the scans around it
     host syncs      pure_callback / io_callback / debug_callback / debug_print / infeed / outfeed
     residuals       leanstep.saved_residuals_report of the loss, when one is given
@@ -34,6 +34,7 @@ from leanstep.blocks.rematerialization import (
     check_saved_names,
 )
 from leanstep.common.checks import check_callable
+from leanstep.common.jaxprs import MATMUL_PRIMITIVES
 from leanstep.inspection.audit_records import HostSync, Matmul, RematRegion, ScanInfo
 from leanstep.inspection.audit_walk import Findings, policy_name, walk_jaxpr
 from leanstep.inspection.flops import ELEMENTWISE_PRIMITIVES, count_flops
@@ -49,7 +50,7 @@ class AuditReport:
     Attributes:
       scans: every ``lax.scan``, outer ones first.
       remat_regions: every ``jax.checkpoint`` region.
-      matmuls: every ``dot_general``.
+      matmuls: every ``dot_general`` and ``conv_general_dilated`` (see :attr:`Matmul.kind`).
       host_syncs: every host callback, infeed or outfeed.
       residuals: what the loss saves for its backward pass, when a loss was given.
       flops: see :func:`leanstep.inspection.flops.count_flops`.
@@ -174,13 +175,15 @@ class AuditReport:
             )
         lines.append(f"remat regions: {len(self.remat_regions)}")
         for r in self.remat_regions:
-            work = ", ".join(p for p in r.primitives if p in ELEMENTWISE_PRIMITIVES or p == "dot_general")
+            work = ", ".join(p for p in r.primitives if p in ELEMENTWISE_PRIMITIVES or p in MATMUL_PRIMITIVES)
             lines.append(
                 f"  policy {r.policy}, {'backward pass' if r.differentiated else 'forward pass'}, "
                 f"runs {work or '-'}  at {r.path}"
             )
         total = sum(m.flops for m in self.matmuls) or 1.0
-        lines.append(f"matmuls: {len(self.matmuls)} ({len(self.matmuls_outside_scans)} outside any scan)")
+        convolutions = sum(m.kind == "conv_general_dilated" for m in self.matmuls)
+        of_which = f", {convolutions} of them convolutions" if convolutions else ""
+        lines.append(f"matmuls: {len(self.matmuls)} ({len(self.matmuls_outside_scans)} outside any scan{of_which})")
         by_dtype: collections.defaultdict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
         for m in self.matmuls:
             by_dtype[m.dtypes][0] += 1

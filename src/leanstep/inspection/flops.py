@@ -6,6 +6,7 @@ r"""FLOPs of a traced program, each loop body counted times its trip count.
 .. code-block:: text
 
     dot_general   2 * prod(output shape) * prod(contracted sizes)
+    convolution   2 * prod(output shape) * prod(kernel shape) / kernel out-features
     elementwise   prod(output shape)     (add, mul, tanh, exp, select_n, ...)
     reduction     prod(input shape)      (reduce_sum, argmax, cumsum, ...)
     scan          its body times its length
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from leanstep.common.jaxprs import is_remat_primitive, sub_jaxprs
+from leanstep.common.jaxprs import MATMUL_PRIMITIVES, is_remat_primitive, matmul_flops, sub_jaxprs
 
 __all__ = ["ELEMENTWISE_PRIMITIVES", "REDUCTION_PRIMITIVES", "count_flops", "equation_flops"]
 
@@ -127,10 +128,8 @@ def equation_flops(eqn: Any) -> float:
       48.0
     """
     name = eqn.primitive.name
-    if name == "dot_general":
-        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-        lhs_shape = eqn.invars[0].aval.shape
-        return 2.0 * _size(eqn.outvars[0]) * math.prod(lhs_shape[d] for d in lhs_contract)
+    if name in MATMUL_PRIMITIVES:
+        return matmul_flops(eqn)
     if name in ELEMENTWISE_PRIMITIVES:
         return float(sum(_size(v) for v in eqn.outvars))
     if name in REDUCTION_PRIMITIVES:
@@ -142,7 +141,7 @@ def _jaxpr_flops(jaxpr: Any, dots_only: bool = False) -> float:
     flops = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        flops += equation_flops(eqn) if not dots_only or name == "dot_general" else 0.0
+        flops += equation_flops(eqn) if not dots_only or name in MATMUL_PRIMITIVES else 0.0
         subs = [sub for _, sub in sub_jaxprs(eqn)]
         if name == "scan":
             flops += eqn.params["length"] * _jaxpr_flops(subs[0], dots_only)
@@ -161,7 +160,8 @@ def count_flops(closed_jaxpr: Any, *, dots_only: bool = False) -> float:
 
     Args:
       closed_jaxpr: a ``ClosedJaxpr`` or ``Jaxpr`` (``jax.make_jaxpr(f)(*args)``).
-      dots_only: count matrix multiplies (``dot_general``) only.
+      dots_only: count matrix multiplies and convolutions (``dot_general``,
+        ``conv_general_dilated``) only.
 
     Returns:
       The FLOP count, a float.
