@@ -173,6 +173,7 @@ def test_make_train_step_takes_the_values_or_the_short_keywords_and_they_agree()
         (dict(loss=LossContract(has_aux=True), has_aux=True), ValueError, "inside loss=LossContract"),
         (dict(accumulation=Accumulation(2), num_microbatches=2), ValueError, "inside accumulation=Accumulation"),
         (dict(accumulation=2), TypeError, "accumulation must be a leanstep.Accumulation, got int"),
+        (dict(accumulation=Accumulation(2, divide=False)), ValueError, r"Accumulation\(divide=False\) hands on sums"),
         (dict(num_micro=2), TypeError, r"make_train_step\(\) got unexpected keyword argument\(s\): num_micro"),
         (dict(split="presplit", mesh=None), None, None),
     ],

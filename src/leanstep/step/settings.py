@@ -101,6 +101,11 @@ def step_settings(
         raise TypeError(f"accumulation must be a leanstep.Accumulation, got {type(accumulation).__name__}")
     elif (short["num_microbatches"], split, short["unroll"]) != (1, None, 1):
         raise ValueError("give num_microbatches, split and unroll inside accumulation=Accumulation(...), not beside it")
+    if not accumulation.divide:
+        raise ValueError(
+            "Accumulation(divide=False) hands on sums for a caller that reduces them itself; make_train_step "
+            "divides (and, token-weighted on a mesh, sums across devices first): leave divide=True"
+        )
     layer = _layer(mesh, deprecated, has_state=loss.has_state)
     if layer is None:
         return StepSettings(loss, accumulation, None)
