@@ -50,6 +50,22 @@ def check_mesh(mesh: Any, data_axis: Any) -> int:
     return int(mesh.shape[data_axis])
 
 
+def check_auto_axes(mesh: Mesh) -> None:
+    """Refuses a mesh with Explicit (or Manual) axes: the step lays values out with sharding
+    constraints, which JAX allows only over Auto axes (``jax.make_mesh`` makes Explicit ones)."""
+    types = getattr(mesh, "axis_types", None) or ()
+    auto = getattr(jax.sharding.AxisType, "Auto", None)
+    other = tuple(name for name, kind in zip(mesh.axis_names, types) if kind != auto)
+    if other:
+        n = len(mesh.axis_names)
+        raise ValueError(
+            f"mesh axes {other} are not Auto axes (jax.make_mesh makes Explicit ones): leanstep lays the "
+            f"step out with sharding constraints, which need Auto axes; build the mesh with "
+            f"axis_types=(jax.sharding.AxisType.Auto,) * {n}, e.g. jax.make_mesh(shape, names, "
+            f"axis_types=(jax.sharding.AxisType.Auto,) * {n}), or use leanstep.data_mesh()"
+        )
+
+
 def mesh_axes(
     mesh: Any, data_axis: str = "data", *, fsdp: bool = False, fsdp_axis: str = "fsdp", tensor_axis: str = "tensor"
 ) -> MeshAxes:
@@ -62,7 +78,9 @@ def mesh_axes(
 
     Raises:
       TypeError: ``mesh`` is not a Mesh or ``fsdp`` not a bool.
-      ValueError: ``data_axis`` is not an axis of a mesh that has no FSDP axis.
+      ValueError: the mesh has Explicit axes (name ``axis_types``); ``fsdp=True`` on a mesh with
+        neither an FSDP axis nor ``data_axis``; ``data_axis`` other than ``"data"`` and not an axis.
+        Otherwise the data axes may have any names: every axis but the FSDP and tensor axes is one.
 
     Example:
       >>> axes = mesh_axes(data_mesh(jax.devices()[:1]), fsdp=True)
@@ -72,8 +90,11 @@ def mesh_axes(
     check_bool("fsdp", fsdp)
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    check_auto_axes(mesh)
     names = mesh.axis_names
-    if fsdp_axis not in names:
+    if fsdp and fsdp_axis not in names:
+        check_mesh(mesh, data_axis)  # the axis the state is split over: it must exist
+    elif data_axis != "data" and data_axis not in names:  # a name the caller chose must be an axis
         check_mesh(mesh, data_axis)
     fsdp_name = fsdp_axis if fsdp_axis in names else (data_axis if fsdp else None)
     tensor = tensor_axis if tensor_axis in names else None

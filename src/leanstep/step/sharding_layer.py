@@ -71,6 +71,24 @@ def _map_specs(fn: Callable[..., Any], params: Any, specs: Any) -> Any:
     return jax.tree.unflatten(treedef, [fn(path, leaf, spec) for (path, leaf), spec in zip(paths_leaves, spec_leaves)])
 
 
+def manual_constraint_error(error: Exception) -> ValueError | None:
+    """For JAX's error on a model's own ``with_sharding_constraint`` over an axis the step
+    reduces once per step (a manual ``shard_map`` axis; JAX raises it when the step is
+    lowered), an error that names both fixes; None for any other error."""
+    text = str(error)
+    if not isinstance(error, ValueError) or "contains a manual axes" not in text:
+        return None
+    return ValueError(
+        "the loss calls jax.lax.with_sharding_constraint with a spec naming a mesh axis the step "
+        "reduces once per step (reduce='auto' or 'step' runs the gradient stage under jax.shard_map "
+        "over the data axes, and each device sees only its own rows there). Either use "
+        "leanstep.constrain(x, 'batch', None, ...) (one role per dimension) in the model, which lays x out "
+        "over the mesh's batch axes under every reduction and is the identity outside a step, or pass "
+        "mesh=leanstep.ShardingLayer(mesh, reduce='microbatch') to leave the reduction to XLA (once per "
+        f"microbatch; with num_microbatches=1, once per step). JAX said: {text.splitlines()[0]}"
+    )
+
+
 def _dim_of(spec: PartitionSpec, axis: str) -> int | None:
     for dim, entry in enumerate(spec):
         if entry == axis or (isinstance(entry, tuple) and axis in entry):

@@ -16,7 +16,7 @@ from leanstep.blocks.precision import Precision
 from leanstep.common.checks import INT32_MAX, check_bool, check_positive
 from leanstep.step.gradients import gradient_stage
 from leanstep.step.settings import step_settings
-from leanstep.step.sharding_layer import ShardingLayer
+from leanstep.step.sharding_layer import ShardingLayer, manual_constraint_error
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.update import guarded_update
 
@@ -332,10 +332,24 @@ class _CheckedStep:
             _check_inputs(state, batch, self._donate)
         try:
             return self._jitted(state, batch)
-        except (TypeError, ValueError, RuntimeError):
+        except (TypeError, ValueError, RuntimeError) as error:
             # Only on the error path (the inputs of a real run are hundreds of leaves): an input JAX
-            # cannot take is named; any other error is the original one.
+            # cannot take is named; a model's own sharding constraint over a manual axis gets both
+            # fixes; any other error is the original one.
             _check_inputs(state, batch, self._donate)
+            named = manual_constraint_error(error)
+            if named is not None:
+                raise named from error
+            raise
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The jitted step's ``lower``, with the same message for a model's own sharding constraint."""
+        try:
+            return self._jitted.lower(*args, **kwargs)  # type: ignore[attr-defined]  # a jitted function
+        except ValueError as error:
+            named = manual_constraint_error(error)
+            if named is not None:
+                raise named from error
             raise
 
     def __getattr__(self, name: str) -> Any:
