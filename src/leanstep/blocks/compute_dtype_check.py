@@ -73,7 +73,9 @@ def unused_compute_dtype(fn: Callable[..., Any], args: tuple[Any, ...], compute_
     )
     return (
         f"compute dtype {compute_dtype.name}, but {head} ({found}): the model casts their inputs back up. "
-        "The usual causes: a framework dtype= argument (e.g. flax.linen.Dense(dtype=jnp.float32): build "
-        "the model with dtype=None or the compute dtype), a float32 model state (batch statistics) that "
-        "promotes what follows it, or an explicit astype(jnp.float32) in the model"
+        "The usual causes: a framework dtype= argument (e.g. flax.linen.Dense(dtype=jnp.float32)): build "
+        "the model with the compute dtype (dtype=jnp.bfloat16; dtype=None lets flax layers follow their "
+        "inputs, but in model code that calls x.astype(dtype), as flax's lm1b does, None means float32); "
+        "a float32 model state (batch statistics) that promotes what follows it; or an explicit "
+        "astype(jnp.float32) in the model"
     )

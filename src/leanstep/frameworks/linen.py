@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
+import jax
 
 __all__ = ["apply", "merge", "split"]
 
@@ -50,11 +51,20 @@ def merge(params: Any, model_state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def apply(
-    module: nn.Module, params: Any, model_state: Mapping[str, Any], *args: Any, **kwargs: Any
+    module: nn.Module,
+    params: Any,
+    model_state: Mapping[str, Any],
+    *args: Any,
+    axis_name: str | None = None,
+    **kwargs: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """``module.apply`` with the model state's collections mutable: ``(out, new_model_state)``.
 
-    Keyword arguments (``rngs=``, ``train=``, ...) go to ``module.apply``.
+    Keyword arguments (``rngs=``, ``train=``, ...) go to ``module.apply``. ``axis_name`` binds the
+    name a model written for ``pmap`` reduces over (``nn.BatchNorm(axis_name="batch")``, as in
+    flax's imagenet ResNet) to an axis of one member, so its ``pmean`` is the identity: leanstep's
+    step hands the loss the whole (micro)batch, whose statistics are already the global ones
+    (without it, JAX's "unbound axis name").
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -64,6 +74,13 @@ def apply(
       >>> model_state["batch_stats"]["mean"]
       Array([1., 1., 1.], dtype=float32)
     """
+    if axis_name is not None:
+        if not isinstance(axis_name, str) or not axis_name:
+            raise TypeError(f"axis_name must be a non-empty string (the module's axis_name=), got {axis_name!r}")
+        bound = lambda p, s, *a: apply(module, p, s, *a, **kwargs)
+        return jax.vmap(bound, in_axes=None, out_axes=None, axis_name=axis_name, axis_size=1)(
+            params, model_state, *args
+        )
     variables = merge(params, model_state)
     if not model_state:
         return module.apply(variables, *args, **kwargs), dict(model_state)

@@ -1,0 +1,229 @@
+"""Two of issue 27's real models re-created: the structure users bring, trained as they would.
+
+* **flax's imagenet ResNet**: Linen blocks of convolutions with ``nn.BatchNorm(axis_name="batch")``
+  (written for ``pmap``). Through ``leanstep.frameworks.linen.apply(..., axis_name="batch")`` it
+  trains with no glue: in float32 with one microbatch its parameters and running statistics equal
+  its own ``pmap`` loop's (one device); with bf16, a dynamic loss scale, 4 microbatches, clipping
+  and remat its loss falls like the loop's, its running statistics stay float32, and every
+  convolution and matmul runs in bf16 (a PrecisionWarning would fail the test: pytest turns
+  warnings into errors). Before 0.8.1: JAX's "unbound axis name: batch".
+* **flax's lm1b TransformerLM**: model code that casts with ``x.astype(config.dtype)``. Built with
+  ``dtype=jnp.bfloat16`` every matmul runs in bf16; built with float32 or None (which
+  ``astype`` reads as float32), leanstep warns once, with the advice for code that casts so
+  (before, the advice said ``dtype=None``, under which such a model still computes in float32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import leanstep
+from leanstep.frameworks import linen as llinen
+from test_frameworks import EVERYTHING, TX, assert_trees_close, falls_like, run, token_batches
+
+# --- the imagenet ResNet's structure ---------------------------------------------------------------
+
+
+def image_batches(steps: int, rows: int = 8) -> list[dict]:
+    """Two batches of images, taken in turn, whose class (0, 1, 2) shifts their brightness."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(2):
+        y = rng.integers(0, 3, rows).astype(np.int32)
+        x = rng.normal(size=(rows, 6, 6, 1)).astype(np.float32) + (y - 1.0)[:, None, None, None]
+        out.append({"x": jnp.asarray(x), "y": jnp.asarray(y)})
+    return [out[t % 2] for t in range(steps)]
+
+
+class ResNetBlock(nn.Module):
+    filters: int
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+        norm = functools.partial(
+            nn.BatchNorm, use_running_average=not train, momentum=0.9, epsilon=1e-5, dtype=self.dtype, axis_name="batch"
+        )
+        y = nn.relu(norm()(conv(self.filters, (3, 3))(x)))
+        y = norm(scale_init=nn.initializers.zeros)(conv(self.filters, (3, 3))(y))
+        return nn.relu(conv(self.filters, (1, 1), name="conv_proj")(x) + y)
+
+
+class ResNet(nn.Module):
+    dtype: jnp.dtype = jnp.float32
+    remat: str = "none"
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        block = leanstep.remat(ResNetBlock, self.remat, static_argnums=(2,))
+        x = block(4, self.dtype, name="block_0")(x.astype(self.dtype), train)  # named: one tree for every policy
+        return nn.Dense(3, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
+
+
+def resnet_loss(module):
+    def loss_fn(params, model_state, batch):
+        logits, model_state = llinen.apply(module, params, model_state, batch["x"], axis_name="batch")
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["y"]).mean(), (
+            model_state
+        )
+
+    return loss_fn
+
+
+RESNET_TX = optax.adam(0.05)
+
+
+def resnet_reference(module, variables, batches):
+    """The imagenet example's way: a pmap'd step over axis "batch" (one device here), batch_stats
+    from the mutable apply, optax on the params."""
+    params, stats = variables["params"], variables["batch_stats"]
+    opt_state = RESNET_TX.init(params)
+
+    def train_step(params, stats, opt_state, batch):
+        def loss_fn(params):
+            logits, updates = module.apply(
+                {"params": params, "batch_stats": stats}, batch["x"], mutable=["batch_stats"]
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+            return loss, updates["batch_stats"]
+
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grads = jax.lax.pmean(grads, "batch")
+        updates, opt_state = RESNET_TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), stats, opt_state, loss
+
+    p_step = jax.pmap(train_step, axis_name="batch", devices=jax.devices()[:1])
+    lead = lambda tree: jax.tree.map(lambda a: a[None], tree)
+    params, stats, opt_state = lead(params), lead(stats), lead(opt_state)
+    losses = []
+    for batch in batches:
+        params, stats, opt_state, loss = p_step(params, stats, opt_state, lead(batch))
+        losses.append(float(loss[0]))
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    return first(params), first(stats), losses
+
+
+@pytest.fixture(scope="module")
+def resnet_runs():
+    batches = image_batches(16, rows=8)
+    variables = ResNet().init(jax.random.key(0), batches[0]["x"], train=False)
+    params, model_state = llinen.split(variables)
+    ref_params, ref_stats, _ = resnet_reference(ResNet(), variables, batches[:4])
+    _, _, long_losses = resnet_reference(ResNet(), variables, batches)
+    plain = leanstep.make_train_step(resnet_loss(ResNet()), has_state=True)
+    plain_state, _ = run(plain, leanstep.TrainState.create(params, RESNET_TX, model_state=model_state), batches[:4])
+    everything = leanstep.make_train_step(
+        resnet_loss(ResNet(dtype=jnp.bfloat16, remat="dots")), has_state=True, **EVERYTHING
+    )
+    state = leanstep.TrainState.create(params, RESNET_TX, loss_scale="dynamic", model_state=model_state)
+    state, losses = run(everything, state, batches)
+    return {
+        "plain": plain_state,
+        "ref": (ref_params, ref_stats),
+        "losses": losses,
+        "ref_losses": long_losses,
+        "state": state,
+        "jaxpr": jax.make_jaxpr(everything.__wrapped__)(state, batches[0]),
+    }
+
+
+def test_a_resnet_with_batchnorm_axis_name_equals_its_pmap_loop_in_float32(resnet_runs):
+    ref_params, ref_stats = resnet_runs["ref"]
+    assert_trees_close(resnet_runs["plain"].params, ref_params)
+    assert_trees_close(resnet_runs["plain"].model_state["batch_stats"], ref_stats)
+
+
+def test_a_resnet_with_every_technique_learns_like_its_loop(resnet_runs):
+    falls_like(resnet_runs["losses"], resnet_runs["ref_losses"])
+
+
+def test_its_running_statistics_stay_float32_and_move(resnet_runs):
+    stats = resnet_runs["state"].model_state["batch_stats"]
+    leaves = jax.tree.leaves(stats)
+    assert leaves and all(leaf.dtype == jnp.float32 for leaf in leaves)
+    means = [
+        np.asarray(v["mean"]) for v in jax.tree.leaves(stats, is_leaf=lambda d: isinstance(d, dict) and "mean" in d)
+    ]
+    assert any(np.abs(m).max() > 1e-3 for m in means)
+
+
+def test_every_convolution_and_matmul_of_the_bf16_resnet_runs_in_bf16(resnet_runs):
+    from leanstep.common.jaxprs import MATMUL_PRIMITIVES, weighted_equations
+
+    kinds = {
+        (eqn.primitive.name, tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
+        for eqn, _ in weighted_equations(resnet_runs["jaxpr"].jaxpr)
+        if eqn.primitive.name in MATMUL_PRIMITIVES
+    }
+    assert {name for name, _ in kinds} >= {"conv_general_dilated", "dot_general"}
+    assert all(dtypes == ("bfloat16", "bfloat16") for _, dtypes in kinds), kinds
+
+
+def test_without_axis_name_the_module_still_fails_as_jax_says():
+    """The reference for the fix: the bare apply of a pmap-written module has no axis to reduce over."""
+    x = image_batches(1)[0]["x"]
+    params, model_state = llinen.split(ResNet().init(jax.random.key(0), x, train=False))
+    with pytest.raises(NameError, match="unbound axis name: batch"):
+        llinen.apply(ResNet(), params, model_state, x)
+
+
+@pytest.mark.parametrize("bad", ["", 3])
+def test_a_bad_axis_name_is_named(bad):
+    x = image_batches(1)[0]["x"]
+    params, model_state = llinen.split(ResNet().init(jax.random.key(0), x, train=False))
+    with pytest.raises(TypeError, match="axis_name must be a non-empty string"):
+        llinen.apply(ResNet(), params, model_state, x, axis_name=bad)
+
+
+# --- the lm1b TransformerLM's casts ------------------------------------------------------------------
+
+
+class CastingLM(nn.Module):
+    """lm1b's habit: the model code casts activations with ``astype(config.dtype)``."""
+
+    dtype: jnp.dtype | None = jnp.float32
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(32, 16)(tokens).astype(self.dtype)
+        h = nn.Dense(32, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x)).astype(self.dtype)
+        x = x + nn.Dense(16, dtype=self.dtype)(nn.gelu(h))
+        return nn.Dense(32, dtype=self.dtype)(x.astype(self.dtype))
+
+
+def lm1b_loss(module):
+    def loss_fn(params, batch):  # the small loss adapter "unchanged model code" means
+        logits = module.apply({"params": params}, batch["tokens"][:, :-1])
+        labels = batch["tokens"][:, 1:]
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+    return loss_fn
+
+
+def _lm1b_jaxpr(dtype):
+    batch = token_batches(1)[0]
+    params = CastingLM().init(jax.random.key(0), batch["tokens"][:, :-1])["params"]
+    step = leanstep.make_train_step(lm1b_loss(CastingLM(dtype=dtype)), jit=False, **EVERYTHING)
+    return jax.make_jaxpr(step)(leanstep.TrainState.create(params, TX, loss_scale="dynamic"), batch)
+
+
+def test_an_lm1b_style_model_built_in_bf16_runs_every_matmul_in_bf16():
+    _lm1b_jaxpr(jnp.bfloat16)  # a PrecisionWarning would be an error here
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, None], ids=["float32", "None"])
+def test_an_lm1b_style_model_left_in_float32_warns_once_with_advice_that_fits_it(dtype):
+    with pytest.warns(leanstep.PrecisionWarning) as record:
+        _lm1b_jaxpr(dtype)
+    messages = [str(w.message) for w in record if issubclass(w.category, leanstep.PrecisionWarning)]
+    assert len(messages) == 1, messages
+    assert "none of the loss's" in messages[0] and "100.0% of their FLOPs" in messages[0]
+    assert "x.astype(dtype)" in messages[0] and "None means float32" in messages[0]
