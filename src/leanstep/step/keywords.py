@@ -13,7 +13,7 @@ from typing import Any
 from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.loss_contract import LossContract
 
-__all__ = ["loss_settings", "unexpected_keywords"]
+__all__ = ["loss_settings", "loss_value", "unexpected_keywords"]
 
 _LOSS_KEYWORDS = ("has_aux", "token_weighted", "uses_rng", "has_state")
 _ACCUMULATION_KEYWORDS = ("num_microbatches", "split", "unroll")
@@ -48,10 +48,11 @@ def loss_settings(
         )
     flags = {k: v for k, v in deprecated.items() if k in _LOSS_KEYWORDS}
     walk = {k: v for k, v in deprecated.items() if k in _ACCUMULATION_KEYWORDS}
-    return _loss_value(loss, flags), _accumulation_value(accumulation, walk)
+    return loss_value(loss, flags), _accumulation_value(accumulation, walk)
 
 
-def _loss_value(loss: LossContract | None, flags: dict[str, Any]) -> LossContract:
+def loss_value(loss: LossContract | None, flags: dict[str, Any]) -> LossContract:
+    """``loss``, or a contract of ``flags`` (the flags given) when None; both at once is refused."""
     if loss is None:
         return LossContract(**flags)
     if not isinstance(loss, LossContract):

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 
 from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.loss_contract import LossContract
-from leanstep.step.keywords import unexpected_keywords
+from leanstep.step.keywords import loss_value, unexpected_keywords
 from leanstep.step.sharding_layer import ShardingLayer
 
 __all__ = ["StepSettings", "step_settings"]
@@ -82,15 +82,7 @@ def step_settings(
     unknown = set(deprecated) - set(_SHARDING_KEYWORDS)
     if unknown:
         raise unexpected_keywords("make_train_step", unknown)
-    flags = {k: short[k] for k in ("has_aux", "token_weighted", "uses_rng", "has_state")}
-    if loss is None:
-        loss = LossContract(**flags)
-    elif not isinstance(loss, LossContract):
-        raise TypeError(f"loss must be a leanstep.LossContract, got {type(loss).__name__}")
-    elif any(flags.values()):
-        raise ValueError(
-            "give has_aux, token_weighted, uses_rng and has_state inside loss=LossContract(...), not beside it"
-        )
+    loss = loss_value(loss, {k: short[k] for k in ("has_aux", "token_weighted", "uses_rng", "has_state") if short[k]})
     split = short["split"]
     split_given = split is not None or accumulation is not None
     if accumulation is None:
