@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from leanstep.common.checks import check_bool, check_scalar_output, same_structure
+from leanstep.common.checks import check_bool, check_scalar_output, same_structure, tree_difference
 
 __all__ = ["LossContract", "LossOutput"]
 
@@ -132,12 +132,12 @@ class LossContract:
         Args:
           out: what the loss returned.
           model_state: the model state the loss was given (``has_state``): the new one must
-            have its structure, and is cast to its dtypes (a scan carry keeps its type).
+            have its structure, leaf shapes and dtypes (a scan carry keeps its type).
 
         Raises:
           TypeError: ``out`` is not of the :attr:`expected` structure, the loss is not a real
             floating scalar or the count not a real scalar, or the new model state is of
-            another structure.
+            another structure, leaf shape or dtype (named by its leaf path).
           ValueError: the loss or the count is not a scalar.
         """
         new_state = None
@@ -194,5 +194,13 @@ def _keep_state_types(new: Any, old: Any) -> Any:
         raise TypeError(
             "has_state=True: loss_fn must return a new model state of the structure it was given; "
             f"got {jax.tree.structure(new)}, expected {jax.tree.structure(old)}"
+        )
+    # A scan carry must keep its type, and one microbatch (no scan) must not differ from many: a leaf
+    # of a new dtype (cast back, it would lose what the loss computed) or shape is refused, named.
+    difference = tree_difference(new, old, "new model_state", "model_state")
+    if difference is not None:
+        raise TypeError(
+            "has_state=True: loss_fn must return a new model state of the shapes and dtypes it was given "
+            f"(leanstep keeps them between steps and microbatches); {difference}"
         )
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)), new, old)

@@ -169,8 +169,9 @@ def remat(
     .. code-block:: text
 
         remat(LinenModuleClass, p)  == flax.linen.remat(LinenModuleClass, policy=..., prevent_cse=...)
-        remat(nnx_module, p)        == a function of the module's call arguments, under nnx.remat
-                                       (a bound method of an NNX module likewise)
+        remat(nnx_module, p)        == an nnx.Module holding nnx_module, whose __call__ runs it under
+                                       nnx.remat (a bound method of an NNX module likewise): kept as an
+                                       attribute of a model, its params stay the model's
         remat(equinox_module, p)    == equinox.filter_checkpoint(equinox_module, policy=..., prevent_cse=...)
 
     Use it as a decorator with ``functools.partial(remat, policy="dots")``. For the
@@ -237,13 +238,7 @@ def _framework_remat(
     owner = getattr(fn, "__self__", None)  # a bound method of an NNX module updates its state too
     if nnx is not None and (isinstance(fn, nnx.Module) or isinstance(owner, nnx.Module)):
         module, name = (fn, "__call__") if isinstance(fn, nnx.Module) else (owner, fn.__name__)
-        call = nnx.remat(
-            lambda module, *args, **kwargs: getattr(module, name)(*args, **kwargs),
-            policy=policy,
-            prevent_cse=prevent_cse,
-            static_argnums=tuple(i + 1 for i in static_argnums),
-        )
-        return functools.partial(call, module)
+        return _nnx_remat_type(nnx)(module, name, policy, prevent_cse, static_argnums)
     eqx = sys.modules.get("equinox")
     if eqx is not None and isinstance(fn, eqx.Module):
         if static_argnums:
@@ -253,6 +248,41 @@ def _framework_remat(
             )
         return eqx.filter_checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
     return None
+
+
+@functools.cache
+def _nnx_remat_type(nnx: Any) -> type:
+    """The NNX module type :func:`remat` gives for an NNX module (made once, from the imported ``flax.nnx``).
+
+    An NNX module, not a function closing over one: kept as an attribute of another module, its
+    module's variables stay in that model's graph (``nnx.state``, ``nnx.split``, the gradient).
+    """
+
+    class Remat(nnx.Module):
+        """``module.<method>(*args, **kwargs)`` under ``nnx.remat`` with a named policy (``leanstep.remat``).
+
+        Attributes:
+          module: the rematerialized NNX module (its variables are this module's).
+          method: the name of the method called, ``"__call__"`` for the module itself.
+        """
+
+        def __init__(
+            self, module: Any, method: str, policy: Callable[..., Any], prevent_cse: bool, static_argnums: tuple
+        ) -> None:
+            self.module, self.method = module, method
+            self.checkpointed = nnx.remat(
+                lambda module, *args, **kwargs: getattr(module, method)(*args, **kwargs),
+                policy=policy,
+                prevent_cse=prevent_cse,
+                static_argnums=tuple(i + 1 for i in static_argnums),
+            )
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.checkpointed(self.module, *args, **kwargs)
+
+    Remat.__qualname__ = Remat.__name__ = "Remat"
+    Remat.__module__ = __name__
+    return Remat
 
 
 def _tagged_names(jaxpr: Any) -> set[str]:

@@ -9,6 +9,10 @@
 
 Models with state (``eqx.nn.BatchNorm``, ``eqx.nn.make_with_state``) pass their
 ``eqx.nn.State`` as leanstep's model state, with :func:`stateful_loss` and ``has_state=True``.
+Under a compute dtype below float32 :func:`stateful_loss` runs each ``eqx.nn.BatchNorm`` in
+float32 (its input cast up, its output cast back): the batch statistics and their running
+average are computed in float32 and kept in float32, as Flax's BatchNorm does, and the rest of
+the model stays in the compute dtype.
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 
-__all__ = ["combine", "loss", "split", "stateful_loss"]
+__all__ = ["Float32BatchNorm", "combine", "loss", "split", "stateful_loss"]
 
 
 def split(model: eqx.Module) -> tuple[eqx.Module, eqx.Module]:
@@ -54,6 +60,61 @@ def loss(static: eqx.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
 def stateful_loss(static: eqx.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn(model, model_state, batch[, key]) -> (out, new_model_state)`` as leanstep's stateful loss.
 
-    ``model_state`` is the model's ``eqx.nn.State``; use it with ``has_state=True``.
+    ``model_state`` is the model's ``eqx.nn.State``; use it with ``has_state=True``. Every
+    ``eqx.nn.BatchNorm`` of the model runs as a :class:`Float32BatchNorm`: under
+    ``compute=bfloat16`` its statistics are computed, and kept, in float32 (``eqx.nn.BatchNorm``
+    itself cannot mix a bf16 input with float32 running statistics); in float32 nothing changes.
+
+    Example:
+      >>> model, model_state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(2, "batch", mode="ema")
+      >>> params, static = split(model)
+      >>> def fn(model, model_state, batch):
+      ...     y, model_state = jax.vmap(model, (0, None), (0, None), axis_name="batch")(batch, model_state)
+      ...     return jnp.mean(y), model_state
+      >>> params_c = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+      >>> out, new_state = stateful_loss(static, fn)(params_c, model_state, jnp.ones((4, 2), jnp.bfloat16))
+      >>> [leaf.dtype.name for leaf in jax.tree.leaves(new_state)]
+      ['bool', 'float32', 'float32']
     """
-    return lambda params, model_state, batch, *key: fn(eqx.combine(params, static), model_state, batch, *key)
+    return lambda params, model_state, batch, *key: fn(
+        _batch_norms_in_float32(eqx.combine(params, static)), model_state, batch, *key
+    )
+
+
+class Float32BatchNorm(eqx.nn.StatefulLayer):
+    """An ``eqx.nn.BatchNorm`` run in float32 on an input of a lower dtype, its output cast back.
+
+    Its ``eqx.nn.State`` entries are the wrapped layer's own (the same ``StateIndex``), so the
+    state of a model is the same with or without it; a float32 (or wider) input runs the layer
+    unchanged.
+
+    Attributes:
+      layer: the ``eqx.nn.BatchNorm``.
+    """
+
+    layer: eqx.nn.BatchNorm
+
+    def __call__(
+        self, x: jax.Array, state: eqx.nn.State, *, key: Any = None, inference: bool | None = None
+    ) -> tuple[jax.Array, eqx.nn.State]:
+        dtype = jnp.promote_types(x.dtype, jnp.float32)
+        if dtype == x.dtype:
+            return self.layer(x, state, key=key, inference=inference)
+        out, state = self.layer(x.astype(dtype), state, key=key, inference=inference)
+        return out.astype(x.dtype), state
+
+
+def _is_batch_norm(node: Any) -> bool:
+    return isinstance(node, eqx.nn.BatchNorm)
+
+
+def _batch_norms_in_float32(model: Any) -> Any:
+    """``model`` with each ``eqx.nn.BatchNorm`` (not yet wrapped) as a :class:`Float32BatchNorm`."""
+    wrapped = lambda node: isinstance(node, (eqx.nn.BatchNorm, Float32BatchNorm))
+    norms = lambda tree: [node for node in jax.tree.leaves(tree, is_leaf=wrapped) if _is_batch_norm(node)]
+    found = norms(model)
+    if not found:
+        return model
+    if _is_batch_norm(model):
+        return Float32BatchNorm(model)
+    return eqx.tree_at(norms, model, [Float32BatchNorm(norm) for norm in found])
