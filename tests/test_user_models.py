@@ -1,4 +1,4 @@
-"""Two of issue 27's real models re-created: the structure users bring, trained as they would.
+"""Three of issue 27's real models re-created: the structure users bring, trained as they would.
 
 * **flax's imagenet ResNet**: Linen blocks of convolutions with ``nn.BatchNorm(axis_name="batch")``
   (written for ``pmap``). Through ``leanstep.frameworks.linen.apply(..., axis_name="batch")`` it
@@ -11,12 +11,19 @@
   ``dtype=jnp.bfloat16`` every matmul runs in bf16; built with float32 or None (which
   ``astype`` reads as float32), leanstep warns once, with the advice for code that casts so
   (before, the advice said ``dtype=None``, under which such a model still computes in float32).
+* **Equinox's stateful example**: ``eqx.nn.BatchNorm`` (mode "ema") with ``eqx.nn.State`` and no
+  casts in the model, a submodule wrapped by ``leanstep.remat``: trains under bf16 with every
+  technique (before 0.8.1: JAX's dtype TypeError from the layer's ``lax.select``), its running
+  statistics float32 and near its own float32 loop's, every matmul in bf16.
+
+The fourth, the NNX MNIST CNN with BatchNorm and Dropout, is tests/test_frameworks.py's.
 """
 
 from __future__ import annotations
 
 import functools
 
+import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,6 +32,7 @@ import optax
 import pytest
 
 import leanstep
+from leanstep.frameworks import equinox as leqx
 from leanstep.frameworks import linen as llinen
 from test_frameworks import EVERYTHING, TX, assert_trees_close, falls_like, run, token_batches
 
@@ -155,14 +163,18 @@ def test_its_running_statistics_stay_float32_and_move(resnet_runs):
     assert any(np.abs(m).max() > 1e-3 for m in means)
 
 
-def test_every_convolution_and_matmul_of_the_bf16_resnet_runs_in_bf16(resnet_runs):
+def _matmul_kinds(jaxpr) -> set:
     from leanstep.common.jaxprs import MATMUL_PRIMITIVES, weighted_equations
 
-    kinds = {
+    return {
         (eqn.primitive.name, tuple(str(v.aval.dtype) for v in eqn.invars[:2]))
-        for eqn, _ in weighted_equations(resnet_runs["jaxpr"].jaxpr)
+        for eqn, _ in weighted_equations(jaxpr.jaxpr)
         if eqn.primitive.name in MATMUL_PRIMITIVES
     }
+
+
+def test_every_convolution_and_matmul_of_the_bf16_resnet_runs_in_bf16(resnet_runs):
+    kinds = _matmul_kinds(resnet_runs["jaxpr"])
     assert {name for name, _ in kinds} >= {"conv_general_dilated", "dot_general"}
     assert all(dtypes == ("bfloat16", "bfloat16") for _, dtypes in kinds), kinds
 
@@ -227,3 +239,84 @@ def test_an_lm1b_style_model_left_in_float32_warns_once_with_advice_that_fits_it
     assert len(messages) == 1, messages
     assert "none of the loss's" in messages[0] and "100.0% of their FLOPs" in messages[0]
     assert "x.astype(dtype)" in messages[0] and "None means float32" in messages[0]
+
+
+# --- Equinox's stateful example: BatchNorm and eqx.nn.State, no casts in the model -------------------
+
+
+class StatefulNet(eqx.Module):
+    """The structure of Equinox's stateful example (docs/examples/stateful.ipynb): Linear, BatchNorm
+    (default mode "ema"), Linear; the model code has no dtype casts of its own."""
+
+    hidden: eqx.Module
+    norm: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key, remat: str = "none"):
+        k1, k2 = jax.random.split(key)
+        hidden = eqx.nn.Linear(36, 16, key=k1)
+        self.hidden = hidden if remat == "none" else leanstep.remat(hidden, remat)
+        self.norm = eqx.nn.BatchNorm(16, axis_name="batch", momentum=0.9, mode="ema")  # the default, named
+        self.head = eqx.nn.Linear(16, 3, key=k2)
+
+    def __call__(self, x, state):
+        h, state = self.norm(self.hidden(x.reshape(-1)), state)
+        return self.head(jax.nn.relu(h)), state
+
+
+def stateful_net_loss(model, model_state, batch):
+    logits, model_state = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))(
+        batch["x"], model_state
+    )
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["y"]).mean(), model_state
+
+
+def stateful_reference(batches):
+    """Equinox's own loop in float32: filter_value_and_grad, optax on the inexact arrays."""
+    model, model_state = eqx.nn.make_with_state(StatefulNet)(jax.random.key(0))
+    opt_state = RESNET_TX.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def train_step(model, model_state, opt_state, batch):
+        (loss, model_state), grads = eqx.filter_value_and_grad(stateful_net_loss, has_aux=True)(
+            model, model_state, batch
+        )
+        updates, opt_state = RESNET_TX.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), model_state, opt_state, loss
+
+    losses = []
+    for batch in batches:
+        model, model_state, opt_state, loss = train_step(model, model_state, opt_state, batch)
+        losses.append(float(loss))
+    return model_state, losses
+
+
+@pytest.fixture(scope="module")
+def stateful_runs():
+    batches = image_batches(16)
+    ref_state, ref_losses = stateful_reference(batches)
+    model, model_state = eqx.nn.make_with_state(StatefulNet)(jax.random.key(0), remat="dots")
+    params, static = leqx.split(model)
+    step = leanstep.make_train_step(leqx.stateful_loss(static, stateful_net_loss), has_state=True, **EVERYTHING)
+    state = leanstep.TrainState.create(params, RESNET_TX, loss_scale="dynamic", model_state=model_state)
+    state, losses = run(step, state, batches)
+    jaxpr = jax.make_jaxpr(step.__wrapped__)(state, batches[0])
+    return {"state": state, "losses": losses, "ref_losses": ref_losses, "ref_state": ref_state, "jaxpr": jaxpr}
+
+
+def test_the_equinox_stateful_example_learns_under_bf16_with_every_technique(stateful_runs):
+    falls_like(stateful_runs["losses"], stateful_runs["ref_losses"])
+
+
+def test_the_equinox_running_statistics_stay_float32_and_move(stateful_runs):
+    """Float32 between steps; their values against a float32 reference of the same trajectory are
+    tests/test_model_state_dtypes.py's (this run's weights take another path: bf16, clipping)."""
+    _, fresh = eqx.nn.make_with_state(StatefulNet)(jax.random.key(0))
+    ours, initial = jax.tree.leaves(stateful_runs["state"].model_state), jax.tree.leaves(fresh)
+    floats = [(a, b) for a, b in zip(ours, initial, strict=True) if jnp.issubdtype(b.dtype, jnp.floating)]
+    assert floats and all(a.dtype == jnp.float32 for a, _ in floats)
+    assert all(np.abs(np.asarray(a) - np.asarray(b)).max() > 1e-3 for a, b in floats)
+
+
+def test_every_matmul_of_the_equinox_model_runs_in_bf16(stateful_runs):
+    assert _matmul_kinds(stateful_runs["jaxpr"]) == {("dot_general", ("bfloat16", "bfloat16"))}
