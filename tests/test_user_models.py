@@ -198,16 +198,25 @@ def test_a_bad_axis_name_is_named(bad):
 # --- the lm1b TransformerLM's casts ------------------------------------------------------------------
 
 
+class CastingMlp(nn.Module):
+    dtype: jnp.dtype | None
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(32, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x)).astype(self.dtype)
+        return x + nn.Dense(16, dtype=self.dtype)(nn.gelu(h))
+
+
 class CastingLM(nn.Module):
     """lm1b's habit: the model code casts activations with ``astype(config.dtype)``."""
 
     dtype: jnp.dtype | None = jnp.float32
+    remat: str = "none"
 
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(32, 16)(tokens).astype(self.dtype)
-        h = nn.Dense(32, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x)).astype(self.dtype)
-        x = x + nn.Dense(16, dtype=self.dtype)(nn.gelu(h))
+        x = leanstep.remat(CastingMlp, self.remat)(self.dtype, name="mlp")(x)  # named: one tree for every policy
         return nn.Dense(32, dtype=self.dtype)(x.astype(self.dtype))
 
 
@@ -320,3 +329,23 @@ def test_the_equinox_running_statistics_stay_float32_and_move(stateful_runs):
 
 def test_every_matmul_of_the_equinox_model_runs_in_bf16(stateful_runs):
     assert _matmul_kinds(stateful_runs["jaxpr"]) == {("dot_general", ("bfloat16", "bfloat16"))}
+
+
+def test_an_lm1b_style_model_learns_under_bf16_with_every_technique_like_its_loop():
+    batches = token_batches(16)
+    params = CastingLM().init(jax.random.key(0), batches[0]["tokens"][:, :-1])["params"]
+    loss_fn, opt_state, ref_losses = lm1b_loss(CastingLM()), RESNET_TX.init(params), []
+    ref_params = params
+
+    @jax.jit
+    def own_step(params, opt_state, batch):  # lm1b's loop, float32
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = RESNET_TX.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    for batch in batches:
+        ref_params, opt_state, loss = own_step(ref_params, opt_state, batch)
+        ref_losses.append(float(loss))
+    step = leanstep.make_train_step(lm1b_loss(CastingLM(dtype=jnp.bfloat16, remat="dots")), **EVERYTHING)
+    _, losses = run(step, leanstep.TrainState.create(params, RESNET_TX, loss_scale="dynamic"), batches)
+    falls_like(losses, ref_losses)
