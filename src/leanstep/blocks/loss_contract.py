@@ -92,9 +92,12 @@ class LossContract:
     @property
     def expected(self) -> str:
         """What the loss must return, as a structure: ``"((loss_sum, count), aux)"``."""
-        out = "(loss_sum, count)" if self.token_weighted else "loss"
-        out = f"({out}, aux)" if self.has_aux else out
+        out = self._without_state()
         return f"({out}, new_model_state)" if self.has_state else out
+
+    def _without_state(self) -> str:
+        out = "(loss_sum, count)" if self.token_weighted else "loss"
+        return f"({out}, aux)" if self.has_aux else out
 
     def arguments(self, params: Any, model_state: Any, batch: Any, key: Any = None) -> tuple[Any, ...]:
         """The loss's positional arguments: ``(params, [model_state,] batch[, key])``."""
@@ -177,8 +180,7 @@ class LossContract:
 
     def _structure_error(self) -> str:
         flags = " and ".join(f"{name}=True" for name in ("has_aux", "token_weighted") if getattr(self, name))
-        out = "(loss_sum, count)" if self.token_weighted else "loss"
-        return f"{flags}: loss_fn must return {f'({out}, aux)' if self.has_aux else out}"
+        return f"{flags}: loss_fn must return {self._without_state()}"
 
 
 def _pair(out: Any, message: str, whole: Any) -> tuple[Any, Any]:
