@@ -6,8 +6,11 @@ One handler, here, turns every anticipated failure into one line on stderr and a
     1    the work could not be done or saved: OSError (with its path), a checkpoint, budget or
          run failure of leanstep's own, JAX unable to start the backend JAX_PLATFORMS names,
          memory exhausted
-    130  interrupted (Ctrl-C)
+    130  interrupted (SIGINT, Ctrl-C)
     143  terminated (SIGTERM): ``train`` first saves the step it is on, other commands stop at once
+
+Both signals are handled from the moment :func:`main` runs, whatever handlers the process
+inherited (a background job's SIGINT starts ignored); one at start-up ends it at once, in one line.
 
 An exception that none of these covers is a bug in leanstep and keeps its traceback.
 """
@@ -84,11 +87,28 @@ def _quiet_dependencies() -> None:
 
     def hook(unraisable: Any) -> None:
         value = unraisable.exc_value
+        if isinstance(value, KeyboardInterrupt) or type(value).__name__ == "Terminated":
+            _deliver_again(signal.SIGINT if isinstance(value, KeyboardInterrupt) else signal.SIGTERM)
+            return
         if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
             default(unraisable)
 
     hook.leanstep = True  # type: ignore[attr-defined]
     sys.unraisablehook = hook
+
+
+def _deliver_again(signum: int) -> None:
+    """A signal whose exception was raised where Python drops it (a gc callback of JAX's, at
+    start-up) is sent again, from another thread, so that it is raised once this callback is over:
+    the signal stops the command rather than being swallowed."""
+    import _thread
+    import time
+
+    def send() -> None:
+        time.sleep(0.01)  # once the hook has returned: _thread.start_new_thread does not wait for it
+        os.kill(os.getpid(), signum)
+
+    _thread.start_new_thread(send, ())
 
 
 def _compile_cache(args: argparse.Namespace) -> None:
@@ -105,10 +125,46 @@ def _compile_cache(args: argparse.Namespace) -> None:
     enable_compile_cache(warn=lambda line: print(f"leanstep {args.command}: {line}", file=sys.stderr, flush=True))
 
 
+def _stop_signals() -> Any:
+    """SIGINT raises KeyboardInterrupt and SIGTERM Terminated from here on, whatever the process
+    inherited (a shell's background job starts with SIGINT ignored, which would let a ``kill -INT``
+    at start-up pass unseen); returns what puts the handlers back. Off the main thread: nothing."""
+    from leanstep.training.stop_signals import Terminated
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise Terminated(signal.Signals(signum).name)
+
+    try:
+        previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread
+        return lambda: None
+    return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+
+def _out_of_memory(error: BaseException) -> str | None:
+    """XLA's allocation failure (RESOURCE_EXHAUSTED), in one line; None for another error."""
+    text = _one_line(error)
+    if "RESOURCE_EXHAUSTED" not in text and "out of memory" not in text.lower():
+        return None
+    return f"out of memory ({text[:300]}); choose a smaller model, batch or input"
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_dependencies()
-    args = build_parser().parse_args(argv)
-    _compile_cache(args)
+    restore = _stop_signals()
+    try:
+        return _main(argv)
+    finally:
+        restore()
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        print("leanstep: interrupted", file=sys.stderr)
+        return 130
 
     def fail(message: str, code: int) -> int:
         print(f"leanstep {args.command}: error: {_one_line(message)}", file=sys.stderr)
@@ -118,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     from leanstep.training.stop_signals import Terminated
 
     try:
+        _compile_cache(args)
         return args.run(args)
     except InputError as error:
         return fail(str(error), 2)
@@ -133,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(str(error), 1)
     except MemoryError:
         return fail("out of memory (host RAM); choose a smaller model, batch or input", 1)
-    except (RuntimeError, AssertionError):
-        problem = _backend_problem()
+    except (RuntimeError, AssertionError) as error:
+        problem = _out_of_memory(error) or _backend_problem()
         if problem is None:
             raise  # a bug: keep the traceback
         return fail(problem, 1)

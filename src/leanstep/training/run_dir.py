@@ -21,7 +21,7 @@ from leanstep.common.files import read_regular_file
 from leanstep.common.outputs import write_bytes_atomic
 from leanstep.training.config import RunConfig
 
-__all__ = ["check_out", "check_run", "saved_run", "with_saved_plan", "write_json_atomic"]
+__all__ = ["check_out", "check_run", "fresh_start", "holds_run", "saved_run", "with_saved_plan", "write_json_atomic"]
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -33,8 +33,16 @@ def check_out(out: Path) -> None:
     """``--out`` must be a directory, or creatable as one, whose run files are files.
 
     Raises:
-      ValueError: naming ``--out`` and what is in the way.
+      ValueError: naming ``--out`` and what is in the way, or a name that is not UTF-8
+        (orbax, which writes the checkpoints, takes paths as UTF-8 strings: refused here,
+        before anything is written, rather than at the first save).
     """
+    try:
+        os.fsdecode(os.fspath(out)).encode("utf-8")
+    except UnicodeError:
+        raise ValueError(
+            f"--out {os.fsdecode(os.fspath(out))!r} is not a UTF-8 name, which the checkpoints need; choose another --out"
+        ) from None
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {str(out)!r} exists and is not a directory")
     ancestor = out
@@ -47,6 +55,23 @@ def check_out(out: Path) -> None:
     for name in ("config.json", "metrics.jsonl"):
         if (out / name).exists() and not (out / name).is_file():
             raise ValueError(f"--out {str(out)!r} holds {name} that is not a regular file")
+
+
+def holds_run(out: Path) -> bool:
+    """Whether ``out`` holds any of a run's files (a run stopped before it wrote them holds none).
+
+    ``--resume`` on a directory that holds only ``run.lock`` (a run stopped before it wrote
+    them, e.g. preempted while it compiled) starts the run afresh (:func:`leanstep.training.train`).
+    """
+    return any((out / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints"))
+
+
+def fresh_start(out: Path, lock_existed: bool) -> str | None:
+    """The note for ``--resume`` on a directory a run started in (``lock_existed``: its run.lock
+    was there) but stopped before it wrote a file of the run; None where that is not the case."""
+    if not lock_existed or holds_run(out):
+        return None
+    return f"--resume: {str(out)!r} holds no checkpoint yet (its run stopped before the first); starting the run afresh"
 
 
 def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
@@ -125,7 +150,7 @@ def check_run(config: RunConfig, resume: bool, corpus: dict[str, Any]) -> dict[s
     out = Path(config.out)
     config_path = out / "config.json"
     if not resume:
-        if any((out / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints")):
+        if holds_run(out):
             raise ValueError(
                 f"--out {str(out)!r} already holds a run; pass --resume to continue it or choose another --out"
             )

@@ -76,6 +76,7 @@ class RunLock:
         self.out = Path(out)
         self.path = self.out / LOCK_NAME
         self.previous: dict[str, Any] | None = None
+        self.existed = False  # whether run.lock was there before acquire (a run had started here)
         self._fd: int | None = None
 
     def _read(self, fd: int) -> dict[str, Any] | None:
@@ -88,6 +89,7 @@ class RunLock:
         if self._fd is not None:
             return self
         self.out.mkdir(parents=True, exist_ok=True)
+        self.existed = self.path.exists()
         # O_NOFOLLOW: a symlink planted as run.lock is refused (ELOOP), not followed.
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:

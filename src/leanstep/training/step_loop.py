@@ -89,7 +89,10 @@ def in_background(*calls: Callable[[], Any]) -> Callable[[], None]:
             with contextlib.suppress(Exception):
                 call()
 
-    thread = threading.Thread(target=run_all, name="leanstep-warm-up", daemon=True)
+    # Not a daemon: Python waits for it at exit. A daemon thread still inside XLA's compiler when
+    # the interpreter finalizes (a run refused or stopped before its first step) is unwound by
+    # force through C++ and aborts the process ("FATAL: exception not rethrown", exit 134).
+    thread = threading.Thread(target=run_all, name="leanstep-warm-up", daemon=False)
     thread.start()
     return thread.join
 

@@ -24,6 +24,8 @@ What a run does when something goes wrong::
     another process writing the same --out  refused at once (the run directory's lock), naming it
     SIGKILL, power loss                     --resume restores the newest verified checkpoint, drops
                                             the metrics past it and replays them bit for bit
+    --resume, nothing written yet          (only run.lock: stopped at start-up) starts afresh, saying so
+    a state too big for host memory         RunStopped(1) naming the flags, before anything is written
     damaged newest checkpoint               --resume falls back to an older one, with a warning
     no good checkpoint                      RunStopped(1) naming each checkpoint's fault
     a checkpoint or metrics write fails     RunStopped(1); the checkpoints before it are intact
@@ -61,14 +63,10 @@ from leanstep.training.data import BatchSampler, Corpus, heldout_batches, load_c
 from leanstep.training.finish import finish_run
 from leanstep.training.legacy_state import restore_state
 from leanstep.training.loop_state import RunStopped
+from leanstep.training.memory_check import check_state_fits
 from leanstep.training.metrics_log import truncate_metrics
 from leanstep.training.records import Note, Record, RunStart
-from leanstep.training.run_dir import (
-    check_out,
-    check_run,
-    with_saved_plan,
-    write_json_atomic,
-)
+from leanstep.training.run_dir import check_out, check_run, fresh_start, with_saved_plan, write_json_atomic
 from leanstep.training.run_lock import RunLock
 from leanstep.training.run_steps import planned_steps, run_steps
 from leanstep.training.schedule import set_total_steps
@@ -129,12 +127,17 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
     config = run.config  # --precision auto resolved
     out = Path(config.out)
     check_out(out)
+    check_state_fits(run)  # a state too big for the host: refused now, not a hang in XLA's allocator
     # The one writer of --out from here to the end (process 0 of a multi-process run): taken
     # first if the directory exists (a live run is named before anything else is said about it),
     # else once the checks have passed (a run that fails them creates nothing).
     lock = RunLock(out) if jax.process_index() == 0 else None
     early = lock is not None and out.is_dir()
     refused = _take(lock) if lock is not None and early else None
+    note = fresh_start(out, lock.existed) if resume and refused is None and lock is not None and early else None
+    if note is not None and jax.process_count() == 1:  # stopped before it wrote anything: start it
+        resume = False
+        emit(Note(note))
     if refused is not None and jax.process_count() == 1:
         raise refused
     try:

@@ -1,0 +1,232 @@
+"""``leanstep train``'s start-up faults: each ends in one line on stderr and an exit code, never a
+hang or an abort, and leaves a run directory that ``--resume`` handles.
+
+The classes: an ``--out`` orbax cannot write (a name that is not UTF-8), a state too big for the
+host's memory (physical or ``ulimit -v``), a refusal to resume a damaged checkpoint (which must
+not abort at exit), and SIGINT / SIGTERM at each moment of start-up (compiling, calibrating,
+before the first checkpoint). Every run is a subprocess; the suite's compile cache
+(``$LEANSTEP_COMPILE_CACHE``, conftest.py) is inherited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--eval-batches", "1"]
+TINY += ["--eval-every", "100", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "a.py").write_bytes((Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_bytes())
+    return root
+
+
+def _command(corpus: Path, out: Path | bytes, *extra: str) -> list[str | bytes]:
+    return [sys.executable, "-m", "leanstep.cli.main", "train", *TINY, "--data", str(corpus), "--out", out, *extra]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _train(corpus: Path, out: Path | bytes, *extra: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _command(corpus, out, *extra), env=_env(), capture_output=True, timeout=300, check=False, **kwargs
+    )
+
+
+def _lines(stderr: bytes) -> list[str]:
+    return [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, corpus) -> Path:
+    """A finished two-step run with its one checkpoint, step 2 (copied by each test that damages it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    result = _train(corpus, out, "--steps", "2", "--checkpoint-every", "2")
+    assert result.returncode == 0, result.stderr.decode()
+    return out
+
+
+# --- an --out that cannot be checkpointed ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [b"u\xff\xfev", b"\xe9t\xe9", b"a\x80"])
+def test_an_out_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path, corpus, name):
+    out = os.fsencode(tmp_path) + b"/runs/" + name
+    result = _train(corpus, out, "--steps", "2")
+    lines = _lines(result.stderr)
+    assert result.returncode == 2, lines
+    assert len(lines) == 1 and "--out" in lines[0] and "UTF-8" in lines[0], lines
+    assert not (tmp_path / "runs").exists()
+
+
+# --- a state too big for memory -------------------------------------------------------------------
+
+
+def _under_ulimit(command: list[str | bytes]) -> list[str | bytes]:
+    """``command`` under ``ulimit -v 8000000``, as the shell sets it (a ``preexec_fn`` would fork
+    this multi-threaded test process with Python code to run in the child)."""
+    return ["bash", "-c", 'ulimit -v 8000000 && exec "$@"', "bash", *command]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "limited"),
+    [
+        (["--d-model", "60000", "--d-ff", "60000", "--layers", "4"], True),  # under ulimit -v 8000000
+        (["--d-model", "200000", "--d-ff", "200000", "--layers", "8"], False),  # 6.4e11 parameters
+    ],
+    ids=["ulimit", "beyond-physical-memory"],
+)
+def test_a_state_too_big_for_memory_is_one_line_and_exit_1(tmp_path, corpus, sizes, limited):
+    out = tmp_path / "run"
+    command = _command(corpus, out, "--steps", "2", *sizes)
+    command = _under_ulimit(command) if limited else command
+    result = subprocess.run(command, env=_env(), capture_output=True, timeout=300, check=False)
+    lines = _lines(result.stderr)
+    assert result.returncode == 1, lines
+    assert len(lines) == 1 and "--d-model" in lines[0] and "--layers" in lines[0], lines
+    assert not (out / "config.json").exists()
+
+
+# --- a refusal to resume a damaged checkpoint ------------------------------------------------------
+
+
+def _drop_manifest_files(run: Path) -> None:
+    path = run / "checkpoints" / "2" / "leanstep_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest.pop("files")
+    path.write_text(json.dumps(manifest))
+
+
+def _flip_a_state_byte(run: Path) -> None:
+    files = sorted(
+        (p for p in (run / "checkpoints" / "2" / "state").rglob("*") if p.is_file()), key=lambda p: -p.stat().st_size
+    )
+    data = bytearray(files[0].read_bytes())
+    data[len(data) // 2] ^= 0x01
+    files[0].write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_drop_manifest_files, _flip_a_state_byte], ids=["no-files", "flipped-byte"])
+def test_refusing_a_damaged_only_checkpoint_ends_in_one_line_not_an_abort(tmp_path, corpus, finished, damage):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    damage(run)
+    result = _train(corpus, run, "--steps", "4", "--resume")
+    lines = _lines(result.stderr)
+    assert result.returncode == 1, lines  # not 134 (an abort at exit)
+    assert len(lines) == 1 and "no checkpoint of the run can be restored" in lines[0], lines
+
+
+# --- signals at start-up --------------------------------------------------------------------------
+
+
+def _signal_at(corpus: Path, out: Path, sig: int, moment: str, *length: str) -> subprocess.CompletedProcess:
+    """Runs a train, sends ``sig`` at ``moment``: ``lock+S`` S seconds after run.lock appears (the
+    run has begun: compiling, calibrating), or ``S`` seconds after start; returns how it ended."""
+    process = subprocess.Popen(
+        _command(corpus, out, *length), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    if moment.startswith("lock+"):
+        deadline = time.monotonic() + 120
+        while not (out / "run.lock").exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        delay = float(moment[len("lock+") :])
+    else:
+        delay = float(moment)
+    time.sleep(delay)
+    process.send_signal(sig)
+    _, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, b"", stderr)
+
+
+def _check_stopped_then_resumes(
+    result: subprocess.CompletedProcess, sig: int, corpus: Path, out: Path, *length: str
+) -> None:
+    lines = _lines(result.stderr)
+    assert result.returncode in (0, 128 + sig), lines  # stopped by the signal, or (a short run) done first
+    if result.returncode == 0:
+        return  # it finished before the signal came (its summary, on stderr, is many lines)
+    assert len(lines) <= 2 and not any("Traceback" in line or "terminate called" in line for line in lines), lines
+    resumed = _train(corpus, out, *length, "--resume")
+    assert resumed.returncode == 0, _lines(resumed.stderr)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary, "the resumed run finished and summarized"
+
+
+SIGNALS = [signal.SIGINT, signal.SIGTERM]
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_compiling_stops_and_resume_starts_the_run(tmp_path, corpus, sig):
+    out = tmp_path / "run"
+    result = _signal_at(corpus, out, sig, "lock+0", "--steps", "3")
+    assert result.returncode == 128 + sig, _lines(result.stderr)
+    _check_stopped_then_resumes(result, sig, corpus, out, "--steps", "3")
+
+
+@pytest.mark.slow(reason="two runs per moment and signal: the start-up is the point")
+@pytest.mark.parametrize("moment", ["lock+0", "lock+0.2", "lock+0.5", "lock+1", "lock+2"])
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_a_signal_at_each_moment_of_start_up_is_a_clean_stop(tmp_path, corpus, sig, moment):
+    out = tmp_path / "run"
+    result = _signal_at(corpus, out, sig, moment, "--steps", "400")  # still training at lock+2
+    _check_stopped_then_resumes(result, sig, corpus, out, "--steps", "400")
+
+
+@pytest.mark.slow(reason="a time-budgeted run's calibration, signalled")
+@pytest.mark.parametrize("sig", SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_a_budgets_calibration_leaves_a_resumable_run(tmp_path, corpus, sig):
+    out = tmp_path / "run"
+    result = _signal_at(corpus, out, sig, "lock+0.3", "--time-budget", "10s")
+    planned = (out / "config.json").exists()  # the plan's steps are kept; before it, a short run
+    _check_stopped_then_resumes(result, sig, corpus, out, *([] if planned else ["--steps", "20"]))
+
+
+@pytest.mark.xfail(
+    reason="not fixed: a signal while Python imports the leanstep package (before leanstep.cli.main runs) "
+    "meets Python's own handlers: a KeyboardInterrupt traceback, or a silent SIGTERM; needs a lazy "
+    "leanstep/__init__ or a light entry-point module",
+    strict=False,
+)
+def test_sigint_while_importing_is_one_line():
+    process = subprocess.Popen(
+        [sys.executable, "-m", "leanstep.cli.main", "train", "--help"],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and len(_lines(stderr)) == 1, _lines(stderr)
+
+
+def test_resume_of_a_directory_holding_only_its_lock_starts_afresh_in_one_line(tmp_path, corpus):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").touch()  # what a run preempted before its first write leaves
+    result = _train(corpus, out, "--steps", "2", "--resume")
+    assert result.returncode == 0, _lines(result.stderr)
+    notes = [line for line in _lines(result.stderr) if "afresh" in line]
+    assert len(notes) == 1 and "--resume" in notes[0]
+    assert (out / "config.json").is_file()
+
+
+def test_resume_of_an_empty_directory_is_still_refused(tmp_path, corpus):
+    result = _train(corpus, tmp_path, "--steps", "2", "--resume")  # no run ever started there
+    assert result.returncode == 2 and "holds no run" in result.stderr.decode()
