@@ -597,6 +597,7 @@ def test_plan_keeps_its_plan_when_the_json_cannot_be_written_at_the_end(tmp_path
         seconds=0.5,
         compiles=0,
         compile_seconds=0.0,
+        notes=(),
         to_json=lambda: {"chosen": {"remat": "none"}},
     )
     monkeypatch.setattr(analysis, "plan_run", lambda *args, **kwargs: result)

@@ -69,6 +69,7 @@ from leanstep.planning.cluster_compile import ClusterCompiler, place_meshes, ste
 from leanstep.planning.cluster_grid import Family, families_of, mesh_shapes
 from leanstep.planning.cluster_search import Limits, SearchState, final_row, rank, run_search, start, strip
 from leanstep.planning.cost_model import Accelerator, get_accelerator
+from leanstep.planning.plan_inputs import is_params_builder
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords
 from leanstep.step.state import TrainState
@@ -156,6 +157,10 @@ def plan_cluster(
     space = SearchSpace() if space is None else space
     if not isinstance(space, SearchSpace):
         raise TypeError(f"space must be a SearchSpace, got {type(space).__name__}")
+    if is_params_builder(params):
+        raise ValueError(
+            "a params builder (params=policy -> params) plans one device; plan_cluster takes one params tree"
+        )
     if step_kwargs.get("has_state"):
         raise ValueError("plan_cluster plans stateless losses; a model state (has_state=True) is not supported yet")
     precision = step_kwargs.pop("precision", "float32")
@@ -185,6 +190,11 @@ def plan_cluster(
         Candidate(Setting(1, space.remat_policies[0], precision, text, reduce), note=f"rules do not fit: {error}")
         for text, error in errors.items()
     )
+    if not families and space.max_microbatches is not None and not invalid:
+        raise ValueError(
+            f"no microbatch count of the rows per device is within SearchSpace.max_microbatches="
+            f"{space.max_microbatches} on any mesh of {num_devices} devices; raise the bound"
+        )
     if not families:
         raise ValueError(
             f"no candidate for {num_devices} devices: " + "; ".join(f"mesh {c.setting.mesh}: {c.note}" for c in invalid)
@@ -205,7 +215,7 @@ def plan_cluster(
     )
     limits = Limits(budget, search.rtol, search.exhaustive)
     searched = run_search(start(candidates, families, flops), limits, compile_one)
-    chosen, rows = _finish(searched, families, invalid, limits, search.keep_executables, compile_one)
+    chosen, rows = _finish(searched, families, invalid, limits, search, compile_one, space.max_microbatches)
     return Plan(budget, rows, chosen, time.perf_counter() - start_time, num_devices, accelerator)
 
 
@@ -214,15 +224,18 @@ def _finish(
     families: Sequence[Family],
     invalid: tuple[Candidate, ...],
     limits: Limits,
-    keep_executables: bool,
+    search: SearchOptions,
     compile_one: ClusterCompiler,
+    max_microbatches: int | None,
 ) -> tuple[Candidate, tuple[Candidate, ...]]:
     """The chosen candidate and the plan's rows (ranked, then ``invalid``).
 
     Raises:
       BudgetError: nothing fits; where nothing was compiled (every mesh's state alone exceeds
-        the budget), the leanest family is compiled once, for its peak.
+        the budget), the leanest family is compiled once, for its peak. It names
+        ``max_microbatches`` where the space bounded the count.
     """
+    keep_executables = search.keep_executables
     if state.best is None:
         candidates = list(state.candidates)
         if not any(c.compiled for c in candidates):
@@ -230,7 +243,7 @@ def _finish(
             candidates[i] = compile_one(candidates[i]).candidate
         candidates = [strip(c, keep_executables) for c in candidates]
         smallest = min((c for c in candidates if c.compiled), key=lambda c: known(c.peak_bytes))
-        raise BudgetError(limits.budget, smallest, tuple(candidates) + invalid)
+        raise BudgetError(limits.budget, smallest, tuple(candidates) + invalid, max_microbatches)
     chosen = state.candidates[state.best]
     rows = [
         c if i == state.best else strip(final_row(c, chosen, limits.rtol), keep_executables)

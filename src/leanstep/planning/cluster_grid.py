@@ -172,7 +172,11 @@ def families_of(
     candidates: list[Candidate] = []
     families: list[Family] = []
     text, counts = mesh_text(layout.shape), None if space.microbatches is None else set(space.microbatches)
-    ms = [m for m in range(1, layout.rows + 1) if layout.rows % m == 0 and (counts is None or m in counts)]
+    ms = [
+        m
+        for m in range(1, layout.rows + 1)
+        if layout.rows % m == 0 and (counts is None or m in counts) and space.allows(m)
+    ]
     for reduce in space.reductions or ("auto", "step"):
         if reduce == "step" and layout.shape.get("fsdp", 1) == 1:
             continue  # the same step as "auto" without an fsdp axis

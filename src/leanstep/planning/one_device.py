@@ -47,7 +47,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from leanstep.blocks.loss_scale import LossScale
@@ -63,9 +62,16 @@ from leanstep.planning.candidates import (
     compiler_options_for,
     first_fit,
 )
+from leanstep.planning.plan_inputs import (
+    abstract_state,
+    batch_size_of,
+    batch_statistics_notes,
+    is_params_builder,
+    params_for,
+    structure_error,
+)
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords
-from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 
 __all__ = [
@@ -88,8 +94,13 @@ def settings_grid(
     remat_policies: Iterable[str] = REMAT_POLICIES,
     precisions: Iterable[str] = ("float32",),
     microbatches: Iterable[int] | None = None,
+    max_microbatches: int | None = None,
 ) -> tuple[Setting, ...]:
-    """Every combination of microbatch count (default: the divisors of ``batch_size``), policy and precision.
+    """Every combination of microbatch count (default: the divisors of ``batch_size``; at most
+    ``max_microbatches``), policy and precision.
+
+    Raises:
+      ValueError: a bad ``batch_size``; no count within ``max_microbatches``.
 
     Example:
       >>> [s[:3] for s in settings_grid(4, remat_policies=("none", "dots"))][:3]
@@ -100,7 +111,13 @@ def settings_grid(
     counts = (
         [m for m in range(1, batch_size + 1) if batch_size % m == 0] if microbatches is None else list(microbatches)
     )
-    return tuple(Setting(int(m), r, p) for m in counts for r in remat_policies for p in precisions)
+    bounded = [m for m in counts if max_microbatches is None or m <= max_microbatches]
+    if counts and not bounded:
+        raise ValueError(
+            f"no microbatch count of the batch of {batch_size} ({counts}) is within "
+            f"SearchSpace.max_microbatches={max_microbatches}; raise the bound"
+        )
+    return tuple(Setting(int(m), r, p) for m in bounded for r in remat_policies for p in precisions)
 
 
 def _check_setting(setting: Any, batch_size: int) -> Setting:
@@ -146,7 +163,10 @@ def plan(
 
     Args:
       make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn(params, batch)``.
-      params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` (only shapes are used).
+      params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` (only shapes are used); or a
+        params builder, a callable ``policy -> params``, for remat policies that change the params'
+        structure (:mod:`leanstep.planning.plan_inputs`). Given one tree, a policy whose loss
+        fails on its structure is refused with a ``ValueError`` naming it.
       batch: one full batch, arrays or ``ShapeDtypeStruct``; leaves share the leading batch axis.
       optimizer: the ``optax.GradientTransformation`` of the run.
       budget_bytes: bytes, or a size string such as ``"512MiB"`` (see :func:`leanstep.common.memory_sizes.parse_bytes`).
@@ -160,7 +180,9 @@ def plan(
         which leaves every memory number unchanged).
       loss_scale: as in the run (it changes the state a little).
       model_state: the model's state for a stateful loss (arrays or ``ShapeDtypeStruct``;
-        pass ``has_state=True`` too), or None.
+        pass ``has_state=True`` too), or None. Each microbatch computes its own batch statistics
+        (BatchNorm), so the plan says so in :attr:`Plan.notes`; bound the count with
+        ``SearchSpace(max_microbatches=...)``.
       num_devices: plan a cluster of this many devices.
       accelerator: the accelerator the cluster's plan is priced on.
       **step_kwargs: the run's :func:`make_train_step` arguments: ``precision`` (of the default
@@ -172,8 +194,11 @@ def plan(
       A :class:`Plan`.
 
     Raises:
-      BudgetError: no candidate fits (the message names the smallest peak and its setting).
-      ValueError, TypeError: a bad budget, candidate or option.
+      BudgetError: no candidate fits (the message names the smallest peak and its setting, and
+        ``SearchSpace.max_microbatches`` where it was bounded).
+      ValueError, TypeError: a bad budget, candidate or option; no microbatch count within
+        ``SearchSpace.max_microbatches``; a remat policy that changes the params' structure
+        given one params tree.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -216,31 +241,21 @@ def plan(
     if not callable(make_loss_fn):
         raise TypeError(f"make_loss_fn must be callable, got {type(make_loss_fn).__name__}")
     precision = step_kwargs.pop("precision", "float32")
-    settings = _settings(candidates, _batch_size(batch), precision if isinstance(precision, str) else str(precision))
+    batch_size = batch_size_of(batch)
+    settings = _settings(candidates, batch_size, precision if isinstance(precision, str) else str(precision))
     scale = get_loss_scale(loss_scale)
-    state = jax.eval_shape(
-        lambda p, m: TrainState.create(p, optimizer, loss_scale=scale, model_state=m),
-        abstract_tree(params),
-        abstract_tree(model_state),
-    )
-    steps = _Steps(make_loss_fn, state, abstract_tree(batch), step_kwargs)
+    state_for = lambda policy: abstract_state(params_for(params, policy), optimizer, scale, model_state)
+    steps = _Steps(make_loss_fn, state_for, abstract_tree(batch), step_kwargs, not is_params_builder(params))
     options = compiler_options_for(search.compiler_options, jax.default_backend())
     compile_at = lambda i, c: compile_candidate(steps.trace(c), steps.traced[c.setting], budget, options)
     final = search_candidates(_traced_families(settings, steps), compile_at, search.rtol, search.exhaustive, budget)
     chosen = choose(final, search.rtol)
+    bound = candidates.max_microbatches if isinstance(candidates, SearchSpace) else None
     if chosen is None:
-        raise BudgetError(budget, min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes)), final)
-    return Plan(budget, final, chosen, time.perf_counter() - start)
-
-
-def _batch_size(batch: Any) -> int:
-    batch_sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
-    batch_size = next(iter(batch_sizes)) if len(batch_sizes) == 1 else None
-    if batch_size is None:
-        raise ValueError(
-            f"batch leaves must share one leading batch axis, got leading sizes {sorted(map(str, batch_sizes))}"
-        )
-    return int(batch_size)
+        smallest = min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes))
+        raise BudgetError(budget, smallest, final, bound)
+    notes = batch_statistics_notes(model_state, chosen.setting.num_microbatches, batch_size)
+    return Plan(budget, final, chosen, time.perf_counter() - start, notes=notes)
 
 
 def _settings(candidates: Any, batch_size: int, precision: str) -> list[Setting]:
@@ -250,7 +265,11 @@ def _settings(candidates: Any, batch_size: int, precision: str) -> list[Setting]
         if space.cluster_only:
             raise ValueError(f"{' and '.join(space.cluster_only)} plan a cluster; give num_devices= too")
         candidates = settings_grid(
-            batch_size, remat_policies=space.remat_policies, precisions=(precision,), microbatches=space.microbatches
+            batch_size,
+            remat_policies=space.remat_policies,
+            precisions=(precision,),
+            microbatches=space.microbatches,
+            max_microbatches=space.max_microbatches,
         )
     settings = [_check_setting(s, batch_size) for s in candidates]
     if not settings:
@@ -259,11 +278,23 @@ def _settings(candidates: Any, batch_size: int, precision: str) -> list[Setting]
 
 
 class _Steps:
-    """Traces a setting's step once (its losses made once per policy); keeps the traced steps for compiling."""
+    """Traces a setting's step once (its loss and state made once per policy); keeps the traced steps.
 
-    def __init__(self, make_loss_fn: Callable[[str], Any], state: Any, batch: Any, step_kwargs: dict[str, Any]):
-        self.make_loss_fn, self.state, self.batch, self.step_kwargs = make_loss_fn, state, batch, step_kwargs
+    ``one_tree``: the policies share one params tree; a loss failing on its structure is refused.
+    """
+
+    def __init__(
+        self,
+        make_loss_fn: Callable[[str], Any],
+        state_for: Callable[[str], Any],
+        batch: Any,
+        step_kwargs: dict[str, Any],
+        one_tree: bool = True,
+    ):
+        self.make_loss_fn, self.state_for, self.batch, self.step_kwargs = make_loss_fn, state_for, batch, step_kwargs
+        self.one_tree = one_tree
         self.loss_fns: dict[str, Callable[..., Any]] = {}
+        self.states: dict[str, Any] = {}
         self.traced: dict[Setting, Any] = {}
 
     def trace(self, candidate: Candidate) -> Candidate:
@@ -273,10 +304,17 @@ class _Steps:
             return candidate
         if s.remat not in self.loss_fns:
             self.loss_fns[s.remat] = self.make_loss_fn(s.remat)
+            self.states[s.remat] = self.state_for(s.remat)
         step = make_train_step(
             self.loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches, **self.step_kwargs
         )
-        self.traced[s] = step.trace(self.state, self.batch)
+        try:
+            self.traced[s] = step.trace(self.states[s.remat], self.batch)
+        except Exception as error:  # jax's, Equinox's or Flax's error on the params' structure
+            refused = structure_error(error, s.remat) if self.one_tree else None
+            if refused is None:
+                raise
+            raise refused from error
         flops = count_flops(self.traced[s].jaxpr)
         return dataclasses.replace(candidate, flops=flops, trace_seconds=time.perf_counter() - t0)
 

@@ -135,6 +135,9 @@ class Plan:
       candidates: all candidates; uncompiled ones have no memory numbers.
       chosen: the candidate to run.
       seconds: wall time of planning.
+      num_devices, accelerator: a cluster plan's devices and the accelerator it is priced on.
+      notes: what the caller should know about the choice, e.g. that microbatching changes a
+        model state's batch statistics (:func:`leanstep.plan` with ``model_state=``).
     """
 
     budget_bytes: int
@@ -143,6 +146,7 @@ class Plan:
     seconds: float
     num_devices: int = 1
     accelerator: Any = None
+    notes: tuple[str, ...] = ()
 
     @property
     def compile_seconds(self) -> float:
@@ -163,6 +167,7 @@ class Plan:
             "compile_seconds": self.compile_seconds,
             "num_devices": self.num_devices,
             "accelerator": accelerator,
+            "notes": list(self.notes),
             "chosen": self.chosen.to_json(),
             "candidates": [c.to_json() for c in self.candidates],
         }
@@ -187,6 +192,7 @@ class Plan:
             value["seconds"],
             value.get("num_devices", 1),
             None if accelerator is None else Accelerator(**accelerator),
+            tuple(value.get("notes", ())),
         )
 
     def __str__(self) -> str:
@@ -246,20 +252,30 @@ class Plan:
             f"{self.chosen.setting.describe()}; planned in {self.seconds:.1f} s, "
             f"{self.compiles} compile{'s' * (self.compiles != 1)}"
         )
+        lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
 
 class BudgetError(ValueError):
     """No candidate fits the budget; ``smallest`` is the candidate with the smallest peak."""
 
-    def __init__(self, budget_bytes: int, smallest: Candidate, candidates: tuple[Candidate, ...]) -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        smallest: Candidate,
+        candidates: tuple[Candidate, ...],
+        max_microbatches: int | None = None,
+    ) -> None:
         s = smallest.setting
         where = f", mesh={s.mesh!r}, reduce={s.reduce!r}" if s.mesh else ""
         per = " per device" if s.mesh else ""
+        bound = "" if max_microbatches is None else f" with at most SearchSpace.max_microbatches={max_microbatches}"
         super().__init__(
-            f"no setting fits the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} bytes){per}: the smallest "
+            f"no setting{bound} fits the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} bytes){per}: the smallest "
             f"peak found is {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes:,} bytes), with "
             f"num_microbatches={s.num_microbatches}, remat={s.remat!r}, precision={s.precision!r}{where}; "
-            f"raise the budget{', add devices' if s.mesh else ''} or lower the batch size"
+            f"raise the budget{', add devices' if s.mesh else ''}{', raise the bound' if bound else ''} "
+            "or lower the batch size"
         )
         self.budget_bytes, self.smallest, self.candidates = budget_bytes, smallest, candidates
+        self.max_microbatches = max_microbatches

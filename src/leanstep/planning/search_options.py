@@ -37,21 +37,29 @@ class SearchSpace:
         devices, the tensor axis at most one node (:func:`leanstep.planning.cluster_grid.mesh_shapes`).
       reductions: a cluster's gradient reductions (:class:`leanstep.ShardingLayer`); None:
         ``("auto", "step")``.
+      max_microbatches: the most microbatches to try (counts above it are left out); None: no
+        bound. Bound it for a model with batch statistics (BatchNorm): each microbatch
+        normalises over its own rows, so more microbatches change what the model computes.
 
     Raises:
-      ValueError: an unknown policy or reduction, a microbatch count that is not a positive int.
+      ValueError: an unknown policy or reduction, a microbatch count or ``max_microbatches``
+        that is not a positive int.
 
     Example:
       >>> SearchSpace(remat_policies=["none", "full"], microbatches=[1, 2])
-      SearchSpace(remat_policies=('none', 'full'), microbatches=(1, 2), meshes=None, reductions=None)
+      SearchSpace(remat_policies=('none', 'full'), microbatches=(1, 2), meshes=None, reductions=None, max_microbatches=None)
     """
 
     remat_policies: tuple[str, ...] = REMAT_POLICIES
     microbatches: tuple[int, ...] | None = None
     meshes: tuple[dict[str, int], ...] | None = None
     reductions: tuple[str, ...] | None = None
+    max_microbatches: int | None = None
 
     def __post_init__(self) -> None:
+        bound = self.max_microbatches
+        if bound is not None and (not is_int(bound) or bound < 1):
+            raise ValueError(f"SearchSpace.max_microbatches must be a positive int or None, got {bound!r}")
         policies = tuple(self.remat_policies)
         for policy in policies:
             get_remat_policy(policy)
@@ -68,6 +76,11 @@ class SearchSpace:
         object.__setattr__(self, "microbatches", counts)
         object.__setattr__(self, "reductions", reductions)
         object.__setattr__(self, "meshes", meshes)
+        object.__setattr__(self, "max_microbatches", None if bound is None else int(bound))
+
+    def allows(self, num_microbatches: int) -> bool:
+        """Whether ``num_microbatches`` is within :attr:`max_microbatches`."""
+        return self.max_microbatches is None or num_microbatches <= self.max_microbatches
 
     @property
     def cluster_only(self) -> list[str]:

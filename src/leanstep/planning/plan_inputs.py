@@ -1,0 +1,129 @@
+"""What :func:`leanstep.plan` is given beside the loss: params per policy, and what a model state implies.
+
+.. code-block:: text
+
+    params             a tree (the same for every remat policy), or a params builder:
+                       policy -> params, for a remat policy that changes the params' structure
+                       (an Equinox submodule wrapped by leanstep.remat via eqx.tree_at; a Linen
+                       model whose unnamed blocks are renamed, ResNetBlock_0 -> CheckpointResNetBlock_0)
+    model_state        each microbatch computes its own batch statistics (BatchNorm): the plan
+                       says so in Plan.notes; bound the count with SearchSpace(max_microbatches=...)
+
+A params builder is a plain callable (a function, not a pytree of arrays: an Equinox module
+is callable too, and is taken as a tree).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from leanstep.planning.candidates import abstract_tree
+from leanstep.step.state import TrainState
+
+__all__ = [
+    "abstract_state",
+    "batch_size_of",
+    "batch_statistics_notes",
+    "is_params_builder",
+    "params_for",
+    "structure_error",
+]
+
+#: Words of the errors a loss raises when its params have another structure than it expects
+#: (jax's pytree errors, Equinox's combine, Flax's missing parameter).
+_STRUCTURE_WORDS = (
+    "structure",
+    "treedef",
+    "mismatch",
+    "arity",
+    "could not find parameter",
+    "scopeparamnotfound",
+    "scopecollectionnotfound",
+    "custom node type",
+)
+
+
+def abstract_state(params: Any, optimizer: Any, loss_scale: Any, model_state: Any) -> Any:
+    """The abstract :class:`leanstep.TrainState` of ``params`` (a tree) and ``model_state``."""
+    return jax.eval_shape(
+        lambda p, m: TrainState.create(p, optimizer, loss_scale=loss_scale, model_state=m),
+        abstract_tree(params),
+        abstract_tree(model_state),
+    )
+
+
+def batch_size_of(batch: Any) -> int:
+    """The batch's leading size, shared by all its leaves.
+
+    Raises:
+      ValueError: leaves with different leading sizes, or a scalar leaf.
+    """
+    batch_sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(batch)}
+    batch_size = next(iter(batch_sizes)) if len(batch_sizes) == 1 else None
+    if batch_size is None:
+        raise ValueError(
+            f"batch leaves must share one leading batch axis, got leading sizes {sorted(map(str, batch_sizes))}"
+        )
+    return int(batch_size)
+
+
+def is_params_builder(params: Any) -> bool:
+    """Whether ``params`` is a params builder: a callable that is a pytree leaf (not an Equinox module).
+
+    Example:
+      >>> is_params_builder(lambda policy: {"w": 1.0}), is_params_builder({"w": 1.0})
+      (True, False)
+    """
+    if not callable(params) or hasattr(params, "dtype"):
+        return False
+    leaves = jax.tree.leaves(params)
+    return len(leaves) == 1 and leaves[0] is params
+
+
+def params_for(params: Any, policy: str) -> Any:
+    """The params to plan ``policy`` with: ``params(policy)`` for a builder, else ``params``."""
+    return params(policy) if is_params_builder(params) else params
+
+
+def structure_error(error: BaseException, policy: str) -> ValueError | None:
+    """A leanstep error for a loss that failed on the params' structure under ``policy``; None for other errors."""
+    text = f"{type(error).__name__} {error}".lower()
+    if not any(word in text for word in _STRUCTURE_WORDS):
+        return None
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return ValueError(
+        f"the loss under remat policy {policy!r} does not take the params given "
+        f"({type(error).__name__}: {first[:300]}): this policy changes the params' structure, so "
+        "pass params as a params builder, params=lambda policy: <the params of the model built "
+        "under that policy> (a callable policy -> params), instead of one tree for every policy"
+    )
+
+
+def batch_statistics_notes(model_state: Any, num_microbatches: int, batch_size: int) -> tuple[str, ...]:
+    """The plan's notes on a model state: microbatching changes batch statistics.
+
+    Example:
+      >>> batch_statistics_notes(None, 4, 32)
+      ()
+      >>> print(batch_statistics_notes({"mean": 0.0}, 4, 32)[0][:72])
+      microbatching changes batch statistics: the chosen 4 microbatches each c
+    """
+    if model_state is None:
+        return ()
+    bound = "bound it with SearchSpace(max_microbatches=...)"
+    if num_microbatches > 1:
+        rows = batch_size // num_microbatches
+        note = (
+            f"microbatching changes batch statistics: the chosen {num_microbatches} microbatches each "
+            f"compute the model state's batch statistics (BatchNorm) over {rows} rows, not over the "
+            f"batch of {batch_size}; {bound} (max_microbatches=1 keeps whole-batch statistics)"
+        )
+    else:
+        note = (
+            "microbatching changes batch statistics: with a model state (BatchNorm), a candidate of m "
+            f"microbatches computes them over batch/m rows; the chosen setting has one microbatch; {bound}"
+        )
+    return (note,)
