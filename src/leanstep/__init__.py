@@ -85,7 +85,7 @@ from leanstep.step import (
 
 _moved.install()
 
-__version__ = "0.8.0"
+__version__ = "0.8.1"
 
 __all__ = [
     "ACCELERATORS",

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from leanstep.blocks.loss_contract import LossContract, LossOutput
+from leanstep.blocks.loss_contract import LossContract, LossOutput, check_aux
 from leanstep.blocks.microbatches import Splitter, check_num_microbatches, get_splitter
 from leanstep.common.checks import check_bool, is_int
 
@@ -144,6 +144,7 @@ def accumulate(
         def body(carry: tuple, inputs: Any) -> tuple[tuple, Any]:
             loss_total, count_total, grads_total, state = carry
             (loss, out), grads = grad_fn(params, state, *(inputs if with_index else (inputs,)))
+            check_aux(out.aux)  # stacked below: a string in it is named here, not by indexing it
             if token_weighted:
                 count_total = count_total + out.token_count
             grads_total = jax.tree.map(lambda a, g: a + g.astype(dtype), grads_total, grads)

@@ -206,3 +206,15 @@ def _keep_state_types(new: Any, old: Any) -> Any:
             f"(leanstep keeps them between steps and microbatches); {difference}"
         )
     return jax.tree.map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)), new, old)
+
+
+def check_aux(aux: Any) -> None:
+    """has_aux's aux must be a pytree of arrays and numbers: the step stacks it over microbatches."""
+    for leaf in jax.tree.leaves(aux):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")) and not isinstance(
+            leaf, (bool, int, float, complex)
+        ):
+            raise TypeError(
+                f"has_aux=True: loss_fn's aux must be a pytree of arrays and numbers (it is stacked over "
+                f"microbatches), got a {type(leaf).__name__} leaf: {leaf!r:.40}"
+            )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 
@@ -14,6 +15,14 @@ def grad_norm(text: str) -> float | None:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number or 'none', got {text!r}") from None
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers, as ``plan --microbatch-counts`` takes them."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4, got {text!r}") from None
 
 
 def remat_help() -> str:
@@ -60,3 +69,150 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
     )
     model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except an on/off flag's: ``--no-progress`` is not "default: True"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return action.help
+        return super()._get_help_string(action)
+
+
+#: The most devices one process may simulate (``jax_num_cpu_devices``): XLA:CPU takes seconds to
+#: start 4096 and does not start 65536 in minutes; a real host has at most a few dozen accelerators.
+MAX_DEVICES_PER_PROCESS = 1024
+
+
+def _refuse(message: str) -> None:
+    from leanstep.cli.jsontree import InputError
+
+    raise InputError(message)
+
+
+def check_mesh_size(mesh: str | None, devices: int | None, num_processes: int | None, *, exact: bool = True) -> None:
+    """Refuses a ``--mesh`` whose size is not (``exact``; else more than) the devices the run has
+    (or could simulate), naming it."""
+    from leanstep.sharding.distributed import parse_mesh
+
+    if mesh is None or mesh == "auto":
+        return
+    try:
+        size = math.prod(parse_mesh(mesh).values())
+    except ValueError as error:
+        _refuse(str(error))
+    processes = num_processes if isinstance(num_processes, int) and num_processes >= 1 else 1
+    if devices is not None:
+        if devices >= 1 and (devices * processes != size if exact else devices * processes < size):
+            per = f" times --num-processes {processes}" if processes > 1 else ""
+            _refuse(
+                f"--mesh {mesh} needs {size} devices; --devices {devices}{per} gives {devices * processes} "
+                "(give a mesh whose sizes multiply to the device count, or leave --devices out)"
+            )
+        return
+    if size > MAX_DEVICES_PER_PROCESS * processes:
+        _refuse(
+            f"--mesh {mesh} needs {size} devices, more than {MAX_DEVICES_PER_PROCESS} per process "
+            f"(over {processes} process(es)) that can be simulated or held; give a smaller --mesh, "
+            "e.g. data=2,fsdp=2,tensor=2"
+        )
+
+
+def check_train_flags(args: argparse.Namespace) -> None:
+    """Refuses a ``leanstep train`` flag that would be ignored, naming it and the flag it needs.
+
+    Run before anything else (JAX's devices are configured next); every refusal is an InputError.
+    """
+    from leanstep.training import RunConfig
+
+    d = RunConfig()
+    sharded = args.mesh is not None or args.devices is not None or args.coordinator is not None
+    if args.resume and args.time_budget is not None:
+        _refuse(
+            "--resume and --time-budget: a resumed run keeps the steps its --time-budget chose; drop "
+            "--time-budget (or give --steps N to change the length)"
+        )
+    if args.reduce != d.reduce and not sharded:
+        _refuse(f"--reduce {args.reduce} reduces gradients over a mesh; add --mesh AXES or --devices N, or drop it")
+    if args.accelerator != "h100" and args.mesh != "auto":
+        _refuse(f"--accelerator {args.accelerator} prices only the plan of --mesh auto; add --mesh auto or drop it")
+    if args.loss_scale == "none" and args.initial_loss_scale != d.initial_loss_scale:
+        _refuse("--initial-loss-scale with --loss-scale none: there is no scale; drop it or choose --loss-scale")
+    if args.schedule in ("constant", "cosine") and args.warmup_steps != d.warmup_steps:
+        _refuse(
+            f"--warmup-steps with --schedule {args.schedule}: that schedule has no warmup; choose "
+            "--schedule warmup-cosine or warmup-stable-decay, or drop --warmup-steps"
+        )
+    if args.fsdp and not sharded:
+        _refuse("--fsdp shards the state over devices; add --devices N")
+    if isinstance(args.devices, int) and args.devices > MAX_DEVICES_PER_PROCESS:
+        _refuse(
+            f"--devices must be an integer in [1, {MAX_DEVICES_PER_PROCESS}] (devices per process), got {args.devices}"
+        )
+    check_mesh_size(args.mesh, args.devices, args.num_processes)
+
+
+def name_mesh(message: str, mesh: str | None) -> str:
+    """A partition rule's refusal, with the ``--mesh`` that made it (the flag that fixes it)."""
+    if mesh and "partition rule" in message and not message.startswith("--mesh"):
+        return f"--mesh {mesh}: {message}; choose axis sizes that divide the model's dimensions"
+    return message
+
+
+#: ``leanstep plan``'s flags that price or search a cluster plan, with their defaults: given without
+#: ``--devices`` (or ``--mesh``) they would be ignored.
+_CLUSTER_ONLY = {
+    "accelerator": "h100",
+    "reductions": "auto,step",
+    "peak_flops": None,
+    "bandwidth": None,
+    "inter_bandwidth": None,
+    "node_size": None,
+    "efficiency": None,
+}
+
+
+def check_plan_flags(args: argparse.Namespace) -> None:
+    """Refuses a ``leanstep plan`` flag that would be ignored or is out of range, naming it."""
+    if args.devices is None and args.mesh is None:
+        for name, default in _CLUSTER_ONLY.items():
+            if getattr(args, name) != default:
+                flag = "--" + name.replace("_", "-")
+                _refuse(f"{flag} prices or searches a cluster plan only; add --devices N (or --mesh AXES), or drop it")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        _refuse(f"--efficiency must be a fraction of peak FLOP/s in (0, 1], got {args.efficiency}")
+    if args.microbatch_counts is not None and not args.microbatch_counts:
+        _refuse("--microbatch-counts is empty; give comma-separated counts such as 1,2,4, or leave it out")
+    if not [name for name in str(args.remat_policies).split(",") if name.strip()]:
+        _refuse(f"--remat-policies is empty; give comma-separated policies of {remat_help()}, or leave it out")
+    if not [name for name in str(args.reductions).split(",") if name.strip()]:
+        _refuse("--reductions is empty; give comma-separated reductions of auto, step, microbatch, or leave it out")
+    check_mesh_size(args.mesh, args.devices, None, exact=False)
+
+
+#: The cost model's overrides: :class:`leanstep.planning.cost_model.Accelerator` field -> the flag that sets it.
+_OVERRIDES = {
+    "flops": "--peak-flops",
+    "bandwidth": "--bandwidth",
+    "inter_bandwidth": "--inter-bandwidth",
+    "node_size": "--node-size",
+    "efficiency": "--efficiency",
+}
+
+
+def accelerator_of(args: argparse.Namespace) -> Any:
+    """``plan --accelerator`` with the cost-model flags' overrides (InputError naming the flag)."""
+    from leanstep.cli.jsontree import InputError
+    from leanstep.planning.cost_model import get_accelerator
+
+    if args.node_size is not None and not 1 <= args.node_size <= 2**31 - 1:
+        raise InputError(f"--node-size must be an integer in [1, 2147483647], got {args.node_size}")
+    overrides = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in _OVERRIDES.items()}
+    try:
+        return get_accelerator(args.accelerator, **overrides)
+    except ValueError as error:  # named by the flag that set the field
+        message = str(error)
+        for field, flag in _OVERRIDES.items():
+            message = message.replace(f"Accelerator.{field} ", f"{flag} (Accelerator.{field}) ", 1)
+        raise InputError(message) from None

@@ -24,6 +24,20 @@ class InputError(ValueError):
     """Bad CLI input; its message is printed as one line and the CLI exits with 2."""
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object names a key twice (json.loads would keep the last silently)."""
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``'s ``object_pairs_hook``: the object as a dict, refusing a key given twice."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"the JSON key {key!r} appears twice in one object; give each key once")
+        out[key] = value
+    return out
+
+
 #: The smallest positive normal float32. XLA flushes smaller (subnormal) values to 0.
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 #: How messages write them: the shortest decimals that round-trip in float32.

@@ -9,15 +9,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from leanstep.cli.flags import add_compile_cache_flag, add_run_flags, remat_help
+from leanstep.cli.flags import (
+    HelpFormatter,
+    accelerator_of,
+    add_compile_cache_flag,
+    add_run_flags,
+    check_plan_flags,
+    int_list,
+    remat_help,
+)
 from leanstep.cli.jsontree import InputError
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as 1,2,4, got {text!r}") from None
 
 
 def add_parsers(subparsers: Any) -> None:
@@ -34,7 +35,7 @@ def add_parsers(subparsers: Any) -> None:
         "FLOPs (within 2%), then fewest microbatches. With --devices N it plans a cluster of N devices "
         "(compiled for N simulated CPU devices): also the mesh (data x fsdp x tensor) and the gradient "
         "reduction, per device, choosing the setting a cost model of --accelerator predicts fastest.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument(
         "--budget",
@@ -74,7 +75,8 @@ def _plan_flags() -> list[tuple[str, str, dict[str, Any]]]:
         (c, "--node-size", dict(type=int, help=f"{preset} devices per node")),
         (c, "--efficiency", dict(type=float, help="override the fraction of peak FLOP/s reached (preset 0.5)")),
         (s, "--remat-policies", dict(default=",".join(REMAT_POLICIES), help="comma-separated policies to consider")),
-        (s, "--microbatch-counts", dict(type=_int_list, help=counts)),
+        (s, "--microbatch-counts", dict(type=int_list, help=counts)),
+        (s, "--max-microbatches", dict(type=int, help="consider at most this many microbatches")),
         (s, "--all", dict(dest="exhaustive", action="store_true", help=every)),
     ]
 
@@ -87,7 +89,7 @@ def _add_audit_parser(subparsers: Any, d: Any) -> None:
         "their lengths, remat regions and policies, the residuals one microbatch saves for the backward pass, "
         "matmuls outside any scan, the dtypes every matmul runs in, and host syncs; then checks the "
         "gradient-accumulation and remat rules.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_run_flags(a, d)
     a.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
@@ -160,6 +162,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from leanstep.planning.one_device import BudgetError
     from leanstep.training.auto_precision import resolve_precision
 
+    check_plan_flags(args)  # a flag that would be ignored, an empty list, a mesh the devices cannot hold
     try:
         json_path = None if args.json_path is None else check_output_path(args.json_path, what="--json")
     except ValueError as error:
@@ -194,6 +197,8 @@ def run_plan(args: argparse.Namespace) -> int:
             f"{result.compiles} compiles taking {result.compile_seconds:.1f} s)"
         )
     )
+    for note in result.notes:
+        console.print(Text(f"note: {note}"))
     return 0 if _write_json(json_path, result.to_json()) else 1
 
 
@@ -204,8 +209,8 @@ def _configure_devices(devices: int) -> None:
         configure_devices(devices)
     except ValueError as error:
         raise InputError(str(error).replace("num_devices", "--devices")) from None
-    except RuntimeError:
-        pass  # JAX already runs (an embedding process): plan_run plans in a subprocess
+    except RuntimeError:  # JAX already runs (an embedding process): plan_run plans in a subprocess
+        pass
 
 
 def _budget(args: argparse.Namespace, cluster: bool) -> int | None:
@@ -232,6 +237,7 @@ def _one_device_plan(args: argparse.Namespace, config: Any, budget: int | None) 
         remat_policies=_split(args.remat_policies),
         precisions=(config.precision,),
         microbatches=args.microbatch_counts,
+        max_microbatches=getattr(args, "max_microbatches", None),
     )
     return plan_run(config, budget, candidates=candidates, exhaustive=args.exhaustive)
 
@@ -241,7 +247,7 @@ def _cluster_plan(args: argparse.Namespace, config: Any, budget: int | None) -> 
 
     from leanstep.training.analysis import plan_run
 
-    accelerator = _accelerator(args)
+    accelerator = accelerator_of(args)
     log = Console(stderr=True)
     return plan_run(
         config,
@@ -250,35 +256,11 @@ def _cluster_plan(args: argparse.Namespace, config: Any, budget: int | None) -> 
         accelerator=accelerator,
         remat_policies=_split(args.remat_policies),
         microbatches=args.microbatch_counts,
+        max_microbatches=getattr(args, "max_microbatches", None),
         progress=lambda line: log.print(line, highlight=False, markup=False),
         reductions=_split(args.reductions),
         exhaustive=args.exhaustive,
     )
-
-
-#: The cost model's overrides: :class:`leanstep.planning.cost_model.Accelerator` field -> the flag that sets it.
-_OVERRIDES = {
-    "flops": "--peak-flops",
-    "bandwidth": "--bandwidth",
-    "inter_bandwidth": "--inter-bandwidth",
-    "node_size": "--node-size",
-    "efficiency": "--efficiency",
-}
-
-
-def _accelerator(args: argparse.Namespace) -> Any:
-    from leanstep.planning.cost_model import get_accelerator
-
-    if args.node_size is not None and not 1 <= args.node_size <= 2**31 - 1:
-        raise InputError(f"--node-size must be an integer in [1, 2147483647], got {args.node_size}")
-    overrides = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in _OVERRIDES.items()}
-    try:
-        return get_accelerator(args.accelerator, **overrides)
-    except ValueError as error:  # named by the flag that set the field
-        message = str(error)
-        for field, flag in _OVERRIDES.items():
-            message = message.replace(f"Accelerator.{field} ", f"{flag} (Accelerator.{field}) ", 1)
-        raise InputError(message) from None
 
 
 #: The columns of the cluster table.

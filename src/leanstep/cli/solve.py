@@ -20,6 +20,7 @@ from leanstep.cli.jsontree import (
     FLOAT32_TINY,
     FLOAT32_TINY_TEXT,
     MAX_ARRAY_DIMS,
+    DuplicateKeyError,
     InputError,
     describe,
     dumps,
@@ -27,6 +28,7 @@ from leanstep.cli.jsontree import (
     mismatch,
     tree_from_json,
     tree_to_json,
+    unique_keys,
 )
 from leanstep.common.files import read_regular_file
 
@@ -202,7 +204,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     source, text = read_input(args.input)
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKeyError as error:
+        raise InputError(f"{source}: {error}") from None
     except json.JSONDecodeError as error:
         raise InputError(
             f"malformed JSON in {source}: {error.msg} at line {error.lineno} column {error.colno}"

@@ -8,7 +8,14 @@ import math
 import re
 from typing import Any
 
-from leanstep.cli.flags import add_compile_cache_flag, add_run_flags, remat_help
+from leanstep.cli.flags import (
+    HelpFormatter,
+    add_compile_cache_flag,
+    add_run_flags,
+    check_train_flags,
+    name_mesh,
+    remat_help,
+)
 from leanstep.cli.jsontree import InputError
 
 
@@ -27,7 +34,7 @@ def add_parser(subparsers: Any) -> None:
         "the Python standard library's source, bf16 compute on float32 masters, a dynamic loss scale, "
         "microbatches, global-norm clipping and remat. Writes metrics.jsonl, config.json, curves.png and "
         "orbax checkpoints to --out.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_run_flags(p, d)
     training = p.add_argument_group("training")
@@ -158,6 +165,7 @@ def _add_scale_out_flags(group: Any, d: Any) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    check_train_flags(args)  # a flag that would be ignored, or a mesh the devices cannot hold
     auto = args.mesh == "auto"
     if auto:
         if args.devices is None:
@@ -263,7 +271,7 @@ def _train_and_report(config: Any, resume: bool, console: Any) -> int:
         with raising_on_sigterm(), TrainProgress(enabled=config.progress, console=console) as progress:
             summary = train(config, resume=resume, on_record=progress.handle)
     except ValueError as error:
-        raise InputError(str(error)) from None
+        raise InputError(name_mesh(str(error), config.mesh)) from None
     except (RunStopped, KeyboardInterrupt, Terminated) as error:
         stopped = error if isinstance(error, RunStopped) else error.__context__
         if not isinstance(stopped, RunStopped):

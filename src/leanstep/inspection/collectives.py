@@ -157,6 +157,32 @@ def _groups(inst: _Instruction, num_devices: int) -> list[list[int]]:
     return groups or [list(range(num_devices))]
 
 
+def _hlo_text(compiled: Any) -> str:
+    if isinstance(compiled, str):
+        return compiled
+    if not callable(getattr(compiled, "as_text", None)):
+        raise TypeError(
+            f"compiled must be a jax.stages.Compiled (jitted.lower(...).compile()) or HLO text (str), "
+            f"got {type(compiled).__name__}"
+        )
+    return compiled.as_text()
+
+
+def _check_mesh_fits(groups: list[list[int]], mesh: Mesh | None, hlo: str) -> None:
+    """Refuses a ``mesh`` of fewer devices than the HLO's collectives name."""
+    if mesh is None or not groups:
+        return
+    needed = max(max(g, default=-1) for g in groups) + 1
+    partitions = re.search(r"num_partitions=(\d+)", hlo.split("\n", 1)[0])
+    if partitions:
+        needed = max(needed, int(partitions.group(1)))
+    if needed > mesh.devices.size:
+        raise ValueError(
+            f"mesh has {mesh.devices.size} devices but the HLO's collectives span {needed}: pass the "
+            "mesh the step was compiled for"
+        )
+
+
 def _axes_of(group: Sequence[int], mesh: Mesh | None) -> tuple[str, ...]:
     """The mesh axes along which a group's members differ. Replica-group ids are positions in
     the executable's device assignment, which is the mesh's devices in row-major order."""
@@ -262,8 +288,13 @@ def collectives_report(
       >>> [(c.kind, c.bytes, c.trips, c.payload) for c in report.collectives]
       [('all-reduce', 32, 1, 'parameters')]
     """
-    hlo = compiled if isinstance(compiled, str) else compiled.as_text()
+    hlo = _hlo_text(compiled)
     computations, entry = _parse(hlo)
+    if not entry:
+        raise ValueError(
+            "compiled must be a jax.stages.Compiled or HLO text with an ENTRY computation (as "
+            f"Compiled.as_text() gives, from 'HloModule ...'); got text without one: {hlo[:60]!r}"
+        )
     trips = _trips(computations, entry)
     by_name = {i.name: i for insts in computations.values() for i in insts}
     users: dict[str, list[_Instruction]] = {}
@@ -283,6 +314,7 @@ def collectives_report(
         if inst.op.endswith("-start") and op != "all-reduce":
             shapes = shapes[len(shapes) // 2 :]  # async (operands, results): the results
         groups = _groups(inst, num_devices)
+        _check_mesh_fits(groups, mesh, hlo)
         group_size = max((len(g) for g in groups), default=1)
         axes = _axes_of(groups[0] if groups else (), mesh)
         over_batch = any(a in batch_axes for a in axes) or (mesh is None and group_size > 1)

@@ -70,8 +70,17 @@ def _flag(name: str) -> str:
     return {field: flag for flag, field in MODEL_FLAGS}.get(name, "--" + name.replace("_", "-"))
 
 
+#: ``--precision``'s accepted forms, for its messages.
+PRECISION_FORMS = "auto, or params=DTYPE,compute=DTYPE,output=DTYPE[,strict] (e.g. compute=bf16)"
+
+
 def _check_precision(spec: str) -> Any:
-    return spec if spec == "auto" else check_train_precision(spec)
+    if isinstance(spec, str) and "auto" in (part.strip() for part in spec.split(",")) and spec != "auto":
+        raise ValueError(f"'auto' stands alone (it picks every dtype), got {spec!r}; expected {PRECISION_FORMS}")
+    try:
+        return spec if spec == "auto" else check_train_precision(spec)
+    except ValueError as error:
+        raise ValueError(f"{error}; --precision takes {PRECISION_FORMS}") from None
 
 
 def _is_number(value: Any, minimum: float, *, strict: bool) -> bool:
@@ -135,6 +144,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         # "~" means the home directory in every path, the same for every file of the run.
+        if isinstance(self.precision, str):  # dtype names, "strict" and "auto" in any case: AUTO is auto
+            object.__setattr__(self, "precision", self.precision.strip().lower())
         for name in ("out", "data"):
             value = getattr(self, name)
             if isinstance(value, str) and value.startswith("~"):

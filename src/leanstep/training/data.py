@@ -125,6 +125,14 @@ def _read_text_files(root: Path, what: str) -> tuple[list[tuple[str, bytes]], di
     as binary and left out. Raises ValueError (see ``walk_regular_files``).
     """
     found = walk_regular_files(root, what=what, max_bytes=MAX_CORPUS_BYTES, max_entries=MAX_CORPUS_ENTRIES)
+    for name, _ in found.files:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:  # undecodable bytes in the name: the listing is hashed and recorded as UTF-8
+            raise ValueError(
+                f"--data folder {str(root)!r} holds a file whose name is not UTF-8: {name!r}; rename it or "
+                "move it out of --data"
+            ) from None
     return [(name, content) for name, content in found.files if content and b"\0" not in content], found.skipped
 
 

@@ -210,4 +210,6 @@ def parse_record(obj: object, where: str = "record") -> TrainRecord | EvalRecord
         if field not in obj:
             raise ValueError(f"{where} ({obj['kind']!r} record) lacks the field {field!r}")
         values.append(_coerce(obj[field], kind, f"{where} field {field!r}"))
+        if field in ("step", "consecutive_skips") and values[-1] < 0:
+            raise ValueError(f"{where} field {field!r} is {values[-1]}; expected an integer >= 0")
     return record_type(*values)
