@@ -4,84 +4,129 @@ bf16 compute on float32 master weights with a dynamic loss scale, gradient
 accumulation over microbatches inside one jitted step, clipping by the global
 gradient norm, and rematerialization, composed in the right order by
 :func:`make_train_step`. The seed contracts live in :mod:`leanstep.tasks`.
+
+Importing ``leanstep`` is light: each public name is imported from its sub-package when first
+used (``leanstep.make_train_step`` imports :mod:`leanstep.step`, and JAX with it), so that the
+``leanstep`` command handles signals and prints ``--help`` before JAX loads. The names and
+their sub-packages are the imports under ``TYPE_CHECKING`` below, the one list of them, read
+by :func:`_exports` for the lazy imports and by type checkers and the API reference as they are.
 """
 
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
 from leanstep import _moved
-from leanstep.blocks import (
-    REMAT_POLICIES,
-    SPLITS,
-    Accumulation,
-    DynamicLossScale,
-    LossContract,
-    LossScale,
-    NoOpLossScale,
-    Precision,
-    PrecisionWarning,
-    StaticLossScale,
-    all_finite,
-    checkpoint_name,
-    clip_by_global_norm,
-    clip_by_global_norm_transform,
-    get_loss_scale,
-    get_precision,
-    get_remat_policy,
-    get_splitter,
-    global_norm,
-    microbatched_value_and_grad,
-    presplit_microbatches,
-    remat,
-    split_microbatches,
-    split_strided_microbatches,
-    strict_precision,
-)
-from leanstep.checkpoints import Checkpointer, CheckpointError, RestoreResult
-from leanstep.compilation import CompileCount, disable_compile_cache, enable_compile_cache
-from leanstep.inspection import (
-    AuditReport,
-    Collective,
-    CollectivesReport,
-    ResidualReport,
-    audit,
-    collectives_report,
-    saved_residuals_report,
-)
-from leanstep.planning import (
-    ACCELERATORS,
-    Accelerator,
-    BudgetError,
-    Plan,
-    SearchOptions,
-    SearchSpace,
-    get_accelerator,
-    plan,
-)
-from leanstep.sharding import (
-    MeshAxes,
-    batch_sharding,
-    constrain,
-    data_mesh,
-    fsdp_partition_spec,
-    gathered,
-    mesh_axes,
-    param_specs,
-    shard_batch,
-    sharding_context,
-)
-from leanstep.step import (
-    REDUCTIONS,
-    Gradients,
-    GuardedState,
-    ShardingLayer,
-    StepMetrics,
-    TrainState,
-    UpdateInfo,
-    gradient_stage,
-    guarded_update,
-    guarded_update_transform,
-    make_train_step,
-    shard_train_state,
-    state_shardings,
-)
+
+if TYPE_CHECKING:
+    from leanstep.blocks import (
+        REMAT_POLICIES,
+        SPLITS,
+        Accumulation,
+        DynamicLossScale,
+        LossContract,
+        LossScale,
+        NoOpLossScale,
+        Precision,
+        PrecisionWarning,
+        StaticLossScale,
+        all_finite,
+        checkpoint_name,
+        clip_by_global_norm,
+        clip_by_global_norm_transform,
+        get_loss_scale,
+        get_precision,
+        get_remat_policy,
+        get_splitter,
+        global_norm,
+        microbatched_value_and_grad,
+        presplit_microbatches,
+        remat,
+        split_microbatches,
+        split_strided_microbatches,
+        strict_precision,
+    )
+    from leanstep.checkpoints import Checkpointer, CheckpointError, RestoreResult
+    from leanstep.compilation import CompileCount, disable_compile_cache, enable_compile_cache
+    from leanstep.inspection import (
+        AuditReport,
+        Collective,
+        CollectivesReport,
+        ResidualReport,
+        audit,
+        collectives_report,
+        saved_residuals_report,
+    )
+    from leanstep.planning import (
+        ACCELERATORS,
+        Accelerator,
+        BudgetError,
+        Plan,
+        SearchOptions,
+        SearchSpace,
+        get_accelerator,
+        plan,
+    )
+    from leanstep.sharding import (
+        MeshAxes,
+        batch_sharding,
+        constrain,
+        data_mesh,
+        fsdp_partition_spec,
+        gathered,
+        mesh_axes,
+        param_specs,
+        shard_batch,
+        sharding_context,
+    )
+    from leanstep.step import (
+        REDUCTIONS,
+        Gradients,
+        GuardedState,
+        ShardingLayer,
+        StepMetrics,
+        TrainState,
+        UpdateInfo,
+        gradient_stage,
+        guarded_update,
+        guarded_update_transform,
+        make_train_step,
+        shard_train_state,
+        state_shardings,
+    )
+
+
+def _exports() -> dict[str, str]:
+    """name -> the sub-package it is imported from, as the ``TYPE_CHECKING`` block says."""
+    with open(os.path.join(os.path.dirname(__file__), "__init__.py"), encoding="utf-8") as file:
+        tree = ast.parse(file.read())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    return {
+        alias.asname or alias.name: node.module
+        for node in block.body
+        if isinstance(node, ast.ImportFrom) and node.module is not None
+        for alias in node.names
+    }
+
+
+_EXPORTS = _exports()
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'leanstep' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 _moved.install()
 

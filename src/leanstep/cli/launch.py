@@ -1,0 +1,44 @@
+"""The ``leanstep`` command's entry point: SIGINT and SIGTERM end it cleanly while it loads.
+
+Loading the command (JAX, XLA, the sub-packages) takes seconds. A signal in that time met
+Python's own handlers: a 30-line ``KeyboardInterrupt`` traceback for SIGINT, a silent exit for
+SIGTERM; a SIGINT inherited as ignored (a shell's background job) was not seen at all; and an
+exception raised by a handler while a C extension initialises can abort the process (seen here:
+SIGABRT and SIGSEGV inside jaxlib's import). So, first thing, both signals end the process at
+once, with one line on stderr and the exit code of the signal, 130 or 143: nothing has been
+written yet, so there is nothing to finish. Once loaded, :func:`leanstep.cli.main.main` sets its
+own handlers (``train`` turns a signal into a stop after the current step, or a save).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+__all__ = ["main"]
+
+_WHAT = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated (SIGTERM)"}
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    os.write(2, f"leanstep: {_WHAT[signal.Signals(signum)]}\n".encode())
+    os._exit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``leanstep`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    try:
+        for sig in _WHAT:
+            signal.signal(sig, _exit_now)
+    except ValueError:  # not the main thread: the signals are not ours to handle
+        pass
+    from leanstep.cli.main import main as run
+    from leanstep.training import stop_signals  # noqa: F401 - the heavy imports, under _exit_now
+
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
