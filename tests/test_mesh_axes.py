@@ -80,7 +80,8 @@ def worker(out: Path) -> None:
     jax.config.update("jax_num_cpu_devices", 8)
     from jax.sharding import Mesh
 
-    new_state = lambda: leanstep.TrainState.create(_params(), optax.adam(0.1))
+    tx = optax.adam(0.1)  # one optimizer: a new one is a new state structure, and a new compile
+    new_state = lambda: leanstep.TrainState.create(_params(), tx)
     results: dict = {}
     for num_mb in (1, 2):
         kw = dict(num_microbatches=num_mb, max_grad_norm=1.0)

@@ -67,8 +67,11 @@ def batch_at(step: int, nan_row: int | None = None) -> dict:
     return {"x": x, "y": y}
 
 
+TX = optax.adam(1e-2)  # one optimizer: a new one is a new state structure, and a new compile
+
+
 def new_state() -> TrainState:
-    return TrainState.create(init_params(), optax.adam(1e-2), loss_scale="dynamic")
+    return TrainState.create(init_params(), TX, loss_scale="dynamic")
 
 
 def flat(tree) -> dict[str, np.ndarray]:

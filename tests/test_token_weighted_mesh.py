@@ -61,7 +61,8 @@ def worker(out: Path) -> None:
     from leanstep.sharding.distributed import device_mesh
 
     params = {"w": np.linspace(-1, 1, D_IN * 4, dtype=np.float32).reshape(D_IN, 4), "b": np.zeros(4, np.float32)}
-    new_state = lambda: leanstep.TrainState.create(params, optax.adam(0.1), loss_scale="dynamic")
+    tx = optax.adam(0.1)  # one optimizer: a new one is a new state structure, and a new compile
+    new_state = lambda: leanstep.TrainState.create(params, tx, loss_scale="dynamic")
     results: dict = {}
     for num_mb in (1, 2):
         reference = leanstep.make_train_step(_loss, token_weighted=True, num_microbatches=num_mb, max_grad_norm=1.0)
