@@ -1,8 +1,11 @@
 """The building blocks, each usable on its own: precision, loss scaling, clipping,
-rematerialization, microbatches and their accumulation.
+rematerialization, microbatches and their accumulation, FP8 matmuls.
 
 .. code-block:: text
 
+    fp8.py                  Fp8Recipe: delayed or current scaling; the scale and quantize-dequantize
+    fp8_state.py            FP8 state in the params tree: recognised, max-reduced, overwritten
+    fp8_dot.py              fp8_dot_general, fp8_matmul and Fp8Meta, one matmul's FP8 state
     precision.py            Precision: params, compute and output dtypes, and strict rounding
     rounding.py             strict_precision: every low-precision result rounded, as hardware does
     compute_dtype_check.py  PrecisionWarning: a compute dtype the model silently undoes
@@ -20,6 +23,9 @@ Each depends only on :mod:`leanstep.common`, and on the blocks listed above it.
 from leanstep.blocks.accumulation import Accumulation, microbatched_value_and_grad
 from leanstep.blocks.clipping import clip_by_global_norm, clip_by_global_norm_transform, global_norm
 from leanstep.blocks.compute_dtype_check import PrecisionWarning
+from leanstep.blocks.fp8 import Fp8Recipe
+from leanstep.blocks.fp8_dot import Fp8Meta, fp8_dot_general, fp8_matmul
+from leanstep.blocks.fp8_state import Fp8Collection
 from leanstep.blocks.loss_contract import LossContract, LossOutput
 from leanstep.blocks.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
@@ -39,6 +45,9 @@ __all__ = [
     "SPLITS",
     "Accumulation",
     "DynamicLossScale",
+    "Fp8Collection",
+    "Fp8Meta",
+    "Fp8Recipe",
     "LossContract",
     "LossOutput",
     "LossScale",
@@ -50,6 +59,8 @@ __all__ = [
     "checkpoint_name",
     "clip_by_global_norm",
     "clip_by_global_norm_transform",
+    "fp8_dot_general",
+    "fp8_matmul",
     "get_loss_scale",
     "get_precision",
     "get_remat_policy",

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from leanstep.blocks.fp8_state import combine_fp8, has_fp8
 from leanstep.blocks.loss_contract import LossContract, LossOutput, check_aux
 from leanstep.blocks.microbatches import Splitter, check_num_microbatches, get_splitter
 from leanstep.common.checks import check_bool, is_int
@@ -129,6 +130,9 @@ def accumulate(
     and ``count`` in float32 and the gradients in ``accum_dtype`` and divides by ``M`` (or by the
     total count when token-weighted; not at all with ``accumulation.divide=False``); ``auxes``
     are stacked over microbatches.
+
+    FP8 state in ``params`` (:mod:`leanstep.blocks.fp8_state`): its "gradients" are new values,
+    combined by elementwise max over the microbatches and never divided.
     """
     dtype = _check_accum_dtype(accum_dtype)
     num_microbatches = accumulation.num_microbatches
@@ -147,7 +151,9 @@ def accumulate(
             check_aux(out.aux)  # stacked below: a string in it is named here, not by indexing it
             if token_weighted:
                 count_total = count_total + out.token_count
-            grads_total = jax.tree.map(lambda a, g: a + g.astype(dtype), grads_total, grads)
+            grads_total = combine_fp8(
+                grads_total, grads, lambda a, g: a + g.astype(dtype), lambda a, g: jnp.maximum(a, g.astype(a.dtype))
+            )
             return (loss_total + loss.astype(jnp.float32), count_total, grads_total, out.model_state), out.aux
 
         if num_microbatches == 1 and not scan_single:
@@ -160,7 +166,10 @@ def accumulate(
         if not accumulation.divide:
             return (loss_total, count_total, auxes, state), grads_total
         denominator = count_total if token_weighted else jnp.float32(num_microbatches)
-        grads = jax.tree.map(lambda g: g / denominator.astype(dtype), grads_total)
+        if has_fp8(grads_total):
+            grads = combine_fp8(grads_total, grads_total, lambda g, _: g / denominator.astype(dtype), lambda g, _: g)
+        else:
+            grads = jax.tree.map(lambda g: g / denominator.astype(dtype), grads_total)
         return (loss_total / denominator, count_total, auxes, state), grads
 
     return run

@@ -28,7 +28,8 @@ def unused_compute_dtype(fn: Callable[..., Any], args: tuple[Any, ...], compute_
     """A message when ``compute_dtype`` is below float32 and a matmul or convolution of ``fn(*args)``
     does not run in it, else None.
 
-    The message names how many do not, by operand dtypes, and their share of the FLOPs of the
+    A matmul with narrower operands (FP8) counts as running in the compute dtype. The message
+    names how many do not, by operand dtypes, and their share of the FLOPs of the
     matmuls and convolutions (a scan's body counted times its length), so that one float32
     matmul a model keeps on purpose (a loss head) reads as the small share it is.
 
@@ -57,7 +58,9 @@ def unused_compute_dtype(fn: Callable[..., Any], args: tuple[Any, ...], compute_
             kind = tuple(str(v.aval.dtype) for v in eqn.invars[:2])
             counts[kind] += 1
             flops[kind] += matmul_flops(eqn) * times
-    off = {kind: n for kind, n in counts.items() if compute_dtype.name not in kind}
+    # A matmul in the compute dtype, or narrower (FP8 operands), is what the policy asked for.
+    narrower = lambda kind: any(np.dtype(name).itemsize < compute_dtype.itemsize for name in kind)
+    off = {kind: n for kind, n in counts.items() if compute_dtype.name not in kind and not narrower(kind)}
     if not off:
         return None
     total = sum(flops.values()) or 1.0

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from leanstep.blocks.fp8_state import is_fp8_state
 from leanstep.blocks.rounding import strict_precision
 from leanstep.common.checks import check_bool
 
@@ -60,12 +61,15 @@ def _check_float_dtype(name: str, value: Any) -> np.dtype:
 
 
 def _cast_floating(tree: T, dtype: np.dtype) -> T:
+    """The floating leaves of ``tree`` in ``dtype``; FP8 state (scales, amax histories:
+    :mod:`leanstep.blocks.fp8_state`) stays float32."""
+
     def cast(x: Any) -> Any:
         if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(x.dtype, jnp.floating):
             return x.astype(dtype)
         return x
 
-    return jax.tree.map(cast, tree)
+    return jax.tree.map(lambda x: x if is_fp8_state(x) else cast(x), tree, is_leaf=is_fp8_state)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,15 @@
 
 :func:`apply` is ``module.apply`` with every collection but ``params`` mutable; a model with
 no other collection gets ``model_state = {}`` and may use a plain loss without ``has_state``.
+
+FP8 (Flax's ``fp8_ops``, or leanstep's :class:`Fp8DotGeneral` as a ``dot_general_cls``): the
+``_overwrite_with_gradient`` collection, whose "gradient" is its new value, is neither
+parameters nor model state. :func:`split` puts it beside the parameters, wrapped in an
+:class:`leanstep.blocks.fp8_state.Fp8Collection` (``params = {"params": ..., "_overwrite_with_gradient":
+Fp8Collection(...)}``), so the step differentiates it, combines its new values by max over
+microbatches and devices, leaves it out of the loss scale, the norm, clipping and the
+optimizer, and writes it once per step; :func:`apply` and :func:`merge` unwrap it. The model
+code is unchanged.
 """
 
 from __future__ import annotations
@@ -23,12 +32,21 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
-__all__ = ["apply", "merge", "split"]
+from leanstep.blocks.fp8 import Fp8Recipe
+from leanstep.blocks.fp8_dot import Fp8Meta, fp8_dot_general
+from leanstep.blocks.fp8_state import Fp8Collection
+
+__all__ = ["OVERWRITE_WITH_GRADIENT", "Fp8DotGeneral", "apply", "merge", "split"]
+
+#: Flax's name of the collection whose gradient is its new value (``flax.linen.fp8_ops``).
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 
 
 def split(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """``(variables["params"], {every other collection})``.
+    """``(variables["params"], {every other collection})``; with an ``_overwrite_with_gradient``
+    collection (FP8), ``({"params": ..., "_overwrite_with_gradient": Fp8Collection(...)}, {the others})``.
 
     Raises:
       ValueError: ``variables`` has no ``params`` collection.
@@ -42,11 +60,25 @@ def split(variables: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     """
     if "params" not in variables:
         raise ValueError(f"variables have no 'params' collection, only {sorted(variables)}")
-    return variables["params"], {name: value for name, value in variables.items() if name != "params"}
+    others = {name: value for name, value in variables.items() if name not in ("params", OVERWRITE_WITH_GRADIENT)}
+    if OVERWRITE_WITH_GRADIENT not in variables:
+        return variables["params"], others
+    fp8 = Fp8Collection(variables[OVERWRITE_WITH_GRADIENT])
+    return {"params": variables["params"], OVERWRITE_WITH_GRADIENT: fp8}, others
+
+
+def _is_with_fp8(params: Any) -> bool:
+    return isinstance(params, Mapping) and isinstance(params.get(OVERWRITE_WITH_GRADIENT), Fp8Collection)
 
 
 def merge(params: Any, model_state: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``variables`` dict again, for ``module.apply``."""
+    """The ``variables`` dict again, for ``module.apply`` (FP8 state unwrapped)."""
+    if _is_with_fp8(params):
+        return {
+            "params": params["params"],
+            OVERWRITE_WITH_GRADIENT: params[OVERWRITE_WITH_GRADIENT].tree,
+            **model_state,
+        }
     return {"params": params, **model_state}
 
 
@@ -86,3 +118,34 @@ def apply(
         return module.apply(variables, *args, **kwargs), dict(model_state)
     out, updates = module.apply(variables, *args, mutable=list(model_state), **kwargs)
     return out, {**model_state, **updates}
+
+
+class Fp8DotGeneral(nn.Module):
+    """leanstep's FP8 matmul (:func:`leanstep.fp8_dot_general`) as a Linen ``dot_general_cls``:
+    ``nn.Dense(features, dot_general_cls=Fp8DotGeneral)``, its :class:`leanstep.Fp8Meta` in the
+    ``_overwrite_with_gradient`` collection (delayed scaling), as Flax's ``Fp8DirectDotGeneralOp``.
+
+    Attributes:
+      recipe: the :class:`leanstep.Fp8Recipe` (default: delayed scaling, history 1024).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functools import partial
+      >>> dense = nn.Dense(2, dot_general_cls=partial(Fp8DotGeneral, recipe=Fp8Recipe(history=4)))
+      >>> params, model_state = split(dense.init(jax.random.key(0), jnp.ones((1, 3))))
+      >>> params["_overwrite_with_gradient"].tree["Fp8DotGeneral_0"]["meta"].grad_history.shape
+      (4,)
+    """
+
+    recipe: Fp8Recipe = Fp8Recipe()
+
+    @nn.compact
+    def __call__(self, lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None, **kwargs: Any) -> Any:
+        if self.recipe.delayed:
+            meta = self.variable(OVERWRITE_WITH_GRADIENT, "meta", Fp8Meta.create, self.recipe).value
+        else:
+            meta = None
+        dtype = jnp.result_type(lhs, rhs)
+        return fp8_dot_general(
+            jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), dimension_numbers, meta=meta, recipe=self.recipe
+        )

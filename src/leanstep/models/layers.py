@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
+from leanstep.blocks.fp8_state import is_fp8_state
 from leanstep.common.checks import is_int
 from leanstep.sharding.model_sharding import sharding_active
 
@@ -29,7 +30,8 @@ def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:
       dtype: the compute dtype, or ``None`` to compute in the dtype the caller gave.
 
     Returns:
-      The same tree with floating leaves cast; integer leaves are untouched.
+      The same tree with floating leaves cast; integer leaves and FP8 state
+      (:mod:`leanstep.blocks.fp8_state`: scales and amax histories stay float32) are untouched.
 
     Example:
       >>> tree = cast_floating({"w": jnp.ones(2), "i": jnp.arange(2)}, jnp.bfloat16)
@@ -40,9 +42,11 @@ def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:
         return params
 
     def cast(leaf: jax.Array) -> jax.Array:
+        if is_fp8_state(leaf):
+            return leaf
         return leaf.astype(dtype) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf
 
-    return jax.tree_util.tree_map(cast, params)
+    return jax.tree_util.tree_map(cast, params, is_leaf=is_fp8_state)
 
 
 #: The most values one ``jax.random.normal`` draw of :func:`normal_arrays` holds (int32 indices).

@@ -15,6 +15,13 @@ It returns :class:`Gradients`: the whole batch's loss (unscaled), the gradient o
 output dtype) and, with ``has_state``, the model state ``s`` after the last microbatch (its
 own dtypes: never cast to the compute dtype, never differentiated).
 
+FP8 state in the params (:mod:`leanstep.blocks.fp8_state`) stays float32, and its "gradients"
+(new values) are combined by max over the microbatches. With it, a mean loss is differentiated
+as its share of the whole batch's loss: microbatch ``j`` of ``M``, on one of ``D`` devices that
+reduce once per step, takes the gradient of ``S * l_j / (M * D)``, and the sum needs no division.
+Every cotangent inside the model is then the one-microbatch, one-device step's (exactly, for
+``M * D`` a power of two), and so is the amax of the output gradient each FP8 matmul records.
+
 On the first trace the loss is traced once more, on abstract values (nothing runs): a
 ``"save:NAME"`` remat policy naming a tag the loss never sets is refused, and, with a compute
 dtype below float32, a :class:`leanstep.PrecisionWarning` says so when none of its matmuls runs
@@ -23,8 +30,10 @@ in that dtype.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -33,6 +42,8 @@ import jax.numpy as jnp
 
 from leanstep.blocks.accumulation import Accumulation, accumulate
 from leanstep.blocks.compute_dtype_check import PrecisionWarning, unused_compute_dtype
+from leanstep.blocks.fp8_dot import fp8_uses
+from leanstep.blocks.fp8_state import has_fp8
 from leanstep.blocks.loss_contract import LossContract, LossOutput
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale
 from leanstep.blocks.precision import Precision, check_train_precision
@@ -40,7 +51,21 @@ from leanstep.blocks.rematerialization import check_saved_names
 from leanstep.common.checks import check_bool, check_callable
 from leanstep.step.keywords import loss_settings
 
-__all__ = ["Gradients", "gradient_stage"]
+__all__ = ["Gradients", "data_shards", "gradient_stage"]
+
+# How many devices split the batch that reduce once per step (the sharding layer sets it while it
+# traces the stage inside its shard_map): a mean loss with FP8 state is seeded with 1 / (M * D).
+_DATA_SHARDS: contextvars.ContextVar[int] = contextvars.ContextVar("leanstep_data_shards", default=1)
+
+
+@contextlib.contextmanager
+def data_shards(count: int) -> Iterator[None]:
+    """While it is open, the gradient stage traces one of ``count`` devices' shares of the batch."""
+    token = _DATA_SHARDS.set(count)
+    try:
+        yield
+    finally:
+        _DATA_SHARDS.reset(token)
 
 
 class Gradients(NamedTuple):
@@ -147,16 +172,24 @@ def gradient_stage(
         if contract.has_state and model_state is None:
             raise ValueError("has_state=True: pass the model state before the step as model_state=")
 
+        # With FP8 state a mean loss is seeded with its share of the batch (the module doc).
+        seeded = has_fp8(params) and not contract.token_weighted
+        share = accumulation.num_microbatches * _DATA_SHARDS.get() if seeded else 1
+
         def scaled_loss(params_c: Any, state: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, LossOutput]:
             microbatch_key = jax.random.fold_in(key, index[0]) if key is not None and contract.uses_rng else None
-            out = contract.parse(model_loss(*contract.arguments(params_c, state, microbatch, microbatch_key)), state)
+            with fp8_uses():  # an Fp8Meta used by two matmuls is refused
+                out = contract.parse(
+                    model_loss(*contract.arguments(params_c, state, microbatch, microbatch_key)), state
+                )
             # The unscaled loss (and count) ride along in aux, for the batch's loss below.
             kept = (out.value, out.token_count, policy.cast_to_output(out.aux))
-            return scale.scale(out.value), out._replace(aux=kept)
+            value = scale.scale(out.value)
+            return (value if share == 1 else value * jnp.float32(1.0 / share)), out._replace(aux=kept)
 
         run = accumulate(
             scaled_loss,
-            accumulation,
+            accumulation if share == 1 else accumulation.replace(divide=False),
             token_weighted=contract.token_weighted,
             with_index=contract.uses_rng,
             scan_single=False,

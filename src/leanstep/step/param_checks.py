@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from leanstep.blocks.fp8_state import is_fp8_state
 from leanstep.common.checks import check_floating_tree
 
 __all__ = ["check_params"]
@@ -36,7 +37,7 @@ def _check_nnx(params: Any) -> None:
         )
     variables = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for path, leaf in variables:
-        if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param):
+        if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param) and not is_fp8_state(leaf.get_value()):
             raise TypeError(
                 f"params{jax.tree_util.keystr(path)} is an nnx.{type(leaf).__name__}, not an nnx.Param: "
                 f"the optimizer would update it; split the model instead: {_NNX_SPLIT}"
@@ -45,6 +46,9 @@ def _check_nnx(params: Any) -> None:
 
 def _check_linen(params: Any) -> None:
     if isinstance(params, Mapping) and "params" in params and len(params) > 1:
+        # FP8 state as leanstep.frameworks.linen.split lays it out: Flax's collection, wrapped.
+        if set(params) == {"params", "_overwrite_with_gradient"} and is_fp8_state(params["_overwrite_with_gradient"]):
+            return
         others = sorted(str(k) for k in params if k != "params")
         raise TypeError(
             f"params holds the Linen collections 'params' and {others}: train variables['params'] and "

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from leanstep.blocks.fp8_state import fp8_mask, has_fp8
 from leanstep.blocks.microbatches import Splitter, get_splitter
 from leanstep.common.checks import check_bool
 from leanstep.sharding.meshes import mesh_axes
@@ -48,11 +49,10 @@ from leanstep.sharding.partition_rules import (
     check_rules,
     make_spec,
     param_path,
-    param_specs,
 )
-from leanstep.step.gradients import Gradients
+from leanstep.step.gradients import Gradients, data_shards
 from leanstep.step.state import StepMetrics, TrainState
-from leanstep.step.state_sharding import state_shardings
+from leanstep.step.state_sharding import params_specs, state_shardings
 
 __all__ = ["REDUCTIONS", "ShardingLayer"]
 
@@ -179,8 +179,9 @@ class ShardingLayer:
         )
 
     def param_specs(self, params: Any) -> Any:
-        """The :class:`PartitionSpec` of every parameter (:func:`leanstep.param_specs`)."""
-        return param_specs(params, self.axes, self.rules)
+        """The :class:`PartitionSpec` of every parameter (:func:`leanstep.param_specs`); ``P()``
+        for FP8 state."""
+        return params_specs(params, self.axes, self.rules)
 
     def _constrain(self, tree: Any, spec: PartitionSpec) -> Any:
         return constrain_spec(tree, self.mesh, spec, self.manual_axes)
@@ -270,7 +271,9 @@ class ShardingLayer:
             def local(params: Any, batch: Any, loss_scale: Any, key: Any) -> Gradients:
                 if key is not None and devices > 1:  # each device draws its own randomness for its rows
                     key = jax.random.fold_in(key, jax.lax.axis_index(manual))
-                return self._reduced(traced(params, batch, loss_scale, key, None), specs, token_weighted=token_weighted)
+                with data_shards(devices):  # a mean loss with FP8 state is seeded with its share
+                    out = traced(params, batch, loss_scale, key, None)
+                return self._reduced(out, specs, token_weighted=token_weighted)
 
             rows = make_spec([batch_manual])
             return jax.shard_map(
@@ -292,22 +295,31 @@ class ShardingLayer:
 
     def _reduced(self, out: Gradients, specs: Any, *, token_weighted: bool) -> Gradients:
         """One device's gradient stage output, reduced over the manual axes (inside ``shard_map``):
-        ``psum`` (``psum_scatter`` over a manual FSDP axis), token-weighted by the devices' counts."""
+        ``psum`` (``psum_scatter`` over a manual FSDP axis), token-weighted by the devices' counts.
+        FP8 state takes the ``pmax`` of its new values; with it, a mean loss's gradient comes
+        already divided (the stage seeded each device's share, :func:`leanstep.gradient_stage`)."""
         manual, axes = self.manual_axes, self.axes
+        seeded = has_fp8(out.grads) and not token_weighted
         # Token-weighted, the stage hands on sums (make_train_step builds it so: Accumulation.divide
         # False), and the global count divides them: a device whose rows hold no token adds 0.
         weight = out.token_count if token_weighted and out.token_count is not None else jnp.float32(1.0)
         total = jax.lax.psum(weight, manual)
         fsdp = axes.fsdp if axes.fsdp in manual else None
 
-        def reduce_leaf(_: Any, grad: Any, spec: PartitionSpec) -> Any:
+        def reduce_leaf(grad: Any, spec: PartitionSpec, fp8: bool) -> Any:
+            if fp8:
+                return jax.lax.pmax(grad, manual)
             dim = None if fsdp is None else _dim_of(spec, fsdp)
             rest = tuple(a for a in manual if a != fsdp or dim is None)
             if dim is not None:
                 grad = jax.lax.psum_scatter(grad, fsdp, scatter_dimension=dim, tiled=True)
-            return (jax.lax.psum(grad, rest) if rest else grad) / total
+            grad = jax.lax.psum(grad, rest) if rest else grad
+            return grad if seeded else grad / total
 
-        grads = _map_specs(reduce_leaf, out.grads, specs)
+        mask = jax.tree.leaves(fp8_mask(out.grads))
+        spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+        leaves, treedef = jax.tree.flatten(out.grads)
+        grads = treedef.unflatten([reduce_leaf(g, s, m) for g, s, m in zip(leaves, spec_leaves, mask, strict=True)])
         loss = jax.lax.psum(out.loss if token_weighted else out.loss * weight, manual) / total
         mean = lambda tree: jax.tree.map(
             lambda a: jax.lax.pmean(a, manual) if jnp.issubdtype(a.dtype, jnp.floating) else jax.lax.psum(a, manual),

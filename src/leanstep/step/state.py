@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from leanstep.blocks.fp8_state import split_fp8
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.common.checks import check_optimizer, is_int
@@ -38,8 +39,11 @@ class TrainState:
 
     Attributes:
       step: int32 count of steps taken, skipped ones included (it indexes the data).
-      params: the float32 master parameters.
-      opt_state: the optax optimizer's state; it does not advance on a skipped step.
+      params: the float32 master parameters, and the model's FP8 state if it has any
+        (:mod:`leanstep.blocks.fp8_state`: under :class:`leanstep.Fp8Meta` or ``Fp8Collection``
+        nodes; written by the step, never by the optimizer).
+      opt_state: the optax optimizer's state, of the trainable parameters (FP8 state left
+        out); it does not advance on a skipped step.
       loss_scale: a :class:`DynamicLossScale`, :class:`StaticLossScale` or
         :class:`NoOpLossScale`.
       rng: a ``uint32[2]`` PRNG key; microbatch ``j`` of step ``t`` gets
@@ -143,7 +147,7 @@ class TrainState:
         state = cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=optimizer.init(params),
+            opt_state=optimizer.init(split_fp8(params)[0]),  # the trainable parameters only
             loss_scale=get_loss_scale(loss_scale),
             rng=jax.random.key_data(jax.random.key(seed)),
             consecutive_skips=jnp.zeros((), jnp.int32),

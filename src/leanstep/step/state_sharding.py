@@ -1,5 +1,5 @@
 """Where a train state lives on a mesh: parameters and their optimizer moments by the partition
-rules, everything else (step counter, loss scale, PRNG key, model state) replicated.
+rules, everything else (step counter, loss scale, PRNG key, model state, FP8 state) replicated.
 
 The mesh roles and the rules are :mod:`leanstep.sharding`'s; this module applies them to a
 :class:`leanstep.TrainState`, which the sharding package does not know.
@@ -14,14 +14,31 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.common.checks import same_treedef
 from leanstep.sharding.meshes import mesh_axes, place_global
 from leanstep.sharding.partition_rules import param_specs
 from leanstep.step.state import TrainState
 
-__all__ = ["shard_train_state", "state_shardings"]
+__all__ = ["params_specs", "shard_train_state", "state_shardings"]
 
 Tree = TypeVar("Tree")
+
+
+def params_specs(params: Any, axes: Any, rules: Any = None) -> Any:
+    """:func:`leanstep.param_specs` of the parameters, and ``P()`` for their FP8 state
+    (:mod:`leanstep.blocks.fp8_state`: scales and amax histories are replicated, never split).
+
+    Example:
+      >>> import jax.numpy as jnp, leanstep
+      >>> from leanstep.blocks.fp8_state import Fp8Collection
+      >>> axes = leanstep.mesh_axes(leanstep.data_mesh(jax.devices()[:1]), fsdp=True)
+      >>> params_specs({"w": jnp.zeros((4, 8)), "fp8": Fp8Collection(jnp.zeros(8))}, axes)["fp8"]
+      Fp8Collection(tree=PartitionSpec())
+    """
+    trainable, fp8 = split_fp8(params)
+    replicated = jax.tree.map(lambda _: PartitionSpec(), fp8)
+    return merge_fp8(param_specs(trainable, axes, rules), replicated)
 
 
 def state_shardings(
@@ -71,10 +88,14 @@ def state_shardings(
     named = lambda spec: NamedSharding(mesh, spec)
     if not isinstance(state, TrainState):
         return jax.tree.map(named, param_specs(state, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec))
-    params = jax.tree.map(named, param_specs(state.params, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec))
+    params = jax.tree.map(
+        named, params_specs(state.params, axes, rules), is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
     fallback = lambda leaf: named(param_specs(leaf, axes))
+    # The optimizer's state is of the trainable parameters only (TrainState.create).
+    trainable, trainable_shardings = split_fp8(state.params)[0], split_fp8(params)[0]
     return jax.tree.map(lambda _: replicated, state).replace(
-        params=params, opt_state=_like_params(state.opt_state, state.params, params, fallback)
+        params=params, opt_state=_like_params(state.opt_state, trainable, trainable_shardings, fallback)
     )
 
 

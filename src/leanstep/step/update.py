@@ -9,6 +9,11 @@ r"""The guarded update: unscale once, decide finiteness once, clip, apply only i
     params', opt' = optimizer(G)
     params, opt = finite ? (params', opt') : (params, opt)    # bit-identical on a skip
     S = adjust(S, finite);  skips = finite ? 0 : skips + 1
+    fp8 = finite ? new_fp8 : fp8                       # FP8 state: out of all of the above
+
+FP8 state in the params (:mod:`leanstep.blocks.fp8_state`) takes no part in unscaling, the
+finiteness decision, the norm, clipping or the optimizer (whose state is of the trainable
+parameters only): its "gradient" is its new value, written if the step is applied.
 
 :func:`guarded_update` does this to a :class:`leanstep.TrainState`;
 :func:`guarded_update_transform` offers the same as an optax transformation wrapping any
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 import optax
 
 from leanstep.blocks.clipping import clip_by_global_norm, global_norm
+from leanstep.blocks.fp8_state import has_fp8, merge_fp8, overwrite_fp8, split_fp8
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive, same_structure, tree_difference
@@ -169,15 +175,20 @@ def guarded_update(
       (Array([0., 0.], dtype=float32), False, 16384.0, 1)
     """
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
-    check_opt_state(state.opt_state, state.optimizer, state.params)
+    _check_grads(scaled_grads, state.params)
+    params, fp8 = split_fp8(state.params)
+    scaled_grads, new_fp8 = split_fp8(scaled_grads) if has_fp8(state.params) else (scaled_grads, None)
+    check_opt_state(state.opt_state, state.optimizer, params)
     _refuse_second_unscale(state.opt_state, "the state's optimizer")
     updates, opt_state, info = _checked_update(
-        scaled_grads, state.opt_state, state.params, state.optimizer, state.loss_scale, max_grad_norm, loss
+        scaled_grads, state.opt_state, params, state.optimizer, state.loss_scale, max_grad_norm, loss
     )
-    new_params = optax.apply_updates(state.params, updates)
+    new_params = _where_tree(info.finite, optax.apply_updates(params, updates), params)
+    if new_fp8 is not None:
+        new_params = merge_fp8(new_params, overwrite_fp8(fp8, new_fp8, info.finite))
     skips = jnp.where(info.finite, 0, _saturating_increment(state.consecutive_skips))
     return state.replace(
-        params=_where_tree(info.finite, new_params, state.params),
+        params=new_params,
         opt_state=opt_state,
         loss_scale=state.loss_scale.adjust(info.finite),
         consecutive_skips=skips.astype(jnp.int32),
@@ -293,6 +304,11 @@ def guarded_update_transform(
     def update_fn(scaled_grads: Any, state: GuardedState, params: Any = None) -> tuple[Any, GuardedState]:
         if params is None:
             raise ValueError("guarded_update_transform needs params: call update(grads, state, params)")
+        if has_fp8(params):
+            raise ValueError(
+                "the params hold FP8 state, which an optax update cannot overwrite bit-exactly: use "
+                "leanstep.guarded_update or leanstep.make_train_step, which write it once per step"
+            )
         updates, inner, info = _checked_update(
             scaled_grads, state.inner_state, params, optimizer, state.loss_scale, max_grad_norm, None
         )
