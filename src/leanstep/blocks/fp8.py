@@ -5,14 +5,14 @@ a per-tensor *dequantization* scale :math:`s` (Flax's convention; TE's ``scale_i
 
 .. math::
 
-    q = \mathrm{fp8}\big(\mathrm{clip}(x / s,\ -m,\ m)\big), \qquad \hat x = q \cdot s
+    q = \mathrm{fp8}\big(\mathrm{clip}(x \cdot s^{-1},\ -m,\ m)\big), \qquad \hat x = q \cdot s
 
 where :math:`m` is the format's largest finite value (448 for e4m3, 57344 for e5m2) and the cast
 rounds to nearest even. The scale comes from an amax :math:`a` and a margin :math:`\mu`:
 
 .. math::
 
-    s = \frac{1}{(m / a) / 2^{\mu}} \quad\text{if } 0 < a < \infty,
+    s = \frac{1}{(m / a) \cdot 2^{-\mu}} \quad\text{if } 0 < a < \infty,
     \qquad s = s_{\text{before}} \text{ otherwise}
 
 **Delayed scaling** takes :math:`a` from a history of the amaxes of earlier steps (its ``max``,
@@ -20,10 +20,13 @@ or its ``most_recent`` entry), so the step quantizes with a scale it knew before
 tensor, and records the tensor's amax :math:`\max|x|` as the history's newest entry. **Current
 scaling** takes :math:`a = \max|x|` of the tensor itself (one more reduction, no state).
 
-Where leanstep differs from Flax's ``fp8_ops``, and why: the division, the clip and the
+Where leanstep differs from Flax's ``fp8_ops``, and why: the quotient, the clip and the
 dequantizing product run in float32, not in the compute dtype (bfloat16 there): rounding
 :math:`x/s` to bfloat16 first and then to FP8 rounds twice, which can land one FP8 step away
-from the single rounding of the exact quotient (TE also quantizes from float32). The
+from the single rounding of the exact quotient (TE also quantizes from float32). The quotient
+is :math:`x` times the float32 reciprocal :math:`s^{-1}`, as TE's quantize multiplies by its
+scale, not a division: XLA rewrites a division by a scale it knows at compile time into that
+product, so a division would round differently with a constant scale than with a stored one. The
 dequantized tensor is then cast to the compute dtype, as Flax's is. And an amax so small (a
 denormal) that :math:`m / a` overflows keeps the scale before, where Flax's formula gives 0.
 
@@ -154,7 +157,9 @@ def new_scale(amax: jax.Array, scale: jax.Array, fmt: str, *, margin: float = 0)
     """
     amax = jnp.asarray(amax, jnp.float32)
     scale = jnp.asarray(scale, jnp.float32)
-    factor = (jnp.float32(fp8_max(fmt)) / amax) / jnp.float32(2.0**margin)
+    # Times the float32 constant 2**-margin, not divided by 2**margin: XLA turns a division by a
+    # constant into that product anyway, and this way the rounding is the one written here.
+    factor = (jnp.float32(fp8_max(fmt)) / amax) * jnp.float32(2.0**-margin)
     # A denormal amax would make the factor inf and the scale 0 (Flax's formula does): kept.
     usable = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(factor)
     return jnp.where(usable, jnp.float32(1.0) / jnp.where(usable, factor, 1.0), scale)
@@ -172,7 +177,8 @@ def qdq(x: jax.Array, fmt: str, scale: jax.Array, dtype: DTypeLike | None = None
     dtype = x.dtype if dtype is None else dtype
     limit = jnp.float32(fp8_max(fmt))
     s = jnp.asarray(scale, jnp.float32).reshape(())
-    quantized = jnp.clip(x.astype(jnp.float32) / s, -limit, limit).astype(fp8_dtype(fmt))
+    inverse = jnp.float32(1.0) / s  # once per tensor; x * inverse per element (the module doc)
+    quantized = jnp.clip(x.astype(jnp.float32) * inverse, -limit, limit).astype(fp8_dtype(fmt))
     return (quantized.astype(jnp.float32) * s).astype(dtype)
 
 

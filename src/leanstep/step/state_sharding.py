@@ -34,7 +34,7 @@ def params_specs(params: Any, axes: Any, rules: Any = None) -> Any:
       >>> from leanstep.blocks.fp8_state import Fp8Collection
       >>> axes = leanstep.mesh_axes(leanstep.data_mesh(jax.devices()[:1]), fsdp=True)
       >>> params_specs({"w": jnp.zeros((4, 8)), "fp8": Fp8Collection(jnp.zeros(8))}, axes)["fp8"]
-      Fp8Collection(tree=PartitionSpec())
+      Fp8Collection(tree=P())
     """
     trainable, fp8 = split_fp8(params)
     replicated = jax.tree.map(lambda _: PartitionSpec(), fp8)
