@@ -136,6 +136,43 @@ class Fp8Recipe:
         """Whether the scales come from amax histories kept in the FP8 state."""
         return self.scaling == "delayed"
 
+    @classmethod
+    def from_string(cls, spec: str) -> Fp8Recipe | None:
+        """``"none"`` (None: no FP8), or a scaling with optional settings, comma-separated:
+        ``"delayed"``, ``"current"``, ``"delayed,history=16,amax=most_recent,margin=1"``.
+
+        Raises:
+          ValueError: another form, naming it and the expected one.
+
+        Example:
+          >>> Fp8Recipe.from_string("delayed,history=16").history, Fp8Recipe.from_string("none")
+          (16, None)
+        """
+        if not isinstance(spec, str):
+            raise TypeError(f"an FP8 recipe is a string, got {type(spec).__name__}")
+        expected = "none, or delayed|current[,history=N][,amax=max|most_recent][,margin=X]"
+        scaling, *parts = [part.strip() for part in spec.strip().lower().split(",")]
+        if scaling == "none" and not parts:
+            return None
+        fields: dict[str, Any] = {"scaling": scaling}
+        for part in parts:
+            name, sep, value = part.partition("=")
+            if not sep or name not in ("history", "amax", "margin") or name in fields:
+                raise ValueError(f"unknown or repeated FP8 setting {part!r} in {spec!r}; expected {expected}")
+            try:
+                fields[name] = int(value) if name == "history" else value if name == "amax" else float(value)
+            except ValueError:
+                raise ValueError(f"FP8 setting {part!r} is not a number; expected {expected}") from None
+        try:
+            return cls(**fields)
+        except ValueError as error:
+            raise ValueError(f"{error}; expected {expected}") from None
+
+    def to_string(self) -> str:
+        """The form :meth:`from_string` reads (``recipe == from_string(recipe.to_string())``)."""
+        margin = int(self.margin) if float(self.margin).is_integer() else self.margin
+        return f"{self.scaling},history={self.history},amax={self.amax},margin={margin}"
+
     def history_amax(self, history: jax.Array) -> jax.Array:
         """The amax a history gives (its max, or its newest entry ``history[0]``)."""
         return jnp.max(history, axis=0) if self.amax == "max" else history[0]

@@ -20,9 +20,11 @@ histories, whose newest entry is this step's ``max |x|``, ``max |w|``, ``max |g|
 per step. Current scaling needs no state (``meta=None``).
 
 Give every matmul its own :class:`Fp8Meta`, used once per loss (per layer of a scanned stack:
-stack the metas and scan over them with the weights). A meta used by two matmuls would receive
-the sum of two new values; the step refuses one used twice by name, but cannot see one closed
-over by a loop body, which sums it once per iteration.
+stack the metas and scan over them with the weights), on the whole batch. A meta used by two
+matmuls would receive the sum of two new values; the step refuses one used twice by name, but
+cannot see one closed over by a loop body, which sums it once per iteration, nor a matmul under
+a ``jax.vmap`` over the batch, where each example would record its own amax (and the sum of
+their new values would arrive): an FP8 scale is per tensor, so call the matmul on the batch.
 
 Example:
   >>> import jax, jax.numpy as jnp

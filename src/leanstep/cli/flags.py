@@ -67,6 +67,14 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
         "multiplies it on bfloat16 matrix units (GPUs from sm_80, AMD GPUs, TPUs), else float32 "
         "(every CPU: XLA:CPU does not use AMX or AVX512-BF16)",
     )
+    model.add_argument(
+        "--fp8",
+        default=d.fp8,
+        metavar="RECIPE",
+        help="FP8 operands for the transformer's block matmuls (e4m3 forward, e5m2 gradients): none, delayed "
+        "(scales from amax histories kept in the state) or current (each tensor's own amax), with optional "
+        "settings, e.g. delayed,history=16,amax=most_recent,margin=0; emulated exactly (and slower) on CPU",
+    )
     model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")
 

@@ -13,6 +13,10 @@ Under a compute dtype below float32 :func:`stateful_loss` runs each ``eqx.nn.Bat
 float32 (its input cast up, its output cast back): the batch statistics and their running
 average are computed in float32 and kept in float32, as Flax's BatchNorm does, and the rest of
 the model stays in the compute dtype.
+
+FP8: a module field holding an :class:`leanstep.Fp8Meta` (as :class:`Fp8Linear` does) is a
+floating array tree, so :func:`split` puts it among the params, where the step finds it as FP8
+state (max-combined over microbatches, out of the optimizer, written once per step).
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Float32BatchNorm", "combine", "loss", "split", "stateful_loss"]
+from leanstep.blocks.fp8 import Fp8Recipe
+from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
+
+__all__ = ["Float32BatchNorm", "Fp8Linear", "combine", "loss", "split", "stateful_loss"]
 
 
 def split(model: eqx.Module) -> tuple[eqx.Module, eqx.Module]:
@@ -118,3 +125,40 @@ def _batch_norms_in_float32(model: Any) -> Any:
     if _is_batch_norm(model):
         return Float32BatchNorm(model)
     return eqx.tree_at(norms, model, [Float32BatchNorm(norm) for norm in found])
+
+
+class Fp8Linear(eqx.Module):
+    """``eqx.nn.Linear`` with FP8 operands (:func:`leanstep.fp8_matmul`), on a whole batch.
+
+    Unlike Equinox's per-example layers, call it on ``(..., in_features)`` arrays, not under a
+    ``jax.vmap`` over the batch: an FP8 scale is per tensor, and under ``vmap`` each example
+    would record its own amax (layers around it may be vmapped as usual).
+
+    Attributes:
+      linear: the ``eqx.nn.Linear`` (its weight ``(out, in)``, bias ``(out,)``).
+      fp8: its :class:`leanstep.Fp8Meta` (delayed scaling), or None (current scaling).
+      recipe: the :class:`leanstep.Fp8Recipe` (static).
+
+    Example:
+      >>> layer = Fp8Linear(3, 2, recipe=Fp8Recipe(history=4), key=jax.random.key(0))
+      >>> params, static = split(layer)
+      >>> layer(jnp.ones((5, 3))).shape, params.fp8.input_history.shape
+      ((5, 2), (4,))
+    """
+
+    linear: eqx.nn.Linear
+    fp8: Fp8Meta | None
+    recipe: Fp8Recipe = eqx.field(static=True)
+
+    def __init__(self, in_features: int, out_features: int, *, recipe: Fp8Recipe | None = None, key: jax.Array):
+        self.linear = eqx.nn.Linear(in_features, out_features, key=key)
+        self.recipe = Fp8Recipe() if recipe is None else recipe
+        self.fp8 = Fp8Meta.create(self.recipe) if self.recipe.delayed else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        weight = self.linear.weight.astype(x.dtype).T
+        out = fp8_matmul(x, weight, self.fp8, self.recipe)
+        if self.linear.bias is None:
+            return out
+        bias = self.linear.bias.astype(x.dtype)
+        return out + bias.reshape((1,) * (x.ndim - 1) + bias.shape)

@@ -12,6 +12,11 @@
 writes for ``nnx.value_and_grad``. BatchNorm statistics and the counters of a model's own
 ``nnx.Rngs`` (Dropout) are model state: each microbatch sees what the one before it left,
 exactly as one call after another of the model would.
+
+FP8: a model keeps each FP8 matmul's :class:`leanstep.Fp8Meta` in an :class:`Fp8` variable (as
+:class:`Fp8Linear` does); :func:`split` puts those beside the ``nnx.Param`` s, where the step
+finds them as FP8 state (max-combined over microbatches, out of the optimizer, written once per
+step), and :func:`loss` leaves them out of the model state.
 """
 
 from __future__ import annotations
@@ -19,13 +24,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
 
-__all__ = ["loss", "merge", "split"]
+from leanstep.blocks.fp8 import Fp8Recipe
+from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
+
+__all__ = ["Fp8", "Fp8Linear", "loss", "merge", "split"]
+
+
+class Fp8(nnx.Variable):
+    """A variable holding FP8 state (an :class:`leanstep.Fp8Meta`): trained by the step as FP8
+    state, not by the optimizer; read it with ``variable.get_value()``."""
+
+
+#: The variables leanstep's step differentiates: the parameters and the FP8 state.
+_TRAINED = nnx.Any(nnx.Param, Fp8)
 
 
 def split(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
-    """``(graphdef, params, model_state)``: the ``nnx.Param`` variables, and all the others.
+    """``(graphdef, params, model_state)``: the ``nnx.Param`` (and :class:`Fp8`) variables, and all the others.
 
     Example:
       >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0)))
@@ -33,7 +51,7 @@ def split(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:
       >>> sorted(params["layers"][0]), sorted(model_state["layers"][1])
       (['bias', 'kernel'], ['mean', 'var'])
     """
-    graphdef, params, *others = nnx.split(model, nnx.Param, ...)  # one State per filter
+    graphdef, params, *others = nnx.split(model, _TRAINED, ...)  # one State per filter
     (model_state,) = others
     return graphdef, params, model_state
 
@@ -64,6 +82,29 @@ def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., tuple[Any, nnx.
         # (value_and_grad inside leanstep's scan), so the model may update them there.
         model = nnx.merge(graphdef, params, model_state, copy=True)
         out = fn(model, batch, *key)
-        return out, nnx.state(model, nnx.Not(nnx.Param))
+        return out, nnx.state(model, nnx.Not(_TRAINED))
 
     return loss_fn
+
+
+class Fp8Linear(nnx.Module):
+    """``nnx.Linear`` with FP8 operands (:func:`leanstep.fp8_matmul`), its state in an :class:`Fp8`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> layer = Fp8Linear(3, 2, recipe=Fp8Recipe(history=4), rngs=nnx.Rngs(0))
+      >>> graphdef, params, model_state = split(layer)
+      >>> layer(jnp.ones((1, 3))).shape, params["fp8"].get_value().input_history.shape
+      ((1, 2), (4,))
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, recipe: Fp8Recipe | None = None, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(in_features, out_features, rngs=rngs)
+        self.recipe = Fp8Recipe() if recipe is None else recipe
+        self.fp8 = Fp8(Fp8Meta.create(self.recipe)) if self.recipe.delayed else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        meta = None if self.fp8 is None else self.fp8.get_value()
+        kernel = self.linear.kernel.get_value().astype(x.dtype)
+        bias = self.linear.bias.get_value().astype(x.dtype)
+        return fp8_matmul(x, kernel, meta, self.recipe) + bias.reshape((1,) * (x.ndim - 1) + bias.shape)

@@ -84,13 +84,13 @@ RULES: Mapping[str, tuple[Any, ...]] = {"transformer": TRANSFORMER_RULES, "mlp":
 SIZES: tuple[str, ...] = tuple(dict.fromkeys(size for *_, presets in MODELS.values() for size in presets))
 
 
-def build_model(name: str, size: str = "small", **overrides: int) -> Model:
+def build_model(name: str, size: str = "small", **overrides: Any) -> Model:
     """Builds a registered model from a size preset, with any config field overridden.
 
     Args:
       name: a key of :data:`MODELS`.
       size: a preset, ``"tiny"`` (tests) or ``"small"`` (default training run).
-      **overrides: config fields, e.g. ``n_layers=6``.
+      **overrides: config fields, e.g. ``n_layers=6``, or ``fp8=leanstep.Fp8Recipe()`` (the transformer).
 
     Returns:
       A :class:`Model` whose ``init``/``loss``/``loss_sum`` have the config bound.
@@ -110,6 +110,8 @@ def build_model(name: str, size: str = "small", **overrides: int) -> Model:
     """
     if name not in MODELS:
         raise ValueError(f"unknown model name={name!r}; expected one of {sorted(MODELS)}")
+    if overrides.get("fp8") is not None and name != "transformer":
+        raise ValueError(f"FP8 matmuls are built into the transformer, not the {name!r} model")
     config_cls, init, loss, loss_sum, flops, presets = MODELS[name]
     if size not in presets:
         raise ValueError(f"unknown model size={size!r} for {name!r}; expected one of {sorted(presets)}")

@@ -5,6 +5,12 @@ gelu MLP; learned positional embeddings; a final LayerNorm; and an output head t
 token embedding (``logits = h @ embed.T``). Per-layer parameters are stacked along a leading
 ``n_layers`` axis and the blocks run under ``jax.lax.scan``, so compile time does not grow with
 depth, and every block is wrapped in ``leanstep.remat`` with the caller's policy.
+
+With an FP8 recipe (``TransformerConfig(fp8=leanstep.Fp8Recipe(...))``) the four matmuls of
+each block (QKV, attention output, MLP in and out) take FP8 operands
+(:func:`leanstep.fp8_matmul`; delayed scaling keeps one :class:`leanstep.Fp8Meta` per matmul and
+layer under ``params["blocks"]["fp8"]``); the attention score and value products and the tied
+output head stay in the compute dtype, as Transformer Engine's recipes keep them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike, DTypeLike
 
+from leanstep.blocks.fp8 import Fp8Recipe
+from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
+from leanstep.blocks.fp8_state import split_fp8
 from leanstep.blocks.rematerialization import checkpoint_name, remat
 from leanstep.models.layers import (
     cast_floating,
@@ -47,9 +56,11 @@ class TransformerConfig:
       n_heads: attention heads per block.
       d_ff: hidden width of the MLP.
       seq_len: longest input the positional embedding covers (``T``; batches carry ``T + 1``).
+      fp8: an :class:`leanstep.Fp8Recipe` for the blocks' four matmuls, or None (no FP8).
 
     Raises:
-      ValueError: a field is not a positive int, or ``d_model % n_heads != 0``.
+      ValueError: a size is not a positive int, or ``d_model % n_heads != 0``.
+      TypeError: ``fp8`` is neither None nor an ``Fp8Recipe``.
     """
 
     vocab_size: int = 256
@@ -58,9 +69,13 @@ class TransformerConfig:
     n_heads: int = 4
     d_ff: int = 512
     seq_len: int = 128
+    fp8: Fp8Recipe | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_positive_ints("TransformerConfig", **dataclasses.asdict(self))
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fp8"}
+        check_positive_ints("TransformerConfig", **sizes)
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
+            raise TypeError(f"TransformerConfig.fp8 must be an Fp8Recipe or None, got {type(self.fp8).__name__}")
         if self.d_model % self.n_heads:
             raise ValueError(f"TransformerConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
 
@@ -103,6 +118,8 @@ def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
         "fc_w": w["fc_w"], "fc_b": zeros((n, f)),
         "out_w": w["out_w"], "out_b": zeros((n, d)),
     }  # fmt: skip
+    if c.fp8 is not None and c.fp8.delayed:  # one meta per FP8 matmul and layer
+        blocks["fp8"] = {name: Fp8Meta.create(c.fp8, stack=n) for name in FP8_MATMULS}
     return {
         "embed": w["embed"],
         "pos": w["pos"],
@@ -110,6 +127,18 @@ def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
         "ln_f_scale": ones((d,)),
         "ln_f_bias": zeros((d,)),
     }
+
+
+#: The matmuls of a block that take FP8 operands under an FP8 recipe: ``{name}_w`` and ``{name}_b``.
+FP8_MATMULS = ("qkv", "proj", "fc", "out")
+
+
+def _dense(h: jax.Array, p: Params, name: str, fp8: Fp8Recipe | None) -> jax.Array:
+    """The block's matmul ``name``: ``h @ w + b``, with FP8 operands under a recipe."""
+    if fp8 is None:
+        return dense(h, p[f"{name}_w"], p[f"{name}_b"])
+    meta = p["fp8"][name] if fp8.delayed else None
+    return fp8_matmul(h, p[f"{name}_w"], meta, fp8) + p[f"{name}_b"][None, :]
 
 
 #: The order of the QKV weights' columns, recorded in a run's config.json: (head, q|k|v, head_dim).
@@ -129,7 +158,9 @@ TRANSFORMER_RULES = (
 )
 
 
-def _attention(h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) -> jax.Array:
+def _attention(
+    h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | None = None
+) -> jax.Array:
     """Causal multi-head self-attention on flattened ``h`` of shape ``(batch * time, d)``.
 
     The QKV columns are head-major, ``(head, q|k|v, head_dim)``, so a tensor-parallel split
@@ -137,7 +168,7 @@ def _attention(h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) 
     """
     d = h.shape[-1]
     head_dim = d // n_heads
-    qkv = constrain(dense(h, p["qkv_w"], p["qkv_b"]), "batch", "tensor")
+    qkv = constrain(_dense(h, p, "qkv", fp8), "batch", "tensor")
     qkv = qkv.reshape(batch, time, n_heads, 3, head_dim)
     q = qkv[:, :, :, 0] * jnp.asarray(1.0 / math.sqrt(head_dim), h.dtype)
     k, v = qkv[:, :, :, 1], qkv[:, :, :, 2]
@@ -148,10 +179,10 @@ def _attention(h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) 
     probs = jax.nn.softmax(scores, axis=-1).astype(h.dtype)
     context = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch * time, d)
     context = checkpoint_name(constrain(context, "batch", "tensor"), "attn_out")
-    return constrain(dense(context, p["proj_w"], p["proj_b"]), "batch", None)
+    return constrain(_dense(context, p, "proj", fp8), "batch", None)
 
 
-def _block(x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) -> jax.Array:
+def _block(x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | None = None) -> jax.Array:
     """One pre-norm block on the flattened residual stream ``x`` of shape ``(batch * time, d)``.
 
     Sharded, its parameters are gathered here, inside the rematerialized block, so the
@@ -159,11 +190,11 @@ def _block(x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int) -> j
     """
     p = gathered(p, "blocks")
     h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-    x = x + _attention(h, p, batch=batch, time=time, n_heads=n_heads)
+    x = x + _attention(h, p, batch=batch, time=time, n_heads=n_heads, fp8=fp8)
     h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
-    hidden = constrain(jax.nn.gelu(dense(h, p["fc_w"], p["fc_b"])), "batch", "tensor")
+    hidden = constrain(jax.nn.gelu(_dense(h, p, "fc", fp8)), "batch", "tensor")
     hidden = checkpoint_name(hidden, "mlp_hidden")
-    return constrain(x + dense(hidden, p["out_w"], p["out_b"]), "batch", None)
+    return constrain(x + _dense(hidden, p, "out", fp8), "batch", None)
 
 
 def transformer_logits(
@@ -205,7 +236,9 @@ def transformer_logits(
     x = embedding_lookup(top["embed"], tokens) + top["pos"][None, :time]
     x = constrain(x.reshape(batch * time, config.d_model), "batch", None)
     block = remat(
-        functools.partial(_block, batch=batch, time=time, n_heads=config.n_heads), remat_policy, prevent_cse=False
+        functools.partial(_block, batch=batch, time=time, n_heads=config.n_heads, fp8=config.fp8),
+        remat_policy,
+        prevent_cse=False,
     )
     x, _ = jax.lax.scan(lambda carry, layer: (block(carry, layer), None), x, params["blocks"])
     x = layer_norm(x, top["ln_f_scale"], top["ln_f_bias"])
@@ -273,8 +306,8 @@ def transformer_loss(
 
 
 def count_params(params: Any) -> int:
-    """Total number of scalars in a parameter tree."""
-    return sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(params))
+    """Total number of scalars in a parameter tree (its FP8 state, scales and histories, left out)."""
+    return sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(split_fp8(params)[0]))
 
 
 def transformer_flops_per_token(config: TransformerConfig) -> int:

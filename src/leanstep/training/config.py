@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.blocks.precision import check_train_precision
@@ -141,6 +142,7 @@ class RunConfig:
     fsdp: bool = False
     mesh: str | None = None
     reduce: str = "auto"
+    fp8: str = "none"
 
     def __post_init__(self) -> None:
         # "~" means the home directory in every path, the same for every file of the run.
@@ -174,9 +176,14 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def mismatches(self, saved: dict[str, Any]) -> list[str]:
-        """The fields (other than :data:`RESUMABLE_FIELDS`) whose value differs from a saved config."""
-        mine = self.to_json()
+        """The fields (other than :data:`RESUMABLE_FIELDS`) whose value differs from a saved config
+        (a field newer than the saved run, absent from it, counts as its default there)."""
+        mine, saved = self.to_json(), {**_ADDED_FIELDS, **saved}
         return sorted(k for k in mine if k not in RESUMABLE_FIELDS and (k not in saved or saved[k] != mine[k]))
+
+
+#: Fields added since runs were first saved, with the value a saved run without them had.
+_ADDED_FIELDS: dict[str, Any] = {"fp8": "none"}
 
 
 def _check_int(config: RunConfig, name: str, minimum: int = 1, maximum: int = INT32_MAX) -> None:
@@ -286,6 +293,7 @@ def _check_parts(config: RunConfig) -> None:
     for flag, parse, value in (
         ("--precision", _check_precision, config.precision),
         ("--remat", get_remat_policy, config.remat),
+        ("--fp8", Fp8Recipe.from_string, config.fp8),
     ):
         try:
             parse(value)
@@ -295,6 +303,8 @@ def _check_parts(config: RunConfig) -> None:
         config.make_loss_scale()
     except (TypeError, ValueError) as error:
         raise ValueError(f"--loss-scale: {error}") from None
+    if config.fp8.strip().lower() != "none" and config.model != "transformer":
+        raise ValueError(f"--fp8 {config.fp8}: FP8 matmuls are built into --model transformer, not {config.model}")
     try:  # cheap: builds the config dataclass only, no arrays
         build_model(config.model, config.size, **model_overrides(config))
     except (TypeError, ValueError) as error:
@@ -314,9 +324,15 @@ _CHECKS: tuple[Callable[[RunConfig], None], ...] = (
 )
 
 
-def model_overrides(config: RunConfig) -> dict[str, int]:
-    """The model-config fields a run sets: the size flags given, and ``seq_len``."""
-    overrides = {name: getattr(config, name) for _, name in MODEL_FLAGS if getattr(config, name) is not None}
+def model_overrides(config: RunConfig) -> dict[str, Any]:
+    """The model-config fields a run sets: the size flags given, ``seq_len``, and ``fp8`` (an
+    :class:`leanstep.Fp8Recipe`) where ``--fp8`` is not ``none``."""
+    overrides: dict[str, Any] = {
+        name: getattr(config, name) for _, name in MODEL_FLAGS if getattr(config, name) is not None
+    }
+    recipe = Fp8Recipe.from_string(config.fp8)
+    if recipe is not None:
+        overrides["fp8"] = recipe
     if config.model == "mlp":
         overrides.pop("n_heads", None)
         if "d_ff" in overrides:
@@ -328,4 +344,7 @@ def model_overrides(config: RunConfig) -> dict[str, int]:
 def config_hash(config: RunConfig) -> str:
     """sha256 of the fields that identify a run (all but :data:`RESUMABLE_FIELDS`)."""
     identity = {k: v for k, v in config.to_json().items() if k not in RESUMABLE_FIELDS}
+    for name, default in _ADDED_FIELDS.items():  # a run saved before the field keeps its hash
+        if identity.get(name) == default:
+            identity.pop(name)
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
