@@ -10,7 +10,8 @@ quantized and dequantized around an ordinary ``dot_general`` in the compute dtyp
 an FP8 GPU (H100, H200, MI300) rewrites into one FP8 GEMM with its scales, and which XLA:CPU
 runs exactly as written (emulated: the operands carry FP8 values in the compute dtype). The
 quantization is straight-through: ``x`` and ``w`` receive the gradient of their quantized
-copies. The name scope ``leanstep_fp8`` marks the matmul for :func:`leanstep.audit`.
+copies. The name scope ``leanstep_fp8_<scaling>_<forward>_<backward>`` marks the matmul, and
+JAX's transpose of it, for :func:`leanstep.audit` (:func:`fp8_scope`).
 
 Delayed scaling (:class:`leanstep.blocks.fp8.Fp8Recipe`) keeps one :class:`Fp8Meta` per matmul,
 in the params tree: scales ``s_x, s_w, s_g`` from the amax histories of earlier steps, and the
@@ -42,7 +43,7 @@ import contextvars
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +52,7 @@ from jax.typing import ArrayLike
 from leanstep.blocks.fp8 import Fp8Recipe, amax_of, new_scale, qdq, record_amax
 from leanstep.blocks.fp8_state import Fp8State
 
-__all__ = ["Fp8Meta", "fp8_dot_general", "fp8_matmul", "fp8_uses"]
+__all__ = ["Fp8Meta", "Fp8Scope", "fp8_dot_general", "fp8_matmul", "fp8_scope", "fp8_uses"]
 
 _META_FIELDS = ("input_scale", "input_history", "kernel_scale", "kernel_history", "grad_scale", "grad_history")
 
@@ -184,6 +185,45 @@ def _note_use(meta: Fp8Meta) -> None:
 
 # --- the matmuls -----------------------------------------------------------------------------------
 
+_SCOPE = "leanstep_fp8_"
+
+
+class Fp8Scope(NamedTuple):
+    """What the name scope of an FP8 matmul says (:func:`fp8_scope`).
+
+    Attributes:
+      scaling: ``"delayed"`` or ``"current"``.
+      lhs, rhs: the FP8 formats the operands carry: the forward format twice for the matmul
+        itself; for its transposes in the backward pass (JAX puts the cotangent first), the
+        gradient's format and the forward one.
+      backward: the equation is a transpose, in the backward pass.
+    """
+
+    scaling: str
+    lhs: str
+    rhs: str
+    backward: bool
+
+
+def fp8_scope(name_stack: str) -> Fp8Scope | None:
+    """The FP8 matmul an equation's name stack places it in, or None.
+
+    Example:
+      >>> fp8_scope("transpose(jvp(leanstep_fp8_delayed_e4m3_e5m2))")
+      Fp8Scope(scaling='delayed', lhs='e5m2', rhs='e4m3', backward=True)
+      >>> fp8_scope("jvp(mlp)") is None
+      True
+    """
+    at = name_stack.rfind(_SCOPE)
+    if at < 0:
+        return None
+    parts = name_stack[at + len(_SCOPE) :].split("/")[0].rstrip(")").split("_")
+    if len(parts) != 3:
+        return None
+    scaling, forward, backward = parts
+    transposed = "transpose(" in name_stack[:at]
+    return Fp8Scope(scaling, backward if transposed else forward, forward, transposed)
+
 
 def fp8_dot_general(
     lhs: ArrayLike,
@@ -218,7 +258,7 @@ def fp8_dot_general(
             if recipe.delayed
             else f"current scaling keeps no state: pass meta=None, got {type(meta).__name__}"
         )
-    with jax.named_scope(f"leanstep_fp8_{recipe.scaling}"):
+    with jax.named_scope(f"{_SCOPE}{recipe.scaling}_{recipe.forward}_{recipe.backward}"):
         if isinstance(meta, Fp8Meta):
             _note_use(meta)
             x = _in_qdq(recipe, recipe.forward, lhs, meta.input_scale, meta.input_history)

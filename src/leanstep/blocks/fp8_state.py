@@ -142,8 +142,8 @@ def combine_fp8(tree: Any, other: Any, trainable: Callable[[Any, Any], Any], fp8
     leaf lies (``tree``'s :class:`Fp8State` nodes say; e.g. sum the gradients, max the FP8 state)."""
     leaves, treedef = jax.tree.flatten(tree)
     mask = jax.tree.leaves(fp8_mask(tree))
-    others = treedef.flatten_up_to(other)
-    return treedef.unflatten([(fp8 if m else trainable)(a, b) for a, b, m in zip(leaves, others, mask)])
+    others = treedef.flatten_up_to(other)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef, untyped here
+    return jax.tree.unflatten(treedef, [(fp8 if m else trainable)(a, b) for a, b, m in zip(leaves, others, mask)])
 
 
 def overwrite_fp8(old: Any, new: Any, applied: jax.Array) -> Any:

@@ -106,5 +106,8 @@ class Fp8Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         meta = None if self.fp8 is None else self.fp8.get_value()
         kernel = self.linear.kernel.get_value().astype(x.dtype)
+        out = fp8_matmul(x, kernel, meta, self.recipe)
+        if self.linear.bias is None:
+            return out
         bias = self.linear.bias.get_value().astype(x.dtype)
-        return fp8_matmul(x, kernel, meta, self.recipe) + bias.reshape((1,) * (x.ndim - 1) + bias.shape)
+        return out + bias.reshape((1,) * (x.ndim - 1) + bias.shape)

@@ -67,6 +67,9 @@ class Matmul:
       flops: ``2 * prod(out shape) * prod(contracted sizes)`` (a convolution: its kernel
         window times its input features), times the trip counts around it.
       kind: the primitive, ``"dot_general"`` or ``"conv_general_dilated"``.
+      scale: for an FP8 matmul (:func:`leanstep.fp8_dot_general`), the scaling that quantized
+        its operands, ``"delayed"`` or ``"current"`` (their dtypes are then the FP8 formats they
+        carry, ``float8_e4m3fn`` and ``float8_e5m2``); else ``""``.
 
     Example:
       >>> m = Matmul(((2, 3), "bfloat16"), ((3, 4), "bfloat16"), "float32", "float32", 0, "top", 48.0)
@@ -82,6 +85,7 @@ class Matmul:
     path: str
     flops: float
     kind: str = "dot_general"
+    scale: str = ""
 
     @property
     def dtypes(self) -> tuple[str, str, str]:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from leanstep.blocks.fp8 import fp8_dtype
+from leanstep.blocks.fp8_dot import fp8_scope
 from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.common.jaxprs import MATMUL_PRIMITIVES, is_remat_primitive, sub_jaxprs
 from leanstep.inspection.audit_records import HostSync, Matmul, RematRegion, ScanInfo
@@ -69,14 +71,34 @@ def _segment(eqn: Any) -> str:
     return name
 
 
+def _matmul(eqn: Any, scan_depth: int, where: str, multiplier: float, outer: str) -> Matmul:
+    """The record of a matmul equation; an FP8 one's operands by the FP8 formats they carry
+    (``outer``: the name stacks of the equations around it, whose ``transpose(...)`` says that a
+    matmul in a backward scan's body is a transpose)."""
+    preferred = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
+    lhs, rhs = _aval(eqn.invars[0]), _aval(eqn.invars[1])
+    scope = fp8_scope(outer + str(eqn.source_info.name_stack))
+    if scope is not None:
+        lhs, rhs = (lhs[0], np.dtype(fp8_dtype(scope.lhs)).name), (rhs[0], np.dtype(fp8_dtype(scope.rhs)).name)
+    flops = equation_flops(eqn) * multiplier
+    kind, scale = eqn.primitive.name, "" if scope is None else scope.scaling
+    return Matmul(lhs, rhs, str(np.dtype(preferred)), _aval(eqn.outvars[0])[1], scan_depth, where, flops, kind, scale)
+
+
 def walk_jaxpr(
-    jaxpr: Any, path: tuple[str, ...], scan_depth: int, multiplier: float, names: list[set[str]], out: Findings
+    jaxpr: Any,
+    path: tuple[str, ...],
+    scan_depth: int,
+    multiplier: float,
+    names: list[set[str]],
+    out: Findings,
+    outer: str = "",
 ) -> int:
     """Visits ``jaxpr``, recording into ``out``; returns its matmul and convolution count, sub-programs included.
 
     ``multiplier`` is the product of the trip counts of the scans around ``jaxpr``; ``names``
     holds the primitive-name sets of the remat regions around it, each of which gets every
-    primitive visited here.
+    primitive visited here; ``outer`` the name stacks of the equations around it.
     """
     matmuls = 0
     for eqn in jaxpr.eqns:
@@ -87,28 +109,17 @@ def walk_jaxpr(
         where = "/".join(path) or "top"
         if name in MATMUL_PRIMITIVES:
             matmuls += 1
-            preferred = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
-            out.matmuls.append(
-                Matmul(
-                    _aval(eqn.invars[0]),
-                    _aval(eqn.invars[1]),
-                    str(np.dtype(preferred)),
-                    _aval(eqn.outvars[0])[1],
-                    scan_depth,
-                    where,
-                    equation_flops(eqn) * multiplier,
-                    name,
-                )
-            )
+            out.matmuls.append(_matmul(eqn, scan_depth, where, multiplier, outer))
         if name in HOST_SYNC_PRIMITIVES:
             callback = eqn.params.get("callback")
             func = getattr(callback, "callback_func", callback)
             out.host_syncs.append(HostSync(name, where, getattr(func, "__name__", None)))
         inner_path = (*path, _segment(eqn))
+        inner = f"{outer}{eqn.source_info.name_stack}/"
         subs = list(sub_jaxprs(eqn))
         if name == "scan":
             length, before = eqn.params["length"], len(out.scans)
-            body_matmuls = walk_jaxpr(subs[0][1], inner_path, scan_depth + 1, multiplier * length, names, out)
+            body_matmuls = walk_jaxpr(subs[0][1], inner_path, scan_depth + 1, multiplier * length, names, out, inner)
             num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
             carry = tuple(_aval(v) for v in eqn.invars[num_consts : num_consts + num_carry])
             out.scans.insert(
@@ -118,7 +129,7 @@ def walk_jaxpr(
         elif is_remat_primitive(name):
             remat_region: set[str] = set()
             before = len(out.remats)
-            matmuls += walk_jaxpr(subs[0][1], inner_path, scan_depth, multiplier, [*names, remat_region], out)
+            matmuls += walk_jaxpr(subs[0][1], inner_path, scan_depth, multiplier, [*names, remat_region], out, inner)
             out.remats.insert(
                 before,
                 RematRegion(
@@ -131,5 +142,5 @@ def walk_jaxpr(
             )
         else:  # cond branches, while's cond and body, call bodies: each one walked
             for _, sub in subs:
-                matmuls += walk_jaxpr(sub, inner_path, scan_depth, multiplier, names, out)
+                matmuls += walk_jaxpr(sub, inner_path, scan_depth, multiplier, names, out, inner)
     return matmuls

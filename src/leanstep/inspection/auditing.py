@@ -184,13 +184,15 @@ class AuditReport:
         convolutions = sum(m.kind == "conv_general_dilated" for m in self.matmuls)
         of_which = f", {convolutions} of them convolutions" if convolutions else ""
         lines.append(f"matmuls: {len(self.matmuls)} ({len(self.matmuls_outside_scans)} outside any scan{of_which})")
-        by_dtype: collections.defaultdict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+        by_dtype: collections.defaultdict[tuple[str, ...], list[float]] = collections.defaultdict(lambda: [0, 0.0])
         for m in self.matmuls:
-            by_dtype[m.dtypes][0] += 1
-            by_dtype[m.dtypes][1] += m.flops
-        for (lhs, rhs, acc), (count, flops) in sorted(by_dtype.items(), key=lambda kv: -kv[1][1]):
+            key = (m.lhs[1], m.rhs[1], m.preferred, m.scale)
+            by_dtype[key][0] += 1
+            by_dtype[key][1] += m.flops
+        for (lhs, rhs, acc, scale), (count, flops) in sorted(by_dtype.items(), key=lambda kv: -kv[1][1]):
+            fp8 = f" (FP8, {scale} scaling)" if scale else ""
             lines.append(
-                f"  {short_dtype_name(lhs)} x {short_dtype_name(rhs)} -> {short_dtype_name(acc)}: {count} matmuls, "
+                f"  {short_dtype_name(lhs)} x {short_dtype_name(rhs)} -> {short_dtype_name(acc)}{fp8}: {count} matmuls, "
                 f"{100 * flops / total:.1f}% of matmul FLOPs"
             )
         for m in self.matmuls_outside_scans:

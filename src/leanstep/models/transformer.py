@@ -110,7 +110,7 @@ def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
         "fc_w": ((n, d, f), 0.02), "out_w": ((n, f, d), residual_std),
     })  # fmt: skip
     zeros, ones = jnp.zeros, jnp.ones
-    blocks = {
+    blocks: dict[str, Any] = {
         "ln1_scale": ones((n, d)), "ln1_bias": zeros((n, d)),
         "qkv_w": w["qkv_w"], "qkv_b": zeros((n, 3 * d)),
         "proj_w": w["proj_w"], "proj_b": zeros((n, d)),

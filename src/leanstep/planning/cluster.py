@@ -69,10 +69,12 @@ from leanstep.planning.cluster_compile import ClusterCompiler, place_meshes, ste
 from leanstep.planning.cluster_grid import Family, families_of, mesh_shapes
 from leanstep.planning.cluster_search import Limits, SearchState, final_row, rank, run_search, start, strip
 from leanstep.planning.cost_model import Accelerator, get_accelerator
+from leanstep.planning.fp8_sizes import fp8_notes
 from leanstep.planning.plan_inputs import is_params_builder
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords
 from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
 
 __all__ = ["plan_cluster"]
 
@@ -216,7 +218,10 @@ def plan_cluster(
     limits = Limits(budget, search.rtol, search.exhaustive)
     searched = run_search(start(candidates, families, flops), limits, compile_one)
     chosen, rows = _finish(searched, families, invalid, limits, search, compile_one, space.max_microbatches)
-    return Plan(budget, rows, chosen, time.perf_counter() - start_time, num_devices, accelerator)
+    s = chosen.setting  # its step traced on one device (nothing compiled), for the FP8 figures
+    step = make_train_step(loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches, **step_kwargs)
+    notes = fp8_notes(state, step.trace(state, batch).jaxpr)
+    return Plan(budget, rows, chosen, time.perf_counter() - start_time, num_devices, accelerator, notes)
 
 
 def _finish(

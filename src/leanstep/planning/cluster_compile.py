@@ -26,6 +26,7 @@ from leanstep.planning.candidates import compile_candidate
 from leanstep.planning.cluster_grid import Layout, argument_bytes, format_seconds, layout_sizes, mesh_text
 from leanstep.planning.cluster_search import Compiled
 from leanstep.planning.cost_model import Accelerator, StepCost, step_cost
+from leanstep.planning.fp8_sizes import fp8_flops
 from leanstep.planning.records import Candidate, known
 from leanstep.sharding.meshes import batch_sharding
 from leanstep.step.sharding_layer import ShardingLayer
@@ -145,6 +146,8 @@ class ClusterCompiler:
             **self.step_kwargs,
         )
         traced = step.trace(placed.state, placed.batch)
+        fp8 = fp8_flops(traced.jaxpr)
+        fp8_fraction = fp8 / (count_flops(traced.jaxpr, dots_only=True) or 1.0) if fp8 else 0.0
         c = dataclasses.replace(candidate, trace_seconds=time.perf_counter() - t0)
         c = compile_candidate(c, traced, self.budget, self.compiler_options)
         hlo = c.executable.as_text()  # once: printing a large module takes seconds
@@ -157,6 +160,7 @@ class ClusterCompiler:
             self.accelerator,
             self.compute_dtype,
             promoted_to_float32=cpu,
+            fp8_fraction=fp8_fraction,
         )
         c = priced(c, cost, time.perf_counter() - t0 - (c.trace_seconds or 0.0))
         if self.progress is not None:

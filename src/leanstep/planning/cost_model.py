@@ -7,6 +7,7 @@ and its collectives, :func:`leanstep.collectives_report`):
 .. code-block:: text
 
     compute    = dot FLOPs / (peak FLOP/s of the compute dtype * efficiency)
+                 (the FP8 matmuls' share of them at the FP8 rate, where the accelerator has one)
     collective = trips * (latency + sent / (bandwidth * link_efficiency))
                  sent: ring algorithms over a group of n devices and a buffer of B bytes
                    all-reduce 2 (n-1)/n B;  all-gather, reduce-scatter, all-to-all (n-1)/n B;
@@ -31,15 +32,17 @@ reductions are float32 by design (the accumulator is float32).
 Presets (:data:`ACCELERATORS`; sources: NVIDIA H100, H200 and A100 datasheets, DGX H100/A100
 user guides for the per-GPU network, Google Cloud TPU v4 and v5e system architecture pages):
 
-=========  ==========  ======================  =========  ==============  ==============
-name       memory      dense bf16 / f32 TFLOP  node size  in node (GB/s)  across (GB/s)
-=========  ==========  ======================  =========  ==============  ==============
-h100       80 GB       989 / 495 (TF32)        8          450 (NVLink)    50 (400 Gb/s IB)
-h200       141 GB      989 / 495 (TF32)        8          450 (NVLink)    50 (400 Gb/s IB)
-a100       80 GB       312 / 156 (TF32)        8          300 (NVLink)    25 (200 Gb/s IB)
-tpu-v4     32 GiB      275 / 275               4096 (pod) 268.6 (ICI)     none modelled
-tpu-v5e    16 GB       197 / 197               256 (pod)  200 (ICI)       3.125 (DCN)
-=========  ==========  ======================  =========  ==============  ==============
+=========  ==========  ============================  =========  ==============  ==============
+name       memory      dense bf16 / f32 / fp8 TFLOP  node size  in node (GB/s)  across (GB/s)
+=========  ==========  ============================  =========  ==============  ==============
+h100       80 GB       989 / 495 (TF32) / 1979       8          450 (NVLink)    50 (400 Gb/s IB)
+h200       141 GB      989 / 495 (TF32) / 1979       8          450 (NVLink)    50 (400 Gb/s IB)
+a100       80 GB       312 / 156 (TF32) / none       8          300 (NVLink)    25 (200 Gb/s IB)
+tpu-v4     32 GiB      275 / 275 / none              4096 (pod) 268.6 (ICI)     none modelled
+tpu-v5e    16 GB       197 / 197 / none              256 (pod)  200 (ICI)       3.125 (DCN)
+=========  ==========  ============================  =========  ==============  ==============
+
+An accelerator without an FP8 rate runs FP8 matmuls at its compute dtype's rate.
 
 TPU in-pod bandwidth is the pod's all-reduce bandwidth divided by its chips (v4: 1.1 PB/s over
 4096; v5e: 51.2 TB/s over 256); v5e's data-center network is 2 x 100 Gb/s per host of 8 chips.
@@ -120,8 +123,12 @@ class Accelerator:
 _GB = 10**9
 #: Named presets (see the module doc for the numbers and their sources).
 ACCELERATORS: dict[str, Accelerator] = {
-    "h100": Accelerator("h100", 80 * _GB, {"bfloat16": 989e12, "float32": 495e12}, 8, 450 * _GB, 50 * _GB),
-    "h200": Accelerator("h200", 141 * _GB, {"bfloat16": 989e12, "float32": 495e12}, 8, 450 * _GB, 50 * _GB),
+    "h100": Accelerator(
+        "h100", 80 * _GB, {"bfloat16": 989e12, "float32": 495e12, "float8": 1979e12}, 8, 450 * _GB, 50 * _GB
+    ),
+    "h200": Accelerator(
+        "h200", 141 * _GB, {"bfloat16": 989e12, "float32": 495e12, "float8": 1979e12}, 8, 450 * _GB, 50 * _GB
+    ),
     "a100": Accelerator("a100", 80 * _GB, {"bfloat16": 312e12, "float32": 156e12}, 8, 300 * _GB, 25 * _GB),
     "tpu-v4": Accelerator("tpu-v4", 32 * 2**30, {"bfloat16": 275e12, "float32": 275e12}, 4096, 1.1e15 / 4096, None),
     "tpu-v5e": Accelerator(
@@ -229,6 +236,7 @@ def step_cost(
     compute_dtype: Any,
     *,
     promoted_to_float32: bool = False,
+    fp8_fraction: float = 0.0,
 ) -> StepCost:
     """Prices a compiled step: its per-device dot FLOPs and its :class:`leanstep.CollectivesReport`.
 
@@ -240,8 +248,12 @@ def step_cost(
       compute_dtype: the step's compute dtype (picks the FLOP rate).
       promoted_to_float32: the compiler ran bf16 collectives in float32 (XLA:CPU); count the
         ones that are not gradient reductions at 2 bytes an element.
+      fp8_fraction: the share of ``flops`` in FP8 matmuls (:func:`leanstep.fp8_dot_general`),
+        priced at the accelerator's ``"float8"`` rate where it has one.
     """
     rate = accelerator.peak_flops(compute_dtype) * accelerator.efficiency
+    fp8_rate = accelerator.flops.get("float8", accelerator.peak_flops(compute_dtype)) * accelerator.efficiency
+    compute_seconds = flops * (1.0 - fp8_fraction) / rate + flops * fp8_fraction / fp8_rate
     narrow = promoted_to_float32 and np.dtype(compute_dtype).itemsize == 2
     seconds, total, executions = 0.0, 0, 0
     by_axes: dict[tuple[str, ...], float] = {}
@@ -255,4 +267,4 @@ def step_cost(
         spent = collective_seconds(c.kind, size, c.group_size, c.axes, mesh_shape, accelerator, trips=c.trips)
         by_axes[c.axes] = by_axes.get(c.axes, 0.0) + spent
         seconds += spent
-    return StepCost(flops, total, executions, flops / rate, seconds, by_axes)
+    return StepCost(flops, total, executions, compute_seconds, seconds, by_axes)

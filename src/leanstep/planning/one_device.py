@@ -62,6 +62,7 @@ from leanstep.planning.candidates import (
     compiler_options_for,
     first_fit,
 )
+from leanstep.planning.fp8_sizes import fp8_notes
 from leanstep.planning.plan_inputs import (
     abstract_state,
     batch_size_of,
@@ -255,6 +256,7 @@ def plan(
         smallest = min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes))
         raise BudgetError(budget, smallest, final, bound)
     notes = batch_statistics_notes(model_state, chosen.setting.num_microbatches, batch_size)
+    notes += fp8_notes(steps.states[chosen.setting.remat], steps.traced[chosen.setting].jaxpr)
     return Plan(budget, final, chosen, time.perf_counter() - start, notes=notes)
 
 

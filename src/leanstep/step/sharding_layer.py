@@ -319,7 +319,8 @@ class ShardingLayer:
         mask = jax.tree.leaves(fp8_mask(out.grads))
         spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
         leaves, treedef = jax.tree.flatten(out.grads)
-        grads = treedef.unflatten([reduce_leaf(g, s, m) for g, s, m in zip(leaves, spec_leaves, mask, strict=True)])
+        reduced = [reduce_leaf(g, s, m) for g, s, m in zip(leaves, spec_leaves, mask, strict=True)]
+        grads = jax.tree.unflatten(treedef, reduced)
         loss = jax.lax.psum(out.loss if token_weighted else out.loss * weight, manual) / total
         mean = lambda tree: jax.tree.map(
             lambda a: jax.lax.pmean(a, manual) if jnp.issubdtype(a.dtype, jnp.floating) else jax.lax.psum(a, manual),
