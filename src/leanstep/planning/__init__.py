@@ -9,6 +9,7 @@
     cluster_search.py  the cluster search: a state and pure steps (next group, prune, record)
     cluster_compile.py the cluster's compiles: meshes laid out, one candidate priced
     plan_inputs.py     params or a params builder per policy; a model state's batch-statistics note
+    fp8_sizes.py       an FP8 run: the FP8 state sized, its matmul operands counted at one byte
     candidates.py      shared steps: abstract stand-ins, one candidate's memory, bisection
     records.py         the typed rows a plan reports
     cost_model.py      Accelerator, step_cost: a stated model of time on other hardware
