@@ -72,6 +72,21 @@ def worker(out: Path) -> None:
                         "fp8": [x.tolist() for x in fp8_of(state.params)],
                         "replicated": replicated,
                     }
+        # A one-device checkpoint restored onto the fsdp=8 layout: FP8 state replicated, bit for bit.
+        one = leanstep.make_train_step(loss, precision=PRECISION, num_microbatches=2)
+        state, _ = _steps(one, new_state(), batches)
+        with leanstep.Checkpointer(out / f"ckpt-{name}") as checkpointer:
+            checkpointer.save(STEPS, state)
+            mesh = device_mesh(shape={"fsdp": 8})
+            restored = checkpointer.restore(leanstep.shard_train_state(new_state(), mesh)).state
+        results[f"{name}/restored-fsdp8"] = {
+            "same": all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True)
+            ),
+            "replicated": all(x.sharding.is_fully_replicated for x in fp8_leaves(restored.params)),
+            "split": any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(restored.params)),
+        }
     (out / "fp8_mesh.json").write_text(json.dumps(results))
 
 
@@ -100,6 +115,12 @@ def test_meshes_give_the_one_device_fp8_state_bit_for_bit_and_replicate_it(resul
     row = results[f"{model}/{layout}-{reduce}/{num_mb}"]
     _equal(row["fp8"], results[f"{model}/one/1"])
     assert row["replicated"]
+
+
+@pytest.mark.parametrize("model", ["jax", "flax"])
+def test_a_checkpoint_restores_onto_another_layout_with_the_fp8_state_replicated(results, model):
+    row = results[f"{model}/restored-fsdp8"]
+    assert row == {"same": True, "replicated": True, "split": True}
 
 
 def test_the_fp8_state_moved_and_saw_every_row(results):
