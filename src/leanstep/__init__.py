@@ -135,7 +135,7 @@ def __dir__() -> list[str]:
 
 _moved.install()
 
-__version__ = "0.8.1"
+__version__ = "0.9.0"
 
 __all__ = [
     "ACCELERATORS",

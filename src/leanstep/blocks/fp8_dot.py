@@ -237,7 +237,8 @@ def fp8_dot_general(
     """``jax.lax.dot_general`` with FP8 operands (the module doc): ``lhs`` the input, ``rhs`` the kernel.
 
     Args:
-      lhs, rhs: the operands, in the compute dtype (bfloat16, say); the product is in it too.
+      lhs: the input operand, in the compute dtype (bfloat16, say); the product is in it too.
+      rhs: the kernel operand, in the compute dtype.
       dimension_numbers: as ``jax.lax.dot_general``.
       meta: this matmul's :class:`Fp8Meta` (delayed scaling); None with current scaling.
       recipe: an :class:`leanstep.blocks.fp8.Fp8Recipe`; default delayed scaling.
