@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax.linen import fp8_ops
 
 import leanstep
 from fp8_models import batch, fp8_of
@@ -60,6 +61,20 @@ class LinenNet(nn.Module):
         return nn.Dense(4, dot_general_cls=op)(hidden)
 
 
+class BridgedNet(nnx.Module):
+    """An NNX model around a Linen MLP written with Flax's own fp8_ops (nnx.bridge.ToNNX)."""
+
+    def __init__(self, rngs):
+        op = functools.partial(fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=4)
+        self.hidden = nnx.bridge.ToNNX(nn.Dense(32, dot_general_cls=op), rngs=rngs)
+        self.head = nnx.bridge.ToNNX(nn.Dense(4, dot_general_cls=op), rngs=rngs)
+        nnx.bridge.lazy_init(self.hidden, jnp.ones((1, 16)))
+        nnx.bridge.lazy_init(self.head, jnp.ones((1, 32)))
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.hidden(x)))
+
+
 def mse(out, b):
     return jnp.mean((out.astype(jnp.float32) - b["y"]) ** 2)
 
@@ -75,11 +90,16 @@ def setups(recipe):
     linen_params, _ = llinen.split(LinenNet(recipe).init(jax.random.key(0), jnp.ones((1, 16))))
     linen_loss = lambda p, b: mse(llinen.apply(LinenNet(recipe), p, {}, b["x"])[0], b)
     linen_back = lambda p, s: llinen.merge(p, {})["_overwrite_with_gradient"]["Dense_0"]["Fp8DotGeneral_0"]["meta"]
-    return {
+    out = {
         "nnx": (nnx_loss, params, model_state, nnx_back),
         "equinox": (eqx_loss, eqx_params, None, eqx_back),
         "linen": (linen_loss, linen_params, None, linen_back),
     }
+    if recipe.delayed:  # Flax's fp8_ops: delayed scaling, history 4
+        graphdef_b, params_b, state_b = lnnx.split(BridgedNet(nnx.Rngs(0)))
+        bridged_loss = lnnx.loss(graphdef_b, lambda model, b: mse(model(b["x"]), b))
+        out["nnx-bridge"] = (bridged_loss, params_b, state_b, None)
+    return out
 
 
 def train(loss, params, model_state, num_mb, steps=2):
@@ -102,11 +122,11 @@ def trained():
     return out
 
 
-@pytest.mark.parametrize("framework", ["nnx", "equinox", "linen"])
+@pytest.mark.parametrize("framework", ["nnx", "equinox", "linen", "nnx-bridge"])
 def test_four_microbatches_give_the_one_microbatch_fp8_state_bit_for_bit(trained, framework):
     states, _ = trained[framework]
     one, four = fp8_of(states[1].params), fp8_of(states[4].params)
-    assert len(one) == 12
+    assert len(one) == 12 and all(np.any(x != 0) for x in one)  # moved
     for a, b in zip(one, four, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -115,6 +135,7 @@ def test_four_microbatches_give_the_one_microbatch_fp8_state_bit_for_bit(trained
 def test_the_fp8_state_moved_stays_out_of_the_optimizer_and_comes_back_with_the_model(trained, framework):
     states, back = trained[framework]
     state = states[1]
+    assert back is not None
     trainable = len(jax.tree.leaves(state.params)) - len(fp8_of(state.params))
     assert len(jax.tree.leaves(state.opt_state[0].mu)) == trainable  # Adam's moments: no FP8 state
     meta = back(state.params, state.model_state)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 __all__ = [
     "Fp8Collection",
     "Fp8State",
+    "register_fp8_state_type",
     "combine_fp8",
     "fp8_leaves",
     "fp8_mask",
@@ -81,9 +82,21 @@ class Fp8Collection(Fp8State):
         return cls(children[0])
 
 
+#: Node types besides :class:`Fp8State` whose subtree is FP8 state, registered by a framework
+#: adapter (the NNX variable type ``nnx.bridge`` gives Flax's ``_overwrite_with_gradient`` collection).
+_FP8_TYPES: list[type] = [Fp8State]
+
+
+def register_fp8_state_type(node_type: type) -> None:
+    """Makes every node of ``node_type`` (a pytree node class) a node of FP8 state, as an
+    :class:`Fp8State` is: for a framework's own container of it, which cannot subclass it."""
+    if node_type not in _FP8_TYPES:
+        _FP8_TYPES.append(node_type)
+
+
 def is_fp8_state(node: Any) -> bool:
-    """Whether ``node`` is an :class:`Fp8State` node."""
-    return isinstance(node, Fp8State)
+    """Whether ``node`` is an :class:`Fp8State` node (or of a registered type)."""
+    return isinstance(node, tuple(_FP8_TYPES))
 
 
 def has_fp8(tree: Any) -> bool:

@@ -14,9 +14,11 @@ writes for ``nnx.value_and_grad``. BatchNorm statistics and the counters of a mo
 exactly as one call after another of the model would.
 
 FP8: a model keeps each FP8 matmul's :class:`leanstep.Fp8Meta` in an :class:`Fp8` variable (as
-:class:`Fp8Linear` does); :func:`split` puts those beside the ``nnx.Param`` s, where the step
-finds them as FP8 state (max-combined over microbatches, out of the optimizer, written once per
-step), and :func:`loss` leaves them out of the model state.
+:class:`Fp8Linear` does); a Linen module with Flax's ``fp8_ops`` wrapped by ``nnx.bridge.ToNNX``
+keeps its state in the variables of Flax's ``_overwrite_with_gradient`` collection. :func:`split`
+puts both beside the ``nnx.Param`` s, where the step finds them as FP8 state (max-combined over
+microbatches, out of the optimizer, written once per step), and :func:`loss` leaves them out
+of the model state.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from flax import nnx
 
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
+from leanstep.blocks.fp8_state import register_fp8_state_type
 
-__all__ = ["Fp8", "Fp8Linear", "loss", "merge", "split"]
+__all__ = ["Fp8", "Fp8Linear", "OverwriteWithGradient", "loss", "merge", "split"]
 
 
 class Fp8(nnx.Variable):
@@ -38,8 +41,14 @@ class Fp8(nnx.Variable):
     state, not by the optimizer; read it with ``variable.get_value()``."""
 
 
+#: The NNX variable type ``nnx.bridge`` gives Flax's ``_overwrite_with_gradient`` collection (FP8
+#: state of Linen ``fp8_ops`` modules): its values are FP8 state.
+OverwriteWithGradient = nnx.variable_type_from_name("_overwrite_with_gradient", allow_register=True)
+register_fp8_state_type(Fp8)
+register_fp8_state_type(OverwriteWithGradient)
+
 #: The variables leanstep's step differentiates: the parameters and the FP8 state.
-_TRAINED = nnx.Any(nnx.Param, Fp8)
+_TRAINED = nnx.Any(nnx.Param, Fp8, OverwriteWithGradient)
 
 
 def split(model: nnx.Module) -> tuple[Any, nnx.State, nnx.State]:

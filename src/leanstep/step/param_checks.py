@@ -37,7 +37,7 @@ def _check_nnx(params: Any) -> None:
         )
     variables = jax.tree_util.tree_leaves_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for path, leaf in variables:
-        if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param) and not is_fp8_state(leaf.get_value()):
+        if isinstance(leaf, nnx.Variable) and not isinstance(leaf, nnx.Param) and not is_fp8_state(leaf):
             raise TypeError(
                 f"params{jax.tree_util.keystr(path)} is an nnx.{type(leaf).__name__}, not an nnx.Param: "
                 f"the optimizer would update it; split the model instead: {_NNX_SPLIT}"
