@@ -42,7 +42,6 @@ import jax.numpy as jnp
 __all__ = [
     "Fp8Collection",
     "Fp8State",
-    "register_fp8_state_type",
     "combine_fp8",
     "fp8_leaves",
     "fp8_mask",
@@ -50,6 +49,7 @@ __all__ = [
     "is_fp8_state",
     "merge_fp8",
     "overwrite_fp8",
+    "register_fp8_state_type",
     "split_fp8",
 ]
 
