@@ -37,7 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     from leanstep.cli.main import main as run
     from leanstep.training import stop_signals  # noqa: F401 - the heavy imports, under _exit_now
 
-    return run(argv)
+    code = run(argv)
+    # The command is over and its outcome is the exit code: a signal during the interpreter's
+    # shutdown (which puts Python-level handlers back to the default) would replace it with a
+    # death by signal (-2) after a finished run had printed its summary.
+    try:
+        for sig in _WHAT:
+            signal.signal(sig, signal.SIG_IGN)
+    except ValueError:
+        pass
+    return code
 
 
 if __name__ == "__main__":
