@@ -75,6 +75,18 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
         "(scales from amax histories kept in the state) or current (each tensor's own amax), with optional "
         "settings, e.g. delayed,history=16,amax=most_recent,margin=0; emulated exactly (and slower) on CPU",
     )
+    model.add_argument(
+        "--master",
+        default=d.master,
+        help="how the master weights are kept: float32, or bfloat16 with stochastic rounding, bfloat16-sr "
+        "(2 bytes a weight) or bfloat16-sr-kahan (and a bfloat16 buffer of what rounding lost)",
+    )
+    model.add_argument(
+        "--moments",
+        default=d.moments,
+        help="how AdamW's moments are kept: float32, bfloat16, or int8 (blocks of 256 with a float32 scale "
+        "each: 1.016 bytes an element)",
+    )
     model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")
 

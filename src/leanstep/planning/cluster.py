@@ -70,7 +70,7 @@ from leanstep.planning.cluster_grid import Family, families_of, mesh_shapes
 from leanstep.planning.cluster_search import Limits, SearchState, final_row, rank, run_search, start, strip
 from leanstep.planning.cost_model import Accelerator, get_accelerator
 from leanstep.planning.fp8_sizes import fp8_notes
-from leanstep.planning.plan_inputs import is_params_builder
+from leanstep.planning.plan_inputs import is_params_builder, state_format
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords
 from leanstep.step.state import TrainState
@@ -166,6 +166,7 @@ def plan_cluster(
     if step_kwargs.get("has_state"):
         raise ValueError("plan_cluster plans stateless losses; a model state (has_state=True) is not supported yet")
     precision = step_kwargs.pop("precision", "float32")
+    formats = state_format(step_kwargs)
     precision = precision if isinstance(precision, str) else str(precision)
     accelerator = get_accelerator(accelerator)
     budget = parse_bytes(accelerator.memory_bytes if budget_bytes is None else budget_bytes)
@@ -175,7 +176,7 @@ def plan_cluster(
     compute_dtype = get_precision(precision).compute_dtype
     scale = get_loss_scale(loss_scale)
     params, batch = abstract_tree(params), abstract_tree(batch)
-    state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, loss_scale=scale), params)
+    state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, loss_scale=scale, **formats), params)
     loss_fns = {policy: make_loss_fn(policy) for policy in space.remat_policies}
     # The whole step's dot FLOPs, once per policy, on one device: the compute part of every bound.
     flops = step_flops(loss_fns, state, batch, precision, step_kwargs)

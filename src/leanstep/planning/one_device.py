@@ -56,12 +56,7 @@ from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.common.checks import is_int
 from leanstep.common.memory_sizes import parse_bytes
 from leanstep.inspection.flops import count_flops
-from leanstep.planning.candidates import (
-    abstract_tree,
-    compile_candidate,
-    compiler_options_for,
-    first_fit,
-)
+from leanstep.planning.candidates import abstract_tree, compile_candidate, compiler_options_for, first_fit
 from leanstep.planning.fp8_sizes import fp8_notes
 from leanstep.planning.plan_inputs import (
     abstract_state,
@@ -69,6 +64,7 @@ from leanstep.planning.plan_inputs import (
     batch_statistics_notes,
     is_params_builder,
     params_for,
+    state_format,
     structure_error,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
@@ -186,7 +182,8 @@ def plan(
         ``SearchSpace(max_microbatches=...)``.
       num_devices: plan a cluster of this many devices.
       accelerator: the accelerator the cluster's plan is priced on.
-      **step_kwargs: the run's :func:`make_train_step` arguments: ``precision`` (of the default
+      **step_kwargs: the run's :func:`make_train_step` arguments (and ``master=``, ``moments=``:
+        the state's format, :meth:`leanstep.TrainState.create`'s): ``precision`` (of the default
         candidates), ``max_grad_norm``, ``has_aux``, ``token_weighted``, ``has_state``, ...
         0.8.0's flat search keywords (``flops_rtol=``, ``exhaustive=``, ``compiler_options=``,
         ``remat_policies=``, ...) still work, with a ``DeprecationWarning``.
@@ -241,11 +238,10 @@ def plan(
     budget = parse_bytes(budget_bytes)
     if not callable(make_loss_fn):
         raise TypeError(f"make_loss_fn must be callable, got {type(make_loss_fn).__name__}")
-    precision = step_kwargs.pop("precision", "float32")
-    batch_size = batch_size_of(batch)
+    precision, formats = step_kwargs.pop("precision", "float32"), state_format(step_kwargs)
+    batch_size, scale = batch_size_of(batch), get_loss_scale(loss_scale)
     settings = _settings(candidates, batch_size, precision if isinstance(precision, str) else str(precision))
-    scale = get_loss_scale(loss_scale)
-    state_for = lambda policy: abstract_state(params_for(params, policy), optimizer, scale, model_state)
+    state_for = lambda p: abstract_state(params_for(params, p), optimizer, scale, model_state, **formats)
     steps = _Steps(make_loss_fn, state_for, abstract_tree(batch), step_kwargs, not is_params_builder(params))
     options = compiler_options_for(search.compiler_options, jax.default_backend())
     compile_at = lambda i, c: compile_candidate(steps.trace(c), steps.traced[c.setting], budget, options)
@@ -255,8 +251,9 @@ def plan(
     if chosen is None:
         smallest = min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes))
         raise BudgetError(budget, smallest, final, bound)
-    notes = batch_statistics_notes(model_state, chosen.setting.num_microbatches, batch_size)
-    notes += fp8_notes(steps.states[chosen.setting.remat], steps.traced[chosen.setting].jaxpr)
+    notes = batch_statistics_notes(model_state, chosen.setting.num_microbatches, batch_size) + fp8_notes(
+        steps.states[chosen.setting.remat], steps.traced[chosen.setting].jaxpr
+    )
     return Plan(budget, final, chosen, time.perf_counter() - start, notes=notes)
 
 

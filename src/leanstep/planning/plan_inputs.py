@@ -24,11 +24,13 @@ from leanstep.planning.candidates import abstract_tree
 from leanstep.step.state import TrainState
 
 __all__ = [
+    "STATE_FORMAT_KEYWORDS",
     "abstract_state",
     "batch_size_of",
     "batch_statistics_notes",
     "is_params_builder",
     "params_for",
+    "state_format",
     "structure_error",
 ]
 
@@ -46,10 +48,27 @@ _STRUCTURE_WORDS = (
 )
 
 
-def abstract_state(params: Any, optimizer: Any, loss_scale: Any, model_state: Any) -> Any:
-    """The abstract :class:`leanstep.TrainState` of ``params`` (a tree) and ``model_state``."""
+#: The state-format keywords a plan takes among its step keywords (``TrainState.create``'s).
+STATE_FORMAT_KEYWORDS = ("master", "moments")
+
+
+def state_format(step_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Pops ``master=`` and ``moments=`` (how the masters and the optimizer's moments are kept:
+    :meth:`leanstep.TrainState.create`) from a plan's step keywords.
+
+    Example:
+      >>> kwargs = {"moments": "int8", "max_grad_norm": 1.0}
+      >>> state_format(kwargs), kwargs
+      ({'moments': 'int8'}, {'max_grad_norm': 1.0})
+    """
+    return {name: step_kwargs.pop(name) for name in STATE_FORMAT_KEYWORDS if name in step_kwargs}
+
+
+def abstract_state(params: Any, optimizer: Any, loss_scale: Any, model_state: Any, **formats: Any) -> Any:
+    """The abstract :class:`leanstep.TrainState` of ``params`` (a tree) and ``model_state``, its
+    masters and moments kept as ``formats`` say (:func:`state_format`)."""
     return jax.eval_shape(
-        lambda p, m: TrainState.create(p, optimizer, loss_scale=loss_scale, model_state=m),
+        lambda p, m: TrainState.create(p, optimizer, loss_scale=loss_scale, model_state=m, **formats),
         abstract_tree(params),
         abstract_tree(model_state),
     )

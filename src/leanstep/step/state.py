@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from leanstep.blocks.fp8_state import split_fp8
+from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.blocks.masters import check_master, master_dtype
+from leanstep.blocks.moments import compress_moments
 from leanstep.common.checks import check_optimizer, is_int
 from leanstep.step.param_checks import check_params
 
@@ -26,8 +28,17 @@ __all__ = ["StepMetrics", "TrainState"]
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["step", "params", "opt_state", "loss_scale", "rng", "consecutive_skips", "model_state"],
-    meta_fields=["optimizer"],
+    data_fields=[
+        "step",
+        "params",
+        "opt_state",
+        "loss_scale",
+        "rng",
+        "consecutive_skips",
+        "model_state",
+        "master_error",
+    ],
+    meta_fields=["optimizer", "master"],
 )
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -52,7 +63,12 @@ class TrainState:
       model_state: the model's non-trainable state (batch statistics, counters, a model's own
         RNG state), or None. The optimizer never sees it, it is never cast to the compute
         dtype, and a skipped step leaves it unchanged (``make_train_step(has_state=True)``).
-      optimizer: the ``optax.GradientTransformation`` (static).
+      optimizer: the ``optax.GradientTransformation`` (static); with compressed moments, wrapped
+        by :func:`leanstep.compress_moments`.
+      master: how the masters are kept (static): ``"float32"``, or bfloat16 with stochastic
+        rounding, ``"bfloat16-sr"`` or ``"bfloat16-sr-kahan"`` (:mod:`leanstep.blocks.masters`).
+      master_error: the compensated-summation buffer of ``"bfloat16-sr-kahan"`` (bfloat16, shaped
+        like the trainable parameters), else None.
     """
 
     step: jax.Array
@@ -63,6 +79,8 @@ class TrainState:
     consecutive_skips: jax.Array
     model_state: Any
     optimizer: optax.GradientTransformation
+    master_error: Any = None
+    master: Any = "float32"
 
     @classmethod
     def create(
@@ -73,6 +91,8 @@ class TrainState:
         loss_scale: str | LossScale = "none",
         seed: int = 0,
         model_state: Any = None,
+        master: Any = "float32",
+        moments: str = "float32",
     ) -> TrainState:
         """Builds the state at step 0.
 
@@ -92,6 +112,11 @@ class TrainState:
             seed would give the run of another.
           model_state: a pytree of arrays the model carries besides its parameters (kept in
             its own dtypes), or None.
+          master: ``"float32"`` masters, or bfloat16 ones with stochastic rounding,
+            ``"bfloat16-sr"`` (2 bytes a weight) or ``"bfloat16-sr-kahan"`` (and a bfloat16
+            buffer of what rounding lost). Round-to-nearest bfloat16 is refused.
+          moments: the optimizer's moments kept as ``"float32"``, ``"bfloat16"`` or ``"int8"``
+            (8-bit blocks; :func:`leanstep.compress_moments` wraps ``optimizer``).
 
         Raises:
           TypeError: a parameter leaf is not a floating-point array (a framework's
@@ -99,7 +124,8 @@ class TrainState:
             ``jax.ShapeDtypeStruct``, ``optimizer`` is not a hashable ``GradientTransformation``,
             ``seed`` is not an int, ``loss_scale`` is neither a name nor a loss scale, or a
             ``model_state`` leaf is not a concrete array.
-          ValueError: ``params`` has no leaves, or ``seed`` is out of range.
+          ValueError: ``params`` has no leaves, ``seed`` is out of range, or ``master`` or
+            ``moments`` is not one of their forms (plain bfloat16 masters: why, and what works).
 
         Example:
           >>> import jax.numpy as jnp, optax
@@ -143,16 +169,23 @@ class TrainState:
                 )
             if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
                 raise TypeError(f"{where} is a {type(leaf).__name__}; the model state must be a pytree of arrays")
+        master = check_master(master)
+        optimizer = compress_moments(optimizer, moments)  # the optimizer itself for "float32"
         params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+        trainable, fp8 = split_fp8(params)  # the optimizer and the masters' format: trainable only
+        kept = jax.tree.map(lambda p: p.astype(master_dtype(master)), trainable)
+        error = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.bfloat16), trainable) if "kahan" in str(master) else None
         state = cls(
             step=jnp.zeros((), jnp.int32),
-            params=params,
-            opt_state=optimizer.init(split_fp8(params)[0]),  # the trainable parameters only
+            params=merge_fp8(kept, fp8),
+            opt_state=optimizer.init(trainable),  # of float32 values: moments float32 unless compressed
             loss_scale=get_loss_scale(loss_scale),
             rng=jax.random.key_data(jax.random.key(seed)),
             consecutive_skips=jnp.zeros((), jnp.int32),
             model_state=jax.tree.map(jnp.asarray, model_state),
             optimizer=optimizer,
+            master_error=error,
+            master=master,
         )
         # One buffer per leaf: the step donates the state, and XLA refuses to donate a buffer
         # that two leaves share (the caller's params, or counters built from one zeros array).

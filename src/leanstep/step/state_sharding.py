@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.blocks.fp8_state import merge_fp8, split_fp8
+from leanstep.blocks.moments import QuantizedArray
 from leanstep.common.checks import same_treedef
 from leanstep.sharding.meshes import mesh_axes, place_global
 from leanstep.sharding.partition_rules import param_specs
@@ -94,25 +95,37 @@ def state_shardings(
     fallback = lambda leaf: named(param_specs(leaf, axes))
     # The optimizer's state is of the trainable parameters only (TrainState.create).
     trainable, trainable_shardings = split_fp8(state.params)[0], split_fp8(params)[0]
+    error = None if state.master_error is None else trainable_shardings  # the Kahan buffer: like its masters
     return jax.tree.map(lambda _: replicated, state).replace(
-        params=params, opt_state=_like_params(state.opt_state, trainable, trainable_shardings, fallback)
+        params=params,
+        opt_state=_like_params(state.opt_state, trainable, trainable_shardings, fallback),
+        master_error=error,
     )
 
 
 def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable[[Any], NamedSharding]) -> Any:
-    """Optimizer-state subtrees shaped like the params (Adam's mu, nu) laid out like them; other
-    leaves (counts, factored statistics) by the fallback."""
+    """Optimizer-state subtrees shaped like the params (Adam's mu, nu) laid out like them, and so
+    are compressed ones (:func:`leanstep.compress_moments`: codes and block scales split along the
+    parameter's dimensions, so each device's blocks are its own); other leaves (counts, factored
+    statistics) by the fallback."""
     structure, shapes = jax.tree.structure(params), [np.shape(p) for p in jax.tree.leaves(params)]
+    quantized = lambda x: isinstance(x, QuantizedArray)
 
     def is_params_like(node: Any) -> bool:
+        leaves = jax.tree.leaves(node, is_leaf=quantized)
         return (
-            same_treedef(jax.tree.structure(node), structure) and [np.shape(x) for x in jax.tree.leaves(node)] == shapes
+            same_treedef(jax.tree.structure(node, is_leaf=quantized), structure)
+            and [x.shape if quantized(x) else np.shape(x) for x in leaves] == shapes
         )
 
     def place(node: Any) -> Any:
-        if is_params_like(node):
-            return jax.tree.unflatten(jax.tree.structure(node), jax.tree.leaves(shardings))
-        return jax.tree.map(fallback, node)
+        if not is_params_like(node):
+            return jax.tree.map(fallback, node)
+        laid = [
+            QuantizedArray(s, s, x.signed, x.block_size) if quantized(x) else s
+            for x, s in zip(jax.tree.leaves(node, is_leaf=quantized), jax.tree.leaves(shardings))
+        ]
+        return jax.tree.unflatten(jax.tree.structure(node, is_leaf=quantized), laid)
 
     return jax.tree.map(place, opt_state, is_leaf=is_params_like)
 

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from leanstep.blocks.accumulation import Accumulation
+from leanstep.blocks.fp8_state import split_fp8
 from leanstep.blocks.loss_contract import LossContract
+from leanstep.blocks.masters import master_dtype
 from leanstep.blocks.microbatches import Splitter
 from leanstep.blocks.precision import Precision
 from leanstep.common.checks import INT32_MAX, check_bool, check_positive
@@ -267,19 +269,28 @@ def make_train_step(
                 else "the state holds a model_state: pass has_state=True, and loss_fn(params, model_state, "
                 "batch) returning (loss, new_model_state)"
             )
-        for path, leaf in jax.tree_util.tree_leaves_with_path(state.params):
-            if jnp.result_type(leaf) != jnp.float32:
-                raise ValueError(
-                    f"state.params{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; the "
-                    "master weights must be float32 (TrainState.create stores them so; the compute dtype "
-                    "is the precision's)"
-                )
+        _check_master_dtypes(state)
         jax.eval_shape(accumulation.split_batch, batch)  # the batch's errors, at trace time
         return sharded(state, batch)
 
     if not jit:
         return step
     return _CheckedStep(jax.jit(step, donate_argnums=(0,) if donate else ()), donate)
+
+
+def _check_master_dtypes(state: TrainState) -> None:
+    """Every master in the dtype of ``state.master`` (float32, or bfloat16 with stochastic
+    rounding); FP8 state float32."""
+    trainable, fp8 = split_fp8(state.params)
+    want = master_dtype(state.master)
+    for tree, dtype, what in ((trainable, want, "the master weights"), (fp8, jnp.float32, "FP8 state")):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            if jnp.result_type(leaf) != dtype:
+                raise ValueError(
+                    f"state.params{jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}; {what} must be "
+                    f"{jnp.dtype(dtype).name} (master={state.master!r}: TrainState.create stores them so; the "
+                    "compute dtype is the precision's)"
+                )
 
 
 def _input_problem(leaf: Any, name: str, donate: bool) -> tuple[type[Exception], str] | None:

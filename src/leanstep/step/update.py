@@ -15,6 +15,10 @@ FP8 state in the params (:mod:`leanstep.blocks.fp8_state`) takes no part in unsc
 finiteness decision, the norm, clipping or the optimizer (whose state is of the trainable
 parameters only): its "gradient" is its new value, written if the step is applied.
 
+Masters kept in bfloat16 (``state.master``, :mod:`leanstep.blocks.masters`) are widened to float32
+for the optimizer, and ``params + updates`` is rounded stochastically, with random bits from the
+state's key folded with the step: the same step of a resumed run rounds the same way.
+
 :func:`guarded_update` does this to a :class:`leanstep.TrainState`;
 :func:`guarded_update_transform` offers the same as an optax transformation wrapping any
 optimizer, in the spirit of ``optax.apply_if_finite`` (which neither unscales nor clips, and
@@ -33,6 +37,7 @@ from leanstep.blocks.clipping import clip_by_global_norm, global_norm
 from leanstep.blocks.fp8_state import has_fp8, merge_fp8, overwrite_fp8, split_fp8
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.blocks.masters import apply_to_masters
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive, same_structure, tree_difference
 from leanstep.step.state import TrainState
 
@@ -51,6 +56,14 @@ class UpdateInfo(NamedTuple):
     grad_norm: jax.Array
     finite: jax.Array
     clipped: jax.Array
+
+
+#: Folded into the step's key for stochastic rounding: apart from the microbatches' ``fold_in(key, j)``.
+_ROUNDING_SALT = 0x53524E44
+
+
+def _float32(tree: Any) -> Any:
+    return jax.tree.map(lambda p: p.astype(jnp.float32), tree)
 
 
 def _where_tree(condition: jax.Array, new: Any, old: Any) -> Any:
@@ -178,12 +191,20 @@ def guarded_update(
     _check_grads(scaled_grads, state.params)
     params, fp8 = split_fp8(state.params)
     scaled_grads, new_fp8 = split_fp8(scaled_grads) if has_fp8(state.params) else (scaled_grads, None)
-    check_opt_state(state.opt_state, state.optimizer, params)
+    wide = _float32(params)  # the optimizer sees float32 masters, whatever they are kept in
+    check_opt_state(state.opt_state, state.optimizer, wide)
     _refuse_second_unscale(state.opt_state, "the state's optimizer")
     updates, opt_state, info = _checked_update(
-        scaled_grads, state.opt_state, params, state.optimizer, state.loss_scale, max_grad_norm, loss
+        scaled_grads, state.opt_state, wide, state.optimizer, state.loss_scale, max_grad_norm, loss
     )
-    new_params = _where_tree(info.finite, optax.apply_updates(params, updates), params)
+    if state.master == "float32":
+        new_params, master_error = optax.apply_updates(params, updates), None
+    else:
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), _ROUNDING_SALT)
+        new_params, master_error = apply_to_masters(params, updates, state.master, key, state.master_error)
+        if master_error is not None:
+            master_error = _where_tree(info.finite, master_error, state.master_error)
+    new_params = _where_tree(info.finite, new_params, params)
     if new_fp8 is not None:
         new_params = merge_fp8(new_params, overwrite_fp8(fp8, new_fp8, info.finite))
     skips = jnp.where(info.finite, 0, _saturating_increment(state.consecutive_skips))
@@ -195,6 +216,7 @@ def guarded_update(
         model_state=state.model_state
         if model_state is None
         else _where_tree(info.finite, model_state, state.model_state),
+        master_error=master_error,
     ), info
 
 

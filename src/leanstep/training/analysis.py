@@ -112,6 +112,8 @@ def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options:
         search=SearchOptions(**search),
         loss_scale=run.loss_scale,
         max_grad_norm=config.max_grad_norm,
+        master=config.master,
+        moments=config.moments,
         **rest,
     )
 

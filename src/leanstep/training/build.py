@@ -104,10 +104,21 @@ class Run:
         """
         if params is None:
             return jax.jit(self._initial_state)()
-        return TrainState.create(params, self.optimizer, loss_scale=self.loss_scale, seed=self.config.seed)
+        return self._state_of(params)
 
     def _initial_state(self) -> TrainState:
-        return TrainState.create(self.init_params(), self.optimizer, loss_scale=self.loss_scale, seed=self.config.seed)
+        return self._state_of(self.init_params())
+
+    def _state_of(self, params: Any) -> TrainState:
+        config = self.config  # --master and --moments: how the masters and the moments are kept
+        return TrainState.create(
+            params,
+            self.optimizer,
+            loss_scale=self.loss_scale,
+            seed=config.seed,
+            master=config.master,
+            moments=config.moments,
+        )
 
     def abstract_state(self) -> TrainState:
         """Shapes and dtypes of :meth:`init_state`, without computing it."""

@@ -19,6 +19,8 @@ import numpy as np
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.blocks.masters import check_master
+from leanstep.blocks.moments import MOMENT_DTYPES
 from leanstep.blocks.precision import check_train_precision
 from leanstep.blocks.rematerialization import get_remat_policy
 from leanstep.common.checks import is_int, is_real
@@ -143,6 +145,8 @@ class RunConfig:
     mesh: str | None = None
     reduce: str = "auto"
     fp8: str = "none"
+    master: str = "float32"
+    moments: str = "float32"
 
     def __post_init__(self) -> None:
         # "~" means the home directory in every path, the same for every file of the run.
@@ -183,7 +187,7 @@ class RunConfig:
 
 
 #: Fields added since runs were first saved, with the value a saved run without them had.
-_ADDED_FIELDS: dict[str, Any] = {"fp8": "none"}
+_ADDED_FIELDS: dict[str, Any] = {"fp8": "none", "master": "float32", "moments": "float32"}
 
 
 def _check_int(config: RunConfig, name: str, minimum: int = 1, maximum: int = INT32_MAX) -> None:
@@ -283,6 +287,12 @@ def _check_float32s(config: RunConfig) -> None:
         )
 
 
+def _check_moments(moments: Any) -> str:
+    if moments not in MOMENT_DTYPES:
+        raise ValueError(f"the optimizer's moments are kept as one of {', '.join(MOMENT_DTYPES)}, got {moments!r}")
+    return moments
+
+
 def _check_parts(config: RunConfig) -> None:
     """The names and paths: schedule, ``--out``/``--data``, precision, remat, loss scale, the model."""
     if config.schedule not in SCHEDULES:
@@ -294,6 +304,8 @@ def _check_parts(config: RunConfig) -> None:
         ("--precision", _check_precision, config.precision),
         ("--remat", get_remat_policy, config.remat),
         ("--fp8", Fp8Recipe.from_string, config.fp8),
+        ("--master", check_master, config.master),
+        ("--moments", _check_moments, config.moments),
     ):
         try:
             parse(value)

@@ -1,0 +1,244 @@
+r"""Lean optimizer state: moments kept in bfloat16, or in 8-bit blocks with a float32 scale each.
+
+An optimizer's moments (Adam's ``mu`` and ``nu``, Lion's ``mu``: the subtrees of its state shaped
+like the parameters) are stored compressed and widened to float32 for the update, whose math is
+the optimizer's own, in float32:
+
+.. code-block:: text
+
+    bfloat16   m = bf16(m32)                                           2 bytes an element
+    int8       along the last axis, in blocks of B (a last, shorter block where B does not divide it):
+                 a_k  = max |x| over block k                           float32, one per block
+                 c_i  = nearest code of x_i / a_k in the map           uint8
+                 x_i ~= map[c_i] * a_k                                 1 + 4/B bytes an element
+
+The map is the dynamic (tree) quantization of the 8-bit optimizers paper (Dettmers et al.,
+2022): 256 values in [-1, 1] (the first moment, signed) or [0, 1] (the second, unsigned), dense
+near zero over six decades, with 0 and 1 exact. Where it differs from bitsandbytes' map: -1 is
+exact too (in place of the smallest negative value, about -5.5e-7), so a block whose largest
+magnitude is negative keeps it (bitsandbytes decodes -1 as -0.99297). The nearest code is found against the float32
+midpoints of the sorted map (a value on a midpoint takes the lower code). A block of zeros has
+scale 0 and decodes to zeros.
+
+Blocks run along the last axis, so a parameter split over a device mesh along its other axes
+keeps whole blocks on each device; split along its last axis, each device's part must be a
+multiple of ``B`` (for the FSDP layouts leanstep chooses: a width of ``B * devices``).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> q = quantize(jnp.array([0.0, 0.5, -1.0, 3e-4]), signed=True, block_size=4)
+  >>> q.codes.dtype, dequantize(q)
+  (dtype('uint8'), Array([ 0.0000000e+00,  5.0078124e-01, -1.0000000e+00,  2.6875001e-04], dtype=float32))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from leanstep.common.checks import is_int, same_treedef
+
+__all__ = [
+    "MOMENT_DTYPES",
+    "QuantizedArray",
+    "compress_moments",
+    "dequantize",
+    "dynamic_map",
+    "quantize",
+]
+
+#: The forms a moment may be kept in.
+MOMENT_DTYPES = ("float32", "bfloat16", "int8")
+
+#: State fields that hold a second moment (non-negative: the unsigned map).
+_UNSIGNED_FIELDS = frozenset({"nu", "v", "exp_avg_sq"})
+
+
+def dynamic_map(signed: bool) -> np.ndarray:
+    """The 256 sorted float32 values of the dynamic quantization map (see the module doc).
+
+    Exponent ``e`` of six decades carries ``2**e`` (signed; ``2**(e+1)`` unsigned) values, the
+    midpoints of an even split of ``[0.1, 1]`` scaled by ``10**(e - 6)``; then 0 and 1.
+
+    Example:
+      >>> signed, unsigned = dynamic_map(True), dynamic_map(False)
+      >>> signed.shape, float(signed[0]), float(signed[-1]), float(unsigned[0]), float(unsigned[-1])
+      ((256,), -1.0, 1.0, 0.0, 1.0)
+    """
+    values = [0.0, 1.0]
+    for exponent in range(7):
+        count = 2**exponent if signed else 2 ** (exponent + 1)
+        bounds = np.linspace(0.1, 1.0, count + 1)
+        means = (bounds[:-1] + bounds[1:]) / 2.0 * 10.0 ** (exponent - 6)
+        values += list(means) + (list(-means) if signed else [])
+    assert len(values) == 256, len(values)
+    ordered = np.sort(np.asarray(values, np.float64))
+    if signed:  # -1 exact, in place of the smallest negative value (the module doc)
+        smallest_negative = int(np.searchsorted(ordered, 0.0)) - 1
+        ordered = np.sort(np.concatenate([np.delete(ordered, smallest_negative), [-1.0]]))
+    return ordered.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=2)
+def _tables(signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    values = dynamic_map(signed)
+    midpoints = ((values[:-1].astype(np.float64) + values[1:].astype(np.float64)) / 2.0).astype(np.float32)
+    return values, midpoints
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A float array in 8-bit blocks (see the module doc).
+
+    Attributes:
+      codes: uint8, the array's shape.
+      scales: float32, the array's shape with its last axis in blocks (``ceil(n / block_size)``).
+      signed: the map (static).
+      block_size: ``B`` (static).
+    """
+
+    codes: Any
+    scales: Any
+    signed: bool
+    block_size: int
+
+    def tree_flatten(self) -> tuple[tuple[Any, Any], tuple[bool, int]]:
+        return (self.codes, self.scales), (self.signed, self.block_size)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[bool, int], children: tuple[Any, Any]) -> QuantizedArray:
+        return cls(*children, *aux)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.codes.shape)
+
+
+def _blocks(x: jax.Array, block_size: int) -> tuple[jax.Array, int]:
+    """``x`` with its last axis padded to whole blocks and split: ``(..., blocks, B)``; and its length."""
+    x = x.reshape(1) if x.ndim == 0 else x
+    n = x.shape[-1]
+    blocks = -(-n // block_size)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block_size - n)])
+    return padded.reshape(*x.shape[:-1], blocks, block_size), n
+
+
+def quantize(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedArray:
+    """``x`` in 8-bit blocks (float32 math; see the module doc)."""
+    _, midpoints = _tables(signed)
+    shape = jnp.shape(x)
+    blocks, n = _blocks(jnp.asarray(x, jnp.float32), block_size)
+    scales = jnp.max(jnp.abs(blocks), axis=-1)
+    safe = jnp.where(scales > 0, scales, 1.0)[..., None]
+    normalized = jnp.where(scales[..., None] > 0, blocks / safe, 0.0)
+    codes = jnp.searchsorted(jnp.asarray(midpoints), normalized, side="left").astype(jnp.uint8)
+    codes = codes.reshape(*blocks.shape[:-2], -1)[..., :n].reshape(shape)
+    return QuantizedArray(codes, scales, signed, block_size)
+
+
+def dequantize(q: QuantizedArray) -> jax.Array:
+    """The float32 array ``q`` stands for: ``map[code] * scale`` of its block."""
+    values, _ = _tables(q.signed)
+    decoded, n = _blocks(jnp.asarray(values)[q.codes.astype(jnp.int32)], q.block_size)
+    return (decoded * q.scales[..., None]).reshape(*decoded.shape[:-2], -1)[..., :n].reshape(q.shape)
+
+
+# --- the optimizer wrapper -------------------------------------------------------------------------
+
+
+class _Form(NamedTuple):
+    dtype: str
+    block_size: int
+
+
+def _is_moment(node: Any, template: Any) -> bool:
+    """Whether ``node`` (a state subtree, maybe compressed) has the params' structure and shapes."""
+    leaves = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    if not same_treedef(
+        jax.tree.structure(node, is_leaf=lambda x: isinstance(x, QuantizedArray)), jax.tree.structure(template)
+    ):
+        return False
+    floating = lambda x: isinstance(x, QuantizedArray) or jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    if not all(floating(x) for x in leaves):  # a step count is no moment, even beside a scalar parameter
+        return False
+    return [tuple(jnp.shape(x)) if not isinstance(x, QuantizedArray) else x.shape for x in leaves] == [
+        tuple(jnp.shape(p)) for p in jax.tree.leaves(template)
+    ]
+
+
+def _walk(node: Any, name: str, template: Any, fn: Callable[[Any, bool], Any]) -> Any:
+    """``fn(moment, signed)`` on every moment subtree of an optimizer state; the rest as is."""
+    if _is_moment(node, template) and jax.tree.leaves(template):
+        return fn(node, name not in _UNSIGNED_FIELDS)
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return type(node)(*(_walk(getattr(node, f), f, template, fn) for f in node._fields))
+    if isinstance(node, (tuple, list)):
+        return type(node)(_walk(x, name, template, fn) for x in node)
+    if isinstance(node, dict):
+        return {k: _walk(v, str(k), template, fn) for k, v in node.items()}
+    return node
+
+
+def _compress(form: _Form) -> Callable[[Any, bool], Any]:
+    def compress(moment: Any, signed: bool) -> Any:
+        if form.dtype == "bfloat16":
+            return jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), moment)
+        return jax.tree.map(lambda x: quantize(x, signed=signed, block_size=form.block_size), moment)
+
+    return compress
+
+
+def _widen(moment: Any, signed: bool) -> Any:
+    leaf = lambda x: dequantize(x) if isinstance(x, QuantizedArray) else jnp.asarray(x, jnp.float32)
+    return jax.tree.map(leaf, moment, is_leaf=lambda x: isinstance(x, QuantizedArray))
+
+
+@functools.lru_cache(maxsize=64)
+def compress_moments(
+    optimizer: optax.GradientTransformation, dtype: str = "int8", *, block_size: int = 256
+) -> optax.GradientTransformation:
+    """``optimizer`` with its moments kept compressed (see the module doc).
+
+    The moments are widened to float32 before each update and compressed after it; everything
+    else of its state (counts, Adafactor's factored statistics) is kept as the optimizer keeps
+    it. The same arguments give the same wrapper (cached), so a state built twice compiles once.
+
+    Args:
+      optimizer: any optax optimizer whose state holds subtrees shaped like the parameters.
+      dtype: ``"bfloat16"`` or ``"int8"`` (``"float32"``: ``optimizer`` itself).
+      block_size: ``B`` for ``"int8"``, an int >= 16.
+
+    Raises:
+      ValueError: another ``dtype``, or a bad ``block_size``.
+
+    Example:
+      >>> tx = compress_moments(optax.adamw(1e-3), "int8", block_size=64)
+      >>> state = tx.init({"w": jnp.ones((4, 128))})
+      >>> state[0].mu["w"].codes.dtype, state[0].mu["w"].scales.shape
+      (dtype('uint8'), (4, 2))
+    """
+    if dtype not in MOMENT_DTYPES:
+        raise ValueError(f"moments must be one of {MOMENT_DTYPES}, got {dtype!r}")
+    if not is_int(block_size) or block_size < 16:
+        raise ValueError(f"block_size must be an int >= 16, got {block_size!r}")
+    if dtype == "float32":
+        return optimizer
+    compress = _compress(_Form(dtype, int(block_size)))
+
+    def init(params: Any) -> Any:
+        return _walk(optimizer.init(params), "", params, compress)
+
+    def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        wide = _walk(state, "", updates, _widen)
+        updates, new = optimizer.update(updates, wide, params)
+        return updates, _walk(new, "", updates, compress)
+
+    return optax.GradientTransformation(init, update)
