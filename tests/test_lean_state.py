@@ -272,6 +272,22 @@ def test_a_resumed_bf16_sr_run_rounds_as_the_uninterrupted_one(tmp_path):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+# --- beside bitsandbytes (a benchmark extra) ----------------------------------------------------------
+
+
+def test_beside_bitsandbytes_the_same_problem_the_same_bytes_and_the_same_curve():
+    pytest.importorskip("torch")
+    pytest.importorskip("bitsandbytes")
+    from benchmarks.lean_state_peer import measure
+
+    rows = measure(steps=20)["rows"]
+    ours, theirs = rows["leanstep int8"], rows["bitsandbytes int8"]
+    assert rows["leanstep float32"]["final_loss"] == pytest.approx(rows["torch float32"]["final_loss"], rel=1e-4)
+    assert ours["bytes_per_parameter"] == pytest.approx(2 * (1 + 4 / 256), abs=0.01)
+    assert ours["bytes_per_parameter"] <= theirs["bytes_per_parameter"]
+    assert ours["final_loss"] == pytest.approx(theirs["final_loss"], rel=0.02)
+
+
 # --- fsdp=8: the same collectives -------------------------------------------------------------------
 
 
