@@ -272,6 +272,27 @@ def test_a_resumed_bf16_sr_run_rounds_as_the_uninterrupted_one(tmp_path):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+# --- the planner sizes it ----------------------------------------------------------------------------
+
+
+def test_the_plan_sizes_the_state_in_its_format_and_says_what_it_saves():
+    from leanstep.planning.plan_inputs import state_format_notes
+
+    params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in SHAPES.items()}
+    count = sum(int(np.prod(shape)) for shape in SHAPES.values())
+    (note,) = state_format_notes(params, optax.adamw(1e-3), "none", None, {"master": "bfloat16-sr", "moments": "int8"})
+    # float32: 4 (master) + 8 (moments); compressed: 2 + 2 bytes and a float32 scale per block of
+    # 256 along the last axis of each moment (b: 4 blocks; w: 1024 x 4; v: 512 x 2, its tail short).
+    blocks = 4 + 1024 * 4 + 512 * 2
+    lean = (2 * count + 2 * (count + 4 * blocks)) / count
+    assert f"{lean:.2f} bytes a parameter" in note and "against 12.00 in float32" in note
+    plan = leanstep.plan(
+        lambda policy: _loss, _problem()[0], {"x": jnp.zeros((32, 16)), "y": jnp.zeros((32, 4))}, TX,
+        budget_bytes="64MiB", candidates=[(1, "none", "float32")], moments="int8",
+    )  # fmt: skip
+    assert any("moments='int8'" in n for n in plan.notes)
+
+
 # --- beside bitsandbytes (a benchmark extra) ----------------------------------------------------------
 
 

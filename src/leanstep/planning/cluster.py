@@ -70,7 +70,7 @@ from leanstep.planning.cluster_grid import Family, families_of, mesh_shapes
 from leanstep.planning.cluster_search import Limits, SearchState, final_row, rank, run_search, start, strip
 from leanstep.planning.cost_model import Accelerator, get_accelerator
 from leanstep.planning.fp8_sizes import fp8_notes
-from leanstep.planning.plan_inputs import is_params_builder, state_format
+from leanstep.planning.plan_inputs import is_params_builder, state_format, state_format_notes
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords
 from leanstep.step.state import TrainState
@@ -221,7 +221,9 @@ def plan_cluster(
     chosen, rows = _finish(searched, families, invalid, limits, search, compile_one, space.max_microbatches)
     s = chosen.setting  # its step traced on one device (nothing compiled), for the FP8 figures
     step = make_train_step(loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches, **step_kwargs)
-    notes = fp8_notes(state, step.trace(state, batch).jaxpr)
+    notes = fp8_notes(state, step.trace(state, batch).jaxpr) + state_format_notes(
+        params, optimizer, scale, None, formats
+    )
     return Plan(budget, rows, chosen, time.perf_counter() - start_time, num_devices, accelerator, notes)
 
 

@@ -65,6 +65,7 @@ from leanstep.planning.plan_inputs import (
     is_params_builder,
     params_for,
     state_format,
+    state_format_notes,
     structure_error,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
@@ -254,6 +255,7 @@ def plan(
     notes = batch_statistics_notes(model_state, chosen.setting.num_microbatches, batch_size) + fp8_notes(
         steps.states[chosen.setting.remat], steps.traced[chosen.setting].jaxpr
     )
+    notes += state_format_notes(params_for(params, chosen.setting.remat), optimizer, scale, model_state, formats)
     return Plan(budget, final, chosen, time.perf_counter() - start, notes=notes)
 
 
