@@ -1,4 +1,4 @@
-"""``leanstep train --fp8``: the built-in transformer with FP8 matmuls, as a run.
+"""``leanstep train --fp8`` (and ``--master``/``--moments``): the built-in transformer as a run.
 
 A killed (SIGKILL) and resumed run ends bit-identical to an uninterrupted one, FP8 state
 included; the recipe is recorded and must match on ``--resume``; settings that cannot work are
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -69,14 +70,21 @@ def _final_state(run: Path):
     return restored.step, restored.state
 
 
-def test_a_killed_and_resumed_fp8_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, corpus):
+@pytest.mark.parametrize(
+    "flags",
+    [["--fp8", FP8], ["--master", "bfloat16-sr-kahan", "--moments", "int8"]],
+    ids=["fp8", "lean-state"],
+)
+def test_a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, corpus, flags):
+    """FP8 state, and (issue 29) bfloat16 masters with stochastic rounding, a Kahan buffer and
+    8-bit moments: every leaf of the state after SIGKILL and --resume equals the straight run's."""
     straight = subprocess.run(
-        _command(corpus, tmp_path / "straight", "--fp8", FP8), env=_env(), capture_output=True, timeout=300, check=False
+        _command(corpus, tmp_path / "straight", *flags), env=_env(), capture_output=True, timeout=300, check=False
     )
     assert straight.returncode == 0, straight.stderr.decode()[-3000:]
     killed = tmp_path / "killed"
     process = subprocess.Popen(
-        _command(corpus, killed, "--fp8", FP8), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        _command(corpus, killed, *flags), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 240
     while not (killed / "checkpoints" / "6").is_dir() and process.poll() is None and time.monotonic() < deadline:
@@ -84,16 +92,20 @@ def test_a_killed_and_resumed_fp8_run_ends_bit_identical_to_an_uninterrupted_one
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     resumed = subprocess.run(
-        _command(corpus, killed, "--fp8", FP8, "--resume"), env=_env(), capture_output=True, timeout=300, check=False
+        _command(corpus, killed, *flags, "--resume"), env=_env(), capture_output=True, timeout=300, check=False
     )
     assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
     (step_a, a), (step_b, b) = _final_state(tmp_path / "straight"), _final_state(killed)
     assert step_a == step_b == 12
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
-    metas = fp8_leaves(a.params)
-    assert len(metas) == 4 * 6 and all(np.any(np.asarray(m) != 0) for m in metas)  # 4 matmuls, 6 leaves: moved
-    assert json.loads((killed / "config.json").read_text())["run"]["fp8"] == FP8
+    if flags[0] == "--fp8":
+        metas = fp8_leaves(a.params)
+        assert len(metas) == 4 * 6 and all(np.any(np.asarray(m) != 0) for m in metas)  # 4 matmuls, 6 leaves: moved
+        assert json.loads((killed / "config.json").read_text())["run"]["fp8"] == FP8
+    else:
+        assert a.master == "bfloat16-sr-kahan" and a.master_error is not None
+        assert jax.tree.leaves(a.params)[0].dtype == jnp.bfloat16
 
 
 def test_resuming_with_another_recipe_is_refused(tmp_path, corpus):

@@ -23,6 +23,8 @@ from leanstep import _moved
 
 if TYPE_CHECKING:
     from leanstep.blocks import (
+        MASTERS,
+        MOMENT_DTYPES,
         REMAT_POLICIES,
         SPLITS,
         Accumulation,
@@ -35,11 +37,13 @@ if TYPE_CHECKING:
         NoOpLossScale,
         Precision,
         PrecisionWarning,
+        QuantizedArray,
         StaticLossScale,
         all_finite,
         checkpoint_name,
         clip_by_global_norm,
         clip_by_global_norm_transform,
+        compress_moments,
         fp8_dot_general,
         fp8_matmul,
         get_loss_scale,
@@ -139,6 +143,8 @@ __version__ = "0.9.0"
 
 __all__ = [
     "ACCELERATORS",
+    "MASTERS",
+    "MOMENT_DTYPES",
     "REDUCTIONS",
     "REMAT_POLICIES",
     "SPLITS",
@@ -164,6 +170,7 @@ __all__ = [
     "Plan",
     "Precision",
     "PrecisionWarning",
+    "QuantizedArray",
     "ResidualReport",
     "RestoreResult",
     "SearchOptions",
@@ -180,6 +187,7 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_global_norm_transform",
     "collectives_report",
+    "compress_moments",
     "constrain",
     "data_mesh",
     "disable_compile_cache",

@@ -31,6 +31,7 @@ from leanstep.blocks.fp8_state import Fp8Collection
 from leanstep.blocks.loss_contract import LossContract, LossOutput
 from leanstep.blocks.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
+from leanstep.blocks.masters import MASTERS
 from leanstep.blocks.microbatches import (
     SPLITS,
     get_splitter,
@@ -38,11 +39,14 @@ from leanstep.blocks.microbatches import (
     split_microbatches,
     split_strided_microbatches,
 )
+from leanstep.blocks.moments import MOMENT_DTYPES, QuantizedArray, compress_moments
 from leanstep.blocks.precision import Precision, get_precision
 from leanstep.blocks.rematerialization import REMAT_POLICIES, checkpoint_name, get_remat_policy, remat
 from leanstep.blocks.rounding import strict_precision
 
 __all__ = [
+    "MASTERS",
+    "MOMENT_DTYPES",
     "REMAT_POLICIES",
     "SPLITS",
     "Accumulation",
@@ -56,11 +60,13 @@ __all__ = [
     "NoOpLossScale",
     "Precision",
     "PrecisionWarning",
+    "QuantizedArray",
     "StaticLossScale",
     "all_finite",
     "checkpoint_name",
     "clip_by_global_norm",
     "clip_by_global_norm_transform",
+    "compress_moments",
     "fp8_dot_general",
     "fp8_matmul",
     "get_loss_scale",
