@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--lr", type=float, default=RunConfig.lr, help="peak learning rate (leanstep train's --lr)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    base = RunConfig(steps=args.steps, time_budget=None)
+    base = RunConfig(steps=args.steps, time_budget=None, lr=args.lr)
     rows: dict[str, dict[str, Any]] = {}
     for seed in args.seeds:
         for name in args.formats:
