@@ -32,6 +32,20 @@ PRECISION = "params=float32,compute=bfloat16,output=float32"
 STEPS = 2  # the second step quantizes with scales from the first one's amaxes
 
 
+#: model -> layout -> (reduce, microbatches) run on it: every reduction for the plain-JAX model
+#: ("step" is "auto" without an fsdp axis), the pmax paths for Flax's own fp8_ops model.
+MESH_CASES = {
+    "jax": {
+        "data8": [(r, m) for r in ("auto", "microbatch") for m in (1, 2)],
+        "fsdp8": [(r, m) for r in ("auto", "step", "microbatch") for m in (1, 2)],
+    },
+    "flax": {"data8": [("auto", 2)], "fsdp8": [("auto", 2), ("step", 2)]},
+}
+CASES = [
+    (model, layout, r, m) for model, layouts in MESH_CASES.items() for layout, rows in layouts.items() for r, m in rows
+]
+
+
 def _models() -> dict:
     return {"jax": (jax_loss, jax_params()), "flax": (flax_loss, llinen.split(flax_variables())[0])}
 
@@ -56,22 +70,21 @@ def worker(out: Path) -> None:
             results[f"{name}/one/{num_mb}"] = [x.tolist() for x in fp8_of(state.params)]
         for layout, shape in {"data8": {"data": 8}, "fsdp8": {"fsdp": 8}}.items():
             mesh = device_mesh(shape=shape)
-            for reduce in ("auto", "step", "microbatch"):
-                for num_mb in (1, 2):
-                    step = leanstep.make_train_step(
-                        loss,
-                        precision=PRECISION,
-                        num_microbatches=num_mb,
-                        max_grad_norm=1.0,
-                        mesh=leanstep.ShardingLayer(mesh, reduce=reduce),
-                    )
-                    sharded = [leanstep.shard_batch(b, mesh) for b in batches]
-                    state, _ = _steps(step, leanstep.shard_train_state(new_state(), mesh), sharded)
-                    replicated = all(x.sharding.is_fully_replicated for x in fp8_leaves(state.params))
-                    results[f"{name}/{layout}-{reduce}/{num_mb}"] = {
-                        "fp8": [x.tolist() for x in fp8_of(state.params)],
-                        "replicated": replicated,
-                    }
+            for reduce, num_mb in MESH_CASES[name][layout]:
+                step = leanstep.make_train_step(
+                    loss,
+                    precision=PRECISION,
+                    num_microbatches=num_mb,
+                    max_grad_norm=1.0,
+                    mesh=leanstep.ShardingLayer(mesh, reduce=reduce),
+                )
+                sharded = [leanstep.shard_batch(b, mesh) for b in batches]
+                state, _ = _steps(step, leanstep.shard_train_state(new_state(), mesh), sharded)
+                replicated = all(x.sharding.is_fully_replicated for x in fp8_leaves(state.params))
+                results[f"{name}/{layout}-{reduce}/{num_mb}"] = {
+                    "fp8": [x.tolist() for x in fp8_of(state.params)],
+                    "replicated": replicated,
+                }
         # A one-device checkpoint restored onto the fsdp=8 layout: FP8 state replicated, bit for bit.
         one = leanstep.make_train_step(loss, precision=PRECISION, num_microbatches=2)
         state, _ = _steps(one, new_state(), batches)
@@ -107,10 +120,7 @@ def test_microbatches_give_the_one_microbatch_fp8_state_bit_for_bit(results, mod
     _equal(results[f"{model}/one/{num_mb}"], results[f"{model}/one/1"])
 
 
-@pytest.mark.parametrize("model", ["jax", "flax"])
-@pytest.mark.parametrize("num_mb", [1, 2])
-@pytest.mark.parametrize("reduce", ["auto", "step", "microbatch"])
-@pytest.mark.parametrize("layout", ["data8", "fsdp8"])
+@pytest.mark.parametrize(("model", "layout", "reduce", "num_mb"), CASES)
 def test_meshes_give_the_one_device_fp8_state_bit_for_bit_and_replicate_it(results, model, layout, reduce, num_mb):
     row = results[f"{model}/{layout}-{reduce}/{num_mb}"]
     _equal(row["fp8"], results[f"{model}/one/1"])
