@@ -8,6 +8,7 @@ rematerialization, microbatches and their accumulation, FP8 matmuls.
     fp8_dot.py              fp8_dot_general, fp8_matmul and Fp8Meta, one matmul's FP8 state
     moments.py              compress_moments: optimizer moments in bfloat16 or 8-bit blocks
     masters.py              bfloat16 masters with stochastic rounding (and Kahan compensation)
+    spike_guard.py          SpikeGuard: a loss spike skipped inside the step, exactly reproducible
     precision.py            Precision: params, compute and output dtypes, and strict rounding
     rounding.py             strict_precision: every low-precision result rounded, as hardware does
     compute_dtype_check.py  PrecisionWarning: a compute dtype the model silently undoes

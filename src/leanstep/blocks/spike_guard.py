@@ -1,0 +1,151 @@
+r"""A loss-spike guard: skip a finite step whose loss or gradient norm leaps past its recent history.
+
+MaxText (``skip_step_on_spikes``, from OLMo-core) and Levanter skip a step whose loss is beyond
+``mean + k * std`` of a rolling window. Here the window is part of the train state and the
+decision is made inside the compiled step, on the step's reduced (global) values, so every
+device decides alike and nothing syncs with the host. For each watched value ``x`` (the loss,
+the gradient norm before clipping, and optionally the update norm):
+
+.. code-block:: text
+
+    n      = min(recorded, window)                          the values recorded so far, at most window
+    mean   = sum(w_1 .. w_n) / n
+    spread = sum(|w_i - mean|) / n * sqrt(pi / 2)           the mean absolute deviation, as a std
+    spike  = recorded >= warmup  and  (x - mean) > k * spread
+
+A step is skipped for a spike when any watched value is one. Every finite step is recorded, the
+skipped spikes too: a window that left them out would freeze where a loss that moves on (a new
+phase of the schedule, a harder stretch of data) leaves it, and skip every step after. A burst of
+spikes is what ``leanstep train``'s escalation (a rollback) is for. The spread is the mean absolute deviation
+scaled to a normal's standard deviation (``E|X - mu| = sigma * sqrt(2 / pi)``) rather than the
+standard deviation itself because it needs no product added to a sum: XLA fuses ``a * b + c``
+into one rounding, NumPy rounds twice, so a squared deviation's sum could not be reproduced
+outside the compiled step, and the guard's decisions are tested against a plain-Python model bit
+for bit. For the same reason the sums run as an explicit tree of elementwise adds over a
+power-of-two buffer (:func:`tree_sum`), whose order a reference can repeat.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> guard = SpikeGuard(window=8, k=3.0, warmup=4, watch=("loss",))
+  >>> state = guard.init()
+  >>> for loss in [2.0, 2.1, 1.9, 2.0, 2.05]:
+  ...     spike, state = guard.decide(state, {"loss": jnp.float32(loss)}, jnp.array(True))
+  >>> bool(spike), int(state.recorded)
+  (False, 5)
+  >>> bool(guard.decide(state, {"loss": jnp.float32(9.0)}, jnp.array(True))[0])
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from leanstep.common.checks import is_int
+
+__all__ = ["WATCHABLE", "SpikeGuard", "SpikeState", "tree_sum"]
+
+#: What the guard may watch: the step's loss, its gradient norm (before clipping), its update norm.
+WATCHABLE = ("loss", "grad_norm", "update_norm")
+
+#: sqrt(pi / 2): a normal's standard deviation per unit of its mean absolute deviation.
+_MAD_TO_STD = math.sqrt(math.pi / 2)
+
+
+def tree_sum(values: jax.Array) -> jax.Array:
+    """The sum of the last axis (a power of two long) as a tree of elementwise adds, halving it.
+
+    Example:
+      >>> tree_sum(jnp.array([1.0, 2.0, 3.0, 4.0]))  # (1 + 3) + (2 + 4)
+      Array(10., dtype=float32)
+    """
+    while values.shape[-1] > 1:
+        half = values.shape[-1] // 2
+        values = values[..., :half] + values[..., half:]
+    return values[..., 0]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "recorded", "spikes"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SpikeState:
+    """The guard's window, in the train state.
+
+    Attributes:
+      values: float32 ``(watched, buffer)``: a ring of the last ``window`` recorded values of each
+        watched quantity (``buffer``, the window rounded up to a power of two; the rest stays 0).
+      recorded: int32, finite steps recorded so far (the ring's next slot is ``recorded % window``).
+      spikes: int32, steps skipped for a spike so far.
+    """
+
+    values: jax.Array
+    recorded: jax.Array
+    spikes: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SpikeGuard:
+    """The guard's settings (static; see the module doc).
+
+    Attributes:
+      window: values each statistic is over, an int >= 2.
+      k: how many spreads above the mean is a spike, > 0 (6 as MaxText and OLMo-core).
+      warmup: recorded steps before any step is judged, an int >= 2 (the window needs values).
+      watch: a tuple of :data:`WATCHABLE` names.
+
+    Raises:
+      ValueError: a setting outside its form, named.
+    """
+
+    window: int = 100
+    k: float = 6.0
+    warmup: int = 100
+    watch: tuple[str, ...] = ("loss", "grad_norm")
+
+    def __post_init__(self) -> None:
+        if not is_int(self.window) or self.window < 2:
+            raise ValueError(f"SpikeGuard.window must be an int >= 2, got {self.window!r}")
+        if isinstance(self.k, bool) or not isinstance(self.k, (int, float)) or not 0 < self.k < math.inf:
+            raise ValueError(f"SpikeGuard.k must be a positive number, got {self.k!r}")
+        if not is_int(self.warmup) or self.warmup < 2:
+            raise ValueError(f"SpikeGuard.warmup must be an int >= 2, got {self.warmup!r}")
+        watch = tuple(self.watch) if isinstance(self.watch, (tuple, list)) else (self.watch,)
+        if not watch or any(name not in WATCHABLE for name in watch) or len(set(watch)) != len(watch):
+            raise ValueError(f"SpikeGuard.watch must name some of {WATCHABLE}, each once, got {self.watch!r}")
+        object.__setattr__(self, "watch", watch)
+
+    @property
+    def buffer(self) -> int:
+        """The ring's length in memory: ``window`` rounded up to a power of two."""
+        return 1 << (self.window - 1).bit_length()
+
+    def init(self) -> SpikeState:
+        """An empty window."""
+        zero = jnp.zeros((), jnp.int32)
+        return SpikeState(jnp.zeros((len(self.watch), self.buffer), jnp.float32), zero, zero)
+
+    def decide(
+        self, state: SpikeState, values: dict[str, jax.Array], finite: jax.Array
+    ) -> tuple[jax.Array, SpikeState]:
+        """``(spike, new_state)`` for a step whose watched ``values`` are given; ``finite``: the
+        step passed the finiteness guard. A finite step is recorded, spike or not."""
+        x = jnp.stack([jnp.asarray(values[name], jnp.float32) for name in self.watch])
+        n = jnp.minimum(state.recorded, self.window)
+        count = n.astype(jnp.float32)
+        slots = jnp.arange(self.buffer) < n
+        mean = tree_sum(jnp.where(slots, state.values, 0.0)) / jnp.maximum(count, 1.0)
+        deviation = tree_sum(jnp.where(slots, jnp.abs(state.values - mean[:, None]), 0.0)) / jnp.maximum(count, 1.0)
+        spread = jnp.float32(self.k * _MAD_TO_STD) * deviation
+        judged = state.recorded >= self.warmup
+        spike = judged & finite & jnp.any(jnp.isfinite(x) & ((x - mean) > spread))
+        record = finite
+        slot = state.recorded % self.window
+        values_new = jnp.where(record, state.values.at[:, slot].set(x), state.values)
+        return spike, SpikeState(
+            values_new,
+            jnp.where(record, jnp.minimum(state.recorded, jnp.int32(2**31 - 2)) + 1, state.recorded),
+            state.spikes + spike.astype(jnp.int32),
+        )

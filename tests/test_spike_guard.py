@@ -1,0 +1,128 @@
+"""The spike guard's decisions and window, against a plain-Python model of it, bit for bit, over
+5 x 10,000 adversarial steps run in one ``lax.scan`` (issue 30), as the loss scale was tested."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from leanstep.blocks.spike_guard import SpikeGuard
+
+F32 = np.float32
+
+
+def _tree_sum(values: list[np.float32]) -> np.float32:
+    while len(values) > 1:
+        half = len(values) // 2
+        values = [F32(a + b) for a, b in zip(values[:half], values[half:])]
+    return values[0]
+
+
+class Model:
+    """The guard in plain Python: float32 scalars, one rounding per operation."""
+
+    def __init__(self, guard: SpikeGuard):
+        self.guard, self.buffer = guard, 1 << (guard.window - 1).bit_length()
+        self.values = [[F32(0)] * self.buffer for _ in guard.watch]
+        self.recorded, self.spikes = 0, 0
+
+    def decide(self, xs: list[np.float32], finite: bool) -> bool:
+        with np.errstate(all="ignore"):  # inf - inf and NaN, as float32 arithmetic gives them
+            return self._decide(xs, finite)
+
+    def _decide(self, xs: list[np.float32], finite: bool) -> bool:
+        g, n = self.guard, min(self.recorded, self.guard.window)
+        count = F32(max(n, 1))
+        spike_any = False
+        for j, x in enumerate(xs):
+            row = self.values[j]
+            if not np.isfinite(x):
+                continue
+            mean = F32(_tree_sum([row[i] if i < n else F32(0) for i in range(self.buffer)]) / count)
+            deviation = F32(
+                _tree_sum([F32(abs(F32(row[i] - mean))) if i < n else F32(0) for i in range(self.buffer)]) / count
+            )
+            spread = F32(F32(g.k * math.sqrt(math.pi / 2)) * deviation)
+            spike_any |= bool(np.isfinite(x) and F32(x - mean) > spread)
+        spike = self.recorded >= g.warmup and finite and spike_any
+        if finite:
+            slot = self.recorded % g.window
+            for j, x in enumerate(xs):
+                self.values[j][slot] = F32(x)
+            self.recorded += 1
+        self.spikes += int(spike)
+        return spike
+
+
+def _sequences(rng: np.random.Generator, steps: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    t = np.arange(steps)
+    walk = np.exp(np.cumsum(rng.normal(0, 0.01, steps))) * 3.0
+    bursts = walk.copy()
+    for start in rng.integers(200, steps - 20, 40):
+        bursts[start : start + rng.integers(1, 8)] *= rng.uniform(1.5, 6.0)  # several moderately bad steps
+    constant = np.full(steps, 2.5)
+    constant[rng.integers(0, steps, 30)] += rng.choice([1e-6, 0.5, -0.5], 30)  # a flat window, then a nudge
+    special = walk.copy()
+    special[rng.integers(0, steps, 60)] = rng.choice([np.nan, np.inf, -np.inf, 1e30, -1e30, 0.0], 60)
+    decaying = 5.0 * np.exp(-t / 3000.0) + rng.normal(0, 0.05, steps) + (rng.random(steps) < 0.01) * 4.0
+    finite = lambda p: rng.random(steps) > p
+    return [
+        ("a noisy random walk", walk, finite(0.0)),
+        ("bursts of moderately bad steps", bursts, finite(0.01)),
+        ("a constant window nudged", constant, finite(0.0)),
+        ("non-finite and extreme values, non-finite steps", special, finite(0.05)),
+        ("a decaying loss with spikes", decaying, finite(0.002)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_decisions_and_window_equal_the_plain_python_model_over_10000_steps(index):
+    steps = 10_000
+    name, loss, finite = _sequences(np.random.default_rng(index), steps)[index]
+    norm = np.abs(loss[::-1]) * 0.3 + 1.0  # a second watched value, its own history
+    guard = SpikeGuard(window=37, k=3.0, warmup=20)  # a window that is no power of two: the ring wraps
+    xs = np.stack([loss, norm], axis=1).astype(F32)
+
+    def body(state, inputs):
+        x, ok = inputs
+        spike, state = guard.decide(state, {"loss": x[0], "grad_norm": x[1]}, ok)
+        return state, (spike, state.values, state.recorded)
+
+    final, (spikes, _, _) = jax.jit(lambda xs, ok: jax.lax.scan(body, guard.init(), (xs, ok)))(
+        jnp.asarray(xs), jnp.asarray(finite)
+    )
+    model = Model(guard)
+    expected = [model.decide(list(x), bool(ok)) for x, ok in zip(xs, finite)]
+    np.testing.assert_array_equal(np.asarray(spikes), expected, err_msg=name)
+    assert int(final.spikes) == model.spikes and int(final.recorded) == model.recorded
+    np.testing.assert_array_equal(np.asarray(final.values), np.asarray(model.values, F32))
+    assert 5 < model.spikes < steps // 10, (name, model.spikes)  # the guard acted, and is no lock-out
+
+
+def test_nothing_is_judged_during_warmup_and_a_spike_is_recorded_so_that_no_loss_locks_it_out():
+    guard = SpikeGuard(window=4, k=1.0, warmup=3)
+    state = guard.init()
+    for loss in (1.0, 100.0, 1.0):  # warm-up: recorded, even the 100
+        spike, state = guard.decide(state, {"loss": jnp.float32(loss), "grad_norm": jnp.float32(1)}, jnp.array(True))
+        assert not bool(spike)
+    spike, after = guard.decide(state, {"loss": jnp.float32(1e4), "grad_norm": jnp.float32(1)}, jnp.array(True))
+    assert bool(spike) and int(after.recorded) == 4 and int(after.spikes) == 1
+    assert float(after.values[0, 3]) == 1e4  # recorded: a loss that stays there is judged by it next
+    decisions = []
+    for _ in range(4):
+        spike, after = guard.decide(after, {"loss": jnp.float32(1e4), "grad_norm": jnp.float32(1)}, jnp.array(True))
+        decisions.append(bool(spike))
+    assert decisions[-1] is False and int(after.spikes) == 1 + sum(decisions)  # the window moved on with it
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"window": 1}, "window"), ({"k": 0}, "k"), ({"warmup": 1}, "warmup"), ({"watch": ("loss", "lr")}, "watch")],
+)
+def test_bad_settings_are_refused_naming_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=f"SpikeGuard.{match}"):
+        SpikeGuard(**kwargs)
