@@ -8,8 +8,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import leanstep
 from leanstep.blocks.spike_guard import SpikeGuard
 
 F32 = np.float32
@@ -126,3 +128,53 @@ def test_nothing_is_judged_during_warmup_and_a_spike_is_recorded_so_that_no_loss
 def test_bad_settings_are_refused_naming_the_field(kwargs, match):
     with pytest.raises(ValueError, match=f"SpikeGuard.{match}"):
         SpikeGuard(**kwargs)
+
+
+# --- in the step ---------------------------------------------------------------------------------------
+
+
+def _batches(steps: int, spike_at: tuple[int, ...]):
+    rng = np.random.default_rng(0)
+    for t in range(steps):
+        x = rng.normal(size=(16, 4)).astype(F32)
+        y = x.sum(1, keepdims=True) * (40.0 if t in spike_at else 1.0)
+        yield {"x": x, "y": y.astype(F32)}
+
+
+def _linear_loss(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("num_mb", [1, 2])
+def test_a_spike_is_skipped_with_params_and_optimizer_state_bit_identical(num_mb):
+    guard = SpikeGuard(window=16, k=6.0, warmup=8)
+    state = leanstep.TrainState.create(
+        {"w": jnp.zeros((4, 1))}, optax.adam(0.05), loss_scale="dynamic", spike_guard=guard
+    )
+    step = leanstep.make_train_step(_linear_loss, num_microbatches=num_mb, max_grad_norm=1.0, spike_guard=guard)
+    spiked = []
+    for t, batch in enumerate(_batches(40, spike_at=(14, 33))):  # the first left the window before the second
+        before = [np.asarray(x).copy() for x in jax.tree.leaves((state.params, state.opt_state))]
+        state, metrics = step(state, batch)
+        spiked.append(bool(metrics.spiked))
+        if bool(metrics.spiked):
+            after = [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))]
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after)), t
+            assert not bool(metrics.skipped) and not bool(metrics.clipped)
+    assert [t for t, s in enumerate(spiked) if s] == [14, 33]
+    assert int(state.spike.spikes) == 2 and int(state.spike.recorded) == 40
+
+
+def test_without_the_states_window_the_guard_is_refused():
+    guard = SpikeGuard(window=16, k=6.0, warmup=8)
+    state = leanstep.TrainState.create({"w": jnp.zeros((4, 1))}, optax.sgd(0.1))
+    step = leanstep.make_train_step(_linear_loss, spike_guard=guard)
+    with pytest.raises(ValueError, match=r"TrainState.create\(\.\.\., spike_guard=guard\)"):
+        step(state, next(_batches(1, ())))
+
+
+def test_the_guard_needs_no_host_sync():
+    guard = SpikeGuard(window=16, k=6.0, warmup=8)
+    state = leanstep.TrainState.create({"w": jnp.zeros((4, 1))}, optax.sgd(0.1), spike_guard=guard)
+    step = leanstep.make_train_step(_linear_loss, spike_guard=guard)
+    assert not leanstep.audit(step, state, next(_batches(1, ()))).host_syncs

@@ -44,6 +44,7 @@ from leanstep.blocks.moments import MOMENT_DTYPES, QuantizedArray, compress_mome
 from leanstep.blocks.precision import Precision, get_precision
 from leanstep.blocks.rematerialization import REMAT_POLICIES, checkpoint_name, get_remat_policy, remat
 from leanstep.blocks.rounding import strict_precision
+from leanstep.blocks.spike_guard import SpikeGuard, SpikeState
 
 __all__ = [
     "MASTERS",
@@ -62,6 +63,8 @@ __all__ = [
     "Precision",
     "PrecisionWarning",
     "QuantizedArray",
+    "SpikeGuard",
+    "SpikeState",
     "StaticLossScale",
     "all_finite",
     "checkpoint_name",

@@ -20,6 +20,7 @@ from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.blocks.masters import check_master, master_dtype
 from leanstep.blocks.moments import compress_moments
+from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_optimizer, is_int
 from leanstep.step.param_checks import check_params
 
@@ -37,6 +38,7 @@ __all__ = ["StepMetrics", "TrainState"]
         "consecutive_skips",
         "model_state",
         "master_error",
+        "spike",
     ],
     meta_fields=["optimizer", "master"],
 )
@@ -69,6 +71,7 @@ class TrainState:
         rounding, ``"bfloat16-sr"`` or ``"bfloat16-sr-kahan"`` (:mod:`leanstep.blocks.masters`).
       master_error: the compensated-summation buffer of ``"bfloat16-sr-kahan"`` (bfloat16, shaped
         like the trainable parameters), else None.
+      spike: the window of a :class:`leanstep.SpikeGuard` (a ``SpikeState``), else None.
     """
 
     step: jax.Array
@@ -80,6 +83,7 @@ class TrainState:
     model_state: Any
     optimizer: optax.GradientTransformation
     master_error: Any = None
+    spike: Any = None
     master: Any = "float32"
 
     @classmethod
@@ -93,6 +97,7 @@ class TrainState:
         model_state: Any = None,
         master: Any = "float32",
         moments: str = "float32",
+        spike_guard: SpikeGuard | None = None,
     ) -> TrainState:
         """Builds the state at step 0.
 
@@ -117,6 +122,8 @@ class TrainState:
             buffer of what rounding lost). Round-to-nearest bfloat16 is refused.
           moments: the optimizer's moments kept as ``"float32"``, ``"bfloat16"`` or ``"int8"``
             (8-bit blocks; :func:`leanstep.compress_moments` wraps ``optimizer``).
+          spike_guard: a :class:`leanstep.SpikeGuard`: the state carries its (empty) window, for
+            ``make_train_step(..., spike_guard=...)``; None: none.
 
         Raises:
           TypeError: a parameter leaf is not a floating-point array (a framework's
@@ -185,6 +192,7 @@ class TrainState:
             model_state=jax.tree.map(jnp.asarray, model_state),
             optimizer=optimizer,
             master_error=error,
+            spike=None if spike_guard is None else spike_guard.init(),
             master=master,
         )
         # One buffer per leaf: the step donates the state, and XLA refuses to donate a buffer
@@ -207,6 +215,7 @@ class StepMetrics(NamedTuple):
       clipped: bool, the gradient norm exceeded ``max_grad_norm``.
       consecutive_skips: int32, non-finite steps in a row, this one included.
       aux: the loss function's auxiliary output stacked over microbatches, or None.
+      spiked: bool, the step was finite and skipped for a spike (:class:`leanstep.SpikeGuard`).
     """
 
     loss: jax.Array
@@ -216,3 +225,4 @@ class StepMetrics(NamedTuple):
     clipped: jax.Array
     consecutive_skips: jax.Array
     aux: Any = None
+    spiked: Any = None

@@ -15,6 +15,7 @@ from leanstep.blocks.loss_contract import LossContract
 from leanstep.blocks.masters import master_dtype
 from leanstep.blocks.microbatches import Splitter
 from leanstep.blocks.precision import Precision
+from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import INT32_MAX, check_bool, check_positive
 from leanstep.step.gradients import gradient_stage
 from leanstep.step.settings import step_settings
@@ -58,6 +59,7 @@ def make_train_step(
     mesh: Mesh | ShardingLayer | None = ...,
     loss: LossContract | None = ...,
     accumulation: Accumulation | None = ...,
+    spike_guard: SpikeGuard | None = ...,
     **deprecated: Any,
 ) -> JittedTrainStep: ...
 
@@ -82,6 +84,7 @@ def make_train_step(
     mesh: Mesh | ShardingLayer | None = ...,
     loss: LossContract | None = ...,
     accumulation: Accumulation | None = ...,
+    spike_guard: SpikeGuard | None = ...,
     **deprecated: Any,
 ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]: ...
 
@@ -105,6 +108,7 @@ def make_train_step(
     mesh: Mesh | ShardingLayer | None = None,
     loss: LossContract | None = None,
     accumulation: Accumulation | None = None,
+    spike_guard: SpikeGuard | None = None,
     **deprecated: Any,
 ) -> JittedTrainStep | Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
@@ -183,6 +187,9 @@ def make_train_step(
       accumulation: how the batch is walked, as one value (in place of
         ``num_microbatches``, ``split`` and ``unroll``; its split is used as given, on a
         mesh too).
+      spike_guard: a :class:`leanstep.SpikeGuard`: a finite step whose loss or gradient norm
+        leaps past the state's window is skipped (``metrics.spiked``), decided in the step on
+        the reduced values; the state is built with the same guard (``TrainState.create``).
       **deprecated: the 0.7 sharding keywords ``data_axis``, ``fsdp``, ``rules`` and
         ``reduce``, accepted through 0.8 with a ``DeprecationWarning``: give them to
         ``mesh=leanstep.ShardingLayer(mesh, data_axis, fsdp=..., rules=..., reduce=...)``.
@@ -244,7 +251,12 @@ def make_train_step(
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if contract.uses_rng else None
         grads = gradients(state.params, batch, state.loss_scale, key, state.model_state)
         new_state, info = guarded_update(
-            state, grads.grads, loss=grads.loss, max_grad_norm=max_grad_norm, model_state=grads.model_state
+            state,
+            grads.grads,
+            loss=grads.loss,
+            max_grad_norm=max_grad_norm,
+            model_state=grads.model_state,
+            spike_guard=spike_guard,
         )
         new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1)
         return new_state, StepMetrics(
@@ -255,6 +267,7 @@ def make_train_step(
             clipped=info.clipped,
             consecutive_skips=new_state.consecutive_skips,
             aux=grads.aux,
+            spiked=info.spike,
         )
 
     sharded = core if layer is None else layer.around(core, num_microbatches)

@@ -27,6 +27,7 @@ counts but keeps no loss scale).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -38,6 +39,7 @@ from leanstep.blocks.fp8_state import has_fp8, merge_fp8, overwrite_fp8, split_f
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.blocks.masters import apply_to_masters
+from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive, same_structure, tree_difference
 from leanstep.step.state import TrainState
 
@@ -51,11 +53,18 @@ class UpdateInfo(NamedTuple):
       grad_norm: float32 global norm of the unscaled gradient, before clipping.
       finite: bool; False: the update was skipped.
       clipped: bool, the norm exceeded ``max_grad_norm`` (and the update was applied).
+      spike: bool, the step was finite and skipped for a spike (:class:`leanstep.SpikeGuard`).
     """
 
     grad_norm: jax.Array
     finite: jax.Array
     clipped: jax.Array
+    spike: Any = None
+
+    @property
+    def applied(self) -> jax.Array:
+        """The update was applied: finite and no spike."""
+        return self.finite if self.spike is None else self.finite & ~self.spike
 
 
 #: Folded into the step's key for stochastic rounding: apart from the microbatches' ``fold_in(key, j)``.
@@ -125,8 +134,10 @@ def _checked_update(
     loss_scale: LossScale,
     max_grad_norm: float | None,
     loss: jax.Array | None,
+    spike: Callable[[jax.Array, jax.Array, Any], jax.Array] | None = None,
 ) -> tuple[Any, Any, UpdateInfo]:
-    """The optimizer's updates and next state (that state kept as it was unless finite)."""
+    """The optimizer's updates and next state (that state kept as it was unless applied);
+    ``spike(finite, grad_norm, updates)`` says whether a finite step is skipped for a spike."""
     _check_grads(scaled_grads, params)
     grads = loss_scale.unscale(scaled_grads)
     # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
@@ -142,7 +153,9 @@ def _checked_update(
         finite = finite & jnp.isfinite(grad_norm)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    return updates, _where_tree(finite, new_opt_state, opt_state), UpdateInfo(grad_norm, finite, clipped & finite)
+    spiked = jnp.zeros((), bool) if spike is None else spike(finite, grad_norm, updates)
+    info = UpdateInfo(grad_norm, finite, clipped & finite & ~spiked, spiked)
+    return updates, _where_tree(info.applied, new_opt_state, opt_state), info
 
 
 def guarded_update(
@@ -152,6 +165,7 @@ def guarded_update(
     loss: jax.Array | None = None,
     max_grad_norm: float | None = None,
     model_state: Any = None,
+    spike_guard: SpikeGuard | None = None,
 ) -> tuple[TrainState, UpdateInfo]:
     """Applies ``state.optimizer`` to the scaled gradient if it is finite (see the module doc).
 
@@ -167,6 +181,8 @@ def guarded_update(
       max_grad_norm: clip to this global norm; None: no clipping.
       model_state: the model state the step computed, kept only if the step is applied;
         None: ``state.model_state`` is left as it is.
+      spike_guard: a :class:`leanstep.SpikeGuard` (the state built with it) that skips a finite
+        step whose loss or gradient norm leaps past its window; None: none.
 
     Returns:
       ``(state, info)``: the new state and an :class:`UpdateInfo`.
@@ -189,24 +205,29 @@ def guarded_update(
     """
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     _check_grads(scaled_grads, state.params)
+    _check_spike_guard(state, spike_guard, loss)
     params, fp8 = split_fp8(state.params)
     scaled_grads, new_fp8 = split_fp8(scaled_grads) if has_fp8(state.params) else (scaled_grads, None)
     wide = _float32(params)  # the optimizer sees float32 masters, whatever they are kept in
     check_opt_state(state.opt_state, state.optimizer, wide)
     _refuse_second_unscale(state.opt_state, "the state's optimizer")
+    window: list[Any] = [state.spike]
+
+    def spike(finite: jax.Array, grad_norm: jax.Array, updates: Any) -> jax.Array:
+        assert spike_guard is not None and loss is not None  # only called with a guard, and a loss
+        values = {"loss": loss, "grad_norm": grad_norm}
+        if "update_norm" in spike_guard.watch:
+            values["update_norm"] = global_norm(updates)
+        spiked, window[0] = spike_guard.decide(state.spike, values, finite)
+        return spiked
+
     updates, opt_state, info = _checked_update(
-        scaled_grads, state.opt_state, wide, state.optimizer, state.loss_scale, max_grad_norm, loss
-    )
-    if state.master == "float32":
-        new_params, master_error = optax.apply_updates(params, updates), None
-    else:
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), _ROUNDING_SALT)
-        new_params, master_error = apply_to_masters(params, updates, state.master, key, state.master_error)
-        if master_error is not None:
-            master_error = _where_tree(info.finite, master_error, state.master_error)
-    new_params = _where_tree(info.finite, new_params, params)
+        scaled_grads, state.opt_state, wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
+        None if spike_guard is None else spike,
+    )  # fmt: skip
+    new_params, master_error = _applied_params(state, params, updates, info.applied)
     if new_fp8 is not None:
-        new_params = merge_fp8(new_params, overwrite_fp8(fp8, new_fp8, info.finite))
+        new_params = merge_fp8(new_params, overwrite_fp8(fp8, new_fp8, info.applied))
     skips = jnp.where(info.finite, 0, _saturating_increment(state.consecutive_skips))
     return state.replace(
         params=new_params,
@@ -215,9 +236,35 @@ def guarded_update(
         consecutive_skips=skips.astype(jnp.int32),
         model_state=state.model_state
         if model_state is None
-        else _where_tree(info.finite, model_state, state.model_state),
+        else _where_tree(info.applied, model_state, state.model_state),
         master_error=master_error,
+        spike=window[0],
     ), info
+
+
+def _check_spike_guard(state: TrainState, spike_guard: SpikeGuard | None, loss: jax.Array | None) -> None:
+    if spike_guard is None:
+        return
+    if not isinstance(spike_guard, SpikeGuard):
+        raise TypeError(f"spike_guard must be a leanstep.SpikeGuard or None, got {type(spike_guard).__name__}")
+    if state.spike is None or state.spike.values.shape != spike_guard.init().values.shape:
+        raise ValueError(
+            "spike_guard needs the state's window of the same guard: TrainState.create(..., spike_guard=guard)"
+        )
+    if loss is None:
+        raise ValueError("spike_guard judges the step's loss: pass loss=")
+
+
+def _applied_params(state: TrainState, params: Any, updates: Any, applied: jax.Array) -> tuple[Any, Any]:
+    """``params + updates`` in the masters' format where the step is applied, else ``params``;
+    and the Kahan buffer (None without one)."""
+    if state.master == "float32":
+        return _where_tree(applied, optax.apply_updates(params, updates), params), None
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), _ROUNDING_SALT)
+    new_params, master_error = apply_to_masters(params, updates, state.master, key, state.master_error)
+    if master_error is not None:
+        master_error = _where_tree(applied, master_error, state.master_error)
+    return _where_tree(applied, new_params, params), master_error
 
 
 class GuardedState(NamedTuple):
