@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,40 @@ class SpikeGuard:
         if not watch or any(name not in WATCHABLE for name in watch) or len(set(watch)) != len(watch):
             raise ValueError(f"SpikeGuard.watch must name some of {WATCHABLE}, each once, got {self.watch!r}")
         object.__setattr__(self, "watch", watch)
+
+    @classmethod
+    def from_string(cls, spec: str) -> SpikeGuard | None:
+        """``"none"`` (None), ``"on"`` (the defaults), or settings, comma-separated:
+        ``"k=6,window=100,warmup=100,watch=loss+grad_norm+update_norm"``.
+
+        Raises:
+          ValueError: another form, naming it and the expected one.
+
+        Example:
+          >>> SpikeGuard.from_string("k=4,window=50,warmup=50").k, SpikeGuard.from_string("none")
+          (4.0, None)
+        """
+        expected = "none, on, or k=X,window=N,warmup=N,watch=NAME+NAME (names of loss, grad_norm, update_norm)"
+        if not isinstance(spec, str):
+            raise TypeError(f"a spike guard is a string, got {type(spec).__name__}")
+        spec = spec.strip().lower()
+        if spec in ("none", "on"):
+            return None if spec == "none" else cls()
+        fields: dict[str, Any] = {}
+        for part in (p.strip() for p in spec.split(",")):
+            name, sep, value = part.partition("=")
+            if not sep or name not in ("k", "window", "warmup", "watch") or name in fields:
+                raise ValueError(f"unknown or repeated spike-guard setting {part!r} in {spec!r}; expected {expected}")
+            try:
+                fields[name] = (
+                    tuple(value.split("+")) if name == "watch" else float(value) if name == "k" else int(value)
+                )
+            except ValueError:
+                raise ValueError(f"spike-guard setting {part!r} is not a number; expected {expected}") from None
+        try:
+            return cls(**fields)
+        except ValueError as error:
+            raise ValueError(f"{error}; expected {expected}") from None
 
     @property
     def buffer(self) -> int:

@@ -87,6 +87,13 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
         help="how AdamW's moments are kept: float32, bfloat16, or int8 (blocks of 256 with a float32 scale "
         "each: 1.016 bytes an element)",
     )
+    model.add_argument(
+        "--spike-guard",
+        default=d.spike_guard,
+        metavar="GUARD",
+        help="skip a finite step whose loss or gradient norm is beyond mean + k spreads of its recent window: "
+        "none, on (k=6,window=100,warmup=100), or k=X,window=N,warmup=N[,watch=loss+grad_norm+update_norm]",
+    )
     model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")
 

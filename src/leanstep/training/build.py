@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.precision import Precision, get_precision
 from leanstep.blocks.rematerialization import check_saved_names
+from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.models import Model, build_model
 from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
@@ -118,7 +119,13 @@ class Run:
             seed=config.seed,
             master=config.master,
             moments=config.moments,
+            spike_guard=self.spike_guard,
         )
+
+    @property
+    def spike_guard(self) -> SpikeGuard | None:
+        """The run's :class:`leanstep.SpikeGuard` (``--spike-guard``), or None."""
+        return SpikeGuard.from_string(self.config.spike_guard)
 
     def abstract_state(self) -> TrainState:
         """Shapes and dtypes of :meth:`init_state`, without computing it."""
@@ -135,6 +142,7 @@ class Run:
             mesh=None
             if mesh is None
             else ShardingLayer(mesh, fsdp=config.fsdp, rules=self.model.rules, reduce=config.reduce),
+            spike_guard=SpikeGuard.from_string(config.spike_guard),
         )
 
 

@@ -23,6 +23,7 @@ from leanstep.blocks.masters import check_master
 from leanstep.blocks.moments import MOMENT_DTYPES
 from leanstep.blocks.precision import check_train_precision
 from leanstep.blocks.rematerialization import get_remat_policy
+from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import is_int, is_real
 from leanstep.models import build_model
 from leanstep.training.schedule import SCHEDULES
@@ -147,6 +148,7 @@ class RunConfig:
     fp8: str = "none"
     master: str = "float32"
     moments: str = "float32"
+    spike_guard: str = "none"
 
     def __post_init__(self) -> None:
         # "~" means the home directory in every path, the same for every file of the run.
@@ -187,7 +189,7 @@ class RunConfig:
 
 
 #: Fields added since runs were first saved, with the value a saved run without them had.
-_ADDED_FIELDS: dict[str, Any] = {"fp8": "none", "master": "float32", "moments": "float32"}
+_ADDED_FIELDS: dict[str, Any] = {"fp8": "none", "master": "float32", "moments": "float32", "spike_guard": "none"}
 
 
 def _check_int(config: RunConfig, name: str, minimum: int = 1, maximum: int = INT32_MAX) -> None:
@@ -306,6 +308,7 @@ def _check_parts(config: RunConfig) -> None:
         ("--fp8", Fp8Recipe.from_string, config.fp8),
         ("--master", check_master, config.master),
         ("--moments", _check_moments, config.moments),
+        ("--spike-guard", SpikeGuard.from_string, config.spike_guard),
     ):
         try:
             parse(value)

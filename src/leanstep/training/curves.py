@@ -66,9 +66,13 @@ def _ticks(ax: Any, steps: np.ndarray, height: float, color: str, label: str) ->
 
 
 def _mark_events(ax: Any, metrics: RunMetrics, skipped: np.ndarray) -> None:
-    """Red ticks along the bottom at skipped steps; dotted lines at resumes."""
+    """Red ticks along the bottom at skipped steps, purple ones at steps skipped for a loss
+    spike (``--spike-guard``); dotted lines at resumes."""
     if skipped.size:
         _ticks(ax, skipped, 0.02, "tab:red", f"skipped ({skipped.size})")
+    spiked = metrics.train_column("step")[metrics.train_column("spiked") > 0] if metrics.train else np.zeros(0)
+    if spiked.size:
+        _ticks(ax, spiked, 0.05, "tab:purple", f"skipped for a spike ({spiked.size})")
     for i, step in enumerate(metrics.resumed_at):
         ax.axvline(step, color="0.4", ls=":", lw=1, label="resumed" if i == 0 else None)
 

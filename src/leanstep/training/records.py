@@ -60,6 +60,7 @@ class TrainRecord(NamedTuple):
       elapsed_s: wall-clock time of the run so far from the start of each session of
         :func:`leanstep.training.train` (loading and compiling included), resumes included.
       lr: the learning rate the step's update used.
+      spiked: whether the update was skipped for a loss spike (``--spike-guard``; a finite step).
     """
 
     step: int
@@ -72,6 +73,7 @@ class TrainRecord(NamedTuple):
     tokens_per_sec: float
     elapsed_s: float
     lr: float
+    spiked: bool = False
 
     @_class_constant
     def kind(self) -> Literal["train"]:
@@ -206,7 +208,11 @@ def parse_record(obj: object, where: str = "record") -> TrainRecord | EvalRecord
     if record_type is None:  # other kinds are for other readers
         return None
     values = []
+    defaults = record_type._field_defaults  # fields newer than some runs' lines (spiked): defaulted
     for field, kind in _FIELDS[obj["kind"]]:
+        if field not in obj and field in defaults:
+            values.append(defaults[field])
+            continue
         if field not in obj:
             raise ValueError(f"{where} ({obj['kind']!r} record) lacks the field {field!r}")
         values.append(_coerce(obj[field], kind, f"{where} field {field!r}"))

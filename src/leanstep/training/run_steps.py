@@ -106,13 +106,14 @@ def take_step(loop: StepLoop, clock: RunClock, tick: Tick) -> Tick:
         tokens_per_sec=loop.config.batch_size * loop.config.seq_len / seconds,
         elapsed_s=clock.elapsed_s(),
         lr=float(loop.schedule(tick.applied, tick.steps, np)),
+        spiked=metrics.spiked is not None and bool(metrics.spiked),
     )
     at_minimum = record.skipped and record.loss_scale <= minimum_loss_scale(state)
     return dataclasses.replace(
         tick,
         state=state,
         step=record.step,
-        applied=tick.applied + (not record.skipped),
+        applied=tick.applied + (not record.skipped and not record.spiked),
         skips_at_minimum=tick.skips_at_minimum + 1 if at_minimum else 0,
         metrics=metrics,
         seconds=seconds,

@@ -77,6 +77,7 @@ def summarize(metrics: RunMetrics, config: dict | None = None, *, final_window: 
         "best_heldout_bits_per_byte": _finite_or_none(best.heldout_bits_per_byte) if best else None,
         "best_heldout_step": best.step if best else None,
         "skipped_steps": sum(r.skipped for r in train),
+        "spike_skipped_steps": sum(r.spiked for r in train),
         "max_consecutive_skips": max((r.consecutive_skips for r in train), default=0),
         "clipped_steps": sum(r.clipped for r in train),
         "final_loss_scale": _finite_or_none(last.loss_scale) if last else None,
