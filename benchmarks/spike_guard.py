@@ -36,7 +36,7 @@ def measure(config: RunConfig, *, repeats: int = 40, rounds: int = 3) -> dict[st
     Example:
       >>> result = measure(RunConfig(size="tiny", batch_size=4, seq_len=8, steps=2), repeats=2, rounds=1)
       >>> sorted(result)
-      ['ratio', 'step_ms', 'spikes']
+      ['ratio', 'spikes', 'step_ms']
     """
     corpus = load_corpus(config.data, seq_len=config.seq_len)
     sampler = BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed)
