@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +276,39 @@ def test_async_save_survives_donated_arrays(ckpt):
     ckpt.wait_until_finished()
     assert (ckpt.directory / "9" / MANIFEST_NAME).is_file()
     assert_bit_equal(jax.tree.map(np.asarray, ckpt.restore(make_state(0)).state), expected)
+
+
+def _poll_until(ckpt: Checkpointer, seconds: float = 120.0) -> list[int]:
+    """Polls as a training loop does between steps, until a step is committed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        committed = ckpt.poll()
+        if committed:
+            return committed
+        time.sleep(0.005)
+    raise AssertionError(f"no commit within {seconds} s")
+
+
+def test_poll_commits_a_background_save_once_orbax_has_written_it(ckpt):
+    states = save_steps(ckpt, [1])
+    ckpt.save(2, make_state(2, step=2), wait=False, extra={"step": 2})
+    assert ckpt.saving() == [2]
+    assert _poll_until(ckpt) == [2]  # committed by the poll: no save, wait or close since
+    assert ckpt.saving() == [] and ckpt.poll() == [] and ckpt.all_steps() == [1, 2]
+    assert (ckpt.directory / "2" / MANIFEST_NAME).is_file() and unfinished_saves(ckpt.directory) == []
+    assert_bit_equal(ckpt.restore(make_state(0), step=1).state, states[1])
+    assert_bit_equal(ckpt.restore(make_state(0)).state, make_state(2, step=2))
+
+
+def test_poll_reports_a_failed_background_write_and_keeps_the_earlier_steps(ckpt):
+    states = save_steps(ckpt, [1])
+    ckpt.save(2, {"a": jnp.zeros(4, jnp.uint2)}, wait=False)  # tensorstore fails it in the background
+    with pytest.raises(CheckpointError, match=rf"step\(s\) \[2\] to {ckpt.directory} failed: .*uint2"):
+        _poll_until(ckpt)
+    assert ckpt.saving() == [] and ckpt.all_steps() == [1]
+    result = ckpt.restore(make_state(0))
+    assert result.step == 1 and result.skipped == ()
+    assert_bit_equal(result.state, states[1])
 
 
 def test_normal_use_prints_nothing(tmp_path, capfd):

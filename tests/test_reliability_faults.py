@@ -704,6 +704,41 @@ def test_a_checkpoint_write_that_hits_a_full_disk_stops_and_keeps_the_earlier_on
     assert restored.step == 2 and restored.skipped == ()
 
 
+class _FullDiskWrite:
+    """A commit future of orbax's background write that finds the disk full (after a moment's work)."""
+
+    def result(self, timeout: float | None = None) -> None:
+        time.sleep(0.05)
+        raise _enospc()
+
+
+def test_a_background_checkpoint_write_that_hits_a_full_disk_stops_and_keeps_the_earlier_ones(
+    tmp_path, corpus, capsys, monkeypatch, no_plot
+):
+    handler = leanstep.checkpoints.checkpointer.ocp.CompositeCheckpointHandler
+    real_async_save = handler.async_save
+    seen: list[int] = []
+
+    async def async_save(self, directory, *args, **kwargs):
+        futures = await real_async_save(self, directory, *args, **kwargs)
+        step = int(Path(directory).name.split(".")[0])  # orbax's temporary folder for the step
+        seen.append(step)
+        return [*(futures or []), _FullDiskWrite()] if step >= 4 else futures
+
+    monkeypatch.setattr(handler, "async_save", async_save)
+    run = tmp_path / "full"
+    code = main(["train", *FAST, "--data", str(corpus), "--out", str(run), "--steps", "10", "--checkpoint-every", "2"])
+    assert code == 1 and 4 in seen
+    message = one_line_error(capsys)
+    assert "the checkpoint of step 4 could not be written" in message, message
+    assert "No space left on device" in message and "the last checkpoint (step 2) is intact" in message
+    assert unfinished_saves(run / "checkpoints") == []  # the failed write's files are gone
+    restored = restore(run, template_state(FAST_CONFIG))
+    assert restored.step == 2 and restored.skipped == ()
+    # the run stopped at the first step after the failure it could see, never past the next save
+    assert train_records(run)[-1]["step"] <= 6
+
+
 def test_a_metrics_write_that_hits_a_full_disk_stops_and_keeps_the_checkpoints(
     tmp_path, corpus, capsys, monkeypatch, no_plot
 ):

@@ -21,7 +21,15 @@ import numpy as np
 import pytest
 
 from leanstep.checkpoints.checkpointer import CheckpointError
-from leanstep.training.actions import Evaluate, LogRecords, Replan, SaveCheckpoint, TimeSteps, replan_pending
+from leanstep.training.actions import (
+    CommitCheckpoint,
+    Evaluate,
+    LogRecords,
+    Replan,
+    SaveCheckpoint,
+    TimeSteps,
+    replan_pending,
+)
 from leanstep.training.budget import BudgetPlan, replan, replan_step
 from leanstep.training.config import RunConfig
 from leanstep.training.loop_state import RunClock, RunStopped, Stop, Tick
@@ -81,13 +89,36 @@ class FakeSignals:
 
 
 class RecordingCheckpointer:
-    def __init__(self, fail_at: int | None = None) -> None:
-        self.directory, self.saved, self.fail_at = CHECKPOINTS, [], fail_at
+    """A Checkpointer stand-in: records saves and commits; a write "finishes" when ``written`` says so."""
 
-    def save(self, step: int, state: Any, *, extra: dict[str, Any]) -> None:
+    def __init__(self, fail_at: int | None = None, *, fail_in_background_at: int | None = None) -> None:
+        self.directory, self.saved, self.fail_at = CHECKPOINTS, [], fail_at
+        self.fail_in_background_at = fail_in_background_at
+        self.pending: list[int] = []
+        self.committed: list[int] = []
+        self.written = False
+
+    def save(self, step: int, state: Any, *, extra: dict[str, Any], wait: bool = True) -> None:
+        self.wait_until_finished()
         if step == self.fail_at:
             raise CheckpointError("no space left on device")
         self.saved.append((step, extra))
+        self.pending.append(step)
+        if wait:
+            self.wait_until_finished()
+
+    def wait_until_finished(self) -> None:
+        pending, self.pending = self.pending, []
+        if self.fail_in_background_at in pending:
+            raise CheckpointError(f"saving step(s) {pending} failed: no space left on device")
+        self.committed += pending
+
+    def poll(self) -> list[int]:
+        if not self.pending or not (self.written or self.fail_in_background_at in self.pending):
+            return []
+        steps = list(self.pending)
+        self.wait_until_finished()
+        return steps
 
 
 # --- the actions' triggers ----------------------------------------------------------------
@@ -136,16 +167,71 @@ def test_a_checkpoint_saves_the_step_with_signals_deferred_and_says_where_the_da
     action = SaveCheckpoint(5, checkpointer, "sha", signals, Path("/runs/demo"))
     tick = action.do(tick_at(5, records=(record(5, elapsed_s=12.5),)))
     assert checkpointer.saved == [(5, {"data_position": 5, "elapsed_s": 12.5, "config_sha256": "sha"})]
-    assert signals.deferring == [True, False] and tick.last_saved == 5 and tick.stops == ()
+    assert signals.deferring == [True, False] and tick.stops == ()
+    # Written in the background: not committed yet, so the last checkpoint is still the one before.
+    assert tick.saving == 5 and tick.last_saved == 0 and checkpointer.committed == []
+
+
+def test_a_background_checkpoint_is_committed_once_written_and_never_waited_for_before():
+    checkpointer, signals = RecordingCheckpointer(), FakeSignals()
+    save = SaveCheckpoint(5, checkpointer, "sha", signals, Path("/runs/demo"))
+    commit = CommitCheckpoint(checkpointer, signals, Path("/runs/demo"))
+    tick = save.do(tick_at(5, last_saved=0))
+    tick = dataclasses.replace(tick, step=6, records=(record(6),))
+    assert commit.when(tick) and commit.do(tick) == tick  # still writing: the loop goes on
+    checkpointer.written = True
+    tick = commit.do(tick)
+    assert (tick.last_saved, tick.saving, checkpointer.committed) == (5, None, [5])
+    assert not commit.when(tick)
+    assert not CommitCheckpoint(checkpointer, signals, Path("/r"), many=True).when(dataclasses.replace(tick, saving=7))
+
+
+def test_the_next_save_commits_the_one_in_flight_first_and_the_last_step_is_waited_for():
+    checkpointer = RecordingCheckpointer()
+    save = SaveCheckpoint(5, checkpointer, "sha", FakeSignals(), Path("/runs/demo"))
+    tick = save.do(tick_at(5))
+    tick = save.do(dataclasses.replace(tick, step=10, records=(record(10),)))  # step 10 of 10: the last
+    assert (tick.last_saved, tick.saving, checkpointer.committed) == (10, None, [5, 10])
+    tick = save.do(dataclasses.replace(tick_at(15, 20), stops=(Stop("stop_at"),)))  # a stop: waited for
+    assert (tick.last_saved, tick.saving) == (15, None)
+
+
+def test_a_synchronous_save_commits_before_the_loop_goes_on():
+    checkpointer = RecordingCheckpointer()
+    tick = SaveCheckpoint(5, checkpointer, "sha", FakeSignals(), Path("/r"), background=False).do(tick_at(5))
+    assert (tick.last_saved, tick.saving, checkpointer.committed) == (5, None, [5])
+
+
+@pytest.mark.parametrize("found_by", ["commit", "next save"])
+def test_a_failed_background_write_stops_the_run_naming_it_and_the_last_good_one(found_by):
+    checkpointer, signals = RecordingCheckpointer(fail_in_background_at=6), FakeSignals()
+    save = SaveCheckpoint(2, checkpointer, "sha", signals, Path("/runs/demo"))
+    tick = save.do(tick_at(6, last_saved=4))
+    assert tick.saving == 6
+    with pytest.raises(RunStopped) as caught:
+        if found_by == "commit":
+            CommitCheckpoint(checkpointer, signals, Path("/runs/demo")).do(dataclasses.replace(tick, step=7))
+        else:
+            save.do(dataclasses.replace(tick, step=8, records=(record(8),)))
+    step = 7 if found_by == "commit" else 8
+    assert caught.value.exit_code == 1
+    assert str(caught.value) == (
+        f"stopped at step {step}: the checkpoint of step 6 could not be written (saving step(s) [6] failed: no space "
+        f"left on device); the last checkpoint (step 4) is intact in {CHECKPOINTS}. Free space or fix the "
+        "directory, then continue with --resume --out /runs/demo"
+    )
+    assert checkpointer.committed == []
 
 
 @pytest.mark.parametrize("many", [False, True])
 def test_a_signal_during_a_save_stops_a_one_process_run_at_that_step(many):
     action = SaveCheckpoint(5, RecordingCheckpointer(), "sha", FakeSignals(during_save=15), Path("/r"), many=many)
     tick = action.do(tick_at(5))
-    # One process: the step is saved, so it stops there. Several: all must stop after the same
-    # step, so the next step's signal check finds it.
+    # One process: the step is saved (and committed), so it stops there. Several: all must stop
+    # after the same step, so the next step's signal check finds it.
     assert tick.stops == (() if many else (Stop("signal", 15),))
+    if not many:
+        assert (tick.last_saved, tick.saving) == (5, None)
 
 
 def test_a_signal_during_a_save_is_not_recorded_twice():
@@ -155,16 +241,16 @@ def test_a_signal_during_a_save_is_not_recorded_twice():
 
 def test_a_real_signal_during_a_save_waits_for_it_and_stops_at_the_step():
     class Killing(RecordingCheckpointer):
-        def save(self, step, state, *, extra):
+        def save(self, step, state, *, extra, wait=True):
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGTERM)  # a second one waits too: the save is not cut short
-            super().save(step, state, extra=extra)
+            super().save(step, state, extra=extra, wait=wait)
 
     checkpointer = Killing()
     with StopSignals() as signals:
         tick = SaveCheckpoint(5, checkpointer, "sha", signals, Path("/r")).do(tick_at(5))
-    assert [step for step, _ in checkpointer.saved] == [5]
-    assert tick.stops == (Stop("signal", int(signal.SIGTERM)),)
+    assert [step for step, _ in checkpointer.saved] == [5] and checkpointer.committed == [5]
+    assert tick.stops == (Stop("signal", int(signal.SIGTERM)),) and tick.last_saved == 5
 
 
 def test_a_failed_checkpoint_stops_the_run_naming_the_last_good_one():
@@ -341,6 +427,7 @@ class Metrics(NamedTuple):
     skipped: bool
     clipped: bool
     consecutive_skips: int
+    spiked: bool | None = None
 
 
 class Sampler:
@@ -415,6 +502,7 @@ def test_the_actions_run_in_the_loops_order(tmp_path):
         StopAtMinimumLossScale,  # after the records are out, before the signals are read
         StopOnSignal,
         StopAtStep,
+        CommitCheckpoint,  # the save in flight, if written, before the next one
         SaveCheckpoint,  # after every stop is found
         EndRun,
     ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -95,10 +96,14 @@ class Checkpointer:
 
     Pseudocode of the guarantees::
 
-        save(s):    refuse if a step >= s exists; orbax writes .staging/<s>;
+        save(s):    wait for the save in flight (and commit it);
+                    refuse if a step >= s exists; orbax writes .staging/<s>
+                    (in the background with wait=False: the arrays are on the host first);
                     write .staging/<s>/manifest (sha256 of every file), fsync;
                     rename .staging/<s> to <s> (the commit), fsync the directory;
                     delete steps older than the newest max_to_keep (renamed away, then removed)
+                    (with wait=False these three at the first poll() after orbax's write,
+                    or at the next save, wait_until_finished, restore or close)
         restore():  for s in steps, newest first:
                         manifest valid and files match and leaves match template
                         and orbax restores it  ->  return it
@@ -146,8 +151,14 @@ class Checkpointer:
         self._pending: list[tuple[int, list[list[Any]]]] = []
         self._failed: list[int] = []  # steps whose save failed: their staging goes again at close
         self._closed = False
+        # Set by orbax's background thread once the save in flight is written and finalized
+        # (its files are all there; orbax then only renames its temporary folder).
+        self._written = threading.Event()
         # Orbax writes each step into staging; committing, pruning and listing are ours.
-        self._orbax = ocp.AsyncCheckpointer(ocp.CompositeCheckpointHandler())
+        self._orbax = ocp.AsyncCheckpointer(
+            ocp.CompositeCheckpointHandler(),
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._written.set),
+        )
 
     def __enter__(self) -> Self:
         return self
@@ -184,7 +195,8 @@ class Checkpointer:
           state: a pytree of arrays (jax or NumPy); any registered pytree nodes.
           extra: a JSON-compatible dict (str keys; lists, not tuples) saved with it.
           wait: if False, return once the arrays are copied off the device (they may be donated
-            afterwards); the write and the manifest finish at the next ``save``,
+            afterwards); orbax writes the step in the background, and the manifest and the
+            commit follow at the first :meth:`poll` after the write, or at the next ``save``,
             ``wait_until_finished``, ``restore`` or ``close``.
 
         Raises:
@@ -211,6 +223,7 @@ class Checkpointer:
                 "with delete_newer_than)"
             )
         args = ocp.args.Composite(state=ocp.args.StandardSave(with_placeholders(state)), extra=ocp.args.JsonSave(extra))
+        self._written.clear()
         try:
             self._orbax.save(staging_path(self.directory, step), args=args, force=True)
         except Exception as e:
@@ -218,6 +231,47 @@ class Checkpointer:
         self._pending.append((step, specs))
         if wait:
             self.wait_until_finished()
+
+    def saving(self) -> list[int]:
+        """The steps saved with ``wait=False`` and not committed yet (at most one: a save waits for the last)."""
+        return [step for step, _ in self._pending]
+
+    def poll(self) -> list[int]:
+        """Commits the save in flight if orbax has written it; never waits for a write.
+
+        Call it between steps of a loop that saves with ``wait=False``: a write that finished is
+        committed now (its manifest, the rename, pruning; milliseconds), not at the next save,
+        and one that failed is reported now. Single-process only: in a multi-process run the
+        processes must commit at the same point of the program (use :meth:`wait_until_finished`).
+
+        Returns:
+          The steps committed by this call (empty while the write goes on).
+
+        Raises:
+          CheckpointError: the save in flight failed (earlier checkpoints are untouched).
+        """
+        if self._closed or not self._pending:
+            return []
+        try:
+            self._orbax.check_for_errors()  # the background thread's failure, once it has one
+        except Exception as e:
+            pending, self._pending = self._pending, []
+            self._orbax.wait_until_finished()  # the failed thread has ended: this joins it
+            raise self._failed_save(pending, e) from e
+        if not self._written.is_set():
+            return []
+        steps = self.saving()
+        self.wait_until_finished()
+        return steps
+
+    def _failed_save(self, pending: list[tuple[int, list[list[Any]]]], error: Exception) -> CheckpointError:
+        """The error for failed pending saves, once what they left in staging is gone."""
+        steps = [s for s, _ in pending]
+        self._failed += steps
+        if jax.process_index() == 0:  # what the failed writes left in staging goes now
+            for step in steps:
+                staging_path(self.directory, step)  # removes what is there for the step
+        return CheckpointError(f"saving step(s) {steps} to {self.directory} failed: {_failure(error)}")
 
     def wait_until_finished(self) -> None:
         """Blocks until pending saves are written, then writes their manifests and prunes old steps.
@@ -231,12 +285,7 @@ class Checkpointer:
         try:
             self._orbax.wait_until_finished()
         except Exception as e:
-            steps = [s for s, _ in pending]
-            self._failed += steps
-            if jax.process_index() == 0:  # what the failed writes left in staging goes now
-                for step in steps:
-                    staging_path(self.directory, step)  # removes what is there for the step
-            raise CheckpointError(f"saving step(s) {steps} to {self.directory} failed: {_failure(e)}") from e
+            raise self._failed_save(pending, e) from e
         # Multi-process: every process saves its own shards (orbax), but the manifest and the
         # commit have one writer, process 0; the others wait for it so that none prunes or
         # restores early.

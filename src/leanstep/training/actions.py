@@ -10,9 +10,10 @@ after every step, and ``do(tick)`` its work. The loop runs them in the order
     Evaluate        step % every == 0, the last   the held-out loss, an EvalRecord
                     step, or the budget's end
     LogRecords      every step                    metrics.jsonl and the run's callback
-    SaveCheckpoint  step % every == 0, the last   a checkpoint, with signals deferred
-                    step, or a stop; never at
-                    the minimum loss scale
+    CommitCheckpoint  a save in flight          commit it once orbax has written it
+    SaveCheckpoint  step % every == 0, the last   a checkpoint, with signals deferred: written
+                    step, or a stop; never at     in the background, but the last step's and
+                    the minimum loss scale        a stop's before the run ends
 
 Example:
   >>> from leanstep.training.loop_state import Tick
@@ -37,7 +38,7 @@ from leanstep.training.records import EvalRecord, Note, RunStart
 from leanstep.training.schedule import set_total_steps
 from leanstep.training.stop_signals import StopSignals
 
-__all__ = ["Evaluate", "LogRecords", "Replan", "SaveCheckpoint", "TimeSteps", "replan_pending"]
+__all__ = ["CommitCheckpoint", "Evaluate", "LogRecords", "Replan", "SaveCheckpoint", "TimeSteps", "replan_pending"]
 
 
 def replan_pending(plan: BudgetPlan | None) -> bool:
@@ -103,12 +104,14 @@ class Evaluate:
 class LogRecords:
     """Every step: its records to ``metrics.jsonl`` (``log``; None: another process writes it), then to ``emit``.
 
-    A failed write stops the run (:class:`RunStopped`, exit code 1), saying where its work is.
+    A failed write stops the run (:class:`RunStopped`, exit code 1), saying where its work is,
+    once ``settle`` has committed a checkpoint written in the background (:meth:`SaveCheckpoint.settle`).
     """
 
     log: MetricsWriter | None
     emit: Callable[..., None]
     checkpoints: Path  # the checkpoint directory, for the message
+    settle: Callable[[Tick], Tick] = lambda tick: tick
 
     def when(self, tick: Tick) -> bool:
         return True
@@ -118,6 +121,7 @@ class LogRecords:
             try:
                 self.log.write(*tick.records)
             except OSError as error:
+                tick = self.settle(tick)
                 raise write_failed(self.log.path, error, tick.where_saved(self.checkpoints)) from None
         self.emit(*tick.records)
         return tick
@@ -126,6 +130,44 @@ class LogRecords:
 def write_failed(path: Path, error: OSError, where_saved: str) -> RunStopped:
     """The stop for a ``metrics.jsonl`` that cannot be opened or written."""
     return RunStopped(f"cannot write {path}: {error}; {where_saved}", 1)
+
+
+def background_failure(tick: Tick, error: CheckpointError, directory: Path, out: Path) -> RunStopped:
+    """The stop for a checkpoint whose background write failed (``tick.saving``'s)."""
+    return RunStopped(
+        f"stopped at step {tick.step}: the checkpoint of step {tick.saving} could not be written ({error}); "
+        f"{tick.where_saved(directory)}. Free space or fix the directory, then continue with --resume --out {out}",
+        1,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitCheckpoint:
+    """Commits the checkpoint written in the background once orbax has written it (:meth:`Checkpointer.poll`).
+
+    Never waits for the write: the step loop goes on while orbax writes. The commit (the
+    manifest, the rename, pruning) runs with signals deferred; a write that failed stops the
+    run (exit code 1) at once, saying which checkpoint is intact. A multi-process run commits
+    at its next save instead, where every process is at the same step.
+    """
+
+    checkpointer: Checkpointer
+    signals: StopSignals
+    out: Path  # the run directory, for the message
+    many: bool = False
+
+    def when(self, tick: Tick) -> bool:
+        return tick.saving is not None and not self.many
+
+    def do(self, tick: Tick) -> Tick:
+        try:
+            with self.signals.deferred():
+                committed = self.checkpointer.poll()
+        except CheckpointError as error:
+            raise background_failure(tick, error, self.checkpointer.directory, self.out) from None
+        if not committed:
+            return tick
+        return dataclasses.replace(tick, last_saved=max(committed), saving=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +179,12 @@ class SaveCheckpoint:
     (:meth:`StopSignals.deferred`); one that arrives during it stops the run at this step, which
     is saved, except in a multi-process run (``many``), where every process must stop after the
     same step and the next step's check finds it.
+
+    With ``background`` (the default), orbax writes the checkpoint while the loop goes on: the
+    save blocks only to wait for the previous write (usually done) and to copy the state to the
+    host; :class:`CommitCheckpoint` commits it once written. The last step's checkpoint, a
+    stop's, and one during which a signal arrived are waited for, so that the run ends with it
+    committed.
     """
 
     every: int
@@ -145,25 +193,47 @@ class SaveCheckpoint:
     signals: StopSignals
     out: Path  # the run directory, for the message
     many: bool = False
+    background: bool = True
 
     def when(self, tick: Tick) -> bool:
         due = tick.step % self.every == 0 or tick.step == tick.steps or bool(tick.stops)
         return tick.skips_at_minimum == 0 and due
 
     def do(self, tick: Tick) -> Tick:
+        wait = bool(tick.stops) or tick.step >= tick.steps or not self.background
         with self.signals.deferred():
-            self.save(tick)
-        tick = dataclasses.replace(tick, last_saved=tick.step)
+            tick = self.finish(tick)  # the write in flight, committed (or its failure)
+            self.save(tick, wait=wait)
+            tick = dataclasses.replace(tick, saving=tick.step)
+            if wait:
+                tick = dataclasses.replace(tick, last_saved=tick.step, saving=None)
         received = self.signals.received
-        if not self.many and received is not None and not tick.stopping("signal"):
-            tick = tick.with_stop(Stop("signal", received))
+        if not self.many and received is not None:
+            tick = self.settle(tick)  # a signal during the save: the run stops with it committed
+            if not tick.stopping("signal"):
+                tick = tick.with_stop(Stop("signal", received))
         return tick
 
-    def save(self, tick: Tick) -> None:
+    def settle(self, tick: Tick) -> Tick:
+        """``tick`` with its save in flight committed, signals deferred: before a stop names the last checkpoint."""
+        with self.signals.deferred():
+            return self.finish(tick)
+
+    def finish(self, tick: Tick) -> Tick:
+        """``tick`` with its save in flight committed (waits for its write); a failure stops the run."""
+        if tick.saving is None:
+            return tick
+        try:
+            self.checkpointer.wait_until_finished()
+        except CheckpointError as error:
+            raise background_failure(tick, error, self.checkpointer.directory, self.out) from None
+        return dataclasses.replace(tick, last_saved=tick.saving, saving=None)
+
+    def save(self, tick: Tick, *, wait: bool = True) -> None:
         """Saves ``tick``'s state with where the run's data is and its time; a failure stops the run."""
         extra = {"data_position": tick.step, "elapsed_s": tick.record.elapsed_s, "config_sha256": self.config_sha256}
         try:
-            self.checkpointer.save(tick.step, tick.state, extra=extra)
+            self.checkpointer.save(tick.step, tick.state, extra=extra, wait=wait)
         except CheckpointError as error:
             raise RunStopped(
                 f"stopped at step {tick.step}: its checkpoint could not be written ({error}); "

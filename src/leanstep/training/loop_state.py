@@ -85,7 +85,8 @@ class Tick:
       steps: the steps the run is planned for (a replan may change them).
       plan: the ``--time-budget`` plan (None: ``--steps``).
       applied: the optimizer's applied updates before the next step (skipped steps apply none).
-      last_saved: the step of the newest checkpoint (0: none yet).
+      last_saved: the step of the newest committed checkpoint (0: none yet).
+      saving: the step whose checkpoint orbax is writing in the background (None: none).
       skips_at_minimum: skipped steps in a row at the minimum loss scale, up to this one.
       metrics: the step's metrics, on the host.
       seconds: the step's wall-clock time.
@@ -100,6 +101,7 @@ class Tick:
     plan: BudgetPlan | None = None
     applied: int = 0
     last_saved: int = 0
+    saving: int | None = None
     skips_at_minimum: int = 0
     metrics: Any = None
     seconds: float = 0.0

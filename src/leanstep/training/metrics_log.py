@@ -46,7 +46,7 @@ class MetricsWriter:
       >>> print(path.read_text(), end="")
       {"kind": "train", "step": 1, "loss": 2.0, "grad_norm": 0.5, "loss_scale": 1.0,
        "skipped": false, "clipped": false, "consecutive_skips": 0, "tokens_per_sec": 1000.0,
-       "elapsed_s": 0.5, "lr": 0.001}
+       "elapsed_s": 0.5, "lr": 0.001, "spiked": false}
       {"kind": "eval", "step": 1, "heldout_loss": 1.5, "heldout_bits_per_byte": 2.16...}
     """
 

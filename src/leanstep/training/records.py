@@ -14,7 +14,7 @@ Example:
   >>> line
   '{"kind": "train", "step": 3, "loss": 2.5, "grad_norm": 0.75, "loss_scale": 32768.0,
     "skipped": false, "clipped": true, "consecutive_skips": 0, "tokens_per_sec": 10000.0,
-    "elapsed_s": 1.5, "lr": 0.001}'
+    "elapsed_s": 1.5, "lr": 0.001, "spiked": false}'
   >>> parse_record(json.loads(line)) == record
   True
 """

@@ -24,7 +24,15 @@ import jax
 import numpy as np
 
 from leanstep.step.state import TrainState
-from leanstep.training.actions import Evaluate, LogRecords, Replan, SaveCheckpoint, TimeSteps, write_failed
+from leanstep.training.actions import (
+    CommitCheckpoint,
+    Evaluate,
+    LogRecords,
+    Replan,
+    SaveCheckpoint,
+    TimeSteps,
+    write_failed,
+)
 from leanstep.training.budget import BudgetPlan
 from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.loop_state import Action, RunClock, RunStopped, Tick, minimum_loss_scale
@@ -140,15 +148,19 @@ def loop_actions(
     assert checkpointer is not None  # the run directory is open
     out, many = Path(config.out), jax.process_count() > 1
     step_times: list[float] = []  # TimeSteps keeps them, Replan reads them
+    save = SaveCheckpoint(
+        config.checkpoint_every, checkpointer, config_hash(config), signals, out, many=many, background=not many
+    )
     return [
         TimeSteps(step_times),
         Replan(config, clock, step_times, on_replan, loop.emit),
         StopAtBudget(clock, many=many),
         Evaluate(config.eval_every, lambda params: evaluate(loop, params)),
-        LogRecords(log, loop.emit, checkpointer.directory),
-        StopAtMinimumLossScale(config.max_consecutive_skips, checkpointer.directory),
+        LogRecords(log, loop.emit, checkpointer.directory, settle=save.settle),
+        StopAtMinimumLossScale(config.max_consecutive_skips, checkpointer.directory, settle=save.settle),
         StopOnSignal(signals, many=many),
         StopAtStep(config.stop_at),
-        SaveCheckpoint(config.checkpoint_every, checkpointer, config_hash(config), signals, out, many=many),
+        CommitCheckpoint(checkpointer, signals, out, many=many),
+        save,
         EndRun(out, checkpointer.directory, signals, loop.emit),
     ]

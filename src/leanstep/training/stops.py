@@ -78,16 +78,19 @@ class StopAtMinimumLossScale:
     """Stops the run after ``max_skips`` skipped steps in a row with the loss scale at its minimum.
 
     Lowering the scale cannot help then (the gradients are non-finite at any scale), so the
-    run stops at once, without saving the state it is stuck in.
+    run stops at once, without saving the state it is stuck in (a checkpoint written in the
+    background is committed first, by ``settle``).
     """
 
     max_skips: int
     checkpoints: Path  # the checkpoint directory, for the message
+    settle: Callable[[Tick], Tick] = lambda tick: tick
 
     def when(self, tick: Tick) -> bool:
         return tick.skips_at_minimum >= self.max_skips
 
     def do(self, tick: Tick) -> Tick:
+        tick = self.settle(tick)
         raise RunStopped(
             f"stopped at step {tick.step}: the loss scale sat at its minimum ({tick.record.loss_scale:g}) for "
             f"{tick.skips_at_minimum} skipped steps in a row (non-finite gradients); "
