@@ -44,7 +44,7 @@ train_values = st.fixed_dictionaries(
 
 
 def test_fields_and_kinds_are_the_metrics_jsonl_schema():
-    assert TrainRecord._fields == TRAIN_FIELDS
+    assert TrainRecord._fields == (*TRAIN_FIELDS, "spiked")  # 0.9: spiked, last, defaulted when absent
     assert EvalRecord._fields == ("step", "heldout_loss", "heldout_bits_per_byte")
     assert Note._fields == ("message",)
     assert (TrainRecord.kind, EvalRecord.kind, Note.kind) == ("train", "eval", "note")
@@ -54,11 +54,15 @@ def test_fields_and_kinds_are_the_metrics_jsonl_schema():
 @settings(max_examples=200, deadline=None)
 @given(train_values)
 def test_train_line_is_the_old_dict_line_and_round_trips(values):
-    # The trainer wrote ``json.dumps({"kind": "train", "step": ..., ...})``, keys in this order.
+    # The trainer wrote ``json.dumps({"kind": "train", "step": ..., ...})``, keys in this order;
+    # 0.9 adds "spiked" at the end, and reads a line without it as not spiked.
     old_line = json.dumps({"kind": "train", **{field: values[field] for field in TRAIN_FIELDS}})
     record = TrainRecord(**values)
     line = json.dumps(record.to_json())
-    assert line == old_line
+    assert line == old_line[:-1] + ', "spiked": false}'
+    assert parse_record(json.loads(old_line)) == record or any(
+        isinstance(v, float) and math.isnan(v) for v in values.values()
+    )
     parsed = parse_record(json.loads(line))
     assert type(parsed) is TrainRecord
     assert json.dumps(parsed.to_json()) == line  # NaN != NaN, so compare the lines
@@ -96,10 +100,24 @@ def test_numpy_scalars_are_written_as_the_trainer_wrote_them():
         "tokens_per_sec": 1234.5,
         "elapsed_s": 9.25,
         "lr": float(np.float32(3e-4)),
+        "spiked": False,
     }
     out = record.to_json()
     assert json.dumps(out) == json.dumps(old)
-    assert [type(v) for v in out.values()] == [str, int, float, float, float, bool, bool, int, float, float, float]
+    assert [type(v) for v in out.values()] == [
+        str,
+        int,
+        float,
+        float,
+        float,
+        bool,
+        bool,
+        int,
+        float,
+        float,
+        float,
+        bool,
+    ]
     assert json.dumps(EvalRecord.from_loss(np.int32(4), np.float32(1.5)).to_json()) == json.dumps(eval_line(4, 1.5))
 
 

@@ -30,7 +30,7 @@ class Model:
     def __init__(self, guard: SpikeGuard):
         self.guard, self.buffer = guard, 1 << (guard.window - 1).bit_length()
         self.values = [[F32(0)] * self.buffer for _ in guard.watch]
-        self.recorded, self.spikes = 0, 0
+        self.recorded, self.spikes, self.streak = 0, 0, 0
 
     def decide(self, xs: list[np.float32], finite: bool) -> bool:
         with np.errstate(all="ignore"):  # inf - inf and NaN, as float32 arithmetic gives them
@@ -39,23 +39,26 @@ class Model:
     def _decide(self, xs: list[np.float32], finite: bool) -> bool:
         g, n = self.guard, min(self.recorded, self.guard.window)
         count = F32(max(n, 1))
-        spike_any = False
+        judged = self.recorded >= g.warmup
+        kept, spike_any = [], False
         for j, x in enumerate(xs):
             row = self.values[j]
-            if not np.isfinite(x):
-                continue
             mean = F32(_tree_sum([row[i] if i < n else F32(0) for i in range(self.buffer)]) / count)
             deviation = F32(
                 _tree_sum([F32(abs(F32(row[i] - mean))) if i < n else F32(0) for i in range(self.buffer)]) / count
             )
             spread = F32(F32(g.k * math.sqrt(math.pi / 2)) * deviation)
-            spike_any |= bool(np.isfinite(x) and F32(x - mean) > spread)
-        spike = self.recorded >= g.warmup and finite and spike_any
+            over = judged and bool(np.isfinite(x)) and bool(F32(x - mean) > spread)
+            spike_any |= over
+            clip = over and self.streak < max(g.window // 2, 1)  # at its threshold, unless the streak is long
+            kept.append(F32(mean + spread) if clip else F32(x))
+        spike = finite and spike_any
         if finite:
             slot = self.recorded % g.window
-            for j, x in enumerate(xs):
-                self.values[j][slot] = F32(x)
+            for j, value in enumerate(kept):
+                self.values[j][slot] = value
             self.recorded += 1
+            self.streak = self.streak + 1 if spike else 0
         self.spikes += int(spike)
         return spike
 
@@ -101,24 +104,46 @@ def test_decisions_and_window_equal_the_plain_python_model_over_10000_steps(inde
     expected = [model.decide(list(x), bool(ok)) for x, ok in zip(xs, finite)]
     np.testing.assert_array_equal(np.asarray(spikes), expected, err_msg=name)
     assert int(final.spikes) == model.spikes and int(final.recorded) == model.recorded
+    assert int(final.streak) == model.streak
     np.testing.assert_array_equal(np.asarray(final.values), np.asarray(model.values, F32))
     assert 5 < model.spikes < steps // 10, (name, model.spikes)  # the guard acted, and is no lock-out
 
 
 def test_nothing_is_judged_during_warmup_and_a_spike_is_recorded_so_that_no_loss_locks_it_out():
-    guard = SpikeGuard(window=4, k=1.0, warmup=3)
+    guard = SpikeGuard(window=4, k=1.0, warmup=3, watch=("loss",))
     state = guard.init()
     for loss in (1.0, 100.0, 1.0):  # warm-up: recorded, even the 100
-        spike, state = guard.decide(state, {"loss": jnp.float32(loss), "grad_norm": jnp.float32(1)}, jnp.array(True))
+        spike, state = guard.decide(state, {"loss": jnp.float32(loss)}, jnp.array(True))
         assert not bool(spike)
-    spike, after = guard.decide(state, {"loss": jnp.float32(1e4), "grad_norm": jnp.float32(1)}, jnp.array(True))
+    mean = (1.0 + 100.0 + 1.0) / 3
+    threshold = mean + 1.0 * math.sqrt(math.pi / 2) * (2 * (mean - 1.0) + (100.0 - mean)) / 3
+    spike, after = guard.decide(state, {"loss": jnp.float32(1e4)}, jnp.array(True))
     assert bool(spike) and int(after.recorded) == 4 and int(after.spikes) == 1
-    assert float(after.values[0, 3]) == 1e4  # recorded: a loss that stays there is judged by it next
+    # Recorded at the threshold it crossed, not at 1e4: the window climbs towards a loss that stays.
+    assert float(after.values[0, 3]) == pytest.approx(threshold, rel=1e-6)
     decisions = []
-    for _ in range(4):
-        spike, after = guard.decide(after, {"loss": jnp.float32(1e4), "grad_norm": jnp.float32(1)}, jnp.array(True))
+    for _ in range(60):
+        spike, after = guard.decide(after, {"loss": jnp.float32(1e4)}, jnp.array(True))
         decisions.append(bool(spike))
-    assert decisions[-1] is False and int(after.spikes) == 1 + sum(decisions)  # the window moved on with it
+    first_pass = decisions.index(False)
+    # A burst stays visible (the patience: half the window), then the loss that stayed is taken.
+    assert first_pass >= guard.patience - 1 and not any(decisions[first_pass:])
+    assert int(after.spikes) == 1 + sum(decisions)
+
+
+def test_a_burst_stays_visible_where_recording_it_whole_would_hide_it():
+    """Eight bad steps after a calm window: each is a spike (a window that took the first whole would
+    pass the rest: its spread would dwarf them)."""
+    guard = SpikeGuard(window=16, k=6.0, warmup=8, watch=("loss",))
+    state = guard.init()
+    rng = np.random.default_rng(0)
+    for loss in 2.0 + 0.01 * rng.standard_normal(16):
+        _, state = guard.decide(state, {"loss": jnp.float32(loss)}, jnp.array(True))
+    burst = []
+    for _ in range(8):
+        spike, state = guard.decide(state, {"loss": jnp.float32(5.0)}, jnp.array(True))
+        burst.append(bool(spike))
+    assert burst == [True] * 8
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ def test_summary_matches_hand_computation(tmp_path):
         "best_heldout_bits_per_byte": 2.25 / ln2,
         "best_heldout_step": 6,
         "skipped_steps": 2,
+        "spike_skipped_steps": 0,  # lines of runs before 0.9 have no "spiked": none
         "max_consecutive_skips": 2,
         "clipped_steps": 3,  # 1, 4, new 5
         "final_loss_scale": 32768.0,

@@ -23,9 +23,11 @@ import pytest
 from leanstep.checkpoints.checkpointer import CheckpointError
 from leanstep.training.actions import (
     CommitCheckpoint,
+    EndLowerRate,
     Evaluate,
     LogRecords,
     Replan,
+    RollBackOnSpikes,
     SaveCheckpoint,
     TimeSteps,
     replan_pending,
@@ -166,7 +168,8 @@ def test_a_checkpoint_saves_the_step_with_signals_deferred_and_says_where_the_da
     checkpointer, signals = RecordingCheckpointer(), FakeSignals()
     action = SaveCheckpoint(5, checkpointer, "sha", signals, Path("/runs/demo"))
     tick = action.do(tick_at(5, records=(record(5, elapsed_s=12.5),)))
-    assert checkpointer.saved == [(5, {"data_position": 5, "elapsed_s": 12.5, "config_sha256": "sha"})]
+    extra = {"data_position": 5, "elapsed_s": 12.5, "config_sha256": "sha", "rollbacks": 0, "spike_steps": []}
+    assert checkpointer.saved == [(5, extra)]
     assert signals.deferring == [True, False] and tick.stops == ()
     # Written in the background: not committed yet, so the last checkpoint is still the one before.
     assert tick.saving == 5 and tick.last_saved == 0 and checkpointer.committed == []
@@ -500,12 +503,16 @@ def test_the_actions_run_in_the_loops_order(tmp_path):
         Evaluate,
         LogRecords,
         StopAtMinimumLossScale,  # after the records are out, before the signals are read
+        EndLowerRate,  # before the save: a checkpoint holds the factor its next step uses
         StopOnSignal,
         StopAtStep,
         CommitCheckpoint,  # the save in flight, if written, before the next one
         SaveCheckpoint,  # after every stop is found
         EndRun,
     ]
+    with_rollback = dataclasses.replace(loop, config=dataclasses.replace(loop.config, spike_rollback="on"))
+    kinds = [type(a) for a in loop_actions(with_rollback, RunClock(0.0), None, FakeSignals(), lambda plan: None)]
+    assert kinds.index(RollBackOnSpikes) == kinds.index(StopAtMinimumLossScale) + 1  # after the spike is logged
 
 
 def test_the_loop_at_the_end_of_its_budget_evaluates_saves_says_so_and_returns(tmp_path):

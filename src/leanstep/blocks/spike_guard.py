@@ -12,11 +12,17 @@ the gradient norm before clipping, and optionally the update norm):
     mean   = sum(w_1 .. w_n) / n
     spread = sum(|w_i - mean|) / n * sqrt(pi / 2)           the mean absolute deviation, as a std
     spike  = recorded >= warmup  and  (x - mean) > k * spread
+    record   x, or mean + k * spread where x is a spike                 (the ring's next slot)
+             (x whole from the window // 2-th spike in a row: a level that stays is taken)
 
-A step is skipped for a spike when any watched value is one. Every finite step is recorded, the
-skipped spikes too: a window that left them out would freeze where a loss that moves on (a new
-phase of the schedule, a harder stretch of data) leaves it, and skip every step after. A burst of
-spikes is what ``leanstep train``'s escalation (a rollback) is for. The spread is the mean absolute deviation
+A step is skipped for a spike when any watched value is one. Every finite step is recorded, a
+spike at the threshold it crossed (``mean + spread``, winsorized): a window that left spikes out
+would freeze where a loss that moves on (a new phase of the schedule, a harder stretch of data)
+leaves it, and skip every step after, while one that took them whole would be blinded by the
+first spike of a burst (its spread inflated, the next bad steps pass). At the threshold a burst
+stays visible; a loss that stays high for half a window of spikes in a row has moved on, and is
+recorded whole from then on. A
+burst of spikes is what ``leanstep train``'s escalation (a rollback) is for. The spread is the mean absolute deviation
 scaled to a normal's standard deviation (``E|X - mu| = sigma * sqrt(2 / pi)``) rather than the
 standard deviation itself because it needs no product added to a sum: XLA fuses ``a * b + c``
 into one rounding, NumPy rounds twice, so a squared deviation's sum could not be reproduced
@@ -70,7 +76,11 @@ def tree_sum(values: jax.Array) -> jax.Array:
     return values[..., 0]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "recorded", "spikes"], meta_fields=[])
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["values", "recorded", "spikes", "streak", "update_scale"],
+    meta_fields=[],
+)
 @dataclasses.dataclass(frozen=True)
 class SpikeState:
     """The guard's window, in the train state.
@@ -80,11 +90,21 @@ class SpikeState:
         watched quantity (``buffer``, the window rounded up to a power of two; the rest stays 0).
       recorded: int32, finite steps recorded so far (the ring's next slot is ``recorded % window``).
       spikes: int32, steps skipped for a spike so far.
+      streak: int32, spikes in a row up to now (a finite step that is none resets it).
+      update_scale: float32, what the step multiplies the optimizer's updates by: 1, or less
+        for a while after ``leanstep train`` rolled back past a burst of spikes (for optax's
+        AdamW, a lower learning rate). The guard never changes it; the loop sets it.
     """
 
     values: jax.Array
     recorded: jax.Array
     spikes: jax.Array
+    streak: jax.Array = dataclasses.field(default_factory=lambda: jnp.zeros((), jnp.int32))
+    update_scale: jax.Array = dataclasses.field(default_factory=lambda: jnp.ones((), jnp.float32))
+
+    def with_update_scale(self, scale: float) -> SpikeState:
+        """This window with ``update_scale`` set to ``scale`` (computed from the old value: its placement kept)."""
+        return dataclasses.replace(self, update_scale=self.update_scale * 0 + jnp.float32(scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +173,12 @@ class SpikeGuard:
             raise ValueError(f"{error}; expected {expected}") from None
 
     @property
+    def patience(self) -> int:
+        """Spikes in a row recorded at their threshold; from the next one on they are recorded whole:
+        half the window (a burst shorter than that stays visible, a level that stays is taken)."""
+        return max(self.window // 2, 1)
+
+    @property
     def buffer(self) -> int:
         """The ring's length in memory: ``window`` rounded up to a power of two."""
         return 1 << (self.window - 1).bit_length()
@@ -160,7 +186,9 @@ class SpikeGuard:
     def init(self) -> SpikeState:
         """An empty window."""
         zero = jnp.zeros((), jnp.int32)
-        return SpikeState(jnp.zeros((len(self.watch), self.buffer), jnp.float32), zero, zero)
+        return SpikeState(
+            jnp.zeros((len(self.watch), self.buffer), jnp.float32), zero, zero, zero, jnp.ones((), jnp.float32)
+        )
 
     def decide(
         self, state: SpikeState, values: dict[str, jax.Array], finite: jax.Array
@@ -171,16 +199,30 @@ class SpikeGuard:
         n = jnp.minimum(state.recorded, self.window)
         count = n.astype(jnp.float32)
         slots = jnp.arange(self.buffer) < n
-        mean = tree_sum(jnp.where(slots, state.values, 0.0)) / jnp.maximum(count, 1.0)
-        deviation = tree_sum(jnp.where(slots, jnp.abs(state.values - mean[:, None]), 0.0)) / jnp.maximum(count, 1.0)
-        spread = jnp.float32(self.k * _MAD_TO_STD) * deviation
+        # Each rounded where a plain-Python reference rounds it: XLA would otherwise divide by a
+        # broadcast count as a product with its reciprocal, and fuse a product into a sum.
+        barrier = jax.lax.optimization_barrier
+        divisor = barrier(jnp.broadcast_to(jnp.maximum(count, 1.0), (len(self.watch),)))
+        mean = barrier(tree_sum(jnp.where(slots, state.values, 0.0)) / divisor)
+        deviation = barrier(tree_sum(jnp.where(slots, jnp.abs(state.values - mean[:, None]), 0.0)) / divisor)
+        spread = barrier(jnp.float32(self.k * _MAD_TO_STD) * deviation)
         judged = state.recorded >= self.warmup
-        spike = judged & finite & jnp.any(jnp.isfinite(x) & ((x - mean) > spread))
+        over = judged & jnp.isfinite(x) & ((x - mean) > spread)  # each watched value beyond its threshold
+        spike = finite & jnp.any(over)
         record = finite
         slot = state.recorded % self.window
-        values_new = jnp.where(record, state.values.at[:, slot].set(x), state.values)
+        # A spike is recorded at the threshold it crossed, unless it is the patience-th in a row:
+        # a loss that stays there has moved on, and its values are taken whole from then on.
+        clip = over & (state.streak < self.patience)
+        kept = jnp.where(clip, mean + spread, x)
+        values_new = jnp.where(record, state.values.at[:, slot].set(kept), state.values)
+        streak = jnp.where(
+            finite, jnp.where(spike, jnp.minimum(state.streak, jnp.int32(2**31 - 2)) + 1, 0), state.streak
+        )
         return spike, SpikeState(
             values_new,
             jnp.where(record, jnp.minimum(state.recorded, jnp.int32(2**31 - 2)) + 1, state.recorded),
             state.spikes + spike.astype(jnp.int32),
+            streak.astype(jnp.int32),
+            state.update_scale,
         )

@@ -225,6 +225,9 @@ def guarded_update(
         scaled_grads, state.opt_state, wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
         None if spike_guard is None else spike,
     )  # fmt: skip
+    if spike_guard is not None:  # 1, or less after a rollback past spikes (leanstep train)
+        scale = state.spike.update_scale
+        updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
     new_params, master_error = _applied_params(state, params, updates, info.applied)
     if new_fp8 is not None:
         new_params = merge_fp8(new_params, overwrite_fp8(fp8, new_fp8, info.applied))

@@ -35,10 +35,23 @@ from leanstep.training.config import RunConfig
 from leanstep.training.loop_state import RunClock, RunStopped, Stop, Tick
 from leanstep.training.metrics_log import MetricsWriter
 from leanstep.training.records import EvalRecord, Note, RunStart
+from leanstep.training.rollback import Rollback, SpikeRollback, data_position, record_rollback_lines, write_rollbacks
 from leanstep.training.schedule import set_total_steps
+from leanstep.training.step_loop import applied_updates
 from leanstep.training.stop_signals import StopSignals
 
-__all__ = ["CommitCheckpoint", "Evaluate", "LogRecords", "Replan", "SaveCheckpoint", "TimeSteps", "replan_pending"]
+__all__ = [
+    "CommitCheckpoint",
+    "EndLowerRate",
+    "Evaluate",
+    "LogRecords",
+    "Replan",
+    "RollBackOnSpikes",
+    "SaveCheckpoint",
+    "TimeSteps",
+    "replan_pending",
+    "roll_back_to",
+]
 
 
 def replan_pending(plan: BudgetPlan | None) -> bool:
@@ -197,7 +210,7 @@ class SaveCheckpoint:
 
     def when(self, tick: Tick) -> bool:
         due = tick.step % self.every == 0 or tick.step == tick.steps or bool(tick.stops)
-        return tick.skips_at_minimum == 0 and due
+        return tick.skips_at_minimum == 0 and due and not tick.rolled_back  # a rollback's step is saved
 
     def do(self, tick: Tick) -> Tick:
         wait = bool(tick.stops) or tick.step >= tick.steps or not self.background
@@ -231,7 +244,13 @@ class SaveCheckpoint:
 
     def save(self, tick: Tick, *, wait: bool = True) -> None:
         """Saves ``tick``'s state with where the run's data is and its time; a failure stops the run."""
-        extra = {"data_position": tick.step, "elapsed_s": tick.record.elapsed_s, "config_sha256": self.config_sha256}
+        extra = {
+            "data_position": data_position(tick.step, tick.data_skips),
+            "elapsed_s": tick.record.elapsed_s,
+            "config_sha256": self.config_sha256,
+            "rollbacks": len(tick.rollbacks),  # decided before this checkpoint (--resume finishes a later one)
+            "spike_steps": list(tick.spike_steps),
+        }
         try:
             self.checkpointer.save(tick.step, tick.state, extra=extra, wait=wait)
         except CheckpointError as error:
@@ -241,3 +260,116 @@ class SaveCheckpoint:
                 f"with --resume --out {self.out}",
                 1,
             ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RollBackOnSpikes:
+    """``--spike-rollback``: after a burst of spikes, back to the checkpoint before it (:mod:`leanstep.training.rollback`).
+
+    Counts the steps the spike guard skipped; when ``policy.after`` of them fall within
+    ``policy.within`` steps, it settles the save in flight, records the decision
+    (``rollbacks.json``, then ``metrics.jsonl``), deletes the checkpoints after the one it goes
+    back to, restores that one and returns its tick: the loop goes on from there, past the
+    burst's batches, with the updates scaled by ``policy.lr_factor``. With no checkpoint before
+    the burst it warns and goes on (the spikes stay skipped); past ``policy.max_rollbacks`` it
+    stops the run (exit code 1).
+    """
+
+    policy: SpikeRollback
+    checkpointer: Checkpointer
+    log: MetricsWriter | None  # None: another process writes the run directory
+    out: Path
+    emit: Callable[..., None]
+    settle: Callable[[Tick], Tick]
+
+    def when(self, tick: Tick) -> bool:
+        return tick.record.spiked
+
+    def do(self, tick: Tick) -> Tick:
+        policy = self.policy
+        recent = (*(s for s in tick.spike_steps if s > tick.step - policy.within), tick.step)
+        if len(recent) < policy.after:
+            return dataclasses.replace(tick, spike_steps=recent)
+        tick = self.settle(tick)
+        burst = f"{len(recent)} loss spikes within {policy.within} steps (steps {', '.join(map(str, recent))})"
+        earlier = [step for step in self.checkpointer.all_steps() if step < recent[0]]
+        if not earlier:
+            self.emit(
+                Note(f"warning: {burst}, but no checkpoint before step {recent[0]} to roll back to: they were skipped")
+            )
+            return dataclasses.replace(tick, spike_steps=())
+        if len(tick.rollbacks) >= policy.max_rollbacks:
+            raise RunStopped(
+                f"stopped at step {tick.step}: {burst} after {len(tick.rollbacks)} rollbacks (--spike-rollback "
+                f"max={policy.max_rollbacks}); {tick.where_saved(self.checkpointer.directory)}. Lower --lr or check "
+                f"the data, then continue with --resume --out {self.out}",
+                1,
+            )
+        to, skips = earlier[-1], tick.data_skips
+        decision = Rollback(
+            at_step=tick.step,
+            to_step=to,
+            spikes=recent,
+            skip=(data_position(recent[0] - 1, skips), data_position(tick.step - 1, skips)),
+            lr_factor=policy.lr_factor,
+            lr_until=to + policy.lr_steps,
+        )
+        rollbacks = (*tick.rollbacks, decision)
+        try:
+            if self.log is not None:
+                write_rollbacks(self.out, rollbacks)  # the decision first: --resume finishes it from here
+                self.log.rewrite(lambda path: record_rollback_lines(path, decision))
+        except OSError as error:
+            raise RunStopped(
+                f"stopped at step {tick.step}: {burst}, and the rollback to step {to} could not be recorded "
+                f"({error}); {tick.where_saved(self.checkpointer.directory)}",
+                1,
+            ) from None
+        state = roll_back_to(self.checkpointer, tick.state, decision, tick.steps)
+        self.emit(
+            Note(
+                f"{burst}: rolled back to step {to}, skipping the batches at data positions {decision.skip[0]}-"
+                f"{decision.skip[1]}; updates x{decision.lr_factor:g} until step {decision.lr_until}"
+            )
+        )
+        return Tick(
+            state=state,
+            step=to,
+            steps=tick.steps,
+            plan=tick.plan,
+            applied=applied_updates(state.opt_state),
+            last_saved=to,
+            records=tick.records,
+            rollbacks=rollbacks,
+            lr_factor=decision.lr_factor,
+            rolled_back=True,
+        )
+
+
+def roll_back_to(checkpointer: Checkpointer, template: Any, decision: Rollback, steps: int) -> Any:
+    """The state of checkpoint ``decision.to_step``, the checkpoints after it deleted, its updates scaled.
+
+    Raises:
+      RunStopped: that checkpoint cannot be restored.
+    """
+    try:
+        checkpointer.delete_newer_than(decision.to_step)
+        state = checkpointer.restore(template, step=decision.to_step).state
+    except CheckpointError as error:
+        raise RunStopped(f"the rollback to step {decision.to_step} failed: {error}", 1) from None
+    return state.replace(
+        opt_state=set_total_steps(state.opt_state, steps),
+        spike=state.spike.with_update_scale(decision.lr_factor),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EndLowerRate:
+    """Puts the updates' factor back to 1 after the last step a rollback lowered it for (``lr_until``)."""
+
+    def when(self, tick: Tick) -> bool:
+        return tick.lr_factor != 1.0 and bool(tick.rollbacks) and tick.step >= tick.rollbacks[-1].lr_until
+
+    def do(self, tick: Tick) -> Tick:
+        state = tick.state.replace(spike=tick.state.spike.with_update_scale(1.0))
+        return dataclasses.replace(tick, state=state, lr_factor=1.0)

@@ -26,6 +26,7 @@ from leanstep.blocks.rematerialization import get_remat_policy
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import is_int, is_real
 from leanstep.models import build_model
+from leanstep.training.rollback import SpikeRollback
 from leanstep.training.schedule import SCHEDULES
 
 __all__ = ["MODEL_FLAGS", "RESUMABLE_FIELDS", "SCHEDULES", "RunConfig", "config_hash", "model_overrides"]
@@ -149,6 +150,7 @@ class RunConfig:
     master: str = "float32"
     moments: str = "float32"
     spike_guard: str = "none"
+    spike_rollback: str = "none"
 
     def __post_init__(self) -> None:
         # "~" means the home directory in every path, the same for every file of the run.
@@ -189,7 +191,13 @@ class RunConfig:
 
 
 #: Fields added since runs were first saved, with the value a saved run without them had.
-_ADDED_FIELDS: dict[str, Any] = {"fp8": "none", "master": "float32", "moments": "float32", "spike_guard": "none"}
+_ADDED_FIELDS: dict[str, Any] = {
+    "fp8": "none",
+    "master": "float32",
+    "moments": "float32",
+    "spike_guard": "none",
+    "spike_rollback": "none",
+}
 
 
 def _check_int(config: RunConfig, name: str, minimum: int = 1, maximum: int = INT32_MAX) -> None:
@@ -309,6 +317,7 @@ def _check_parts(config: RunConfig) -> None:
         ("--master", check_master, config.master),
         ("--moments", _check_moments, config.moments),
         ("--spike-guard", SpikeGuard.from_string, config.spike_guard),
+        ("--spike-rollback", SpikeRollback.from_string, config.spike_rollback),
     ):
         try:
             parse(value)
@@ -318,6 +327,14 @@ def _check_parts(config: RunConfig) -> None:
         config.make_loss_scale()
     except (TypeError, ValueError) as error:
         raise ValueError(f"--loss-scale: {error}") from None
+    if (
+        SpikeRollback.from_string(config.spike_rollback) is not None
+        and SpikeGuard.from_string(config.spike_guard) is None
+    ):
+        raise ValueError(
+            f"--spike-rollback {config.spike_rollback} rolls back past the spikes the guard skips: "
+            "pass --spike-guard on (or its settings) too"
+        )
     if config.fp8.strip().lower() != "none" and config.model != "transformer":
         raise ValueError(f"--fp8 {config.fp8}: FP8 matmuls are built into --model transformer, not {config.model}")
     try:  # cheap: builds the config dataclass only, no arrays

@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from leanstep.training.records import EvalRecord, TrainRecord
+from leanstep.training.rollback import Rollback, merge_skips
 
 if TYPE_CHECKING:
     from leanstep.training.budget import BudgetPlan
@@ -93,6 +94,10 @@ class Tick:
       records: the records of the step: its :class:`TrainRecord`, then any :class:`EvalRecord`.
       stops: the stops found after the step, in the order found.
       done: the run ends here without an error (the time budget ran out).
+      spike_steps: the recent steps skipped for a spike (``--spike-rollback`` counts them).
+      rollbacks: the rollbacks decided so far (:class:`leanstep.training.rollback.Rollback`).
+      lr_factor: what the step multiplies its updates by now (below 1 after a rollback).
+      rolled_back: this tick is a rollback's: the state is the checkpoint's, nothing to save.
     """
 
     state: Any
@@ -108,6 +113,18 @@ class Tick:
     records: tuple[TrainRecord | EvalRecord, ...] = ()
     stops: tuple[Stop, ...] = ()
     done: bool = False
+    spike_steps: tuple[int, ...] = ()
+    rollbacks: tuple[Rollback, ...] = ()
+    lr_factor: float = 1.0
+    rolled_back: bool = False
+
+    @property
+    def data_skips(self) -> tuple[tuple[int, int], ...]:
+        """The data positions the run skips, merged (:func:`~leanstep.training.rollback.data_position`)."""
+        skips: tuple[tuple[int, int], ...] = ()
+        for rollback in self.rollbacks:
+            skips = merge_skips(skips, rollback.skip)
+        return skips
 
     @property
     def record(self) -> TrainRecord:

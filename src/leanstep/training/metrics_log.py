@@ -15,6 +15,7 @@ import json
 import os
 import pathlib
 import stat
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING
 
 import numpy as np
@@ -76,6 +77,16 @@ class MetricsWriter:
             raise RuntimeError(f"MetricsWriter({str(self.path)!r}) is not open; use it in a with block")
         self._file.write("".join(json.dumps(record.to_json()) + "\n" for record in records))
         self._file.flush()
+
+    def rewrite(self, change: Callable[[pathlib.Path], None]) -> None:
+        """Closes the file, lets ``change(path)`` replace it (a rollback's rewrite), and opens it again.
+
+        Raises:
+          OSError: from ``change`` or from opening the file again.
+        """
+        self.__exit__()
+        change(self.path)
+        self.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         if self._file is not None:

@@ -26,9 +26,11 @@ import numpy as np
 from leanstep.step.state import TrainState
 from leanstep.training.actions import (
     CommitCheckpoint,
+    EndLowerRate,
     Evaluate,
     LogRecords,
     Replan,
+    RollBackOnSpikes,
     SaveCheckpoint,
     TimeSteps,
     write_failed,
@@ -38,6 +40,7 @@ from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.loop_state import Action, RunClock, RunStopped, Tick, minimum_loss_scale
 from leanstep.training.metrics_log import MetricsWriter
 from leanstep.training.records import TrainRecord
+from leanstep.training.rollback import Rollback, SpikeRollback, data_position
 from leanstep.training.step_loop import StepLoop, applied_updates, evaluate, step_batch
 from leanstep.training.stop_signals import StopSignals
 from leanstep.training.stops import EndRun, StopAtBudget, StopAtMinimumLossScale, StopAtStep, StopOnSignal
@@ -59,11 +62,16 @@ def run_steps(
     *,
     plan: BudgetPlan | None = None,
     on_replan: Callable[[BudgetPlan], None] = lambda plan: None,
+    rollbacks: tuple[Rollback, ...] = (),
+    spike_steps: tuple[int, ...] = (),
+    lr_factor: float = 1.0,
 ) -> None:
     """Steps from ``state`` to ``config.steps``, logging every step and checkpointing as configured.
 
     ``plan``: the run sized it to its budget; it plans again at ``plan.replan_at`` (then calls
     ``on_replan``) and stops, with a checkpoint, before a step that would end past the budget.
+    ``rollbacks``, ``spike_steps``, ``lr_factor``: a resumed run's (``--spike-rollback``), from
+    ``rollbacks.json`` and its checkpoint.
     """
     assert loop.checkpointer is not None
     clock = RunClock(loop.origin, elapsed_before)
@@ -75,6 +83,9 @@ def run_steps(
         plan=plan,
         applied=applied_updates(state.opt_state),
         last_saved=step,
+        rollbacks=rollbacks,
+        spike_steps=spike_steps,
+        lr_factor=lr_factor,
     )
     with contextlib.ExitStack() as stack:
         log, path = None, loop.metrics_path
@@ -100,7 +111,7 @@ def take_step(loop: StepLoop, clock: RunClock, tick: Tick) -> Tick:
     skipped steps in a row at the minimum loss scale.
     """
     start = clock.now()
-    state, metrics = loop.step_fn(tick.state, step_batch(loop, tick.step))
+    state, metrics = loop.step_fn(tick.state, step_batch(loop, data_position(tick.step, tick.data_skips)))
     metrics = jax.device_get(metrics)
     seconds = clock.now() - start
     record = TrainRecord(
@@ -113,7 +124,7 @@ def take_step(loop: StepLoop, clock: RunClock, tick: Tick) -> Tick:
         consecutive_skips=int(metrics.consecutive_skips),
         tokens_per_sec=loop.config.batch_size * loop.config.seq_len / seconds,
         elapsed_s=clock.elapsed_s(),
-        lr=float(loop.schedule(tick.applied, tick.steps, np)),
+        lr=float(loop.schedule(tick.applied, tick.steps, np)) * tick.lr_factor,
         spiked=metrics.spiked is not None and bool(metrics.spiked),
     )
     at_minimum = record.skipped and record.loss_scale <= minimum_loss_scale(state)
@@ -127,6 +138,7 @@ def take_step(loop: StepLoop, clock: RunClock, tick: Tick) -> Tick:
         seconds=seconds,
         records=(record,),
         stops=(),
+        rolled_back=False,
     )
 
 
@@ -151,6 +163,8 @@ def loop_actions(
     save = SaveCheckpoint(
         config.checkpoint_every, checkpointer, config_hash(config), signals, out, many=many, background=not many
     )
+    policy = SpikeRollback.from_string(config.spike_rollback)
+    rollback = [] if policy is None else [RollBackOnSpikes(policy, checkpointer, log, out, loop.emit, save.settle)]
     return [
         TimeSteps(step_times),
         Replan(config, clock, step_times, on_replan, loop.emit),
@@ -158,6 +172,8 @@ def loop_actions(
         Evaluate(config.eval_every, lambda params: evaluate(loop, params)),
         LogRecords(log, loop.emit, checkpointer.directory, settle=save.settle),
         StopAtMinimumLossScale(config.max_consecutive_skips, checkpointer.directory, settle=save.settle),
+        *rollback,
+        EndLowerRate(),
         StopOnSignal(signals, many=many),
         StopAtStep(config.stop_at),
         CommitCheckpoint(checkpointer, signals, out, many=many),

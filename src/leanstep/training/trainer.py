@@ -56,6 +56,7 @@ from leanstep.sharding.distributed import device_mesh, parse_mesh
 from leanstep.sharding.meshes import mesh_axes
 from leanstep.step.state import TrainState
 from leanstep.step.state_sharding import shard_train_state
+from leanstep.training.actions import roll_back_to
 from leanstep.training.budget import BudgetPlan, plan_budget
 from leanstep.training.build import Run, build_run
 from leanstep.training.config import RunConfig, config_hash
@@ -66,6 +67,7 @@ from leanstep.training.loop_state import RunStopped
 from leanstep.training.memory_check import check_state_fits
 from leanstep.training.metrics_log import truncate_metrics
 from leanstep.training.records import Note, Record, RunStart
+from leanstep.training.rollback import pending_rollback, read_rollbacks, record_rollback_lines
 from leanstep.training.run_dir import check_out, check_run, fresh_start, with_saved_plan, write_json_atomic
 from leanstep.training.run_lock import RunLock
 from leanstep.training.run_steps import planned_steps, run_steps
@@ -127,6 +129,11 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
     config = run.config  # --precision auto resolved
     out = Path(config.out)
     check_out(out)
+    if config.spike_rollback.strip().lower() != "none" and jax.process_count() > 1:
+        raise ValueError(
+            f"--spike-rollback {config.spike_rollback}: a rollback restores and deletes checkpoints in the loop, "
+            f"which runs on one process for now, not {jax.process_count()}; use --spike-guard alone"
+        )
     check_state_fits(run)  # a state too big for the host: refused now, not a hang in XLA's allocator
     # The one writer of --out from here to the end (process 0 of a multi-process run): taken
     # first if the directory exists (a live run is named before anything else is said about it),
@@ -345,18 +352,29 @@ def _resume_and_run(
     """Restores the newest checkpoint (``--resume``), says the notes and starts, then runs the steps."""
     config, checkpointer, primary = loop.config, loop.checkpointer, setup.primary
     assert checkpointer is not None  # the run directory is open
-    config_path = Path(config.out) / "config.json"
-    state, elapsed_before = template, 0.0
+    out = Path(config.out)
+    config_path = out / "config.json"
+    state, elapsed_before, extra = template, 0.0, dict[str, Any]()
+    rollbacks = tuple(read_rollbacks(out)) if setup.resume else ()
     if setup.resume and checkpointer.latest_step() is not None:
-        state, elapsed_before = _restore(checkpointer, template, config, notes)
+        state, elapsed_before, extra = _restore(checkpointer, template, config, notes)
         # The schedule spans --steps: the saved length, or a longer one (an extension).
         state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
+    pending = pending_rollback(rollbacks, int(extra.get("rollbacks", 0)), int(state.step))
+    if pending is not None:  # stopped inside a rollback: finish it
+        state = roll_back_to(checkpointer, state, pending, planned_steps(config))
+        notes.append(f"finishing the rollback to step {pending.to_step} that was under way at step {pending.at_step}")
     if setup.resume and primary:
         try:
-            truncate_metrics(Path(config.out) / "metrics.jsonl", int(state.step))
+            if pending is not None:
+                record_rollback_lines(out / "metrics.jsonl", pending)
+            truncate_metrics(out / "metrics.jsonl", int(state.step))
             write_json_atomic(config_path, run_info)  # a resumable field may have changed
         except OSError as error:
-            raise RunStopped(f"cannot write the run directory --out {str(Path(config.out))!r}: {error}", 1) from None
+            raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
+    lr_factor = 1.0
+    if rollbacks and int(state.step) < rollbacks[-1].lr_until:
+        lr_factor = rollbacks[-1].lr_factor  # the state's update_scale holds it too
     setup.emit(*(Note(note) for note in notes))
     loop.emit(RunStart(planned_steps(config), int(state.step)))
 
@@ -365,13 +383,22 @@ def _resume_and_run(
         if primary:
             write_json_atomic(config_path, run_info)
 
-    run_steps(loop, state, elapsed_before, plan=plan, on_replan=replanned)
+    run_steps(
+        loop,
+        state,
+        elapsed_before,
+        plan=plan,
+        on_replan=replanned,
+        rollbacks=rollbacks,
+        spike_steps=() if pending is not None else tuple(extra.get("spike_steps", ())),
+        lr_factor=lr_factor,
+    )
 
 
 def _restore(
     checkpointer: Checkpointer, template: TrainState, config: RunConfig, notes: list[str]
-) -> tuple[TrainState, float]:
-    """The newest intact checkpoint that belongs to this config; notes say what was passed over."""
+) -> tuple[TrainState, float, dict[str, Any]]:
+    """The newest intact checkpoint that belongs to this config, its time and ``extra``; notes say what was passed over."""
     try:
         restored = restore_state(checkpointer, template)  # 0.5's checkpoints too
     except CheckpointError as error:
@@ -394,4 +421,4 @@ def _restore(
             f"pass --steps {restored.step} or more"
         )
     checkpointer.delete_newer_than(restored.step)
-    return restored.state, float(restored.extra.get("elapsed_s", 0.0))
+    return restored.state, float(restored.extra.get("elapsed_s", 0.0)), restored.extra
