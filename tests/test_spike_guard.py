@@ -44,10 +44,9 @@ class Model:
         for j, x in enumerate(xs):
             row = self.values[j]
             mean = F32(_tree_sum([row[i] if i < n else F32(0) for i in range(self.buffer)]) / count)
-            deviation = F32(
-                _tree_sum([F32(abs(F32(row[i] - mean))) if i < n else F32(0) for i in range(self.buffer)]) / count
-            )
-            spread = F32(F32(g.k * math.sqrt(math.pi / 2)) * deviation)
+            squares = [F32(F32(row[i] - mean) * F32(row[i] - mean)) if i < n else F32(0) for i in range(self.buffer)]
+            variance = F32(_tree_sum(squares) / count)
+            spread = F32(F32(g.k) * np.sqrt(variance))
             over = judged and bool(np.isfinite(x)) and bool(F32(x - mean) > spread)
             spike_any |= over
             clip = over and self.streak < max(g.window // 2, 1)  # at its threshold, unless the streak is long
@@ -89,7 +88,7 @@ def test_decisions_and_window_equal_the_plain_python_model_over_10000_steps(inde
     steps = 10_000
     name, loss, finite = _sequences(np.random.default_rng(index), steps)[index]
     norm = np.abs(loss[::-1]) * 0.3 + 1.0  # a second watched value, its own history
-    guard = SpikeGuard(window=37, k=3.0, warmup=20)  # a window that is no power of two: the ring wraps
+    guard = SpikeGuard(window=37, k=3.0, warmup=20, watch=("loss", "grad_norm"))  # a ring that wraps: 37
     xs = np.stack([loss, norm], axis=1).astype(F32)
 
     def body(state, inputs):
@@ -116,7 +115,7 @@ def test_nothing_is_judged_during_warmup_and_a_spike_is_recorded_so_that_no_loss
         spike, state = guard.decide(state, {"loss": jnp.float32(loss)}, jnp.array(True))
         assert not bool(spike)
     mean = (1.0 + 100.0 + 1.0) / 3
-    threshold = mean + 1.0 * math.sqrt(math.pi / 2) * (2 * (mean - 1.0) + (100.0 - mean)) / 3
+    threshold = mean + 1.0 * math.sqrt((2 * (mean - 1.0) ** 2 + (100.0 - mean) ** 2) / 3)
     spike, after = guard.decide(state, {"loss": jnp.float32(1e4)}, jnp.array(True))
     assert bool(spike) and int(after.recorded) == 4 and int(after.spikes) == 1
     # Recorded at the threshold it crossed, not at 1e4: the window climbs towards a loss that stays.

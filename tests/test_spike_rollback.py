@@ -65,12 +65,15 @@ def test_data_positions_are_the_positions_not_skipped_in_order(seed):
 
 def test_rollback_settings_are_parsed_and_refused_by_name():
     assert SpikeRollback.from_string("none") is None
-    assert SpikeRollback.from_string("after=2,within=20,lr=0.25,for=0,max=1") == SpikeRollback(2, 20, 0.25, 0, 1)
+    assert SpikeRollback.from_string("after=2,within=20,lr=0.25,for=0,max=1,ahead=7") == SpikeRollback(
+        2, 20, 0.25, 0, 1, 7
+    )
     for spec, match in [
         ("after=0", "after must be an int >= 1"),
         ("lr=1.5", r"lr_factor must be a number in \(0, 1\]"),
         ("lr=0", r"lr_factor must be a number in \(0, 1\]"),
         ("for=-1", "lr_steps must be an int >= 0"),
+        ("ahead=-2", "ahead must be an int >= 0"),
         ("every=3", "unknown or repeated spike-rollback setting 'every=3'"),
         ("after=2,after=3", "unknown or repeated"),
         ("within=x", "'within=x' is not a number"),
@@ -92,7 +95,7 @@ def test_the_cli_refuses_a_rollback_without_the_guard(tmp_path, capsys):
 STEPS = 40
 BURST = range(23, 27)  # data positions of the corrupted batches: the batches of steps 24-27
 GUARD = "k=6,window=8,warmup=8,watch=loss"
-ROLLBACK = "after=2,within=10,lr=0.5,for=6"
+ROLLBACK = "after=2,within=10,lr=0.5,for=6,ahead=0"
 FLAGS = [
     "--model",
     "mlp",
@@ -238,6 +241,16 @@ def test_a_burst_rolls_the_run_back_and_its_batches_never_come_again(straight):
     assert all(lr[s] == pytest.approx(5e-3) for s in low) and lr[last.lr_until + 1] == pytest.approx(1e-2)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["spike_skipped_steps"] == 0  # the run as it went on has none: they were rolled back
+
+
+def test_skipping_ahead_takes_the_rest_of_the_burst_in_one_rollback(tmp_path, corpus, burst):
+    run = tmp_path / "run"
+    flags = [f if f != ROLLBACK else ROLLBACK.replace("ahead=0", "ahead=3") for f in FLAGS]
+    assert main(["train", *flags, "--data", str(corpus), "--out", str(run)]) == 0
+    (decision,) = read_rollbacks(run)
+    assert decision.skip == (decision.spikes[0] - 1, decision.spikes[-1] - 1 + 3)
+    after = burst[1 + decision.at_step :]  # the positions taken once it rolled back
+    assert not set(after) & set(BURST) and set(range(decision.skip[0], decision.skip[1] + 1)) >= set(BURST)
 
 
 def test_a_run_without_rollback_applies_the_burst(tmp_path, corpus, burst):

@@ -92,15 +92,15 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
         default=d.spike_guard,
         metavar="GUARD",
         help="skip a finite step whose loss or gradient norm is beyond mean + k spreads of its recent window: "
-        "none, on (k=6,window=100,warmup=100), or k=X,window=N,warmup=N[,watch=loss+grad_norm+update_norm]",
+        "none, on (k=6,window=100,warmup=100,watch=loss), or k=X,window=N,warmup=N[,watch=loss+grad_norm+update_norm]",
     )
     model.add_argument(
         "--spike-rollback",
         default=d.spike_rollback,
         metavar="ROLLBACK",
         help="after a burst of spikes, roll back to the checkpoint before it, skip its batches and lower the "
-        "learning rate for a while (needs --spike-guard): none, on (after=3,within=50,lr=0.5,for=100,max=5), "
-        "or after=N,within=N,lr=X,for=N,max=N",
+        "learning rate for a while (needs --spike-guard): none, on (after=3,within=50,lr=0.5,for=100,max=5,"
+        "ahead=50), or after=N,within=N,lr=X,for=N,max=N,ahead=N",
     )
     model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")

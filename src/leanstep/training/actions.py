@@ -310,7 +310,7 @@ class RollBackOnSpikes:
             at_step=tick.step,
             to_step=to,
             spikes=recent,
-            skip=(data_position(recent[0] - 1, skips), data_position(tick.step - 1, skips)),
+            skip=(data_position(recent[0] - 1, skips), data_position(tick.step - 1, skips) + policy.ahead),
             lr_factor=policy.lr_factor,
             lr_until=to + policy.lr_steps,
         )

@@ -12,7 +12,7 @@ the loss back. PaLM's practice, here with ``--spike-rollback``:
         record the decision in rollbacks.json                           (atomic: what --resume follows)
         metrics.jsonl: its lines after step c move to rolled_back.jsonl; a "rollback" line at step c
         delete the checkpoints after c; restore c
-        skip the batches of steps s..t: their data positions never come again
+        skip the batches of steps s..t and the next `ahead`: their data positions never come again
         multiply the optimizer's updates by lr_factor until step c + lr_steps
 
 The batch of a step is a pure function of the run's seed and its *data position*; positions
@@ -70,6 +70,9 @@ class SpikeRollback:
       lr_factor: the optimizer's updates are multiplied by this after a rollback, in (0, 1].
       lr_steps: ... for this many steps from the checkpoint rolled back to, an int >= 0.
       max_rollbacks: a run that would roll back more often than this stops instead (exit 1).
+      ahead: data positions skipped after the burst's last, an int >= 0: bad data comes in
+        stretches (a damaged shard), and the stretch's rest, not yet seen, would start another
+        burst after the rollback.
 
     Raises:
       ValueError: a setting outside its form, named.
@@ -80,36 +83,46 @@ class SpikeRollback:
     lr_factor: float = 0.5
     lr_steps: int = 100
     max_rollbacks: int = 5
+    ahead: int = 50
 
     def __post_init__(self) -> None:
         for name in ("after", "within", "max_rollbacks"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"SpikeRollback.{name} must be an int >= 1, got {value!r}")
-        if not is_int(self.lr_steps) or self.lr_steps < 0:
-            raise ValueError(f"SpikeRollback.lr_steps must be an int >= 0, got {self.lr_steps!r}")
+        for name in ("lr_steps", "ahead"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise ValueError(f"SpikeRollback.{name} must be an int >= 0, got {value!r}")
         factor = self.lr_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise ValueError(f"SpikeRollback.lr_factor must be a number in (0, 1], got {factor!r}")
 
     @classmethod
     def from_string(cls, spec: str) -> SpikeRollback | None:
-        """``"none"`` (None), ``"on"`` (the defaults), or ``"after=N,within=N,lr=X,for=N,max=N"``.
+        """``"none"`` (None), ``"on"`` (the defaults), or ``"after=N,within=N,lr=X,for=N,max=N,ahead=N"``.
 
         Raises:
           ValueError: another form, naming it and the expected one.
 
         Example:
           >>> SpikeRollback.from_string("on"), SpikeRollback.from_string("none")
-          (SpikeRollback(after=3, within=50, lr_factor=0.5, lr_steps=100, max_rollbacks=5), None)
+          (SpikeRollback(after=3, within=50, lr_factor=0.5, lr_steps=100, max_rollbacks=5, ahead=50), None)
         """
-        expected = "none, on, or after=N,within=N,lr=X,for=N,max=N"
+        expected = "none, on, or after=N,within=N,lr=X,for=N,max=N,ahead=N"
         if not isinstance(spec, str):
             raise TypeError(f"a spike rollback is a string, got {type(spec).__name__}")
         spec = spec.strip().lower()
         if spec in ("none", "on"):
             return None if spec == "none" else cls()
-        names = {"after": "after", "within": "within", "lr": "lr_factor", "for": "lr_steps", "max": "max_rollbacks"}
+        names = {
+            "after": "after",
+            "within": "within",
+            "lr": "lr_factor",
+            "for": "lr_steps",
+            "max": "max_rollbacks",
+            "ahead": "ahead",
+        }
         fields: dict[str, Any] = {}
         for part in (p.strip() for p in spec.split(",")):
             name, sep, value = part.partition("=")
@@ -135,7 +148,8 @@ class Rollback:
       at_step: the step whose spike completed the burst.
       to_step: the checkpoint the run went back to (its next step is ``to_step + 1``).
       spikes: the burst's spiked steps.
-      skip: ``(first, last)``: the data positions skipped (the batches of the spiked steps' span).
+      skip: ``(first, last)``: the data positions skipped (the batches of the spiked steps' span,
+        and ``ahead`` more).
       lr_factor: the updates' factor after it ...
       lr_until: ... until this step (the factor applies to steps ``<= lr_until``).
     """
