@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
+from leanstep.checkpoints.errors import CheckpointError, write_failure
 from leanstep.checkpoints.layout import (
     STAGING,
     commit_step,
@@ -61,10 +61,6 @@ __all__ = ["MANIFEST_NAME", "CheckpointError", "Checkpointer", "RestoreResult"]
 logger = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written, or no checkpoint could be restored."""
-
-
 class RestoreResult(NamedTuple):
     """What :meth:`Checkpointer.restore` returns.
 
@@ -79,16 +75,6 @@ class RestoreResult(NamedTuple):
     extra: dict[str, Any]
     step: int
     skipped: tuple[str, ...]
-
-
-def _failure(error: Exception) -> str:
-    """One line for a failed orbax write: the OS error first, where tensorstore buried it."""
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    code = re.search(r"os_error_code='?(\d+)", text)
-    if code is None:
-        return text if len(text) <= 400 else text[:400] + "…"
-    number = int(code.group(1))
-    return f"[Errno {number}] {os.strerror(number)} ({text[:200]}…)"
 
 
 class Checkpointer:
@@ -227,7 +213,7 @@ class Checkpointer:
         try:
             self._orbax.save(staging_path(self.directory, step), args=args, force=True)
         except Exception as e:
-            raise CheckpointError(f"saving step {step} to {self.directory} failed: {_failure(e)}") from e
+            raise CheckpointError(f"saving step {step} to {self.directory} failed: {write_failure(e)}") from e
         self._pending.append((step, specs))
         if wait:
             self.wait_until_finished()
@@ -271,7 +257,7 @@ class Checkpointer:
         if jax.process_index() == 0:  # what the failed writes left in staging goes now
             for step in steps:
                 staging_path(self.directory, step)  # removes what is there for the step
-        return CheckpointError(f"saving step(s) {steps} to {self.directory} failed: {_failure(error)}")
+        return CheckpointError(f"saving step(s) {steps} to {self.directory} failed: {write_failure(error)}")
 
     def wait_until_finished(self) -> None:
         """Blocks until pending saves are written, then writes their manifests and prunes old steps.

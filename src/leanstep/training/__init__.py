@@ -5,10 +5,12 @@
     config.py       RunConfig: every flag of `leanstep train`, checked, naming the flag
     build.py        build_run(config) -> Run: model, optimizer, loss scale, loss, step
     data.py         the byte corpus (split by file) and the resumable batch sampler
-    trainer.py      train(config, on_record=...): setup, compile, plan, resume
+    trainer.py      train(config, on_record=...): setup, compile, plan, run
+    resume.py       --resume: the newest intact checkpoint, and the rollback decisions around it
     run_steps.py    the step loop: take_step (the step and its record), then loop_actions
     loop_state.py   what the loop passes between them: Tick, Stop, RunClock, RunStopped
-    actions.py      the periodic actions: time steps, replan, evaluate, log, checkpoint
+    actions.py      the periodic actions: time steps, replan, evaluate, log, checkpoint, roll back
+    rollback.py     --spike-rollback: settings, decisions (rollbacks.json), data positions
     stops.py        the stop checks: budget, stuck loss scale, signal, --stop-at; EndRun
     step_loop.py    what the loop works with (StepLoop) and compile_step
     finish.py       summary.json and curves.png of a finished run

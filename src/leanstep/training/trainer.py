@@ -56,18 +56,15 @@ from leanstep.sharding.distributed import device_mesh, parse_mesh
 from leanstep.sharding.meshes import mesh_axes
 from leanstep.step.state import TrainState
 from leanstep.step.state_sharding import shard_train_state
-from leanstep.training.actions import roll_back_to
 from leanstep.training.budget import BudgetPlan, plan_budget
 from leanstep.training.build import Run, build_run
-from leanstep.training.config import RunConfig, config_hash
+from leanstep.training.config import RunConfig
 from leanstep.training.data import BatchSampler, Corpus, heldout_batches, load_corpus
 from leanstep.training.finish import finish_run
-from leanstep.training.legacy_state import restore_state
 from leanstep.training.loop_state import RunStopped
 from leanstep.training.memory_check import check_state_fits
-from leanstep.training.metrics_log import truncate_metrics
 from leanstep.training.records import Note, Record, RunStart
-from leanstep.training.rollback import pending_rollback, read_rollbacks, record_rollback_lines
+from leanstep.training.resume import resume_run
 from leanstep.training.run_dir import check_out, check_run, fresh_start, with_saved_plan, write_json_atomic
 from leanstep.training.run_lock import RunLock
 from leanstep.training.run_steps import planned_steps, run_steps
@@ -354,27 +351,13 @@ def _resume_and_run(
     assert checkpointer is not None  # the run directory is open
     out = Path(config.out)
     config_path = out / "config.json"
-    state, elapsed_before, extra = template, 0.0, dict[str, Any]()
-    rollbacks = tuple(read_rollbacks(out)) if setup.resume else ()
-    if setup.resume and checkpointer.latest_step() is not None:
-        state, elapsed_before, extra = _restore(checkpointer, template, config, notes)
-        # The schedule spans --steps: the saved length, or a longer one (an extension).
-        state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
-    pending = pending_rollback(rollbacks, int(extra.get("rollbacks", 0)), int(state.step))
-    if pending is not None:  # stopped inside a rollback: finish it
-        state = roll_back_to(checkpointer, state, pending, planned_steps(config))
-        notes.append(f"finishing the rollback to step {pending.to_step} that was under way at step {pending.at_step}")
+    resumed = resume_run(checkpointer, template, config, notes, resume=setup.resume, primary=primary)
+    state = resumed.state
     if setup.resume and primary:
         try:
-            if pending is not None:
-                record_rollback_lines(out / "metrics.jsonl", pending)
-            truncate_metrics(out / "metrics.jsonl", int(state.step))
             write_json_atomic(config_path, run_info)  # a resumable field may have changed
         except OSError as error:
             raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
-    lr_factor = 1.0
-    if rollbacks and int(state.step) < rollbacks[-1].lr_until:
-        lr_factor = rollbacks[-1].lr_factor  # the state's update_scale holds it too
     setup.emit(*(Note(note) for note in notes))
     loop.emit(RunStart(planned_steps(config), int(state.step)))
 
@@ -386,39 +369,10 @@ def _resume_and_run(
     run_steps(
         loop,
         state,
-        elapsed_before,
+        resumed.elapsed_before,
         plan=plan,
         on_replan=replanned,
-        rollbacks=rollbacks,
-        spike_steps=() if pending is not None else tuple(extra.get("spike_steps", ())),
-        lr_factor=lr_factor,
+        rollbacks=resumed.rollbacks,
+        spike_steps=resumed.spike_steps,
+        lr_factor=resumed.lr_factor,
     )
-
-
-def _restore(
-    checkpointer: Checkpointer, template: TrainState, config: RunConfig, notes: list[str]
-) -> tuple[TrainState, float, dict[str, Any]]:
-    """The newest intact checkpoint that belongs to this config, its time and ``extra``; notes say what was passed over."""
-    try:
-        restored = restore_state(checkpointer, template)  # 0.5's checkpoints too
-    except CheckpointError as error:
-        raise RunStopped(
-            f"--resume: no checkpoint of the run can be restored, so it cannot continue: {error}. "
-            f"Start again with a new --out (or move {checkpointer.directory} away)",
-            1,
-        ) from None
-    notes.extend(f"warning: skipped damaged checkpoint {reason}" for reason in restored.skipped)
-    if restored.skipped:
-        notes.append(f"warning: resuming from step {restored.step}, the newest intact checkpoint")
-    if restored.extra.get("config_sha256", config_hash(config)) != config_hash(config):
-        raise ValueError(
-            f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
-            "a different config than this one"
-        )
-    if restored.step > planned_steps(config):
-        raise ValueError(
-            f"--steps {config.steps} is below step {restored.step}, which the run has reached; "
-            f"pass --steps {restored.step} or more"
-        )
-    checkpointer.delete_newer_than(restored.step)
-    return restored.state, float(restored.extra.get("elapsed_s", 0.0)), restored.extra

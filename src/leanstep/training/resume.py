@@ -1,0 +1,110 @@
+"""Where a run goes on from: its newest intact checkpoint, and the rollback decisions around it.
+
+``--resume`` restores the newest checkpoint that belongs to the run's config (a damaged one is
+passed over, with a note), then follows ``rollbacks.json`` (:mod:`leanstep.training.rollback`): a
+rollback decided after that checkpoint was saved is finished (its checkpoint restored, its lines
+in ``metrics.jsonl`` moved), and the skips and the updates' factor of the decisions so far carry
+on. ``metrics.jsonl`` is cut back to the step the run goes on from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from leanstep.checkpoints.checkpointer import Checkpointer, CheckpointError
+from leanstep.step.state import TrainState
+from leanstep.training.actions import roll_back_to
+from leanstep.training.config import RunConfig, config_hash
+from leanstep.training.legacy_state import restore_state
+from leanstep.training.loop_state import RunStopped
+from leanstep.training.metrics_log import truncate_metrics
+from leanstep.training.rollback import Rollback, pending_rollback, read_rollbacks, record_rollback_lines
+from leanstep.training.run_steps import planned_steps
+from leanstep.training.schedule import set_total_steps
+
+__all__ = ["Resumed", "restore_checkpoint", "resume_run"]
+
+
+class Resumed(NamedTuple):
+    """Where the run goes on from (a new run: its initial state, and nothing decided)."""
+
+    state: TrainState
+    elapsed_before: float
+    rollbacks: tuple[Rollback, ...] = ()
+    spike_steps: tuple[int, ...] = ()
+    lr_factor: float = 1.0
+
+
+def resume_run(
+    checkpointer: Checkpointer,
+    template: TrainState,
+    config: RunConfig,
+    notes: list[str],
+    *,
+    resume: bool,
+    primary: bool,
+) -> Resumed:
+    """The state a run starts from: ``template``, or with ``resume`` its newest checkpoint (see the module doc).
+
+    Raises:
+      RunStopped: no checkpoint can be restored, or ``metrics.jsonl`` cannot be rewritten.
+      ValueError: the checkpoint belongs to another config, or is past ``--steps``.
+    """
+    if not resume:
+        return Resumed(template, 0.0)
+    out = Path(config.out)
+    state, elapsed_before, extra = template, 0.0, dict[str, Any]()
+    rollbacks = tuple(read_rollbacks(out))
+    if checkpointer.latest_step() is not None:
+        state, elapsed_before, extra = restore_checkpoint(checkpointer, template, config, notes)
+        # The schedule spans --steps: the saved length, or a longer one (an extension).
+        state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
+    pending = pending_rollback(rollbacks, int(extra.get("rollbacks", 0)), int(state.step))
+    if pending is not None:  # stopped inside a rollback: finish it
+        state = roll_back_to(checkpointer, state, pending, planned_steps(config))
+        notes.append(f"finishing the rollback to step {pending.to_step} that was under way at step {pending.at_step}")
+    if primary:
+        try:
+            if pending is not None:
+                record_rollback_lines(out / "metrics.jsonl", pending)
+            truncate_metrics(out / "metrics.jsonl", int(state.step))
+        except OSError as error:
+            raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
+    lowered = bool(rollbacks) and int(state.step) < rollbacks[-1].lr_until
+    return Resumed(
+        state,
+        elapsed_before,
+        rollbacks,
+        () if pending is not None else tuple(extra.get("spike_steps", ())),
+        rollbacks[-1].lr_factor if lowered else 1.0,  # the state's update_scale holds it too
+    )
+
+
+def restore_checkpoint(
+    checkpointer: Checkpointer, template: TrainState, config: RunConfig, notes: list[str]
+) -> tuple[TrainState, float, dict[str, Any]]:
+    """The newest intact checkpoint that belongs to this config, its time and ``extra``; notes say what was passed over."""
+    try:
+        restored = restore_state(checkpointer, template)  # 0.5's checkpoints too
+    except CheckpointError as error:
+        raise RunStopped(
+            f"--resume: no checkpoint of the run can be restored, so it cannot continue: {error}. "
+            f"Start again with a new --out (or move {checkpointer.directory} away)",
+            1,
+        ) from None
+    notes.extend(f"warning: skipped damaged checkpoint {reason}" for reason in restored.skipped)
+    if restored.skipped:
+        notes.append(f"warning: resuming from step {restored.step}, the newest intact checkpoint")
+    if restored.extra.get("config_sha256", config_hash(config)) != config_hash(config):
+        raise ValueError(
+            f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
+            "a different config than this one"
+        )
+    if restored.step > planned_steps(config):
+        raise ValueError(
+            f"--steps {config.steps} is below step {restored.step}, which the run has reached; "
+            f"pass --steps {restored.step} or more"
+        )
+    checkpointer.delete_newer_than(restored.step)
+    return restored.state, float(restored.extra.get("elapsed_s", 0.0)), restored.extra
