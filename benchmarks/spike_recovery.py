@@ -7,8 +7,7 @@ text's structure with the wrong bytes), then trained to ``--after`` steps after 
 schedule's end) and evaluated there. The evaluation is at the end of the schedule because
 mid-schedule a run's held-out loss moves by about 0.02 bits per byte from perturbations at the
 last bit: the same run with the guard compiled in but never triggering (``k=1000``) ends step 900
-0.018 from the run without it (seed 0). At the schedule's end the learning rate is low and runs
-that differ that little agree.
+0.018 from the run without it (seed 0); docs/reliability.md has the table at step 1,500.
 
 .. code-block:: text
 

@@ -91,7 +91,7 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
         "--spike-guard",
         default=d.spike_guard,
         metavar="GUARD",
-        help="skip a finite step whose loss or gradient norm is beyond mean + k spreads of its recent window: "
+        help="skip a finite step whose loss (or gradient or update norm) is beyond mean + k std of its recent window: "
         "none, on (k=6,window=100,warmup=100,watch=loss), or k=X,window=N,warmup=N[,watch=loss+grad_norm+update_norm]",
     )
     model.add_argument(
