@@ -367,3 +367,17 @@ def test_under_fsdp_compressed_state_adds_no_collective(collectives, form):
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         worker(Path(sys.argv[2]))
+
+
+def test_a_cluster_plan_of_a_run_gets_its_state_format(monkeypatch):
+    """plan_run passes --master and --moments to the cluster planner too (0.9.0 dropped them there,
+    and planned float32 state)."""
+    import leanstep.planning.cluster
+    from leanstep.training import RunConfig
+    from leanstep.training.analysis import plan_run
+
+    seen: dict = {}
+    monkeypatch.setattr(leanstep.planning.cluster, "plan_cluster", lambda *args, **kwargs: seen.update(kwargs))
+    config = RunConfig(size="tiny", batch_size=4, seq_len=8, master="bfloat16-sr", moments="int8")
+    plan_run(config, "1GiB", num_devices=1)
+    assert seen["master"] == "bfloat16-sr" and seen["moments"] == "int8"

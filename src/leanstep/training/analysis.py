@@ -88,6 +88,8 @@ def plan_run(
         loss_scale=run.loss_scale,
         precision=config.precision,
         max_grad_norm=config.max_grad_norm,
+        master=config.master,
+        moments=config.moments,
         **rest,
     )
 
