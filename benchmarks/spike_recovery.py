@@ -58,11 +58,11 @@ def corrupted(positions: range, seed: int) -> Iterator[None]:
     """Batches at ``positions`` with each sequence's bytes shifted by its own offset (mod 256)."""
     real = BatchSampler.batch_at
 
-    def batch_at(self: BatchSampler, position: int) -> dict[str, np.ndarray]:
-        batch = real(self, position)
-        if position not in positions:
+    def batch_at(self: BatchSampler, step: int) -> dict[str, np.ndarray]:  # step: the data position
+        batch = real(self, step)
+        if step not in positions:
             return batch
-        rng = np.random.default_rng([seed, position, 7])
+        rng = np.random.default_rng([seed, step, 7])
         offsets = rng.integers(1, 256, size=(batch["tokens"].shape[0], 1))
         return {"tokens": ((batch["tokens"] + offsets) % 256).astype(batch["tokens"].dtype)}
 
