@@ -16,11 +16,12 @@ of them.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["ROOT", "child_env"]
+__all__ = ["ROOT", "child_env", "print_result"]
 
 #: The folder that holds this package (the repository root): a child process imports ``benchmarks`` from it.
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,3 +36,20 @@ def child_env(env: Mapping[str, str]) -> dict[str, str]:
     """
     paths = [str(ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def print_result(result: object, json_path: str | None, *, indent: int = 2) -> int:
+    """Prints ``result`` as JSON and, given ``json_path`` (a benchmark's ``--json``), writes it there too; returns 0.
+
+    Example:
+      >>> print_result({"ratio": 1.0}, None)
+      {
+        "ratio": 1.0
+      }
+      0
+    """
+    text = json.dumps(result, indent=indent)
+    if json_path:
+        Path(json_path).write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0

@@ -20,7 +20,6 @@ writes the result; ``--dir D`` puts the checkpoints on D's disk, default a tempo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 
 import jax
 
+from benchmarks import print_result
 from leanstep.checkpoints import Checkpointer
 from leanstep.training import RunConfig, build_run
 
@@ -89,12 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         result = measure(RunConfig(steps=1000), directory, rounds=args.rounds)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            file.write(text + "\n")
-    print(text)
-    return 0
+    return print_result(result, args.json)
 
 
 if __name__ == "__main__":

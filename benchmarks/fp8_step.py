@@ -17,7 +17,6 @@ GPU) and FP8-typed values, are in the output. Run it as ``python -m benchmarks.f
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -26,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from benchmarks import print_result
 from leanstep.bench.timing import time_interleaved
 from leanstep.training import RunConfig, build_run
 
@@ -94,12 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         d_model=args.d_model, layers=args.layers, batch_size=args.batch_size, seq_len=args.seq_len,
         microbatches=args.microbatches, repeats=args.repeats, heads=args.heads,
     )  # fmt: skip
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            file.write(text + "\n")
-    print(text)
-    return 0
+    return print_result(result, args.json)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ result); the measured ratios are in docs/speedrun-and-benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -43,6 +42,7 @@ import numpy as np
 import optax
 
 import leanstep
+from benchmarks import print_result
 from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
 from leanstep.bench.timing import compiled_stats, time_interleaved
 
@@ -270,12 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds=args.rounds,
         num_layers=args.layers,
     )
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            file.write(text + "\n")
-    print(text)
-    return 0
+    return print_result(result, args.json)
 
 
 if __name__ == "__main__":

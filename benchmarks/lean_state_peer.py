@@ -20,7 +20,6 @@ extra and ``bitsandbytes``; run it as ``python -m benchmarks.lean_state_peer``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
@@ -30,6 +29,7 @@ import numpy as np
 import optax
 
 import leanstep
+from benchmarks import print_result
 
 __all__ = ["main", "measure"]
 
@@ -121,12 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     result = measure(args.steps)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            file.write(text + "\n")
-    print(text)
-    return 0
+    return print_result(result, args.json)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 from typing import Any
 
 import jax
 
+from benchmarks import print_result
 from leanstep.bench.timing import time_interleaved
 from leanstep.training import RunConfig, build_run
 from leanstep.training.data import BatchSampler, load_corpus
@@ -68,12 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     result = measure(RunConfig(steps=1000), repeats=args.repeats, rounds=args.rounds)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as file:
-            file.write(text + "\n")
-    print(text)
-    return 0
+    return print_result(result, args.json)
 
 
 if __name__ == "__main__":

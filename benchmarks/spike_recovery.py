@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import print_result
 from leanstep.training import RunConfig, RunStopped, train
 from leanstep.training.data import BatchSampler
 from leanstep.training.rollback import read_rollbacks
@@ -144,13 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         for arm, by_seed in results.items()
     }
-    text = json.dumps(
-        {"burst": [burst.start, burst.stop], "evaluated_at": until, "arms": table, "runs": results}, indent=1
+    return print_result(
+        {"burst": [burst.start, burst.stop], "evaluated_at": until, "arms": table, "runs": results}, args.json, indent=1
     )
-    if args.json:
-        Path(args.json).write_text(text + "\n", encoding="utf-8")
-    print(text)
-    return 0
 
 
 if __name__ == "__main__":
