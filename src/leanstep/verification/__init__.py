@@ -1,0 +1,35 @@
+"""``leanstep verify``: metamorphic checks of a training setup against itself, as a report.
+
+.. code-block:: text
+
+    protocol.py        VerifiableStep: what a step must offer (init, step, parts, poison); the probe
+    leanstep_step.py   LeanstepStep: leanstep's own step, from the inputs leanstep.plan takes
+    bounds.py          the tolerances, derived (unit roundoff, gamma_n, probabilistic norm bound)
+    trees.py           named leaves, bitwise comparison, the worst element against a bound
+    batches.py         the batches the checks build: microbatch rows, uneven token counts, poison
+    gradient_checks.py accumulation, token weighting, clipping: against float64 references
+    state_checks.py    a forced non-finite step, microbatch keys, FP8 state reduction
+    program_checks.py  compute dtype of every matmul, what the remat policy saves (the audit)
+    mesh_check.py      each mesh layout against one device
+    report.py          CheckResult, VerifyReport (table and JSON)
+    runner.py          verify (leanstep inputs) and verify_step (any VerifiableStep)
+"""
+
+from leanstep.verification.leanstep_step import LeanstepStep
+from leanstep.verification.protocol import PARTS, ProbeState, VerifiableStep, probe_optimizer, seen_gradient
+from leanstep.verification.report import CheckResult, VerifyReport
+from leanstep.verification.runner import CHECKS, verify, verify_step
+
+__all__ = [
+    "CHECKS",
+    "PARTS",
+    "CheckResult",
+    "LeanstepStep",
+    "ProbeState",
+    "VerifiableStep",
+    "VerifyReport",
+    "probe_optimizer",
+    "seen_gradient",
+    "verify",
+    "verify_step",
+]

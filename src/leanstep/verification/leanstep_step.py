@@ -1,0 +1,227 @@
+"""leanstep's own step as a :class:`~leanstep.verification.protocol.VerifiableStep`.
+
+:class:`LeanstepStep` takes what :func:`leanstep.plan` takes (a loss builder per remat policy,
+params, a batch, the step's settings) and builds :func:`leanstep.make_train_step` steps on
+demand, one compiled program per ``(num_microbatches, max_grad_norm, randomness, mesh)``,
+never donating (a check runs several steps from one state). With ``randomness=False`` a loss
+that takes a key gets the same key in every microbatch, so that its dropout masks are a function
+of the rows alone.
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np
+  >>> def make_loss(policy):
+  ...     return lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+  >>> batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 1), np.float32)}
+  >>> setup = LeanstepStep(make_loss, {"w": jnp.ones((2, 1))}, batch, num_microbatches=2)
+  >>> state = setup.init(probe_optimizer(), max_grad_norm=None, seed=0, randomness=True, mesh=None)
+  >>> state, metrics = setup.step(state, batch, 2)
+  >>> float(metrics["loss"]), seen_gradient(setup.parts(state)["opt_state"])["w"].tolist()
+  (4.0, [[4.0], [4.0]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from leanstep.blocks.fp8_state import merge_fp8, split_fp8
+from leanstep.blocks.loss_contract import LossContract
+from leanstep.blocks.precision import get_precision
+from leanstep.step.sharding_layer import ShardingLayer
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
+from leanstep.verification.batches import batch_rows, poison_row, rows_of, with_leaf
+from leanstep.verification.protocol import probe_optimizer, seen_gradient  # noqa: F401 - the doctest's
+
+__all__ = ["LeanstepStep"]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["train_state"], meta_fields=["settings"])
+@dataclasses.dataclass(frozen=True)
+class BoundState:
+    """A :class:`leanstep.TrainState` and the settings (static) of the step that runs it."""
+
+    train_state: TrainState
+    settings: tuple[Any, ...]
+
+
+def _fixed_key(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_fn`` with its key argument (the last) replaced by ``PRNGKey(0)`` in every call."""
+
+    def loss(*args: Any) -> Any:
+        return loss_fn(*args[:-1], jax.random.PRNGKey(0))
+
+    return loss
+
+
+class LeanstepStep:
+    """leanstep's step for the inputs :func:`leanstep.plan` takes (see the module doc).
+
+    Args:
+      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, the loss under a remat policy.
+      params: the float32 parameters (arrays), FP8 state included if the model has any.
+      batch: one global batch (arrays; leaves share the leading row dimension).
+      precision: the step's precision (a :class:`leanstep.Precision` or its string form).
+      num_microbatches: the run's microbatch count.
+      remat: the remat policy ``make_loss_fn`` is given.
+      loss: what the loss takes and returns (:class:`leanstep.LossContract`).
+      loss_scale: ``"none"``, ``"dynamic"`` or a loss-scale instance.
+      model_state: the model's state (with ``loss.has_state``), or None.
+      master: how the masters are kept (:meth:`leanstep.TrainState.create`).
+      moments: how the optimizer's moments are kept; used with the run's own optimizer only (the
+        probe has no moments).
+      mask: the name of the batch's token-weight leaf (floating, rows first), or None; the
+        non-finite check makes a row's weights NaN.
+      split: the microbatch split (``"contiguous"`` or ``"strided"``).
+      mesh_layout: on a mesh, ``(fsdp, rules)`` for :class:`leanstep.ShardingLayer`.
+    """
+
+    def __init__(
+        self,
+        make_loss_fn: Callable[[str], Callable[..., Any]],
+        params: Any,
+        batch: Any,
+        *,
+        precision: Any = "float32",
+        num_microbatches: int = 1,
+        remat: str = "none",
+        loss: LossContract | None = None,
+        loss_scale: Any = "none",
+        model_state: Any = None,
+        master: str = "float32",
+        moments: str = "float32",
+        mask: str | None = None,
+        split: str = "contiguous",
+        mesh_layout: tuple[bool, Any] = (False, ()),
+    ) -> None:
+        self.make_loss_fn = make_loss_fn
+        self.params = params
+        self.batch = batch
+        self.precision = get_precision(precision)
+        self.num_microbatches = num_microbatches
+        self.remat = remat
+        self.loss = loss or LossContract()
+        self.loss_scale = loss_scale
+        self.model_state = model_state
+        self.master = master
+        self.moments = moments
+        self.weights_leaf = mask
+        self.mask = mask if self.loss.token_weighted else None  # the protocol's: a token-weighted loss's weights
+        self.split = split
+        self.mesh_layout = mesh_layout
+        self.compute_dtype = self.precision.compute_dtype
+        self._steps: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._meshes: dict[int, Any] = {}
+
+    def init(
+        self,
+        optimizer: optax.GradientTransformation,
+        *,
+        max_grad_norm: float | None,
+        seed: int,
+        randomness: bool,
+        mesh: Any,
+    ) -> BoundState:
+        """The step-0 :class:`leanstep.TrainState`, bound to the settings of its step."""
+        moments = "float32" if optimizer is None or _is_probe(optimizer, self.params) else self.moments
+        state = TrainState.create(
+            self.params,
+            optimizer,
+            loss_scale=self.loss_scale,
+            seed=seed,
+            model_state=self.model_state,
+            master=self.master,
+            moments=moments,
+        )
+        if mesh is not None:
+            self._meshes[id(mesh)] = mesh
+        randomness = randomness or not self.loss.uses_rng  # one program where the loss takes no key
+        return BoundState(state, (max_grad_norm, randomness, None if mesh is None else id(mesh)))
+
+    def make_step(self, settings: tuple[Any, ...], num_microbatches: int) -> Callable[..., Any]:
+        """The compiled step of these settings (built once, kept)."""
+        key = (*settings, num_microbatches)
+        if key not in self._steps:
+            max_grad_norm, randomness, mesh_id = settings
+            loss_fn = self.make_loss_fn(self.remat)
+            if self.loss.uses_rng and not randomness:
+                loss_fn = _fixed_key(loss_fn)
+            mesh = None
+            if mesh_id is not None:
+                fsdp, rules = self.mesh_layout
+                mesh = ShardingLayer(self._meshes[mesh_id], fsdp=fsdp, rules=rules)
+            self._steps[key] = make_train_step(
+                loss_fn,
+                precision=self.precision,
+                num_microbatches=num_microbatches,
+                max_grad_norm=max_grad_norm,
+                loss=self.loss,
+                split=self.split,
+                donate=False,
+                mesh=mesh,
+            )
+        return self._steps[key]
+
+    def step(self, state: BoundState, batch: Any, num_microbatches: int) -> tuple[BoundState, Mapping[str, Any]]:
+        """One step of the bound settings over ``batch`` in ``num_microbatches`` microbatches."""
+        step = self.make_step(state.settings, num_microbatches)
+        new, metrics = step(state.train_state, batch)
+        read = {
+            "loss": metrics.loss,
+            "grad_norm": metrics.grad_norm,
+            "skipped": metrics.skipped,
+            "loss_scale": metrics.loss_scale,
+        }
+        return BoundState(new, state.settings), read
+
+    def parts(self, state: BoundState) -> Mapping[str, Any]:
+        """``params`` (trainable), ``opt_state``, ``model_state`` and ``fp8`` (None where absent)."""
+        train_state = state.train_state
+        trainable, fp8 = split_fp8(train_state.params)
+        return {
+            "params": trainable,
+            "opt_state": train_state.opt_state,
+            "model_state": train_state.model_state,
+            "fp8": fp8 if jax.tree.leaves(fp8) else None,
+        }
+
+    def poison(self, batch: Any, row: int) -> Any:
+        """NaN in row ``row``'s token weights (``mask``), else in its floating inputs."""
+        if self.weights_leaf is not None:
+            weights = np.array(np.asarray(batch[self.weights_leaf]), copy=True)
+            weights[row] = np.nan
+            return with_leaf(batch, self.weights_leaf, weights)
+        return poison_row(batch, row)
+
+    def microbatch_loss(self, policy: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """One microbatch's loss under remat ``policy``, in the compute dtype, and its arguments
+        (params, model state, rows, key as the loss takes them): what the residual report traces."""
+        loss_fn = self.make_loss_fn(policy)
+        rows = max(1, batch_rows(self.batch) // self.num_microbatches)
+        microbatch = self.precision.cast_to_compute(rows_of(self.batch, list(range(rows))))
+        trainable, fp8 = split_fp8(self.params)
+        params_c = merge_fp8(self.precision.cast_to_compute(trainable), fp8)
+        args: tuple[Any, ...] = (params_c,)
+        if self.loss.has_state:
+            args += (self.model_state,)
+        args += (microbatch,)
+        if self.loss.uses_rng:
+            args += (jax.random.PRNGKey(0),)
+        return loss_fn, args
+
+
+def _is_probe(optimizer: optax.GradientTransformation, params: Any) -> bool:
+    """Whether ``optimizer`` is verify's probe (its state holds a ProbeState)."""
+    try:
+        state = jax.eval_shape(optimizer.init, split_fp8(params)[0])
+        seen_gradient(state)
+    except (ValueError, TypeError):
+        return False
+    return True
+

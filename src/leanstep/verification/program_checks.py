@@ -1,0 +1,93 @@
+"""The program checks: the compute dtype reaches every matmul; the remat policy saves what it says.
+
+Both read the traced step (:func:`leanstep.audit`; nothing runs):
+
+.. code-block:: text
+
+    compute_dtype   every dot_general and convolution takes operands of the compute dtype (FP8
+                    matmuls their FP8 formats): a float32 operand under a bfloat16 policy is a
+                    framework layer built with dtype=float32, or a float32 input, undoing it
+    remat           every remat region has the policy, and one microbatch's loss saves fewer
+                    residual bytes under it than without remat (with "save:NAMES": only those names)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from leanstep.inspection.auditing import audit
+from leanstep.inspection.residuals import saved_residuals_report
+from leanstep.verification.report import CheckResult
+from leanstep.verification.runs import Runs
+
+__all__ = ["check_compute_dtype", "check_remat"]
+
+
+def _dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).name
+
+
+def check_compute_dtype(runs: Runs, num_microbatches: int) -> CheckResult:
+    """Every matmul of the traced step runs in the setup's compute dtype (FP8 matmuls in FP8)."""
+    started = time.perf_counter()
+    setup = runs.setup
+    compared = "the operand dtypes of every matmul in the traced step against the compute dtype"
+    if getattr(setup, "compute_dtype", None) is None:
+        return CheckResult("compute_dtype", "n/a", compared, 0.0, 0.0, "-", detail="the setup names no compute dtype")
+    want = _dtype_name(setup.compute_dtype)
+    state = runs.state()
+    report = audit(lambda s, b: setup.step(s, b, num_microbatches)[0], state, runs.batches["batch"])
+    elapsed = time.perf_counter() - started
+    matmuls = report.matmuls
+    wrong = [m for m in matmuls if not m.scale and (m.lhs[1] != want or m.rhs[1] != want)]
+    tolerance = f"all {len(matmuls)} matmuls in {want}"
+    if not matmuls:
+        return CheckResult("compute_dtype", "n/a", compared, 0.0, 0.0, "-", detail="the traced step has no matmul")
+    if not wrong:
+        return CheckResult("compute_dtype", "pass", compared, 0.0, 0.0, tolerance, seconds=elapsed)
+    first = wrong[0]
+    flops = sum(m.flops for m in wrong) / max(sum(m.flops for m in matmuls), 1.0)
+    where = (
+        f"{first.kind} {first.lhs[1]}{list(first.lhs[0])} x {first.rhs[1]}{list(first.rhs[0])} at {first.path}; "
+        f"{len(wrong)} of {len(matmuls)} matmuls, {100 * flops:.0f}% of the FLOPs"
+    )
+    diagnosis = (
+        f"matmuls run in {first.lhs[1] if first.lhs[1] != want else first.rhs[1]}, not the compute dtype {want}: a "
+        "framework layer built with dtype=float32 (or param_dtype promoting), or a float32 input or constant, "
+        "undoes the policy"
+    )
+    return CheckResult("compute_dtype", "fail", compared, float(len(wrong)), 0.0, tolerance, where, diagnosis, seconds=elapsed)
+
+
+def check_remat(runs: Runs, num_microbatches: int) -> CheckResult:
+    """The remat regions carry the setup's policy, and it saves less than no remat."""
+    started = time.perf_counter()
+    setup = runs.setup
+    policy = getattr(setup, "remat", None)
+    compared = "the remat regions' policy, and one microbatch's saved residuals against no remat"
+    if policy is None or policy == "none" or not hasattr(setup, "microbatch_loss"):
+        return CheckResult("remat", "n/a", compared, 0.0, 0.0, "-", detail=f"remat policy {policy!r}")
+    report = audit(lambda s, b: setup.step(s, b, num_microbatches)[0], runs.state(), runs.batches["batch"])
+    problems = report.remat_violations(policy)
+    fn, args = setup.microbatch_loss(policy)
+    saved = saved_residuals_report(fn, *args)
+    plain_fn, plain_args = setup.microbatch_loss("none")
+    plain = saved_residuals_report(plain_fn, *plain_args)
+    if policy.startswith("save:"):
+        wanted = set(policy[len("save:") :].split(","))
+        extra = sorted({e.name for e in saved.entries if e.kind == "named"} - wanted)
+        if extra:
+            problems.append(f"saves values named {extra}, not among {sorted(wanted)}")
+    if not saved.total_bytes < plain.total_bytes:
+        problems.append(f"saves {saved.total_bytes:,} bytes, no fewer than without remat ({plain.total_bytes:,})")
+    elapsed = time.perf_counter() - started
+    tolerance = f"saved bytes under {policy!r} < without remat"
+    largest, bound = float(saved.total_bytes), float(plain.total_bytes)
+    if not problems:
+        detail = f"{saved.total_bytes:,} residual bytes a microbatch, against {plain.total_bytes:,} without remat"
+        return CheckResult("remat", "pass", compared, largest, bound, tolerance, detail=detail, seconds=elapsed)
+    diagnosis = "the remat policy does not save what it says: " + "; ".join(problems)
+    return CheckResult("remat", "fail", compared, largest, bound, tolerance, problems[0], diagnosis, seconds=elapsed)

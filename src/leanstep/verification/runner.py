@@ -1,0 +1,164 @@
+"""verify and verify_step: run the checks on a setup and gather their report.
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np
+  >>> def make_loss(policy):
+  ...     def loss(p, b):
+  ...         error = (jnp.tanh(b["x"] @ p["w"]) - b["y"]) ** 2
+  ...         return jnp.sum(error * b["mask"]), jnp.sum(b["mask"])
+  ...     return loss
+  >>> rng = np.random.default_rng(0)
+  >>> batch = {"x": rng.normal(size=(8, 3)).astype(np.float32), "y": rng.normal(size=(8, 2)).astype(np.float32),
+  ...          "mask": np.ones((8, 2), np.float32)}
+  >>> report = verify(make_loss, {"w": jnp.ones((3, 2))}, batch, num_microbatches=4, token_weighted=True,
+  ...                 mask="mask", checks=("accumulation", "token_weighting", "clip", "non_finite"))
+  >>> report.passed, [c.status for c in report.checks]
+  (True, ['pass', 'pass', 'pass', 'pass'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from leanstep.blocks.loss_contract import LossContract
+from leanstep.verification.batches import batch_rows
+from leanstep.verification.gradient_checks import check_accumulation, check_clip, check_token_weighting
+from leanstep.verification.leanstep_step import LeanstepStep
+from leanstep.verification.program_checks import check_compute_dtype, check_remat
+from leanstep.verification.protocol import VerifiableStep
+from leanstep.verification.report import CheckResult, VerifyReport
+from leanstep.verification.runs import Runs
+from leanstep.verification.state_checks import check_fp8, check_keys, check_non_finite
+
+__all__ = ["CHECKS", "verify", "verify_step"]
+
+#: Every check, by name, in the order they run.
+CHECKS: dict[str, Callable[[Runs, int], CheckResult]] = {
+    "accumulation": check_accumulation,
+    "token_weighting": check_token_weighting,
+    "clip": check_clip,
+    "non_finite": check_non_finite,
+    "keys": check_keys,
+    "fp8": check_fp8,
+    "compute_dtype": check_compute_dtype,
+    "remat": check_remat,
+}
+
+
+def _check_names(checks: Sequence[str] | None) -> tuple[str, ...]:
+    if checks is None:
+        return tuple(CHECKS)
+    if isinstance(checks, str):
+        raise TypeError(f"checks: expected a sequence of check names, got the string {checks!r}")
+    unknown = [name for name in checks if name not in CHECKS]
+    if unknown:
+        raise ValueError(f"checks: unknown {unknown}; expected names among {list(CHECKS)}")
+    return tuple(checks)
+
+
+def verify_step(
+    step: VerifiableStep,
+    *,
+    num_microbatches: int,
+    checks: Sequence[str] | None = None,
+    name: str = "step",
+) -> VerifyReport:
+    """Runs the checks on any :class:`~leanstep.verification.protocol.VerifiableStep`.
+
+    Args:
+      step: the setup: a hand-written step through the protocol, or a :class:`LeanstepStep`.
+      num_microbatches: the microbatch count the checks run the step with (2 or more; it must
+        divide the batch's rows).
+      checks: the names of the checks to run (default: all of :data:`CHECKS`).
+      name: what the report calls the setup.
+
+    Returns:
+      A :class:`VerifyReport`; ``report.passed`` is False if any check failed.
+
+    Raises:
+      ValueError: ``num_microbatches`` below 2 or not a divisor of the batch's rows; an unknown check.
+    """
+    names = _check_names(checks)
+    rows = batch_rows(step.batch)
+    if not isinstance(num_microbatches, int) or num_microbatches < 2 or rows % num_microbatches:
+        raise ValueError(
+            f"num_microbatches: expected an int >= 2 that divides the batch's {rows} rows, got {num_microbatches!r} "
+            "(the checks compare microbatches with the whole batch)"
+        )
+    runs = Runs(step, num_microbatches=num_microbatches)
+    runs.register("batch", step.batch)
+    results = []
+    for check in names:
+        started = time.perf_counter()
+        result = CHECKS[check](runs, num_microbatches)
+        results.append(result if result.seconds else _timed(result, time.perf_counter() - started))
+    return VerifyReport(name, tuple(results))
+
+
+def _timed(result: CheckResult, seconds: float) -> CheckResult:
+    return dataclasses.replace(result, seconds=seconds)
+
+
+def verify(
+    make_loss_fn: Callable[[str], Callable[..., Any]],
+    params: Any,
+    batch: Any,
+    *,
+    precision: Any = "float32",
+    num_microbatches: int = 2,
+    remat: str = "none",
+    loss_scale: Any = "none",
+    model_state: Any = None,
+    master: str = "float32",
+    has_aux: bool = False,
+    token_weighted: bool = False,
+    uses_rng: bool = False,
+    has_state: bool = False,
+    mask: str | None = None,
+    split: str = "contiguous",
+    checks: Sequence[str] | None = None,
+    name: str | None = None,
+) -> VerifyReport:
+    """Verifies leanstep's step for a model: the inputs :func:`leanstep.plan` takes, and the run's settings.
+
+    Args:
+      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, as for :func:`leanstep.plan`.
+      params: the parameters (arrays).
+      batch: one global batch (arrays).
+      precision: the run's precision.
+      num_microbatches: the run's microbatch count (the checks use 2 if it is 1).
+      remat: the run's remat policy.
+      loss_scale: ``"none"``, ``"dynamic"`` or a loss-scale instance.
+      model_state: the model's state (with ``has_state``).
+      master: how the masters are kept.
+      has_aux, token_weighted, uses_rng, has_state: what the loss takes and returns
+        (:class:`leanstep.LossContract`).
+      mask: the batch's token-weight leaf (with ``token_weighted``), for the token-weighting and
+        non-finite checks.
+      split: the microbatch split.
+      checks: the checks to run (default: all).
+      name: what the report calls the setup.
+
+    Returns:
+      A :class:`VerifyReport`.
+    """
+    contract = LossContract(has_aux=has_aux, token_weighted=token_weighted, uses_rng=uses_rng, has_state=has_state)
+    setup = LeanstepStep(
+        make_loss_fn,
+        params,
+        batch,
+        precision=precision,
+        num_microbatches=num_microbatches,
+        remat=remat,
+        loss=contract,
+        loss_scale=loss_scale,
+        model_state=model_state,
+        master=master,
+        mask=mask,
+        split=split,
+    )
+    label = name or f"leanstep step (precision {setup.precision}, M={num_microbatches}, remat {remat})"
+    return verify_step(setup, num_microbatches=max(2, num_microbatches), checks=checks, name=label)

@@ -1,0 +1,107 @@
+"""The steps verify's checks run, each run once and shared between the checks that read it.
+
+A check asks :class:`Runs` for a step's outcome: ``Runs.step(batch_name, M, max_grad_norm=...,
+randomness=..., seed=...)``. Each setting is started once (:meth:`VerifiableStep.init` with the
+probe) and **settled**: a step that is skipped (a dynamic loss scale too high for the batch) is
+run again from the state it leaves, until one applies, so that every later run of that setting
+starts from a state whose loss scale this batch does not overflow. The microbatch references run
+from the same settled state as the steps they are compared with.
+
+Example:
+  >>> import jax.numpy as jnp, numpy as np
+  >>> from leanstep.verification.leanstep_step import LeanstepStep
+  >>> batch = {"x": np.arange(8.0, dtype=np.float32).reshape(4, 2), "y": np.zeros((4, 1), np.float32)}
+  >>> setup = LeanstepStep(lambda _: lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
+  ...                      {"w": jnp.ones((2, 1))}, batch, num_microbatches=2)
+  >>> runs = Runs(setup)
+  >>> runs.register("batch", batch)
+  >>> outcome = runs.step("batch", 2)
+  >>> outcome.gradient["w"].tolist(), bool(outcome.metrics["skipped"])
+  ([[62.0], [76.0]], False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from leanstep.verification.protocol import VerifiableStep, probe_optimizer, seen_gradient
+from leanstep.verification.trees import to_float64
+
+__all__ = ["Outcome", "Runs"]
+
+#: At most this many skipped steps before a setting is taken as settled anyway (a dynamic scale
+#: halves each time: 2**32 down to 1 takes 32).
+SETTLE_STEPS = 40
+
+
+class Outcome(NamedTuple):
+    """One step's outcome: the state before and after, its parts, the probe's gradient (float64)."""
+
+    before: Mapping[str, Any]
+    after: Mapping[str, Any]
+    gradient: dict[str, np.ndarray]
+    metrics: Mapping[str, Any]
+
+
+class Runs:
+    """The steps of one verification (see the module doc)."""
+
+    def __init__(self, setup: VerifiableStep, *, settle_batch: str = "batch", num_microbatches: int = 1) -> None:
+        self.setup = setup
+        self.batches: dict[str, Any] = {}
+        self.settle_batch = settle_batch
+        self.num_microbatches = num_microbatches
+        self._states: dict[tuple[Any, ...], Any] = {}
+        self._outcomes: dict[tuple[Any, ...], Outcome] = {}
+        self.probe = probe_optimizer()
+        self.token_counts: list[float] = []  # each microbatch's token count in the "uneven" batch
+
+    def register(self, name: str, batch: Any) -> None:
+        """Names a batch the checks will run."""
+        self.batches[name] = batch
+
+    def state(self, *, max_grad_norm: float | None = None, randomness: bool = False, seed: int = 0, mesh: Any = None) -> Any:
+        """The settled step-0 state of these settings (built and settled once)."""
+        key = (max_grad_norm, randomness, seed, None if mesh is None else id(mesh))
+        if key not in self._states:
+            state = self.setup.init(self.probe, max_grad_norm=max_grad_norm, seed=seed, randomness=randomness, mesh=mesh)
+            batch = self.batches.get(self.settle_batch)
+            for _ in range(SETTLE_STEPS if batch is not None else 0):
+                after, metrics = self.setup.step(state, batch, self.num_microbatches)
+                if not bool(np.asarray(metrics.get("skipped", False))):
+                    break
+                state = after
+            self._states[key] = state
+        return self._states[key]
+
+    def step(
+        self,
+        batch: str,
+        num_microbatches: int,
+        *,
+        max_grad_norm: float | None = None,
+        randomness: bool = False,
+        seed: int = 0,
+        mesh: Any = None,
+        again: int = 0,
+    ) -> Outcome:
+        """The outcome of one step over the named batch (run once; ``again`` > 0 runs it anew)."""
+        key = (batch, num_microbatches, max_grad_norm, randomness, seed, None if mesh is None else id(mesh), again)
+        if key not in self._outcomes:
+            state = self.state(max_grad_norm=max_grad_norm, randomness=randomness, seed=seed, mesh=mesh)
+            after, metrics = self.setup.step(state, self.batches[batch], num_microbatches)
+            before_parts = jax.device_get(dict(self.setup.parts(state)))
+            after_parts = jax.device_get(dict(self.setup.parts(after)))
+            gradient = to_float64(seen_gradient(after_parts["opt_state"]))
+            self._outcomes[key] = Outcome(before_parts, after_parts, gradient, jax.device_get(dict(metrics)))
+        return self._outcomes[key]
+
+    def metric(self, name: str) -> float | None:
+        """A metric of the first step run (the settled state's), as a float, or None if the step has none."""
+        outcome = next(iter(self._outcomes.values()), None)
+        value = None if outcome is None else outcome.metrics.get(name)
+        return None if value is None else float(np.asarray(value))
