@@ -30,7 +30,9 @@ def batch_rows(batch: Any) -> int:
     """
     sizes = {np.shape(leaf)[0] for leaf in jax.tree.leaves(batch) if np.ndim(leaf) > 0}
     if len(sizes) != 1:
-        raise ValueError(f"batch: expected array leaves that share the leading (row) dimension, got row counts {sorted(sizes)}")
+        raise ValueError(
+            f"batch: expected array leaves that share the leading (row) dimension, got row counts {sorted(sizes)}"
+        )
     return sizes.pop()
 
 

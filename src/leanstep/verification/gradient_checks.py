@@ -24,15 +24,29 @@ import math
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from leanstep.verification.batches import batch_rows, microbatch_rows, rows_of, uneven_mask
-from leanstep.verification.bounds import TINY, gamma, norm_bound, unit_roundoff
+from leanstep.verification.bounds import TINY, norm_bound, unit_roundoff
 from leanstep.verification.report import CheckResult
 from leanstep.verification.runs import Outcome, Runs
 from leanstep.verification.trees import worst_excess
 
-__all__ = ["check_accumulation", "check_clip", "check_token_weighting", "clip_threshold", "microbatch_references", "reference"]
+__all__ = [
+    "check_accumulation",
+    "check_clip",
+    "check_token_weighting",
+    "clip_threshold",
+    "microbatch_references",
+    "reference",
+]
+
+#: The named bug of a sum that has every microbatch's weight but not float32's precision.
+LOW_PRECISION_SUM = (
+    "gradients accumulated in a low-precision dtype, not float32 (as deepspeedai/DeepSpeed#1800: ZeRO summing "
+    "bf16 gradients in bf16)"
+)
 
 #: The largest relative error (2-norm over the whole gradient, against the norm of
 #: ``sum_j |w_j g_j|``) of a float32 sum. A sum kept in bfloat16 or float16 rounds every partial
@@ -43,10 +57,15 @@ __all__ = ["check_accumulation", "check_clip", "check_token_weighting", "clip_th
 #: elementwise over microbatch gradients alone.
 SUM_TOLERANCE = 2.0**-14
 
-#: The weights a step used are "right" within this relative distance. Rounding moves a least-squares
-#: weight by about u / sqrt(n) (float32: 1e-8; bfloat16 compute, u = 2^-8 per element: ~1e-4 for a
-#: thousand parameters); the bugs this separates from move it by 1/M or more.
-WEIGHT_TOLERANCE = 2.0**-10
+#: A norm summed in a 16-bit format errs by a few of its unit roundoffs, at most about
+#: sqrt(n) 2^-8 for n values that do not cancel; a norm off by more than 2^-4 is another norm.
+LOW_PRECISION_NORM = 2.0**-4
+
+#: The weights a step used are "right" within this relative distance. Rounding moves a fitted
+#: weight by about the unit roundoff of the sum's format (bfloat16: 2^-8 = 0.4%); the bugs this
+#: separates from move it by a microbatch's share of the batch, 1/M or more of it (a microbatch
+#: left out, the last one kept, 1/M in place of c_j / sum c).
+WEIGHT_TOLERANCE = 2.0**-5
 
 
 def microbatch_references(runs: Runs, batch: str, num_microbatches: int, **settings: Any) -> list[Outcome]:
@@ -72,7 +91,9 @@ def microbatch_references(runs: Runs, batch: str, num_microbatches: int, **setti
     return outcomes
 
 
-def reference(parts: list[dict[str, np.ndarray]], weights: list[float]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def reference(
+    parts: list[dict[str, np.ndarray]], weights: list[float]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``(sum_j w_j g_j, sum_j |w_j g_j|)`` in float64, leaf by leaf."""
     total = {name: sum(w * g[name] for w, g in zip(weights, parts, strict=True)) for name in parts[0]}
     magnitude = {name: sum(abs(w) * np.abs(g[name]) for w, g in zip(weights, parts, strict=True)) for name in parts[0]}
@@ -118,7 +139,9 @@ def _weighted_sum_check(
     refs = microbatch_references(runs, batch, num_microbatches)
     want, magnitude = reference([r.gradient for r in refs], weights)
     error, leaf_errors = relative_error(got.gradient, want, magnitude)
-    compared = f"the gradient of M={num_microbatches} microbatches against sum_j w_j g_j of each microbatch alone (float64)"
+    compared = (
+        f"the gradient of M={num_microbatches} microbatches against sum_j w_j g_j of each microbatch alone (float64)"
+    )
     tolerance = "|G - G*| / |sum_j |w_j g_j|| <= 2^-14 (float16's u / 8: any 16-bit sum errs more)"
     elapsed = time.perf_counter() - started
     if error <= SUM_TOLERANCE:
@@ -135,7 +158,7 @@ def _weighted_sum_check(
         diagnosis = catches if name == "token_weighting" else _weights_diagnosis(fitted, weights)
     else:
         where += "; every microbatch has its weight: the sum itself is imprecise"
-        diagnosis = catches + _precision_of(error)
+        diagnosis = LOW_PRECISION_SUM + _precision_of(error)
     detail = f"fitted weights [{shown}], expected [{expected}]"
     return CheckResult(name, "fail", compared, error, SUM_TOLERANCE, tolerance, where, diagnosis, detail, elapsed)
 
@@ -161,8 +184,44 @@ def check_accumulation(runs: Runs, num_microbatches: int) -> CheckResult:
     """M microbatches against each microbatch alone, equal weights: the float32 sum, exactly."""
     started = time.perf_counter()
     weights = [1.0 / num_microbatches] * num_microbatches
-    catches = "gradients accumulated in a low-precision dtype, not float32 (as deepspeedai/DeepSpeed#1800: ZeRO summing bf16 gradients in bf16)"
-    return _weighted_sum_check("accumulation", runs, "batch", num_microbatches, weights, catches, started)
+    return _weighted_sum_check("accumulation", runs, "batch", num_microbatches, weights, LOW_PRECISION_SUM, started)
+
+
+def check_full_batch(runs: Runs, num_microbatches: int) -> CheckResult:
+    r"""M microbatches against one: the step's gradient over the batch in ``M`` microbatches and in one.
+
+    The two are different programs, each free to round its own way in the compute dtype, so
+    they agree only to rounding that compounds through the network; the check allows
+    :math:`\sqrt{u_c}` (a difference past the square root of the compute dtype's unit roundoff
+    is structure, not rounding: a split along the wrong axis, a microbatch left out or weighed
+    wrong), relative to :math:`\|\sum_j |w_j g_j|\|`.
+    """
+    started = time.perf_counter()
+    compared = f"the gradient of the batch in M={num_microbatches} microbatches against in one"
+    state = runs.step("batch", num_microbatches).before.get("model_state")
+    if jax.tree.leaves(state):
+        return CheckResult(
+            "full_batch", "n/a", compared, 0.0, 0.0, "-", seconds=time.perf_counter() - started,
+            detail="the model carries state (batch statistics): each microbatch normalises by its own rows, so M "
+            "microbatches are not one by design; the accumulation check still holds them to their microbatches",
+        )  # fmt: skip
+    dtype = getattr(runs.setup, "compute_dtype", None) or "float32"
+    allowed = math.sqrt(unit_roundoff(dtype))
+    _, _, magnitude, _ = full_batch_reference(runs, num_microbatches)
+    many = runs.step("batch", num_microbatches)
+    one = runs.step("batch", 1)
+    error, leaf_errors = relative_error(many.gradient, one.gradient, magnitude)
+    tolerance = f"sqrt(u) of the compute dtype {np.dtype(dtype).name} ({allowed:.2g}), relative to |sum_j |w_j g_j||"
+    elapsed = time.perf_counter() - started
+    if error <= allowed:
+        return CheckResult("full_batch", "pass", compared, error, allowed, tolerance, seconds=elapsed)
+    leaf = max(leaf_errors, key=leaf_errors.__getitem__)
+    diagnosis = (
+        "M microbatches are not the full batch: the batch is split along another axis than its rows, or microbatches "
+        "are left out or weighed wrong"
+    )
+    where = f"{leaf} (its relative error {leaf_errors[leaf]:.2g})"
+    return CheckResult("full_batch", "fail", compared, error, allowed, tolerance, where, diagnosis, seconds=elapsed)
 
 
 def check_token_weighting(runs: Runs, num_microbatches: int) -> CheckResult:
@@ -215,9 +274,11 @@ def check_clip(runs: Runs, num_microbatches: int) -> CheckResult:
     ``grad_norm`` must be :math:`\|G^\star\|` within that error plus the accumulation's.
     """
     started = time.perf_counter()
-    _refs, want, magnitude, norm = full_batch_reference(runs, num_microbatches)
+    _refs, want, _magnitude, norm = full_batch_reference(runs, num_microbatches)
     count = sum(v.size for v in want.values())
-    compared = "the gradient clipped at c = |G*|/2 against G c/|G| (G the step's own, G* the float64 full-batch gradient)"
+    compared = (
+        "the gradient clipped at c = |G*|/2 against G c/|G| (G the step's own, G* the float64 full-batch gradient)"
+    )
     if not norm > 0 or not math.isfinite(norm):
         return CheckResult("clip", "n/a", compared, 0.0, 0.0, "-", detail=f"the full-batch gradient's norm is {norm}")
     threshold = norm / 2
@@ -234,13 +295,12 @@ def check_clip(runs: Runs, num_microbatches: int) -> CheckResult:
     problems = []
     reported = unclipped.metrics.get("grad_norm")
     if reported is not None:
-        spread = math.sqrt(math.fsum(float(np.sum(m * m)) for m in magnitude.values())) / norm
-        allowed = relative + gamma(2 * num_microbatches + 2) * spread
-        error = abs(float(np.asarray(reported)) - norm) / norm
-        if not error <= allowed:
+        value = float(np.asarray(reported))
+        error = abs(value - own_norm) / own_norm
+        if not error <= relative:
             problems.append(
-                f"the reported grad_norm {float(np.asarray(reported)):.7g} is {error:.2g} relative off the float64 "
-                f"full-batch norm {norm:.7g} (allowed {allowed:.2g})"
+                f"the reported grad_norm {value:.7g} is {error:.2g} relative off the float64 norm {own_norm:.7g} of the "
+                f"gradient the step applied (allowed {relative:.2g}; the full batch's is {norm:.7g})"
             )
     if worst.ratio <= 1 and not problems:
         return CheckResult("clip", "pass", compared, worst.difference, worst.bound, tolerance, seconds=elapsed)
@@ -248,7 +308,9 @@ def check_clip(runs: Runs, num_microbatches: int) -> CheckResult:
     where = f"{worst.leaf}[{worst.index}]" if worst.ratio > 1 else "metrics/grad_norm"
     if problems:
         detail = "; ".join([*problems, detail])
-    return CheckResult("clip", "fail", compared, worst.difference, worst.bound, tolerance, where, diagnosis, detail, elapsed)
+    return CheckResult(
+        "clip", "fail", compared, worst.difference, worst.bound, tolerance, where, diagnosis, detail, elapsed
+    )
 
 
 def _clip_diagnosis(
@@ -263,20 +325,29 @@ def _clip_diagnosis(
     detail = f"applied factor {applied:.7g}, expected {factor:.7g}; off the full-batch direction by {residual:.2g}"
     if residual > 1e-3:
         return (
-            ("clipped before accumulation: each microbatch's gradient clipped to its own norm, so the step's "
-            "gradient is not the clipped full-batch gradient"),
+            (
+                "clipped before accumulation: each microbatch's gradient clipped to its own norm, so the step's "
+                "gradient is not the clipped full-batch gradient"
+            ),
             detail,
         )
-    ratio = factor / applied if applied else math.inf
+    used = factor / applied if applied else math.inf  # the norm the clip divided by, over the gradient's
     scale = runs.metric("loss_scale")
-    if scale and scale != 1 and abs(ratio / scale - 1) < 1e-2:
+    if scale and scale != 1 and abs(used / scale - 1) < 1e-2:
         return "clipped the scaled gradient: the norm included the loss scale (clip before unscaling)", detail
-    if abs(ratio - 1) > relative:
-        norm_error = 1 / ratio - 1
+    if abs(used - 1) > LOW_PRECISION_NORM:
         return (
-            f"the clip used a norm {norm_error:+.2g} relative off the float32 norm of the gradient: the norm was "
-            "summed in low precision (as AI-Hypercomputer/maxtext#5143: the clip's norm summed in bf16 while a "
-            "float32 norm was reported)" + _precision_of(abs(norm_error)),
+            (
+                f"the clip divided by {used:.4g} times the gradient's norm: its norm covers other values than the "
+                "gradient (as AI-Hypercomputer/maxtext#672: FP8 scales in the tree that is clipped) or leaves some out"
+            ),
             detail,
         )
-    return "the reported gradient norm is not the gradient's norm", detail
+    if abs(used - 1) > relative:
+        return (
+            f"the clip used a norm {used - 1:+.2g} relative off the float32 norm of the gradient: the norm was "
+            "summed in low precision (as AI-Hypercomputer/maxtext#5143: the clip's norm summed in bf16 while a "
+            "float32 norm was reported)" + _precision_of(abs(used - 1)),
+            detail,
+        )
+    return "the reported gradient norm is not the norm of the gradient the step applied", detail

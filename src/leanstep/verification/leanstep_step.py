@@ -224,4 +224,3 @@ def _is_probe(optimizer: optax.GradientTransformation, params: Any) -> bool:
     except (ValueError, TypeError):
         return False
     return True
-

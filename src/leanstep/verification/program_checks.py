@@ -59,7 +59,9 @@ def check_compute_dtype(runs: Runs, num_microbatches: int) -> CheckResult:
         "framework layer built with dtype=float32 (or param_dtype promoting), or a float32 input or constant, "
         "undoes the policy"
     )
-    return CheckResult("compute_dtype", "fail", compared, float(len(wrong)), 0.0, tolerance, where, diagnosis, seconds=elapsed)
+    return CheckResult(
+        "compute_dtype", "fail", compared, float(len(wrong)), 0.0, tolerance, where, diagnosis, seconds=elapsed
+    )
 
 
 def check_remat(runs: Runs, num_microbatches: int) -> CheckResult:

@@ -59,12 +59,16 @@ def probe_optimizer(learning_rate: float = PROBE_LEARNING_RATE) -> optax.Gradien
     """
 
     def init(params: Any) -> ProbeState:
-        return ProbeState(jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params), jnp.zeros((), jnp.int32))
+        return ProbeState(
+            jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params), jnp.zeros((), jnp.int32)
+        )
 
     def update(updates: Any, state: ProbeState, params: Any = None) -> tuple[Any, ProbeState]:
         del params
         seen = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), updates)
-        moved = jax.tree.map(lambda g: (-learning_rate * jnp.asarray(g, jnp.float32)).astype(jnp.result_type(g)), updates)
+        moved = jax.tree.map(
+            lambda g: (-learning_rate * jnp.asarray(g, jnp.float32)).astype(jnp.result_type(g)), updates
+        )
         return moved, ProbeState(seen, state.count + 1)
 
     return optax.GradientTransformation(init, update)

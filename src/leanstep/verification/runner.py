@@ -25,7 +25,12 @@ from typing import Any
 
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.verification.batches import batch_rows
-from leanstep.verification.gradient_checks import check_accumulation, check_clip, check_token_weighting
+from leanstep.verification.gradient_checks import (
+    check_accumulation,
+    check_clip,
+    check_full_batch,
+    check_token_weighting,
+)
 from leanstep.verification.leanstep_step import LeanstepStep
 from leanstep.verification.program_checks import check_compute_dtype, check_remat
 from leanstep.verification.protocol import VerifiableStep
@@ -38,6 +43,7 @@ __all__ = ["CHECKS", "verify", "verify_step"]
 #: Every check, by name, in the order they run.
 CHECKS: dict[str, Callable[[Runs, int], CheckResult]] = {
     "accumulation": check_accumulation,
+    "full_batch": check_full_batch,
     "token_weighting": check_token_weighting,
     "clip": check_clip,
     "non_finite": check_non_finite,

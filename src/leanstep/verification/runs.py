@@ -64,11 +64,15 @@ class Runs:
         """Names a batch the checks will run."""
         self.batches[name] = batch
 
-    def state(self, *, max_grad_norm: float | None = None, randomness: bool = False, seed: int = 0, mesh: Any = None) -> Any:
+    def state(
+        self, *, max_grad_norm: float | None = None, randomness: bool = False, seed: int = 0, mesh: Any = None
+    ) -> Any:
         """The settled step-0 state of these settings (built and settled once)."""
         key = (max_grad_norm, randomness, seed, None if mesh is None else id(mesh))
         if key not in self._states:
-            state = self.setup.init(self.probe, max_grad_norm=max_grad_norm, seed=seed, randomness=randomness, mesh=mesh)
+            state = self.setup.init(
+                self.probe, max_grad_norm=max_grad_norm, seed=seed, randomness=randomness, mesh=mesh
+            )
             batch = self.batches.get(self.settle_batch)
             for _ in range(SETTLE_STEPS if batch is not None else 0):
                 after, metrics = self.setup.step(state, batch, self.num_microbatches)

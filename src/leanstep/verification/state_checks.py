@@ -57,7 +57,9 @@ def check_non_finite(runs: Runs, num_microbatches: int) -> CheckResult:
         changed = to_float64(after).get(leaf)
         went_non_finite = changed is not None and not np.isfinite(changed).all()
         if went_non_finite:
-            diagnosis = "the non-finite gradient was applied: the step has no finiteness guard (or it ran after the update)"
+            diagnosis = (
+                "the non-finite gradient was applied: the step has no finiteness guard (or it ran after the update)"
+            )
         elif part == "model_state":
             diagnosis = "the model state of a skipped step was kept (only the parameters' update was guarded)"
         else:
@@ -66,7 +68,9 @@ def check_non_finite(runs: Runs, num_microbatches: int) -> CheckResult:
                 "microbatch, not on the step (as optax.apply_if_finite around optax.MultiSteps)"
             )
         where = f"{part}/{leaf}[{index}]; the NaN was in microbatch {bad} of {num_microbatches} (row {rows[bad][0]})"
-        return CheckResult("non_finite", "fail", compared, float("inf"), 0.0, _BITWISE, where, diagnosis, seconds=elapsed)
+        return CheckResult(
+            "non_finite", "fail", compared, float("inf"), 0.0, _BITWISE, where, diagnosis, seconds=elapsed
+        )
     skipped = outcome.metrics.get("skipped")
     detail = None if skipped is None or bool(np.asarray(skipped)) else "the step did not report skipped=True"
     status = "pass" if detail is None else "fail"
@@ -165,8 +169,16 @@ def check_fp8(runs: Runs, num_microbatches: int) -> CheckResult:
         return CheckResult("fp8", "fail", compared, float("inf"), 0.0, _BITWISE, where, diagnosis, seconds=elapsed)
     threshold = clip_threshold(runs, num_microbatches)
     if threshold is None:
-        return CheckResult("fp8", "pass", compared, 0.0, 0.0, _BITWISE, seconds=time.perf_counter() - started,
-                           detail="not checked under clipping: the full-batch gradient has no finite norm")
+        return CheckResult(
+            "fp8",
+            "pass",
+            compared,
+            0.0,
+            0.0,
+            _BITWISE,
+            seconds=time.perf_counter() - started,
+            detail="not checked under clipping: the full-batch gradient has no finite norm",
+        )
     clipped = runs.step("batch", num_microbatches, max_grad_norm=threshold)
     found = first_difference(clipped.after["fp8"], unclipped.after["fp8"])
     elapsed = time.perf_counter() - started
