@@ -79,7 +79,9 @@ class LeanstepStep:
       mask: the name of the batch's token-weight leaf (floating, rows first), or None; the
         non-finite check makes a row's weights NaN.
       split: the microbatch split (``"contiguous"`` or ``"strided"``).
-      mesh_layout: on a mesh, ``(fsdp, rules)`` for :class:`leanstep.ShardingLayer`.
+      rules: the model's partition rules, for a mesh with a ``"tensor"`` axis
+        (:class:`leanstep.ShardingLayer`; a ``"fsdp"`` axis splits every parameter, other axes
+        carry rows).
     """
 
     def __init__(
@@ -98,7 +100,7 @@ class LeanstepStep:
         moments: str = "float32",
         mask: str | None = None,
         split: str = "contiguous",
-        mesh_layout: tuple[bool, Any] = (False, ()),
+        rules: Any = None,
     ) -> None:
         self.make_loss_fn = make_loss_fn
         self.params = params
@@ -114,7 +116,7 @@ class LeanstepStep:
         self.weights_leaf = mask
         self.mask = mask if self.loss.token_weighted else None  # the protocol's: a token-weighted loss's weights
         self.split = split
-        self.mesh_layout = mesh_layout
+        self.rules = rules
         self.compute_dtype = self.precision.compute_dtype
         self._steps: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._meshes: dict[int, Any] = {}
@@ -154,8 +156,7 @@ class LeanstepStep:
                 loss_fn = _fixed_key(loss_fn)
             mesh = None
             if mesh_id is not None:
-                fsdp, rules = self.mesh_layout
-                mesh = ShardingLayer(self._meshes[mesh_id], fsdp=fsdp, rules=rules)
+                mesh = ShardingLayer(self._meshes[mesh_id], rules=self.rules)
             self._steps[key] = make_train_step(
                 loss_fn,
                 precision=self.precision,

@@ -32,6 +32,7 @@ from leanstep.verification.gradient_checks import (
     check_token_weighting,
 )
 from leanstep.verification.leanstep_step import LeanstepStep
+from leanstep.verification.mesh_check import check_meshes
 from leanstep.verification.program_checks import check_compute_dtype, check_remat
 from leanstep.verification.protocol import VerifiableStep
 from leanstep.verification.report import CheckResult, VerifyReport
@@ -51,6 +52,7 @@ CHECKS: dict[str, Callable[[Runs, int], CheckResult]] = {
     "fp8": check_fp8,
     "compute_dtype": check_compute_dtype,
     "remat": check_remat,
+    "meshes": check_meshes,
 }
 
 
@@ -70,6 +72,7 @@ def verify_step(
     *,
     num_microbatches: int,
     checks: Sequence[str] | None = None,
+    meshes: Sequence[Any] = (),
     name: str = "step",
 ) -> VerifyReport:
     """Runs the checks on any :class:`~leanstep.verification.protocol.VerifiableStep`.
@@ -79,6 +82,8 @@ def verify_step(
       num_microbatches: the microbatch count the checks run the step with (2 or more; it must
         divide the batch's rows).
       checks: the names of the checks to run (default: all of :data:`CHECKS`).
+      meshes: the mesh layouts the ``meshes`` check compares with one device (``"data=4"``,
+        ``"fsdp=2,tensor=2"`` or a ``jax.sharding.Mesh``); they need that many devices here.
       name: what the report calls the setup.
 
     Returns:
@@ -96,6 +101,7 @@ def verify_step(
         )
     runs = Runs(step, num_microbatches=num_microbatches)
     runs.register("batch", step.batch)
+    runs.layouts = tuple(meshes)
     results = []
     for check in names:
         started = time.perf_counter()
@@ -125,7 +131,9 @@ def verify(
     has_state: bool = False,
     mask: str | None = None,
     split: str = "contiguous",
+    rules: Any = None,
     checks: Sequence[str] | None = None,
+    meshes: Sequence[Any] = (),
     name: str | None = None,
 ) -> VerifyReport:
     """Verifies leanstep's step for a model: the inputs :func:`leanstep.plan` takes, and the run's settings.
@@ -145,7 +153,9 @@ def verify(
       mask: the batch's token-weight leaf (with ``token_weighted``), for the token-weighting and
         non-finite checks.
       split: the microbatch split.
+      rules: the model's partition rules (for a mesh with a ``"tensor"`` axis).
       checks: the checks to run (default: all).
+      meshes: the mesh layouts to compare with one device (see :func:`verify_step`).
       name: what the report calls the setup.
 
     Returns:
@@ -165,6 +175,7 @@ def verify(
         master=master,
         mask=mask,
         split=split,
+        rules=rules,
     )
     label = name or f"leanstep step (precision {setup.precision}, M={num_microbatches}, remat {remat})"
-    return verify_step(setup, num_microbatches=max(2, num_microbatches), checks=checks, name=label)
+    return verify_step(setup, num_microbatches=max(2, num_microbatches), checks=checks, meshes=meshes, name=label)

@@ -58,6 +58,7 @@ class Runs:
         self._states: dict[tuple[Any, ...], Any] = {}
         self._outcomes: dict[tuple[Any, ...], Outcome] = {}
         self.probe = probe_optimizer()
+        self.layouts: tuple[Any, ...] = ()  # the mesh layouts the meshes check compares with one device
         self.token_counts: list[float] = []  # each microbatch's token count in the "uneven" batch
 
     def register(self, name: str, batch: Any) -> None:

@@ -1,0 +1,128 @@
+r"""Each mesh layout against one device: the same step, the same batch, the same result.
+
+A layout (``"data=4"``, ``"fsdp=4"``, ``"data=2,tensor=2"``) changes where rows and parameters
+live and adds cross-device sums, nothing else: its gradient is the one device's, summed in
+another order (the float32-sum tolerance of the accumulation check,
+:data:`~leanstep.verification.gradient_checks.SUM_TOLERANCE`, relative to the gradient's norm),
+its model state (batch statistics averaged over devices) the same within that tolerance, and its
+FP8 state, a max, the same bit for bit. A batch statistic computed over each device's own rows is
+the bug this finds: the result then depends on the device count.
+
+Layouts need that many devices in this process; on CPU, ``leanstep verify --devices N`` runs
+them in a subprocess with ``N`` simulated devices (a process cannot add devices once JAX has
+started).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from leanstep.sharding.distributed import parse_mesh
+from leanstep.verification.bounds import LAMBDA, unit_roundoff
+from leanstep.verification.gradient_checks import SUM_TOLERANCE, relative_error
+from leanstep.verification.report import CheckResult
+from leanstep.verification.runs import Runs
+from leanstep.verification.trees import first_difference, to_float64
+
+__all__ = ["check_meshes", "layouts_for", "make_layout"]
+
+
+def make_layout(layout: str | Mesh) -> Mesh:
+    """A mesh of this process's first devices for ``"data=2,fsdp=2"`` (a Mesh is returned as is).
+
+    Raises:
+      ValueError: a malformed layout, or one needing more devices than the process has.
+    """
+    if isinstance(layout, Mesh):
+        return layout
+    shape = parse_mesh(layout)
+    size = math.prod(shape.values())
+    devices = jax.devices()
+    if size > len(devices):
+        raise ValueError(
+            f"meshes: {layout!r} needs {size} devices, this process has {len(devices)} (on CPU, `leanstep verify "
+            f"--devices {size}` simulates them, or XLA_FLAGS=--xla_force_host_platform_device_count={size})"
+        )
+    grid = np.array(devices[:size]).reshape(tuple(shape.values()))
+    return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def _describe(mesh: Mesh) -> str:
+    return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
+def check_meshes(runs: Runs, num_microbatches: int) -> CheckResult:
+    """The step on each of ``runs.layouts`` against one device (see the module doc)."""
+    started = time.perf_counter()
+    layouts: Sequence[str | Mesh] = runs.layouts
+    names = [layout if isinstance(layout, str) else _describe(layout) for layout in layouts]
+    compared = f"gradient, model and FP8 state on {', '.join(names) or 'no layout'} against one device"
+    dtype = getattr(runs.setup, "compute_dtype", None) or "float32"
+    if not layouts:
+        return CheckResult("meshes", "n/a", compared, 0.0, 0.0, "-", detail="no mesh layout given (--devices N)")
+    try:
+        meshes = [make_layout(layout) for layout in layouts]
+    except ValueError as error:
+        return CheckResult("meshes", "n/a", compared, 0.0, 0.0, "-", detail=str(error))
+    one = runs.step("batch", num_microbatches)
+    devices = max(mesh.size for mesh in meshes)
+    allowed = max(SUM_TOLERANCE, LAMBDA * math.sqrt(devices + 1) * unit_roundoff(dtype))
+    tolerance = (
+        f"normwise max(2^-14, lambda sqrt(N + 1) u) = {allowed:.2g} of the gradient's norm (N devices' partial gradients "
+        f"and one device's, each rounded to {np.dtype(dtype).name}, summed in float32 in another order); FP8 bit for bit"
+    )
+    largest, failure = 0.0, None
+    for name, mesh in zip(names, meshes, strict=True):
+        got = runs.step("batch", num_microbatches, mesh=mesh)
+        magnitude = {leaf: np.abs(v) for leaf, v in one.gradient.items()}
+        error, leaf_errors = relative_error(got.gradient, one.gradient, magnitude)
+        state_error, state_leaves = 0.0, {}
+        model_state = to_float64(one.after.get("model_state"))
+        if model_state:
+            mesh_state = to_float64(got.after.get("model_state"))
+            scale = {leaf: np.abs(v) for leaf, v in model_state.items()}
+            state_error, state_leaves = relative_error(mesh_state, model_state, scale)
+        largest = max(largest, error, state_error)
+        if failure is None and max(error, state_error) > allowed:
+            part, leaves = ("gradient", leaf_errors) if error >= state_error else ("model_state", state_leaves)
+            leaf = max(leaves, key=leaves.__getitem__)
+            failure = (f"{name}: {part}/{leaf} (relative error {leaves[leaf]:.2g})", max(error, state_error))
+        if failure is None and one.after.get("fp8") is not None:
+            found = first_difference(got.after["fp8"], one.after["fp8"])
+            if found is not None:
+                failure = (f"{name}: fp8/{found[0]}[{found[1]}]", math.inf)
+                largest = math.inf
+    elapsed = time.perf_counter() - started
+    if failure is None:
+        return CheckResult("meshes", "pass", compared, largest, allowed, tolerance, seconds=elapsed)
+    where, _ = failure
+    if "fp8/" in where:
+        diagnosis = "the FP8 state depends on the device count: not reduced by max over the devices (pmax)"
+    else:
+        diagnosis = (
+            "the result depends on the device count: a statistic computed over each device's own rows (a batch "
+            "norm's mean, a loss normalised per device) where the whole batch's was meant"
+        )
+    return CheckResult("meshes", "fail", compared, largest, allowed, tolerance, where, diagnosis, seconds=elapsed)
+
+
+def layouts_for(num_devices: int, *, tensor: bool = True) -> list[str]:
+    """The layouts ``leanstep verify --devices N`` checks: all data, all fsdp, and (even N) data x tensor.
+
+    Example:
+      >>> layouts_for(4)
+      ['data=4', 'fsdp=4', 'data=2,tensor=2']
+    """
+    if num_devices < 2:
+        return []
+    out = [f"data={num_devices}", f"fsdp={num_devices}"]
+    if tensor and num_devices % 2 == 0:
+        out.append(f"data={num_devices // 2},tensor=2")
+    return out
+
