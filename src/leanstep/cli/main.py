@@ -25,7 +25,7 @@ import sys
 import warnings
 from typing import Any
 
-from leanstep.cli import bench, plan, report, solve, train
+from leanstep.cli import bench, plan, report, solve, train, verify
 from leanstep.cli.jsontree import InputError
 
 
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     solve.add_parser(subparsers)
     bench.add_parser(subparsers)
     plan.add_parsers(subparsers)
+    verify.add_parser(subparsers)
     return parser
 
 

@@ -10,6 +10,7 @@ lets the token-weighting and non-finite checks reweight and poison rows.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,9 +20,10 @@ from leanstep.blocks.loss_contract import LossContract
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
 from leanstep.training.data import BatchSampler, load_corpus
-from leanstep.verification import LeanstepStep, VerifyReport, verify_step
+from leanstep.verification import CHECKS, CheckResult, LeanstepStep, VerifyReport, verify_step
+from leanstep.verification.mesh_check import layouts_for
 
-__all__ = ["verify_run", "verify_setup"]
+__all__ = ["check_resume", "checked_config", "meshes_in_child", "verify_run", "verify_setup"]
 
 
 def verify_setup(config: RunConfig) -> LeanstepStep:
@@ -53,24 +55,184 @@ def verify_setup(config: RunConfig) -> LeanstepStep:
         master=config.master,
         moments=config.moments,
         mask="mask",
+        rules=run.model.rules,
     )
 
 
-def verify_run(config: RunConfig, *, checks: Sequence[str] | None = None) -> VerifyReport:
-    """Runs verify's checks on the step ``config`` trains with (microbatches: the config's, at least 2).
+def checked_config(config: RunConfig) -> RunConfig:
+    """``config`` validated, with 2 or more microbatches (the checks compare microbatches): its own
+    count, else the smallest count that divides the batch.
+
+    Raises:
+      ValueError: an invalid config, naming the flag; a batch of one row.
+    """
+    config.validate()
+    if config.microbatches > 1:
+        return config
+    if config.batch_size < 2:
+        raise ValueError("--batch-size: verify needs 2 rows or more, to compare microbatches with the batch")
+    smallest = next(m for m in range(2, config.batch_size + 1) if config.batch_size % m == 0)
+    return dataclasses.replace(config, microbatches=smallest)
+
+
+def verify_run(
+    config: RunConfig,
+    *,
+    checks: Sequence[str] | None = None,
+    num_devices: int | None = None,
+    resume: bool = True,
+) -> VerifyReport:
+    """Runs verify's checks on the step ``config`` trains with (see :func:`checked_config`).
+
+    Args:
+      config: the run.
+      checks: the names of :data:`leanstep.verification.CHECKS` to run (default: all).
+      num_devices: check the mesh layouts of this many devices
+        (:func:`leanstep.verification.mesh_check.layouts_for`), in a subprocess with that many
+        simulated CPU devices; None or 1: no layouts.
+      resume: also check that a run killed and resumed ends as an uninterrupted one does.
 
     Raises:
       ValueError: an invalid config, naming the flag.
     """
-    config.validate()
+    config = checked_config(config)
     setup = verify_setup(config)
     microbatches = config.microbatches
-    if microbatches == 1:  # the checks need microbatches to compare; take the smallest count the batch allows
-        microbatches = next((m for m in range(2, config.batch_size + 1) if config.batch_size % m == 0), 1)
-        setup = verify_setup(dataclasses.replace(config, microbatches=microbatches))
     name = (
         f"leanstep train --model {config.model} --size {config.size} --batch-size {config.batch_size} "
         f"--precision {setup.precision} --microbatches {microbatches} --remat {config.remat}"
         + (f" --fp8 {config.fp8}" if config.fp8 != "none" else "")
     )
-    return verify_step(setup, num_microbatches=microbatches, checks=checks, name=name)
+    wanted = tuple(CHECKS) if checks is None else tuple(checks)
+    here = tuple(c for c in wanted if c != "meshes")
+    report = verify_step(setup, num_microbatches=microbatches, checks=here, name=name)
+    results = list(report.checks)
+    if "meshes" in wanted:
+        layouts = layouts_for(num_devices or 1)
+        results.append(meshes_in_child(config, layouts) if layouts else check_meshes_none(num_devices))
+    if resume:
+        results.append(check_resume(config))
+    return VerifyReport(name, tuple(results))
+
+
+def check_meshes_none(num_devices: int | None) -> CheckResult:
+    """The meshes check when no layout has 2 devices or more."""
+    return CheckResult(
+        "meshes", "n/a", "mesh layouts vs one device", 0.0, 0.0, "-",
+        detail=f"--devices {num_devices or 1}: no layout; --devices N checks data=N, fsdp=N and data=N/2,tensor=2",
+    )  # fmt: skip
+
+
+def meshes_in_child(config: RunConfig, layouts: list[str]) -> CheckResult:
+    """The meshes check of ``config`` in a subprocess with enough simulated devices for ``layouts``."""
+    import json
+    import math
+    import subprocess
+    import sys
+    import tempfile
+
+    from leanstep.sharding.distributed import parse_mesh
+
+    devices = max(math.prod(parse_mesh(layout).values()) for layout in layouts)
+    with tempfile.TemporaryDirectory() as folder:
+        spec, out = f"{folder}/spec.json", f"{folder}/check.json"
+        with open(spec, "w") as f:
+            json.dump({"config": config.to_json(), "layouts": layouts, "devices": devices, "out": out}, f)
+        code = f"from leanstep.training.verify_run import meshes_in_child_main; meshes_in_child_main({spec!r})"
+        child = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+        if child.returncode:
+            raise RuntimeError(f"the meshes check in a subprocess failed:\n{child.stderr[-3000:]}")
+        with open(out) as f:
+            fields = json.load(f)
+    for key in ("largest", "bound"):
+        fields[key] = float(fields[key])
+    return CheckResult(**fields)
+
+
+def meshes_in_child_main(spec_path: str) -> None:
+    """The subprocess side of :func:`meshes_in_child`: sets up the devices, checks, writes the result."""
+    import json
+
+    from leanstep.compilation.cache import enable_compile_cache
+    from leanstep.sharding.distributed import configure_devices
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    configure_devices(spec["devices"])
+    enable_compile_cache()
+    config = RunConfig(**spec["config"])
+    setup = verify_setup(config)
+    report = verify_step(setup, num_microbatches=config.microbatches, checks=("meshes",), meshes=spec["layouts"])
+    with open(spec["out"], "w") as f:
+        json.dump(report.checks[0].to_dict(), f)
+
+
+#: The uninterrupted run of the resume check: steps, and a checkpoint every 2.
+RESUME_STEPS = 6
+
+
+def check_resume(config: RunConfig) -> CheckResult:
+    """A run killed after its step-4 checkpoint and resumed ends bit-identical to an uninterrupted one.
+
+    Three short runs of ``config`` (6 steps, a checkpoint every 2, no evaluation until the
+    end): one straight; one stopped at step 5, its step-5 checkpoint then deleted, as a kill
+    before that save committed would leave it (the run restarts from step 4); and its resume.
+    The final states (every array of the step-6 checkpoint) and the metrics lines (timings
+    aside) must be equal.
+    """
+    import json
+    import tempfile
+    import time
+    from pathlib import Path
+
+    import jax
+
+    from leanstep.checkpoints.checkpointer import Checkpointer
+    from leanstep.checkpoints.layout import STAGING
+    from leanstep.training.loop_state import RunStopped
+    from leanstep.training.trainer import train
+    from leanstep.verification.trees import first_difference
+
+    started = time.perf_counter()
+    compared = f"killed after step 4 of {RESUME_STEPS} and resumed vs straight"
+    with tempfile.TemporaryDirectory() as folder:
+        base = dataclasses.replace(
+            config,
+            steps=RESUME_STEPS,
+            time_budget=None,
+            checkpoint_every=2,
+            eval_every=RESUME_STEPS,
+            eval_batches=1,
+            progress=False,
+            stop_at=None,
+            out=str(Path(folder) / "straight"),
+        )
+        killed = dataclasses.replace(base, out=str(Path(folder) / "killed"))
+        train(base)
+        try:
+            train(dataclasses.replace(killed, stop_at=RESUME_STEPS - 1))
+        except RunStopped:
+            pass
+        checkpoints = Path(killed.out) / "checkpoints"  # step 5 back to staging: written, never committed
+        (checkpoints / STAGING).mkdir(exist_ok=True)
+        os.rename(checkpoints / str(RESUME_STEPS - 1), checkpoints / STAGING / str(RESUME_STEPS - 1))
+        train(killed, resume=True)
+        template = build_run(base).init_state()
+        states = []
+        for out in (base.out, killed.out):
+            with Checkpointer(Path(out) / "checkpoints") as checkpointer:
+                states.append(jax.device_get(checkpointer.restore(template, step=RESUME_STEPS).state))
+        timing = ("tokens_per_sec", "elapsed_s", "step_s", "seconds")
+
+        def lines(out: str) -> list[dict[str, Any]]:
+            text = (Path(out) / "metrics.jsonl").read_text().splitlines()
+            return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in text]
+
+        found = first_difference(states[1], states[0])
+        metrics_equal = lines(base.out) == lines(killed.out)
+    elapsed = time.perf_counter() - started
+    if found is None and metrics_equal:
+        return CheckResult("resume", "pass", compared, 0.0, 0.0, "bit for bit", seconds=elapsed)
+    where = f"state/{found[0]}[{found[1]}]" if found is not None else "metrics.jsonl"
+    diagnosis = "the resumed run is not the uninterrupted run: state or data position not restored exactly"
+    return CheckResult("resume", "fail", compared, float("inf"), 0.0, "bit for bit", where, diagnosis, seconds=elapsed)

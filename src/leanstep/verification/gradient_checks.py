@@ -134,14 +134,12 @@ def _weighted_sum_check(
     weights: list[float],
     catches: str,
     started: float,
+    compared: str,
 ) -> CheckResult:
     got = runs.step(batch, num_microbatches)
     refs = microbatch_references(runs, batch, num_microbatches)
     want, magnitude = reference([r.gradient for r in refs], weights)
     error, leaf_errors = relative_error(got.gradient, want, magnitude)
-    compared = (
-        f"the gradient of M={num_microbatches} microbatches against sum_j w_j g_j of each microbatch alone (float64)"
-    )
     tolerance = "|G - G*| / |sum_j |w_j g_j|| <= 2^-14 (float16's u / 8: any 16-bit sum errs more)"
     elapsed = time.perf_counter() - started
     if error <= SUM_TOLERANCE:
@@ -184,7 +182,10 @@ def check_accumulation(runs: Runs, num_microbatches: int) -> CheckResult:
     """M microbatches against each microbatch alone, equal weights: the float32 sum, exactly."""
     started = time.perf_counter()
     weights = [1.0 / num_microbatches] * num_microbatches
-    return _weighted_sum_check("accumulation", runs, "batch", num_microbatches, weights, LOW_PRECISION_SUM, started)
+    compared = f"G (M={num_microbatches}) vs sum_j g_j / M of each microbatch alone, in float64"
+    return _weighted_sum_check(
+        "accumulation", runs, "batch", num_microbatches, weights, LOW_PRECISION_SUM, started, compared
+    )
 
 
 def check_full_batch(runs: Runs, num_microbatches: int) -> CheckResult:
@@ -197,7 +198,7 @@ def check_full_batch(runs: Runs, num_microbatches: int) -> CheckResult:
     wrong), relative to :math:`\|\sum_j |w_j g_j|\|`.
     """
     started = time.perf_counter()
-    compared = f"the gradient of the batch in M={num_microbatches} microbatches against in one"
+    compared = f"G (M={num_microbatches}) vs G (M=1)"
     state = runs.step("batch", num_microbatches).before.get("model_state")
     if jax.tree.leaves(state):
         return CheckResult(
@@ -228,7 +229,7 @@ def check_token_weighting(runs: Runs, num_microbatches: int) -> CheckResult:
     """A token-weighted loss over microbatches of different token counts: weights ``c_j / sum c``."""
     started = time.perf_counter()
     mask = runs.setup.mask
-    compared = "the gradient of microbatches with different token counts against the full batch's sum / count"
+    compared = "uneven token counts: G vs sum_j c_j g_j / sum_j c_j"
     if mask is None:
         return CheckResult(
             "token_weighting", "n/a", compared, 0.0, 0.0, "-",
@@ -245,7 +246,7 @@ def check_token_weighting(runs: Runs, num_microbatches: int) -> CheckResult:
         "loss normalised per microbatch: each microbatch's mean weighs 1/M, so M microbatches are not the full "
         "batch (the full batch divides the summed loss by the whole batch's token count)"
     )
-    return _weighted_sum_check("token_weighting", runs, "uneven", num_microbatches, weights, catches, started)
+    return _weighted_sum_check("token_weighting", runs, "uneven", num_microbatches, weights, catches, started, compared)
 
 
 def full_batch_reference(
@@ -276,9 +277,7 @@ def check_clip(runs: Runs, num_microbatches: int) -> CheckResult:
     started = time.perf_counter()
     _refs, want, _magnitude, norm = full_batch_reference(runs, num_microbatches)
     count = sum(v.size for v in want.values())
-    compared = (
-        "the gradient clipped at c = |G*|/2 against G c/|G| (G the step's own, G* the float64 full-batch gradient)"
-    )
+    compared = "clipped at c = |G*|/2 vs G c/|G|; grad_norm vs |G| (float64)"
     if not norm > 0 or not math.isfinite(norm):
         return CheckResult("clip", "n/a", compared, 0.0, 0.0, "-", detail=f"the full-batch gradient's norm is {norm}")
     threshold = norm / 2

@@ -62,7 +62,7 @@ def check_meshes(runs: Runs, num_microbatches: int) -> CheckResult:
     started = time.perf_counter()
     layouts: Sequence[str | Mesh] = runs.layouts
     names = [layout if isinstance(layout, str) else _describe(layout) for layout in layouts]
-    compared = f"gradient, model and FP8 state on {', '.join(names) or 'no layout'} against one device"
+    compared = f"{'; '.join(names) or 'no layout'} vs one device"
     dtype = getattr(runs.setup, "compute_dtype", None) or "float32"
     if not layouts:
         return CheckResult("meshes", "n/a", compared, 0.0, 0.0, "-", detail="no mesh layout given (--devices N)")
@@ -125,4 +125,3 @@ def layouts_for(num_devices: int, *, tensor: bool = True) -> list[str]:
     if tensor and num_devices % 2 == 0:
         out.append(f"data={num_devices // 2},tensor=2")
     return out
-

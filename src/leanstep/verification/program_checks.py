@@ -34,7 +34,7 @@ def check_compute_dtype(runs: Runs, num_microbatches: int) -> CheckResult:
     """Every matmul of the traced step runs in the setup's compute dtype (FP8 matmuls in FP8)."""
     started = time.perf_counter()
     setup = runs.setup
-    compared = "the operand dtypes of every matmul in the traced step against the compute dtype"
+    compared = "every matmul's operand dtypes vs the compute dtype"
     if getattr(setup, "compute_dtype", None) is None:
         return CheckResult("compute_dtype", "n/a", compared, 0.0, 0.0, "-", detail="the setup names no compute dtype")
     want = _dtype_name(setup.compute_dtype)
@@ -69,7 +69,7 @@ def check_remat(runs: Runs, num_microbatches: int) -> CheckResult:
     started = time.perf_counter()
     setup = runs.setup
     policy = getattr(setup, "remat", None)
-    compared = "the remat regions' policy, and one microbatch's saved residuals against no remat"
+    compared = "remat regions' policy; saved residual bytes vs no remat"
     if policy is None or policy == "none" or not hasattr(setup, "microbatch_loss"):
         return CheckResult("remat", "n/a", compared, 0.0, 0.0, "-", detail=f"remat policy {policy!r}")
     report = audit(lambda s, b: setup.step(s, b, num_microbatches)[0], runs.state(), runs.batches["batch"])

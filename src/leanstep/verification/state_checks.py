@@ -44,7 +44,7 @@ def check_non_finite(runs: Runs, num_microbatches: int) -> CheckResult:
     if "poisoned" not in runs.batches:
         runs.register("poisoned", runs.setup.poison(runs.batches["batch"], rows[bad][0]))
     outcome = runs.step("poisoned", num_microbatches)
-    compared = f"params, optimizer, model and FP8 state before and after a step with a NaN in microbatch {bad}"
+    compared = f"state after vs before a step with a NaN in microbatch {bad}"
     elapsed = time.perf_counter() - started
     for part in PARTS:
         before, after = outcome.before.get(part), outcome.after.get(part)
@@ -81,7 +81,7 @@ def check_non_finite(runs: Runs, num_microbatches: int) -> CheckResult:
 def check_keys(runs: Runs, num_microbatches: int) -> CheckResult:
     """Random numbers: reproducible, drawn at all, and drawn anew for each microbatch."""
     started = time.perf_counter()
-    compared = "the same step twice; another seed; one microbatch's rows twice (M=2) against once (M=1)"
+    compared = "a rerun; seed 1; a microbatch's rows twice (M=2) vs once"
     first = runs.step("batch", num_microbatches, randomness=True)
     second = runs.step("batch", num_microbatches, randomness=True, again=1)
     found = first_difference(second.gradient, first.gradient)
@@ -141,7 +141,7 @@ def _elementwise_max(trees: list[Any]) -> Any:
 def check_fp8(runs: Runs, num_microbatches: int) -> CheckResult:
     """The FP8 state: the max over microbatches, and untouched by clipping (see the module doc)."""
     started = time.perf_counter()
-    compared = "FP8 state after M microbatches against the max of each microbatch's alone; clipped against unclipped"
+    compared = "FP8 state vs the max of each microbatch's; clipped vs not"
     unclipped = runs.step("batch", num_microbatches)
     if unclipped.after.get("fp8") is None:
         return CheckResult("fp8", "n/a", compared, 0.0, 0.0, _BITWISE, detail="the state has no FP8 state")

@@ -44,7 +44,7 @@ def to_float64(tree: Any) -> dict[str, np.ndarray]:
 
 def _bits(leaf: np.ndarray) -> np.ndarray:
     if leaf.dtype.kind in "fcV" or leaf.dtype.name == "bfloat16" or leaf.dtype.name.startswith("float8"):
-        return np.ascontiguousarray(leaf).view(np.uint8).reshape(*leaf.shape, -1) if leaf.ndim else leaf.view(np.uint8)
+        return np.ascontiguousarray(leaf).reshape(*leaf.shape, 1).view(np.uint8)
     return leaf
 
 
