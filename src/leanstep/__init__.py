@@ -108,6 +108,15 @@ if TYPE_CHECKING:
         shard_train_state,
         state_shardings,
     )
+    from leanstep.verification import (
+        CheckResult,
+        LeanstepStep,
+        VerifiableStep,
+        VerifyReport,
+        probe_optimizer,
+        verify,
+        verify_step,
+    )
 
 
 def _exports() -> dict[str, str]:
@@ -154,6 +163,7 @@ __all__ = [
     "Accumulation",
     "AuditReport",
     "BudgetError",
+    "CheckResult",
     "CheckpointError",
     "Checkpointer",
     "Collective",
@@ -165,6 +175,7 @@ __all__ = [
     "Fp8Recipe",
     "Gradients",
     "GuardedState",
+    "LeanstepStep",
     "LossContract",
     "LossScale",
     "MeshAxes",
@@ -184,6 +195,8 @@ __all__ = [
     "StepMetrics",
     "TrainState",
     "UpdateInfo",
+    "VerifiableStep",
+    "VerifyReport",
     "all_finite",
     "audit",
     "batch_sharding",
@@ -215,6 +228,7 @@ __all__ = [
     "param_specs",
     "plan",
     "presplit_microbatches",
+    "probe_optimizer",
     "remat",
     "saved_residuals_report",
     "shard_batch",
@@ -224,4 +238,6 @@ __all__ = [
     "split_strided_microbatches",
     "state_shardings",
     "strict_precision",
+    "verify",
+    "verify_step",
 ]

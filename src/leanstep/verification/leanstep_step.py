@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -64,7 +66,9 @@ class LeanstepStep:
     """leanstep's step for the inputs :func:`leanstep.plan` takes (see the module doc).
 
     Args:
-      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, the loss under a remat policy.
+      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, the loss under a remat policy;
+        ``make_loss_fn(remat_policy, random=False)`` if it takes ``random``: a loss that draws no
+        random numbers (see :meth:`loss_fn`).
       params: the float32 parameters (arrays), FP8 state included if the model has any.
       batch: one global batch (arrays; leaves share the leading row dimension).
       precision: the step's precision (a :class:`leanstep.Precision` or its string form).
@@ -118,6 +122,14 @@ class LeanstepStep:
         self.split = split
         self.rules = rules
         self.compute_dtype = self.precision.compute_dtype
+        self.poison_leaf: str | None = None
+        if mask is None and not _has_floating_leaf(batch):
+            if not isinstance(batch, dict):
+                raise ValueError(
+                    "batch: a batch with no floating leaf must be a dict (verify adds a poison leaf to it)"
+                )
+            self.poison_leaf = POISON_LEAF
+            self.batch = {**batch, POISON_LEAF: np.zeros(batch_rows(batch), np.float32)}
         self._steps: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self._meshes: dict[int, Any] = {}
 
@@ -143,17 +155,40 @@ class LeanstepStep:
         )
         if mesh is not None:
             self._meshes[id(mesh)] = mesh
-        randomness = randomness or not self.loss.uses_rng  # one program where the loss takes no key
+        randomness = randomness or not (self.loss.uses_rng or self._takes_random)  # one program if nothing is random
         return BoundState(state, (max_grad_norm, randomness, None if mesh is None else id(mesh)))
+
+    @property
+    def keyed_by_shape(self) -> bool:
+        """The loss draws random numbers from its key even with ``randomness=False`` (one fixed key):
+        masks shaped like the microbatch, so one microbatch of ``B`` rows is not ``M`` of ``B / M``."""
+        return self.loss.uses_rng and not self._takes_random
+
+    @property
+    def _takes_random(self) -> bool:
+        return "random" in inspect.signature(self.make_loss_fn).parameters
+
+    def loss_fn(self, policy: str, *, random: bool = True) -> Callable[..., Any]:
+        """The loss under remat ``policy``; with ``random=False`` one that draws no random numbers:
+        ``make_loss_fn(policy, random=False)`` where it takes ``random`` (a model whose random
+        numbers come from its own state, such as Flax NNX's ``Rngs``, says so there), else, for a
+        loss that takes a key, the same key in every call."""
+        if self._takes_random:
+            loss_fn = self.make_loss_fn(policy, random=random)  # type: ignore[call-arg]
+        else:
+            loss_fn = self.make_loss_fn(policy)
+            if self.loss.uses_rng and not random:
+                loss_fn = _fixed_key(loss_fn)
+        if self.poison_leaf is not None:
+            loss_fn = _poisonable(loss_fn, self.poison_leaf, 2 if self.loss.has_state else 1)
+        return loss_fn
 
     def make_step(self, settings: tuple[Any, ...], num_microbatches: int) -> Callable[..., Any]:
         """The compiled step of these settings (built once, kept)."""
         key = (*settings, num_microbatches)
         if key not in self._steps:
             max_grad_norm, randomness, mesh_id = settings
-            loss_fn = self.make_loss_fn(self.remat)
-            if self.loss.uses_rng and not randomness:
-                loss_fn = _fixed_key(loss_fn)
+            loss_fn = self.loss_fn(self.remat, random=randomness)
             mesh = None
             if mesh_id is not None:
                 mesh = ShardingLayer(self._meshes[mesh_id], rules=self.rules)
@@ -194,16 +229,17 @@ class LeanstepStep:
 
     def poison(self, batch: Any, row: int) -> Any:
         """NaN in row ``row``'s token weights (``mask``), else in its floating inputs."""
-        if self.weights_leaf is not None:
-            weights = np.array(np.asarray(batch[self.weights_leaf]), copy=True)
+        leaf = self.weights_leaf or self.poison_leaf
+        if leaf is not None:
+            weights = np.array(np.asarray(batch[leaf]), copy=True)
             weights[row] = np.nan
-            return with_leaf(batch, self.weights_leaf, weights)
+            return with_leaf(batch, leaf, weights)
         return poison_row(batch, row)
 
     def microbatch_loss(self, policy: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
         """One microbatch's loss under remat ``policy``, in the compute dtype, and its arguments
         (params, model state, rows, key as the loss takes them): what the residual report traces."""
-        loss_fn = self.make_loss_fn(policy)
+        loss_fn = self.loss_fn(policy, random=False)
         rows = max(1, batch_rows(self.batch) // self.num_microbatches)
         microbatch = self.precision.cast_to_compute(rows_of(self.batch, list(range(rows))))
         trainable, fp8 = split_fp8(self.params)
@@ -215,6 +251,29 @@ class LeanstepStep:
         if self.loss.uses_rng:
             args += (jax.random.PRNGKey(0),)
         return loss_fn, args
+
+
+#: The leaf verify adds to a batch that has no floating leaf, to carry a NaN into one row's microbatch.
+POISON_LEAF = "verify_poison"
+
+
+def _has_floating_leaf(batch: Any) -> bool:
+    return any(np.issubdtype(np.asarray(leaf).dtype, np.floating) for leaf in jax.tree.leaves(batch))
+
+
+def _poisonable(loss_fn: Callable[..., Any], leaf: str, batch_index: int) -> Callable[..., Any]:
+    r"""``loss_fn`` on params :math:`p + 0 \cdot s`, ``s`` the sum of the microbatch's ``leaf`` (then
+    removed from the batch): exactly ``p`` while ``s`` is 0, NaN (and so NaN gradients) once a row
+    of the microbatch carries a NaN."""
+
+    def loss(params: Any, *args: Any) -> Any:
+        batch = args[batch_index - 1]
+        poison = jnp.sum(batch[leaf].astype(jnp.float32)) * 0
+        rest = {k: v for k, v in batch.items() if k != leaf}
+        params = jax.tree.map(lambda p: p + poison.astype(p.dtype), params)
+        return loss_fn(params, *args[: batch_index - 1], rest, *args[batch_index:])
+
+    return loss
 
 
 def _is_probe(optimizer: optax.GradientTransformation, params: Any) -> bool:

@@ -28,8 +28,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from leanstep.verification.batches import batch_rows, microbatch_rows, rows_of
 from leanstep.verification.protocol import VerifiableStep, probe_optimizer, seen_gradient
-from leanstep.verification.trees import to_float64
+from leanstep.verification.trees import first_difference, to_float64
 
 __all__ = ["Outcome", "Runs"]
 
@@ -58,6 +59,9 @@ class Runs:
         self._states: dict[tuple[Any, ...], Any] = {}
         self._outcomes: dict[tuple[Any, ...], Outcome] = {}
         self.probe = probe_optimizer()
+        self.still = probe_optimizer(0.0)  # records the gradient, moves nothing: for chained references
+        self._chains: dict[tuple[Any, ...], list[Outcome]] = {}
+        self._reads: bool | None = None
         self.layouts: tuple[Any, ...] = ()  # the mesh layouts the meshes check compares with one device
         self.token_counts: list[float] = []  # each microbatch's token count in the "uneven" batch
 
@@ -66,14 +70,20 @@ class Runs:
         self.batches[name] = batch
 
     def state(
-        self, *, max_grad_norm: float | None = None, randomness: bool = False, seed: int = 0, mesh: Any = None
+        self,
+        *,
+        max_grad_norm: float | None = None,
+        randomness: bool = False,
+        seed: int = 0,
+        mesh: Any = None,
+        still: bool = False,
     ) -> Any:
-        """The settled step-0 state of these settings (built and settled once)."""
-        key = (max_grad_norm, randomness, seed, None if mesh is None else id(mesh))
+        """The settled step-0 state of these settings (built and settled once); ``still``: with the
+        probe that moves nothing."""
+        key = (max_grad_norm, randomness, seed, None if mesh is None else id(mesh), still)
         if key not in self._states:
-            state = self.setup.init(
-                self.probe, max_grad_norm=max_grad_norm, seed=seed, randomness=randomness, mesh=mesh
-            )
+            probe = self.still if still else self.probe
+            state = self.setup.init(probe, max_grad_norm=max_grad_norm, seed=seed, randomness=randomness, mesh=mesh)
             batch = self.batches.get(self.settle_batch)
             for _ in range(SETTLE_STEPS if batch is not None else 0):
                 after, metrics = self.setup.step(state, batch, self.num_microbatches)
@@ -104,6 +114,48 @@ class Runs:
             gradient = to_float64(seen_gradient(after_parts["opt_state"]))
             self._outcomes[key] = Outcome(before_parts, after_parts, gradient, jax.device_get(dict(metrics)))
         return self._outcomes[key]
+
+    def run_from(self, state: Any, batch: Any, num_microbatches: int) -> tuple[Any, Outcome]:
+        """One step from ``state`` over ``batch`` (not kept): the state after and the outcome."""
+        after, metrics = self.setup.step(state, batch, num_microbatches)
+        before_parts = jax.device_get(dict(self.setup.parts(state)))
+        after_parts = jax.device_get(dict(self.setup.parts(after)))
+        gradient = to_float64(seen_gradient(after_parts["opt_state"]))
+        return after, Outcome(before_parts, after_parts, gradient, jax.device_get(dict(metrics)))
+
+    def microbatches(self, batch: str, num_microbatches: int) -> list[Any]:
+        """The microbatches of the named batch, each as a batch of its own."""
+        source = self.batches[batch]
+        return [
+            rows_of(source, rows) for rows in microbatch_rows(batch_rows(source), num_microbatches, self.setup.split)
+        ]
+
+    def chain(self, batch: str, num_microbatches: int) -> list[Outcome]:
+        """Each microbatch alone, one after the other, through the one-microbatch program, from the
+        state the previous one left, with the probe that moves nothing: the params stay, the model
+        state advances as it does through the microbatches of one step."""
+        key = (batch, num_microbatches)
+        if key not in self._chains:
+            state, outcomes = self.state(still=True), []
+            for microbatch in self.microbatches(batch, num_microbatches):
+                state, outcome = self.run_from(state, microbatch, 1)
+                outcomes.append(outcome)
+            self._chains[key] = outcomes
+        return self._chains[key]
+
+    def reads_model_state(self) -> bool:
+        """Whether the gradient depends on the model state: microbatch 0 of the batch from the state
+        it left against from the first state, bit for bit (False without a model state)."""
+        if self._reads is None:
+            state = self.state(still=True)
+            self._reads = False
+            if jax.tree.leaves(self.setup.parts(state).get("model_state")):
+                first = self.chain("batch", self.num_microbatches)[0]
+                microbatch = self.microbatches("batch", self.num_microbatches)[0]
+                after, _ = self.setup.step(state, microbatch, 1)
+                _, again = self.run_from(after, microbatch, 1)
+                self._reads = first_difference(again.gradient, first.gradient) is not None
+        return self._reads
 
     def metric(self, name: str) -> float | None:
         """A metric of the first step run (the settled state's), as a float, or None if the step has none."""

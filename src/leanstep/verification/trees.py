@@ -30,6 +30,8 @@ def named_leaves(tree: Any) -> Iterator[tuple[str, np.ndarray]]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if leaf is None:
             continue
+        if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)  # a typed key (Flax NNX's Rngs): its bits
         yield _name(path), np.asarray(jax.device_get(leaf))
 
 
