@@ -4,8 +4,9 @@ A layout (``"data=4"``, ``"fsdp=4"``, ``"data=2,tensor=2"``) changes where rows 
 live and adds cross-device sums, nothing else: its gradient is the one device's, summed in
 another order (the float32-sum tolerance of the accumulation check,
 :data:`~leanstep.verification.gradient_checks.SUM_TOLERANCE`, relative to the gradient's norm),
-its model state (batch statistics averaged over devices) the same within that tolerance, and its
-FP8 state, a max, the same bit for bit. A batch statistic computed over each device's own rows is
+its model state (batch statistics averaged over devices) and its FP8 state (maxima of values the
+layout computes in the compute dtype, which XLA may round differently in a sharded program) the
+same within that tolerance. A batch statistic computed over each device's own rows is
 the bug this finds: the result then depends on the device count.
 
 Layouts need that many devices in this process; on CPU, ``leanstep verify --devices N`` runs
@@ -28,7 +29,7 @@ from leanstep.verification.bounds import LAMBDA, unit_roundoff
 from leanstep.verification.gradient_checks import SUM_TOLERANCE, relative_error
 from leanstep.verification.report import CheckResult
 from leanstep.verification.runs import Runs
-from leanstep.verification.trees import first_difference, to_float64
+from leanstep.verification.trees import to_float64
 
 __all__ = ["check_meshes", "layouts_for", "make_layout"]
 
@@ -75,7 +76,8 @@ def check_meshes(runs: Runs, num_microbatches: int) -> CheckResult:
     allowed = max(SUM_TOLERANCE, LAMBDA * math.sqrt(devices + 1) * unit_roundoff(dtype))
     tolerance = (
         f"normwise max(2^-14, lambda sqrt(N + 1) u) = {allowed:.2g} of the gradient's norm (N devices' partial gradients "
-        f"and one device's, each rounded to {np.dtype(dtype).name}, summed in float32 in another order); FP8 bit for bit"
+        f"and one device's, each rounded to {np.dtype(dtype).name}, summed in float32 in another order); model and FP8 "
+        "state alike"
     )
     largest, failure = 0.0, None
     for name, mesh in zip(names, meshes, strict=True):
@@ -94,10 +96,12 @@ def check_meshes(runs: Runs, num_microbatches: int) -> CheckResult:
             leaf = max(leaves, key=leaves.__getitem__)
             failure = (f"{name}: {part}/{leaf} (relative error {leaves[leaf]:.2g})", max(error, state_error))
         if failure is None and one.after.get("fp8") is not None:
-            found = first_difference(got.after["fp8"], one.after["fp8"])
-            if found is not None:
-                failure = (f"{name}: fp8/{found[0]}[{found[1]}]", math.inf)
-                largest = math.inf
+            want, have = to_float64(one.after["fp8"]), to_float64(got.after["fp8"])
+            fp8_error, fp8_leaves = relative_error(have, want, {leaf: np.abs(v) for leaf, v in want.items()})
+            largest = max(largest, fp8_error)
+            if fp8_error > allowed:
+                leaf = max(fp8_leaves, key=fp8_leaves.__getitem__)
+                failure = (f"{name}: fp8/{leaf} (relative error {fp8_leaves[leaf]:.2g})", fp8_error)
     elapsed = time.perf_counter() - started
     if failure is None:
         return CheckResult("meshes", "pass", compared, largest, allowed, tolerance, seconds=elapsed)
