@@ -39,6 +39,7 @@ LAYERS: dict[str, set[str]] = {
     "step": {"common", "blocks", "sharding"},
     "inspection": {"common", "blocks"},
     "planning": {"common", "blocks", "sharding", "step", "inspection"},
+    "verification": {"common", "blocks", "sharding", "step", "inspection"},
     "models": {"common", "blocks", "sharding"},
     "frameworks": {"common", "blocks", "step"},
     "tasks": {"common", "blocks"},
@@ -52,10 +53,21 @@ LAYERS: dict[str, set[str]] = {
         "checkpoints",
         "compilation",
         "models",
+        "verification",
     },
     "bench": {"common", "blocks", "sharding", "step", "inspection", "checkpoints", "models", "frameworks", "training"},
     "cli": set(),  # filled below: anything but itself
-    "leanstep": {"common", "blocks", "sharding", "compilation", "checkpoints", "step", "inspection", "planning"},
+    "leanstep": {
+        "common",
+        "blocks",
+        "sharding",
+        "compilation",
+        "checkpoints",
+        "step",
+        "inspection",
+        "planning",
+        "verification",
+    },
 }
 LAYERS["cli"] = set(LAYERS) - {"cli", "leanstep"}
 #: The 0.7 import paths, forwarded (leanstep._moved): imported by the packages that moved a name.

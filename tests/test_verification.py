@@ -37,7 +37,11 @@ FLAGGED_BY = {
     "bf16_norm": ("clip", "AI-Hypercomputer/maxtext#5143", "w"),
     "bf16_accumulation": ("accumulation", "deepspeedai/DeepSpeed#1800", "every microbatch has its weight"),
     "guard_per_microbatch": ("non_finite", "optax.apply_if_finite around optax.MultiSteps", "microbatch 2 of 4"),
-    "loss_per_microbatch": ("token_weighting", "loss normalised per microbatch", "microbatch 3 weighs 0.25, expected 0.4"),
+    "loss_per_microbatch": (
+        "token_weighting",
+        "loss normalised per microbatch",
+        "microbatch 3 weighs 0.25, expected 0.4",
+    ),
     "float32_layer": ("compute_dtype", "dtype=float32", "float32[8, 3]"),
     "keys_reused": ("keys", "dropout keys reused across microbatches", "microbatches 0 and 1"),
     "batch_stat_per_device": ("meshes", "computed over each device's own rows", "model_state/running_mean"),
@@ -77,7 +81,7 @@ def test_trees_first_difference_and_worst_excess():
     assert first_difference(a, a) is None
     assert first_difference(a, {"w": a["w"]}) == ("(structure)", 0)
     excess = worst_excess({"w": np.array([1.0, np.nan])}, {"w": np.zeros(2)}, {"w": np.ones(2)})
-    assert excess.index == 1 and excess.ratio == float("inf")
+    assert excess.position == 1 and excess.ratio == float("inf")
 
 
 def test_report_json_and_lookup():
@@ -85,7 +89,9 @@ def test_report_json_and_lookup():
     bad = CheckResult("resume", "fail", "killed vs straight", float("inf"), 0.0, "bit for bit", where="state/w[0]")
     report = VerifyReport("setup", (ok, bad))
     body = json.loads(report.to_json())
-    assert body["passed"] is False and body["checks"][1]["largest"] == "inf" and body["checks"][1]["where"] == "state/w[0]"
+    assert (
+        body["passed"] is False and body["checks"][1]["largest"] == "inf" and body["checks"][1]["where"] == "state/w[0]"
+    )
     assert report["resume"] is bad and "FAILED" in str(report)
     with pytest.raises(KeyError, match="no check named 'clip'"):
         report["clip"]
@@ -147,7 +153,9 @@ def worker(out: Path) -> None:
 
     results = {}
     for bug in (None, "batch_stat_per_device"):
-        report = leanstep.verify_step(HandwrittenStep(bug), num_microbatches=4, checks=("meshes",), meshes=("data=2", "data=4"))
+        report = leanstep.verify_step(
+            HandwrittenStep(bug), num_microbatches=4, checks=("meshes",), meshes=("data=2", "data=4")
+        )
         results[str(bug)] = report["meshes"].to_dict()
     config = RunConfig(size="tiny", batch_size=8, seq_len=16, microbatches=2, precision=BF16, fp8="delayed")
     report = leanstep.verify_step(

@@ -251,3 +251,21 @@ def accelerator_of(args: argparse.Namespace) -> Any:
         for field, flag in _OVERRIDES.items():
             message = message.replace(f"Accelerator.{field} ", f"{flag} (Accelerator.{field}) ", 1)
         raise InputError(message) from None
+
+
+def run_config(args: argparse.Namespace, **fixed: Any) -> Any:
+    """The validated :class:`leanstep.training.RunConfig` of the parsed flags (``fixed`` fields set).
+
+    Raises:
+      InputError: a flag is invalid (the message names it).
+    """
+    import dataclasses
+
+    from leanstep.cli.jsontree import InputError
+    from leanstep.training import RunConfig
+
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    try:
+        return RunConfig(**{**{k: v for k, v in vars(args).items() if k in fields}, **fixed}).validate()
+    except (TypeError, ValueError) as error:
+        raise InputError(str(error)) from None

@@ -17,6 +17,7 @@ from leanstep.cli.flags import (
     check_plan_flags,
     int_list,
     remat_help,
+    run_config,
 )
 from leanstep.cli.jsontree import InputError
 
@@ -98,16 +99,6 @@ def _add_audit_parser(subparsers: Any, d: Any) -> None:
     a.set_defaults(run=run_audit)
 
 
-def _config(args: argparse.Namespace, **fixed: Any) -> Any:
-    from leanstep.training import RunConfig
-
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
-    try:
-        return RunConfig(**{**{k: v for k, v in vars(args).items() if k in fields}, **fixed}).validate()
-    except (TypeError, ValueError) as error:
-        raise InputError(str(error)) from None
-
-
 def _table(result: Any, budget: int | None, chosen: Any, precision: str) -> Any:
     from rich import box
     from rich.table import Table
@@ -171,7 +162,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.devices is not None:
         _configure_devices(args.devices)
     budget = _budget(args, cluster)
-    config = _config(args, microbatches=1, remat="none", **({"mesh": args.mesh} if args.mesh else {}))
+    config = run_config(args, microbatches=1, remat="none", **({"mesh": args.mesh} if args.mesh else {}))
     config = dataclasses.replace(config, precision=resolve_precision(config.precision, priced_accelerator=cluster)[0])
     console = Console()
     try:
@@ -352,7 +343,7 @@ def _write_json(path: Path | None, value: Any) -> bool:
 def run_audit(args: argparse.Namespace) -> int:
     from leanstep.training.analysis import audit_run
 
-    config = _config(args)
+    config = run_config(args)
     try:
         report = audit_run(config)
     except (TypeError, ValueError) as error:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from leanstep.cli.flags import HelpFormatter, add_compile_cache_flag, add_run_flags, remat_help
+from leanstep.cli.flags import HelpFormatter, add_compile_cache_flag, add_run_flags, remat_help, run_config
 from leanstep.cli.jsontree import InputError
 
 #: ``leanstep verify``'s default device count for the mesh layouts (data=4, fsdp=4, data=2,tensor=2).
@@ -80,7 +80,6 @@ def run_verify(args: argparse.Namespace) -> int:
     """
     from rich.console import Console
 
-    from leanstep.cli.plan import _config
     from leanstep.common.outputs import check_output_path
     from leanstep.training.verify_run import verify_run
 
@@ -91,7 +90,7 @@ def run_verify(args: argparse.Namespace) -> int:
         json_path = None if args.json_path is None else check_output_path(args.json_path, what="--json")
     except ValueError as error:
         raise InputError(str(error)) from None
-    config = _config(args)
+    config = run_config(args)
     try:
         report = verify_run(config, checks=checks, num_devices=args.layout_devices, resume=args.resume)
     except (TypeError, ValueError) as error:

@@ -48,12 +48,11 @@ def verify_setup(config: RunConfig) -> LeanstepStep:
         run.init_params(),
         batch,
         precision=run.precision,
-        num_microbatches=config.microbatches,
+        accumulation=config.microbatches,
         remat=config.remat,
         loss=LossContract(token_weighted=True),
         loss_scale=run.loss_scale,
         master=config.master,
-        moments=config.moments,
         mask="mask",
         rules=run.model.rules,
     )

@@ -106,8 +106,11 @@ def reference(
     parts: list[dict[str, np.ndarray]], weights: list[float]
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``(sum_j w_j g_j, sum_j |w_j g_j|)`` in float64, leaf by leaf."""
-    total = {name: sum(w * g[name] for w, g in zip(weights, parts, strict=True)) for name in parts[0]}
-    magnitude = {name: sum(abs(w) * np.abs(g[name]) for w, g in zip(weights, parts, strict=True)) for name in parts[0]}
+    total: dict[str, np.ndarray] = {}
+    magnitude: dict[str, np.ndarray] = {}
+    for name in parts[0]:
+        total[name] = np.sum([w * g[name] for w, g in zip(weights, parts, strict=True)], axis=0)
+        magnitude[name] = np.sum([abs(w) * np.abs(g[name]) for w, g in zip(weights, parts, strict=True)], axis=0)
     return total, magnitude
 
 
@@ -331,7 +334,7 @@ def check_clip(runs: Runs, num_microbatches: int) -> CheckResult:
     if worst.ratio <= 1 and not problems:
         return CheckResult("clip", "pass", compared, worst.difference, worst.bound, tolerance, seconds=elapsed)
     diagnosis, detail = _clip_diagnosis(clipped.gradient, own, factor, relative, runs)
-    where = f"{worst.leaf}[{worst.index}]" if worst.ratio > 1 else "metrics/grad_norm"
+    where = f"{worst.leaf}[{worst.position}]" if worst.ratio > 1 else "metrics/grad_norm"
     if problems:
         detail = "; ".join([*problems, detail])
     return CheckResult(

@@ -12,7 +12,7 @@ Example:
   >>> def make_loss(policy):
   ...     return lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
   >>> batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 1), np.float32)}
-  >>> setup = LeanstepStep(make_loss, {"w": jnp.ones((2, 1))}, batch, num_microbatches=2)
+  >>> setup = LeanstepStep(make_loss, {"w": jnp.ones((2, 1))}, batch, accumulation=2)
   >>> state = setup.init(probe_optimizer(), max_grad_norm=None, seed=0, randomness=True, mesh=None)
   >>> state, metrics = setup.step(state, batch, 2)
   >>> float(metrics["loss"]), seen_gradient(setup.parts(state)["opt_state"])["w"].tolist()
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.blocks.precision import get_precision
@@ -39,7 +40,7 @@ from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 from leanstep.verification.batches import batch_rows, poison_row, rows_of, with_leaf
-from leanstep.verification.protocol import probe_optimizer, seen_gradient  # noqa: F401 - the doctest's
+from leanstep.verification.protocol import probe_optimizer, seen_gradient  # noqa: F401 - the doctest's names
 
 __all__ = ["LeanstepStep"]
 
@@ -72,17 +73,15 @@ class LeanstepStep:
       params: the float32 parameters (arrays), FP8 state included if the model has any.
       batch: one global batch (arrays; leaves share the leading row dimension).
       precision: the step's precision (a :class:`leanstep.Precision` or its string form).
-      num_microbatches: the run's microbatch count.
+      accumulation: the run's microbatch count, or an :class:`leanstep.Accumulation` (its split
+        ``"contiguous"`` or ``"strided"``).
       remat: the remat policy ``make_loss_fn`` is given.
       loss: what the loss takes and returns (:class:`leanstep.LossContract`).
       loss_scale: ``"none"``, ``"dynamic"`` or a loss-scale instance.
       model_state: the model's state (with ``loss.has_state``), or None.
       master: how the masters are kept (:meth:`leanstep.TrainState.create`).
-      moments: how the optimizer's moments are kept; used with the run's own optimizer only (the
-        probe has no moments).
       mask: the name of the batch's token-weight leaf (floating, rows first), or None; the
         non-finite check makes a row's weights NaN.
-      split: the microbatch split (``"contiguous"`` or ``"strided"``).
       rules: the model's partition rules, for a mesh with a ``"tensor"`` axis
         (:class:`leanstep.ShardingLayer`; a ``"fsdp"`` axis splits every parameter, other axes
         carry rows).
@@ -95,31 +94,35 @@ class LeanstepStep:
         batch: Any,
         *,
         precision: Any = "float32",
-        num_microbatches: int = 1,
+        accumulation: Accumulation | int = 1,
         remat: str = "none",
         loss: LossContract | None = None,
         loss_scale: Any = "none",
         model_state: Any = None,
         master: str = "float32",
-        moments: str = "float32",
         mask: str | None = None,
-        split: str = "contiguous",
         rules: Any = None,
     ) -> None:
+        if isinstance(accumulation, int):
+            accumulation = Accumulation(accumulation)
+        if not isinstance(accumulation, Accumulation) or accumulation.split not in ("contiguous", "strided"):
+            raise ValueError(
+                f"accumulation: expected a microbatch count or an Accumulation split 'contiguous' or 'strided', "
+                f"got {accumulation!r}"
+            )
         self.make_loss_fn = make_loss_fn
         self.params = params
         self.batch = batch
         self.precision = get_precision(precision)
-        self.num_microbatches = num_microbatches
+        self.num_microbatches = accumulation.num_microbatches
         self.remat = remat
         self.loss = loss or LossContract()
         self.loss_scale = loss_scale
         self.model_state = model_state
         self.master = master
-        self.moments = moments
         self.weights_leaf = mask
         self.mask = mask if self.loss.token_weighted else None  # the protocol's: a token-weighted loss's weights
-        self.split = split
+        self.split = str(accumulation.split)
         self.rules = rules
         self.compute_dtype = self.precision.compute_dtype
         self.poison_leaf: str | None = None
@@ -143,7 +146,6 @@ class LeanstepStep:
         mesh: Any,
     ) -> BoundState:
         """The step-0 :class:`leanstep.TrainState`, bound to the settings of its step."""
-        moments = "float32" if optimizer is None or _is_probe(optimizer, self.params) else self.moments
         state = TrainState.create(
             self.params,
             optimizer,
@@ -151,7 +153,6 @@ class LeanstepStep:
             seed=seed,
             model_state=self.model_state,
             master=self.master,
-            moments=moments,
         )
         if mesh is not None:
             self._meshes[id(mesh)] = mesh
@@ -274,13 +275,3 @@ def _poisonable(loss_fn: Callable[..., Any], leaf: str, batch_index: int) -> Cal
         return loss_fn(params, *args[: batch_index - 1], rest, *args[batch_index:])
 
     return loss
-
-
-def _is_probe(optimizer: optax.GradientTransformation, params: Any) -> bool:
-    """Whether ``optimizer`` is verify's probe (its state holds a ProbeState)."""
-    try:
-        state = jax.eval_shape(optimizer.init, split_fp8(params)[0])
-        seen_gradient(state)
-    except (ValueError, TypeError):
-        return False
-    return True

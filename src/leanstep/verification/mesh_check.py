@@ -69,8 +69,8 @@ def check_meshes(runs: Runs, num_microbatches: int) -> CheckResult:
         return CheckResult("meshes", "n/a", compared, 0.0, 0.0, "-", detail="no mesh layout given (--devices N)")
     try:
         meshes = [make_layout(layout) for layout in layouts]
-    except ValueError as error:
-        return CheckResult("meshes", "n/a", compared, 0.0, 0.0, "-", detail=str(error))
+    except ValueError as refused:
+        return CheckResult("meshes", "n/a", compared, 0.0, 0.0, "-", detail=str(refused))
     one = runs.step("batch", num_microbatches)
     devices = max(mesh.size for mesh in meshes)
     allowed = max(SUM_TOLERANCE, LAMBDA * math.sqrt(devices + 1) * unit_roundoff(dtype))
@@ -84,7 +84,7 @@ def check_meshes(runs: Runs, num_microbatches: int) -> CheckResult:
         got = runs.step("batch", num_microbatches, mesh=mesh)
         magnitude = {leaf: np.abs(v) for leaf, v in one.gradient.items()}
         error, leaf_errors = relative_error(got.gradient, one.gradient, magnitude)
-        state_error, state_leaves = 0.0, {}
+        state_error, state_leaves = 0.0, dict[str, float]()
         model_state = to_float64(one.after.get("model_state"))
         if model_state:
             mesh_state = to_float64(got.after.get("model_state"))

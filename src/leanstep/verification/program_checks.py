@@ -80,7 +80,7 @@ def check_remat(runs: Runs, num_microbatches: int) -> CheckResult:
     plain = saved_residuals_report(plain_fn, *plain_args)
     if policy.startswith("save:"):
         wanted = set(policy[len("save:") :].split(","))
-        extra = sorted({e.name for e in saved.entries if e.kind == "named"} - wanted)
+        extra = sorted({e.name for e in saved.entries if e.kind == "named" and e.name is not None} - wanted)
         if extra:
             problems.append(f"saves values named {extra}, not among {sorted(wanted)}")
     if not saved.total_bytes < plain.total_bytes:

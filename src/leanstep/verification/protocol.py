@@ -45,10 +45,10 @@ PROBE_LEARNING_RATE = 1e-3
 
 
 class ProbeState(NamedTuple):
-    """The probe's state: the last gradient it was given (float32) and how many it was given."""
+    """The probe's state: the last gradient it was given (float32) and how many updates it made."""
 
     seen: Any
-    count: jax.Array
+    updates: jax.Array
 
 
 def probe_optimizer(learning_rate: float = PROBE_LEARNING_RATE) -> optax.GradientTransformation:
@@ -69,7 +69,7 @@ def probe_optimizer(learning_rate: float = PROBE_LEARNING_RATE) -> optax.Gradien
         moved = jax.tree.map(
             lambda g: (-learning_rate * jnp.asarray(g, jnp.float32)).astype(jnp.result_type(g)), updates
         )
-        return moved, ProbeState(seen, state.count + 1)
+        return moved, ProbeState(seen, state.updates + 1)
 
     return optax.GradientTransformation(init, update)
 

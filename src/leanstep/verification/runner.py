@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.compute_dtype_check import PrecisionWarning
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.verification.batches import batch_rows
@@ -118,68 +119,54 @@ def _timed(result: CheckResult, seconds: float) -> CheckResult:
     return dataclasses.replace(result, seconds=seconds)
 
 
+#: What :func:`verify` takes as the run's settings: :class:`LeanstepStep`'s keywords, and the short
+#: form of its ``loss`` (a :class:`leanstep.LossContract`) and ``accumulation``.
+_CONTRACT = ("has_aux", "token_weighted", "uses_rng", "has_state")
+_SETTINGS = ("precision", "remat", "loss", "loss_scale", "model_state", "master", "mask", "rules", "accumulation")
+
+
 def verify(
     make_loss_fn: Callable[[str], Callable[..., Any]],
     params: Any,
     batch: Any,
     *,
-    precision: Any = "float32",
-    num_microbatches: int = 2,
-    remat: str = "none",
-    loss_scale: Any = "none",
-    model_state: Any = None,
-    master: str = "float32",
-    has_aux: bool = False,
-    token_weighted: bool = False,
-    uses_rng: bool = False,
-    has_state: bool = False,
-    mask: str | None = None,
-    split: str = "contiguous",
-    rules: Any = None,
     checks: Sequence[str] | None = None,
     meshes: Sequence[Any] = (),
     name: str | None = None,
+    **settings: Any,
 ) -> VerifyReport:
     """Verifies leanstep's step for a model: the inputs :func:`leanstep.plan` takes, and the run's settings.
 
     Args:
-      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, as for :func:`leanstep.plan`.
+      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, as for :func:`leanstep.plan`
+        (``make_loss_fn(remat_policy, random=False)`` if it takes ``random``: see
+        :meth:`LeanstepStep.loss_fn`).
       params: the parameters (arrays).
       batch: one global batch (arrays).
-      precision: the run's precision.
-      num_microbatches: the run's microbatch count (the checks use 2 if it is 1).
-      remat: the run's remat policy.
-      loss_scale: ``"none"``, ``"dynamic"`` or a loss-scale instance.
-      model_state: the model's state (with ``has_state``).
-      master: how the masters are kept.
-      has_aux, token_weighted, uses_rng, has_state: what the loss takes and returns
-        (:class:`leanstep.LossContract`).
-      mask: the batch's token-weight leaf (with ``token_weighted``), for the token-weighting and
-        non-finite checks.
-      split: the microbatch split.
-      rules: the model's partition rules (for a mesh with a ``"tensor"`` axis).
       checks: the checks to run (default: all).
       meshes: the mesh layouts to compare with one device (see :func:`verify_step`).
       name: what the report calls the setup.
+      **settings: the run's settings, as :class:`LeanstepStep` takes them (``precision``,
+        ``remat``, ``loss``, ``loss_scale``, ``model_state``, ``master``, ``mask``, ``rules``,
+        ``accumulation``), with the short forms of ``make_train_step``: ``num_microbatches`` and
+        ``split`` for ``accumulation`` (the checks use 2 microbatches if it is 1), ``has_aux``,
+        ``token_weighted``, ``uses_rng`` and ``has_state`` for ``loss``.
 
     Returns:
       A :class:`VerifyReport`.
+
+    Raises:
+      TypeError: a setting :class:`LeanstepStep` does not take.
     """
-    contract = LossContract(has_aux=has_aux, token_weighted=token_weighted, uses_rng=uses_rng, has_state=has_state)
-    setup = LeanstepStep(
-        make_loss_fn,
-        params,
-        batch,
-        precision=precision,
-        num_microbatches=num_microbatches,
-        remat=remat,
-        loss=contract,
-        loss_scale=loss_scale,
-        model_state=model_state,
-        master=master,
-        mask=mask,
-        split=split,
-        rules=rules,
-    )
-    label = name or f"leanstep step (precision {setup.precision}, M={num_microbatches}, remat {remat})"
-    return verify_step(setup, num_microbatches=max(2, num_microbatches), checks=checks, meshes=meshes, name=label)
+    unknown = sorted(set(settings) - {*_SETTINGS, *_CONTRACT, "num_microbatches", "split"})
+    if unknown:
+        raise TypeError(f"verify: unknown settings {unknown}; expected among {sorted({*_SETTINGS, *_CONTRACT})}")
+    flags = {key: settings.pop(key) for key in _CONTRACT if key in settings}
+    if flags:
+        settings["loss"] = LossContract(**flags)
+    if "num_microbatches" in settings or "split" in settings:
+        count = settings.pop("num_microbatches", 1)
+        settings["accumulation"] = Accumulation(count, split=settings.pop("split", "contiguous"))
+    setup = LeanstepStep(make_loss_fn, params, batch, **settings)
+    label = name or f"leanstep step (precision {setup.precision}, M={setup.num_microbatches}, remat {setup.remat})"
+    return verify_step(setup, num_microbatches=max(2, setup.num_microbatches), checks=checks, meshes=meshes, name=label)

@@ -12,7 +12,7 @@ Example:
   >>> from leanstep.verification.leanstep_step import LeanstepStep
   >>> batch = {"x": np.arange(8.0, dtype=np.float32).reshape(4, 2), "y": np.zeros((4, 1), np.float32)}
   >>> setup = LeanstepStep(lambda _: lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
-  ...                      {"w": jnp.ones((2, 1))}, batch, num_microbatches=2)
+  ...                      {"w": jnp.ones((2, 1))}, batch, accumulation=2)
   >>> runs = Runs(setup)
   >>> runs.register("batch", batch)
   >>> outcome = runs.step("batch", 2)

@@ -7,7 +7,7 @@ Example:
   >>> first_difference(a, b)
   ('w', 1)
   >>> worst_excess(b, a, {"w": np.full(2, 0.1), "b": np.zeros(1)})
-  Excess(leaf='w', index=1, difference=0.5, bound=0.1)
+  Excess(leaf='w', position=1, difference=0.5, bound=0.1)
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ def first_difference(got: Any, want: Any) -> tuple[str, int] | None:
         b = right[name]
         if a.shape != b.shape or a.dtype != b.dtype:
             return name, 0
-        differs = np.asarray(_bits(a) != _bits(b))
-        if differs.ndim > a.ndim:
-            differs = differs.any(axis=-1)
-        if differs.any():
-            return name, int(np.flatnonzero(differs.reshape(-1))[0])
+        unequal: np.ndarray = np.asarray(_bits(a) != _bits(b))
+        if unequal.ndim > a.ndim:
+            unequal = np.asarray(unequal.any(axis=-1))
+        if unequal.any():
+            return name, int(np.flatnonzero(unequal.reshape(-1))[0])
     return None
 
 
@@ -74,7 +74,7 @@ class Excess(NamedTuple):
     """Where a difference is largest against its bound: ``difference / bound`` is the worst ratio."""
 
     leaf: str
-    index: int
+    position: int
     difference: float
     bound: float
 
