@@ -67,10 +67,11 @@ def worker(out: Path) -> None:
             verify_setup(config), num_microbatches=config.microbatches, meshes=(case["layout"],), name=str(case)
         )
         results.append({"case": case, "passed": report.passed, "report": str(report)})
-    (out / "configs.json").write_text(json.dumps(results))
+        (out / "configs.json").write_text(json.dumps(results))  # after each: a slow run shows its progress
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_twenty_random_configurations_pass_every_check(tmp_path):
     results = run_worker(__file__, tmp_path, "configs.json", timeout=1800)
     assert len(results) == COUNT

@@ -159,7 +159,7 @@ def _weighted_sum_check(
         "|G - G*| / |sum_j |w_j g_j|| <= 2^-14 (float16's u / 8: any 16-bit sum errs more)",
     )
     if runs.reads_model_state():
-        dtype = getattr(runs.setup, "compute_dtype", None) or "float32"
+        dtype = runs.rounding_dtype
         allowed = max(SUM_TOLERANCE, math.sqrt(unit_roundoff(dtype)))
         tolerance = (
             f"the gradient reads the model state: references from the one-microbatch program, chained; sqrt(u) of "
@@ -236,13 +236,15 @@ def check_full_batch(runs: Runs, num_microbatches: int) -> CheckResult:
             detail="the loss takes a key: its dropout masks are drawn by the microbatch's shape, so one microbatch "
             "of B rows draws others than M of B/M; give make_loss_fn a random=False to compare",
         )  # fmt: skip
-    dtype = getattr(runs.setup, "compute_dtype", None) or "float32"
-    allowed = math.sqrt(unit_roundoff(dtype))
+    dtype = runs.rounding_dtype
+    # an 8-bit format (FP8 quantized by each microbatch's current amax) rounds each operand once: u itself
+    u = unit_roundoff(dtype)
+    allowed = u if np.dtype(dtype).itemsize == 1 else math.sqrt(u)
     _, _, magnitude, _ = full_batch_reference(runs, num_microbatches)
     many = runs.step("batch", num_microbatches)
     one = runs.step("batch", 1)
     error, leaf_errors = relative_error(many.gradient, one.gradient, magnitude)
-    tolerance = f"sqrt(u) of the compute dtype {np.dtype(dtype).name} ({allowed:.2g}), relative to |sum_j |w_j g_j||"
+    tolerance = f"sqrt(u) of {np.dtype(dtype).name} (u for FP8: {allowed:.2g}), relative to |sum_j |w_j g_j||"
     elapsed = time.perf_counter() - started
     if error <= allowed:
         return CheckResult("full_batch", "pass", compared, error, allowed, tolerance, seconds=elapsed)

@@ -36,6 +36,7 @@ from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.blocks.precision import get_precision
+from leanstep.inspection.auditing import audit
 from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
@@ -158,6 +159,15 @@ class LeanstepStep:
             self._meshes[id(mesh)] = mesh
         randomness = randomness or not (self.loss.uses_rng or self._takes_random)  # one program if nothing is random
         return BoundState(state, (max_grad_norm, randomness, None if mesh is None else id(mesh)))
+
+    @functools.cached_property
+    def rounding_dtype(self) -> Any:
+        """The coarsest format the step's gradients are rounded to between two programs: ``float8_e5m2``
+        where a matmul quantizes by its tensors' current amax (each microbatch and each device its own
+        scale), else the compute dtype."""
+        fn, args = self.microbatch_loss("none")
+        scales = {m.scale for m in audit(fn, *args).matmuls}
+        return jnp.dtype("float8_e5m2") if "current" in scales else self.compute_dtype
 
     @property
     def keyed_by_shape(self) -> bool:
