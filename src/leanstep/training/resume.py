@@ -60,7 +60,7 @@ def resume_run(
         state, elapsed_before, extra = restore_checkpoint(checkpointer, template, config, notes)
         # The schedule spans --steps: the saved length, or a longer one (an extension).
         state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
-    pending = pending_rollback(rollbacks, int(extra.get("rollbacks", 0)), int(state.step))
+    pending = pending_rollback(rollbacks, int(extra.get("rollbacks", 0)))
     if pending is not None:  # stopped inside a rollback: finish it
         state = roll_back_to(checkpointer, state, pending, planned_steps(config))
         notes.append(f"finishing the rollback to step {pending.to_step} that was under way at step {pending.at_step}")

@@ -275,18 +275,16 @@ def record_rollback_lines(metrics: Path, rollback: Rollback) -> None:
     os.replace(tmp, metrics)
 
 
-def pending_rollback(rollbacks: Sequence[Rollback], saved_rollbacks: int, step: int) -> Rollback | None:
+def pending_rollback(rollbacks: Sequence[Rollback], saved_rollbacks: int) -> Rollback | None:
     """The rollback a resumed run must finish: decided after its checkpoint was saved, or None.
 
     A checkpoint records how many rollbacks were decided before it (``saved_rollbacks``). If
     ``rollbacks.json`` holds more, the run was stopped inside the newest one: it resumes from
-    that rollback's ``to_step`` (the checkpoint at ``step`` is abandoned if it is later), with
-    its factor, and finishes it.
+    that rollback's ``to_step`` (a later checkpoint is abandoned), with its factor, and finishes it.
 
     Example:
       >>> r = Rollback(40, 30, (35, 38, 40), (34, 39), 0.5, 130)
-      >>> pending_rollback([r], 0, 40) == r, pending_rollback([r], 1, 60)
+      >>> pending_rollback([r], 0) == r, pending_rollback([r], 1)
       (True, None)
     """
-    del step  # the rollback's own to_step says where the run goes on
     return rollbacks[-1] if len(rollbacks) > saved_rollbacks else None
