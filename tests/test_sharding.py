@@ -499,5 +499,19 @@ def test_the_0_7_sharding_keywords_still_work_with_a_warning_and_the_same_refusa
         make_train_step(mlp_loss, mesh=mesh, fsdp_axis="x")
 
 
+def test_simulated_devices_run_on_the_cpu_platform_whatever_the_parent_names(monkeypatch):
+    # `leanstep plan --devices N` and `leanstep verify` make N simulated devices in a child: on a GPU
+    # machine the child must not start the GPU backend (one device, where N were asked for).
+    from leanstep.sharding.distributed import run_on_simulated_cpus
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")  # as on an accelerator machine; this one has no GPU
+    child = run_on_simulated_cpus(
+        "from leanstep.sharding.distributed import configure_devices; configure_devices(4); "
+        "import jax; print(jax.default_backend(), jax.device_count())"
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["cpu", "4"]
+
+
 if __name__ == "__main__":
     {"worker8": worker8, "worker4": worker4}[sys.argv[1]](Path(sys.argv[2]))

@@ -9,14 +9,17 @@ builds the one-dimensional data mesh over the devices it asked for.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 from jax.sharding import Mesh
 
 from leanstep.common.checks import is_int
 
-__all__ = ["configure_devices", "device_mesh", "parse_mesh"]
+__all__ = ["configure_devices", "device_mesh", "parse_mesh", "run_on_simulated_cpus"]
 
 #: Mesh axis names ``parse_mesh`` accepts (roles by name: see ``leanstep.mesh_axes``).
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -46,6 +49,18 @@ def parse_mesh(text: str) -> dict[str, int]:
             )
         shape[name] = int(size)
     return shape
+
+
+def run_on_simulated_cpus(code: str) -> subprocess.CompletedProcess[str]:
+    """Runs Python ``code`` in a child process on the CPU platform, its output captured.
+
+    The child is where simulated devices are made (it calls :func:`configure_devices`
+    itself, before JAX starts): JAX counts them on the CPU platform only, so the child runs
+    with ``JAX_PLATFORMS=cpu`` and never takes a GPU or TPU the parent may be using, nor
+    plans for one device where it was asked for N.
+    """
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env)
 
 
 _ADDRESS = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})$")

@@ -134,11 +134,10 @@ def _plan_in_child(
 ) -> Plan:
     """:func:`plan_run` in a subprocess with ``num_devices`` simulated CPU devices."""
     import json
-    import subprocess
-    import sys
     import tempfile
 
     from leanstep.planning.cost_model import Accelerator
+    from leanstep.sharding.distributed import run_on_simulated_cpus
 
     if isinstance(accelerator, Accelerator):
         accelerator = dataclasses.asdict(accelerator)
@@ -158,7 +157,7 @@ def _plan_in_child(
                 f,
             )
         code = f"from leanstep.training.analysis import plan_in_child; plan_in_child({spec!r})"
-        child = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+        child = run_on_simulated_cpus(code)
         if child.returncode:
             error = child.stderr.strip().splitlines()[-1] if child.stderr.strip() else f"exit {child.returncode}"
             kind, _, message = error.partition(": ")

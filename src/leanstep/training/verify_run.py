@@ -126,11 +126,9 @@ def meshes_in_child(config: RunConfig, layouts: list[str]) -> CheckResult:
     """The meshes check of ``config`` in a subprocess with enough simulated devices for ``layouts``."""
     import json
     import math
-    import subprocess
-    import sys
     import tempfile
 
-    from leanstep.sharding.distributed import parse_mesh
+    from leanstep.sharding.distributed import parse_mesh, run_on_simulated_cpus
 
     devices = max(math.prod(parse_mesh(layout).values()) for layout in layouts)
     with tempfile.TemporaryDirectory() as folder:
@@ -138,7 +136,7 @@ def meshes_in_child(config: RunConfig, layouts: list[str]) -> CheckResult:
         with open(spec, "w") as f:
             json.dump({"config": config.to_json(), "layouts": layouts, "devices": devices, "out": out}, f)
         code = f"from leanstep.training.verify_run import meshes_in_child_main; meshes_in_child_main({spec!r})"
-        child = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+        child = run_on_simulated_cpus(code)
         if child.returncode:
             raise RuntimeError(f"the meshes check in a subprocess failed:\n{child.stderr[-3000:]}")
         with open(out) as f:
