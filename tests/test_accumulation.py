@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from leanstep.blocks.accumulation import init_grad_accumulator, microbatched_value_and_grad
 from leanstep.blocks.microbatches import split_microbatches
+from leanstep.common.jaxprs import scan_operands
 
 # --- the seed's two-layer network, on a dict batch {"x", "y", "mask"} -----------------------
 
@@ -240,7 +241,7 @@ def test_traced_program_is_one_scan_with_grad_inside(b: int, num_microbatches: i
     # Forward x@W1, h@W2 plus backward dW2, dh, dW1: value_and_grad runs in the body.
     assert len(body_dots) == 5
 
-    num_consts, num_carry = scan.params["num_consts"], scan.params["num_carry"]
+    num_consts, num_carry, _ = map(len, scan_operands(scan))
     xs = body.invars[num_consts + num_carry :]
     batch_leaves = jax.tree.leaves(batch)
     assert sorted(v.aval.shape for v in xs) == sorted((rows,) + x.shape[1:] for x in batch_leaves)

@@ -24,6 +24,7 @@ from jax.extend import core as jex_core
 
 from leanstep.blocks.clipping import clip_by_global_norm_transform
 from leanstep.blocks.loss_scale import DynamicLossScale, StaticLossScale
+from leanstep.common.jaxprs import scan_operands
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.train_step import make_train_step
 
@@ -268,7 +269,7 @@ def test_jaxpr_one_scan_with_grad_inside_in_compute_dtype_float32_carry(num_micr
     for eqn in body_dots:
         assert {v.aval.dtype for v in eqn.invars} == {jnp.dtype(jnp.bfloat16)}
     assert seen and all(set(d.values()) == {jnp.dtype(jnp.bfloat16)} for d in seen)
-    num_carry = scan.params["num_carry"]
+    num_carry = len(scan_operands(scan)[1])
     carry_dtypes = [v.aval.dtype for v in scan.outvars[:num_carry]]
     assert carry_dtypes and all(d == jnp.float32 for d in carry_dtypes if jnp.issubdtype(d, jnp.floating))
     # The gradient accumulator is among the carries: one float32 array per parameter shape.

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from leanstep import tasks
 from leanstep.cli.solve import load_examples
+from leanstep.common.jaxprs import scan_operands
 from leanstep.inspection.residuals import saved_residuals_report
 
 mixed_step = jax.jit(tasks.mixed_precision_step, static_argnames=("growth_interval",))
@@ -246,8 +247,7 @@ def test_accumulation_traced_program_rules(batch, num_microbatches):
     assert body_primitives.count("dot_general") == 5
     rows = batch // num_microbatches
     scan = scans[0]
-    consts = scan.invars[: scan.params["num_consts"]]
-    xs = scan.invars[scan.params["num_consts"] + scan.params["num_carry"] :]
+    consts, _, xs = scan_operands(scan)
     # The scanned-over operands are x and y, split (M, S, ...); the body sees S rows of each.
     assert sorted(v.aval.shape for v in xs) == sorted([(num_microbatches, rows, 3), (num_microbatches, rows, 2)])
     # Neither the full x nor the full y reaches the body as a closed-over constant.

@@ -28,6 +28,7 @@ __all__ = [
     "is_sub_jaxpr",
     "map_sub_jaxprs",
     "matmul_flops",
+    "scan_operands",
     "sub_jaxprs",
     "weighted_equations",
 ]
@@ -55,6 +56,28 @@ def sub_jaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
         for item in value if isinstance(value, (tuple, list)) else (value,):
             if is_sub_jaxpr(item):
                 yield key, getattr(item, "jaxpr", item)
+
+
+def scan_operands(eqn: Any) -> tuple[list[Any], list[Any], list[Any]]:
+    """A ``scan`` equation's operands split as ``(consts, carry, xs)``, on every JAX leanstep runs on.
+
+    JAX 0.10 and earlier keep the split as the counts ``num_consts`` and ``num_carry``; JAX
+    0.11 as ``ft_in``, a flat tree of the three groups.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> w = jnp.ones(2)
+      >>> jaxpr = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c + x * w, None), c, xs))(w, jnp.ones((3, 2)))
+      >>> [[v.aval.shape for v in group] for group in scan_operands(jaxpr.eqns[0])]
+      [[(2,)], [(2,)], [(3, 2)]]
+    """
+    params, operands = eqn.params, list(eqn.invars)
+    if "num_consts" in params:
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+    else:
+        consts, carry, _ = params["ft_in"].unpack()
+        num_consts, num_carry = len(consts), len(carry)
+    return operands[:num_consts], operands[num_consts : num_consts + num_carry], operands[num_consts + num_carry :]
 
 
 def map_sub_jaxprs(params: Mapping[str, Any], fn: Callable[[Any], Any]) -> dict[str, Any]:

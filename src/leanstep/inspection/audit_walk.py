@@ -15,7 +15,7 @@ import numpy as np
 from leanstep.blocks.fp8 import fp8_dtype
 from leanstep.blocks.fp8_dot import fp8_scope
 from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
-from leanstep.common.jaxprs import MATMUL_PRIMITIVES, is_remat_primitive, sub_jaxprs
+from leanstep.common.jaxprs import MATMUL_PRIMITIVES, is_remat_primitive, scan_operands, sub_jaxprs
 from leanstep.inspection.audit_records import HostSync, Matmul, RematRegion, ScanInfo
 from leanstep.inspection.flops import equation_flops
 
@@ -120,8 +120,7 @@ def walk_jaxpr(
         if name == "scan":
             length, before = eqn.params["length"], len(out.scans)
             body_matmuls = walk_jaxpr(subs[0][1], inner_path, scan_depth + 1, multiplier * length, names, out, inner)
-            num_consts, num_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-            carry = tuple(_aval(v) for v in eqn.invars[num_consts : num_consts + num_carry])
+            carry = tuple(_aval(v) for v in scan_operands(eqn)[1])
             out.scans.insert(
                 before, ScanInfo(length, bool(eqn.params["reverse"]), scan_depth, where, carry, body_matmuls)
             )
