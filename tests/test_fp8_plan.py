@@ -47,7 +47,7 @@ def test_the_fp8_state_and_operands_equal_a_count_by_hand(traced):
     per_matmul = lambda i, o: (rows * i + i * o) + (rows * o + i * o) + (rows * o + rows * i)
     hand = CONFIG.microbatches * c.n_layers * sum(per_matmul(i, o) for i, o in shapes)
     assert sizes.operand_elements == hand
-    assert sizes.matmuls == 3 * 4 and sizes.operand_width == 2  # forward and two transposes; bf16 emulation
+    assert sizes.matmuls == 3 * 4 and sizes.operand_width == 1  # forward and two transposes, of FP8 operands
 
 
 def test_plan_notes_say_both_and_the_cli_prints_them(capsys):
@@ -55,7 +55,10 @@ def test_plan_notes_say_both_and_the_cli_prints_them(capsys):
                  "--precision", "compute=bfloat16", "--budget", "64MiB", "--remat-policies", "dots",
                  "--microbatch-counts", "2", "--no-compile-cache"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert re.search(r"note: FP8 state: [\d,]+ bytes", out) and "at one byte each on an FP8 device" in out
+    assert re.search(r"note: FP8 state: [\d,]+ bytes", out)
+    assert re.search(
+        r"FP8 operands: \d+ FP8 matmuls a step move [\d,]+ operand elements,\s+[\d,]+\s+bytes at 1 byte", out
+    )
 
 
 def test_audit_lists_the_fp8_matmuls_with_their_formats_and_scaling(traced):

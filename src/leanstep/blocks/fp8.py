@@ -1,4 +1,4 @@
-r"""FP8 quantization: the recipe, the scale, and quantize-dequantize.
+r"""FP8 quantization: the recipe, the scale, quantize, and quantize-dequantize (the reference).
 
 A tensor :math:`x` goes through FP8 as Flax's ``fp8_ops`` and Transformer Engine define it, with
 a per-tensor *dequantization* scale :math:`s` (Flax's convention; TE's ``scale_inv``):
@@ -26,9 +26,11 @@ dequantizing product run in float32, not in the compute dtype (bfloat16 there): 
 from the single rounding of the exact quotient (TE also quantizes from float32). The quotient
 is :math:`x` times the float32 reciprocal :math:`s^{-1}`, as TE's quantize multiplies by its
 scale, not a division: XLA rewrites a division by a scale it knows at compile time into that
-product, so a division would round differently with a constant scale than with a stored one. The
-dequantized tensor is then cast to the compute dtype, as Flax's is. And an amax so small (a
-denormal) that :math:`m / a` overflows keeps the scale before, where Flax's formula gives 0.
+product, so a division would round differently with a constant scale than with a stored one. The FP8 matmul takes
+:math:`q` itself and applies the scales to its float32 product (:mod:`leanstep.blocks.fp8_dot`),
+where Flax dequantizes each operand into the compute dtype first; :func:`qdq` computes
+:math:`\hat x` for references. And an amax so small (a denormal) that :math:`m / a` overflows
+keeps the scale before, where Flax's formula gives 0.
 
 Example:
   >>> import jax.numpy as jnp
@@ -57,6 +59,7 @@ __all__ = [
     "fp8_max",
     "new_scale",
     "qdq",
+    "quantize",
     "record_amax",
 ]
 
@@ -202,9 +205,26 @@ def new_scale(amax: jax.Array, scale: jax.Array, fmt: str, *, margin: float = 0)
     return jnp.where(usable, jnp.float32(1.0) / jnp.where(usable, factor, 1.0), scale)
 
 
+def quantize(x: jax.Array, fmt: str, scale: jax.Array) -> jax.Array:
+    """``x`` quantized to ``fmt`` with the dequantization ``scale``: an FP8 array (the quotient
+    and the clip in float32).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> quantize(jnp.array([1.0, 17.0, 1e6]), "e4m3", jnp.float32(1.0))  # 17 rounds to 16; 1e6 saturates
+      Array([1, 16, 448], dtype=float8_e4m3fn)
+    """
+    limit = jnp.float32(fp8_max(fmt))
+    s = jnp.asarray(scale, jnp.float32).reshape(())
+    inverse = jnp.float32(1.0) / s  # once per tensor; x * inverse per element (the module doc)
+    return jnp.clip(x.astype(jnp.float32) * inverse, -limit, limit).astype(fp8_dtype(fmt))
+
+
 def qdq(x: jax.Array, fmt: str, scale: jax.Array, dtype: DTypeLike | None = None) -> jax.Array:
     """``x`` quantized to ``fmt`` with the dequantization ``scale`` and dequantized, in ``dtype``
-    (default: ``x``'s); the quotient, clip and product in float32.
+    (default: ``x``'s); the quotient, clip and product in float32. The reference an FP8 matmul's
+    operands are measured against (:func:`leanstep.fp8_dot_general` hands the FP8 arrays of
+    :func:`quantize` to the matmul itself).
 
     Example:
       >>> import jax.numpy as jnp
@@ -212,11 +232,8 @@ def qdq(x: jax.Array, fmt: str, scale: jax.Array, dtype: DTypeLike | None = None
       Array([  1.,  16., 448.], dtype=float32)
     """
     dtype = x.dtype if dtype is None else dtype
-    limit = jnp.float32(fp8_max(fmt))
     s = jnp.asarray(scale, jnp.float32).reshape(())
-    inverse = jnp.float32(1.0) / s  # once per tensor; x * inverse per element (the module doc)
-    quantized = jnp.clip(x.astype(jnp.float32) * inverse, -limit, limit).astype(fp8_dtype(fmt))
-    return (quantized.astype(jnp.float32) * s).astype(dtype)
+    return (quantize(x, fmt, s).astype(jnp.float32) * s).astype(dtype)
 
 
 def record_amax(history: jax.Array, amax: jax.Array) -> jax.Array:

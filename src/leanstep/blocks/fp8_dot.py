@@ -2,16 +2,20 @@ r"""FP8 matmuls any model can call: :func:`fp8_dot_general`, :func:`fp8_matmul` 
 
 .. code-block:: text
 
-    forward     x_q = qdq(x, e4m3, s_x)      w_q = qdq(w, e4m3, s_w)      y = dot(x_q, w_q)
-    backward    g_q = qdq(g, e5m2, s_g)      dx = dot_T(g_q, w_q)         dw = dot_T(x_q, g_q)
+    forward     x8 = q(x, e4m3, s_x)   w8 = q(w, e4m3, s_w)   y  = dot32(x8, w8) * s_x s_w
+    backward    g8 = q(g, e5m2, s_g)   dx = dot32_T(g8, w8) * s_g s_w   dw = dot32_T(x8, g8) * s_x s_g
 
-(:func:`leanstep.blocks.fp8.qdq`), the structure of Flax's ``Fp8DotGeneralOp``: the operands are
-quantized and dequantized around an ordinary ``dot_general`` in the compute dtype, which XLA on
-an FP8 GPU (H100, H200, MI300) rewrites into one FP8 GEMM with its scales, and which XLA:CPU
-runs exactly as written (emulated: the operands carry FP8 values in the compute dtype). The
-quantization is straight-through: ``x`` and ``w`` receive the gradient of their quantized
-copies. The name scope ``leanstep_fp8_<scaling>_<forward>_<backward>`` marks the matmul, and
-JAX's transpose of it, for :func:`leanstep.audit` (:func:`fp8_scope`).
+(:func:`leanstep.blocks.fp8.quantize`): the FP8 arrays go into the dot itself and into its two
+transposes, which accumulate in float32, are scaled by the product of their operands' scales and
+cast to the compute dtype. That is the form XLA's GPU compiler turns into one FP8 GEMM with its
+scales: on an H200 (JAX 0.11.2) an 8192-cubed product ran at 1,094 TFLOP/s against bf16's 796
+(``python -m benchmarks.fp8_gemm_forms``). Flax's ``Fp8DotGeneralOp`` instead quantizes and
+dequantizes around a dot in the compute dtype (leanstep 0.10 did too); on that H200 XLA strips
+the pair, leaving a bf16 GEMM and no FP8 rounding at all. XLA:CPU computes the same products
+exactly (the products of FP8 values are exact in float32). The quantization is straight-through:
+``x`` and ``w`` receive the gradient of their quantized copies. The name scope
+``leanstep_fp8_<scaling>_<forward>_<backward>`` marks the matmul and its transposes for
+:func:`leanstep.audit` (:func:`fp8_scope`).
 
 Delayed scaling (:class:`leanstep.blocks.fp8.Fp8Recipe`) keeps one :class:`Fp8Meta` per matmul,
 in the params tree: scales ``s_x, s_w, s_g`` from the amax histories of earlier steps, and the
@@ -49,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from leanstep.blocks.fp8 import Fp8Recipe, amax_of, new_scale, qdq, record_amax
+from leanstep.blocks.fp8 import Fp8Recipe, amax_of, new_scale, quantize, record_amax
 from leanstep.blocks.fp8_state import Fp8State
 
 __all__ = ["Fp8Meta", "Fp8Scope", "fp8_dot_general", "fp8_matmul", "fp8_scope", "fp8_uses"]
@@ -92,66 +96,91 @@ class Fp8Meta(Fp8State):
         return cls(ones, zeros, ones, zeros, ones, zeros)
 
 
-# --- the quantize-dequantize steps, as Flax's in_qdq / out_qdq -------------------------------------
+# --- the FP8 matmul: FP8 operands into the dot itself, its transposes likewise -------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _in_qdq(recipe: Fp8Recipe, fmt: str, x: jax.Array, scale: jax.Array, history: jax.Array) -> jax.Array:
-    return _in_qdq_fwd(recipe, fmt, x, scale, history)[0]
+def _transposed_dot(
+    g: jax.Array, other: jax.Array, dimension_numbers: Any, *, wrt: str, ndims: tuple[int, int]
+) -> jax.Array:
+    """The cotangent of ``dot_general(lhs, rhs, dimension_numbers)`` with respect to ``lhs``
+    (``wrt="lhs"``, ``other`` the rhs) or ``rhs`` (``other`` the lhs), as one ``dot_general`` of
+    ``g`` and ``other`` accumulated in float32, then a transpose into the operand's axis order.
+
+    The product's axes are ``[batch, lhs kept, rhs kept]``; the cotangent contracts ``g``'s
+    axes of the other operand's kept dimensions with those dimensions, batched as the product
+    was, and its result's axes, ``[batch, kept, contracted in the other operand's order]``,
+    are put back where the operand had them.
+    """
+    (contract, other_contract), (batch, other_batch) = dimension_numbers
+    if wrt == "rhs":
+        (other_contract, contract), (other_batch, batch) = dimension_numbers
+    ndim, other_ndim = ndims if wrt == "lhs" else ndims[::-1]
+    kept = [d for d in range(ndim) if d not in contract and d not in batch]
+    other_kept = [d for d in range(other_ndim) if d not in other_contract and d not in other_batch]
+    nb = len(batch)
+    # g's axes: batch first, then the lhs's kept dimensions, then the rhs's
+    g_other = (
+        range(nb + len(kept), nb + len(kept) + len(other_kept)) if wrt == "lhs" else range(nb, nb + len(other_kept))
+    )
+    dims = ((tuple(g_other), tuple(other_kept)), (tuple(range(nb)), tuple(other_batch)))
+    out = jax.lax.dot_general(g, other, dims, preferred_element_type=jnp.float32)
+    order = sorted(range(len(contract)), key=lambda i: other_contract[i])
+    axes = [*batch, *kept, *(contract[i] for i in order)]  # the result's axes, as the operand's
+    return jnp.transpose(out, tuple(sorted(range(ndim), key=lambda i: axes[i])))
 
 
-def _in_qdq_fwd(
-    recipe: Fp8Recipe, fmt: str, x: jax.Array, scale: jax.Array, history: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def _scales(recipe: Fp8Recipe, fmt: str, x: jax.Array, scale: Any, history: Any) -> tuple[jax.Array, Any]:
+    """The dequantization scale ``x`` is quantized with, and its history with ``max |x|`` recorded
+    (delayed scaling); with current scaling (``history`` None), the scale of ``max |x|`` itself."""
+    if history is None:
+        return new_scale(amax_of(x), jnp.ones(1, jnp.float32), fmt, margin=recipe.margin), None
     s = new_scale(recipe.history_amax(history), scale, fmt, margin=recipe.margin)
-    return qdq(x, fmt, s), (s, record_amax(history, amax_of(x)))
+    return s, record_amax(history, amax_of(x))
 
 
-def _in_qdq_bwd(recipe: Fp8Recipe, fmt: str, new: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[Any, ...]:
-    return (g, *new)  # straight through; the state's "gradient" is its new value
+def _scaled(product: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """A float32 product of FP8 operands times the product of their scales, in ``dtype``: the
+    form XLA's GPU compiler fuses into one FP8 GEMM with its scales."""
+    return (product * scale.reshape(())).astype(dtype)
 
 
-_in_qdq.defvjp(_in_qdq_fwd, _in_qdq_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_dot(recipe: Fp8Recipe, dimension_numbers: Any, dtypes: tuple[Any, Any, Any], lhs: Any, rhs: Any, meta: Any):
+    return _fp8_dot_fwd(recipe, dimension_numbers, dtypes, lhs, rhs, meta)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _out_qdq(recipe: Fp8Recipe, fmt: str, y: jax.Array, scale: jax.Array, history: jax.Array) -> jax.Array:
-    return y
+def _fp8_dot_fwd(
+    recipe: Fp8Recipe, dimension_numbers: Any, dtypes: tuple[Any, Any, Any], lhs: Any, rhs: Any, meta: Any
+) -> tuple[jax.Array, tuple[Any, ...]]:
+    delayed = isinstance(meta, Fp8Meta)
+    sx, hx = _scales(
+        recipe, recipe.forward, lhs, *((meta.input_scale, meta.input_history) if delayed else (None, None))
+    )
+    sw, hw = _scales(
+        recipe, recipe.forward, rhs, *((meta.kernel_scale, meta.kernel_history) if delayed else (None, None))
+    )
+    x8, w8 = quantize(lhs, recipe.forward, sx), quantize(rhs, recipe.forward, sw)
+    product = jax.lax.dot_general(x8, w8, dimension_numbers, preferred_element_type=jnp.float32)
+    grad_state = (meta.grad_scale, meta.grad_history) if delayed else (None, None)
+    return _scaled(product, sx * sw, dtypes[2]), (x8, w8, sx, sw, (sx, hx, sw, hw), grad_state)
 
 
-def _out_qdq_fwd(
-    recipe: Fp8Recipe, fmt: str, y: jax.Array, scale: jax.Array, history: jax.Array
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return y, (scale, history)
+def _fp8_dot_bwd(
+    recipe: Fp8Recipe, dimension_numbers: Any, dtypes: tuple[Any, Any, Any], res: tuple[Any, ...], g: jax.Array
+) -> tuple[Any, ...]:
+    x8, w8, sx, sw, (new_sx, hx, new_sw, hw), (grad_scale, grad_history) = res
+    sg, hg = _scales(recipe, recipe.backward, g, grad_scale, grad_history)
+    g8 = quantize(g, recipe.backward, sg)
+    ndims = (x8.ndim, w8.ndim)
+    dx = _transposed_dot(g8, w8, dimension_numbers, wrt="lhs", ndims=ndims)
+    dw = _transposed_dot(g8, x8, dimension_numbers, wrt="rhs", ndims=ndims)
+    # straight through: lhs and rhs get the cotangents of their quantized copies; the meta's
+    # "gradient" is its new value (the scales used, the histories with this step's amax)
+    meta = None if grad_history is None else Fp8Meta(new_sx, hx, new_sw, hw, sg, hg)
+    return _scaled(dx, sg * sw, dtypes[0]), _scaled(dw, sg * sx, dtypes[1]), meta
 
 
-def _out_qdq_bwd(recipe: Fp8Recipe, fmt: str, old: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[Any, ...]:
-    scale, history = old
-    s = new_scale(recipe.history_amax(history), scale, fmt, margin=recipe.margin)
-    return qdq(g, fmt, s), s, record_amax(history, amax_of(g))
-
-
-_out_qdq.defvjp(_out_qdq_fwd, _out_qdq_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _current_in(recipe: Fp8Recipe, fmt: str, x: jax.Array) -> jax.Array:
-    return qdq(x, fmt, new_scale(amax_of(x), jnp.ones(1, jnp.float32), fmt, margin=recipe.margin))
-
-
-_current_in.defvjp(lambda recipe, fmt, x: (_current_in(recipe, fmt, x), None), lambda recipe, fmt, _, g: (g,))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _current_out(recipe: Fp8Recipe, fmt: str, y: jax.Array) -> jax.Array:
-    return y
-
-
-def _current_out_bwd(recipe: Fp8Recipe, fmt: str, _: None, g: jax.Array) -> tuple[jax.Array]:
-    return (qdq(g, fmt, new_scale(amax_of(g), jnp.ones(1, jnp.float32), fmt, margin=recipe.margin)),)
-
-
-_current_out.defvjp(lambda recipe, fmt, y: (y, None), _current_out_bwd)
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 # --- a meta used twice, refused while leanstep traces a loss ---------------------------------------
@@ -259,16 +288,13 @@ def fp8_dot_general(
             if recipe.delayed
             else f"current scaling keeps no state: pass meta=None, got {type(meta).__name__}"
         )
+    product = jnp.result_type(lhs, rhs) if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    (lc, rc), (lb, rb) = dimension_numbers
+    dims = ((tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb))))
     with jax.named_scope(f"{_SCOPE}{recipe.scaling}_{recipe.forward}_{recipe.backward}"):
         if isinstance(meta, Fp8Meta):
             _note_use(meta)
-            x = _in_qdq(recipe, recipe.forward, lhs, meta.input_scale, meta.input_history)
-            w = _in_qdq(recipe, recipe.forward, rhs, meta.kernel_scale, meta.kernel_history)
-            y = jax.lax.dot_general(x, w, dimension_numbers, preferred_element_type=preferred_element_type)
-            return _out_qdq(recipe, recipe.backward, y, meta.grad_scale, meta.grad_history)
-        x, w = _current_in(recipe, recipe.forward, lhs), _current_in(recipe, recipe.forward, rhs)
-        y = jax.lax.dot_general(x, w, dimension_numbers, preferred_element_type=preferred_element_type)
-        return _current_out(recipe, recipe.backward, y)
+        return _fp8_dot(recipe, dims, (lhs.dtype, rhs.dtype, product), lhs, rhs, meta)
 
 
 def fp8_matmul(x: ArrayLike, w: ArrayLike, meta: Fp8Meta | None = None, recipe: Fp8Recipe | None = None) -> jax.Array:

@@ -2,16 +2,17 @@
 
 An FP8 run (:mod:`leanstep.blocks.fp8_dot`) carries, in its state, one scale and one amax
 history per quantized tensor of every FP8 matmul: float32, replicated on every device, never in
-the optimizer. Its matmul operands hold FP8 values: one byte each on an FP8 device (H100,
-H200, MI300), where the GEMM reads them as such; on XLA:CPU, where leanstep plans, they are
-emulated in the compute dtype, so the compiled peak counts them at its width. The plan says
-both, in :attr:`leanstep.Plan.notes`:
+the optimizer. Its matmul operands are FP8 arrays, one byte an element, in the program itself
+(the forward dot and both transposes take them: an FP8 GEMM on an FP8 device, H100, H200, MI300;
+XLA:CPU, where leanstep plans, computes the same products in wider registers), so the compiled
+peak counts the operands kept for the backward pass at one byte. The plan says both, in
+:attr:`leanstep.Plan.notes`:
 
 .. code-block:: text
 
     state     sum of the FP8 state's leaves (scales, histories), bytes
     operands  sum over the step's FP8 matmuls (forward and backward, loop bodies x trip count)
-              of their two operands' elements: bytes at one byte each, and at the compute width
+              of their two operands' elements, at the bytes the program holds them in
 
 The cluster cost model prices the FP8 matmuls' share of the FLOPs at the accelerator's FP8
 rate (:func:`fp8_flops`, :class:`leanstep.Accelerator`).
@@ -38,7 +39,7 @@ class Fp8Sizes:
       state_bytes: bytes of the FP8 state in the train state.
       matmuls: FP8 matmul equations (forward and backward), counted once each.
       operand_elements: their operands' elements per step (trip counts included).
-      operand_width: the bytes an operand element takes in the traced program (the compute dtype's).
+      operand_width: the most bytes an operand element takes in the traced program (1: FP8).
       flops: their FLOPs per step.
     """
 
@@ -59,7 +60,7 @@ def fp8_sizes(state: Any, jaxpr: Any) -> Fp8Sizes | None:
       >>> traced = leanstep.make_train_step(loss, precision="compute=bfloat16").trace(state, {"x": jnp.ones((2, 8))})
       >>> sizes = fp8_sizes(state, traced.jaxpr)
       >>> sizes.state_bytes, sizes.matmuls, sizes.operand_elements, sizes.operand_width
-      (204, 3, 112.0, 2)
+      (204, 3, 112.0, 1)
     """
     state_bytes = sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in fp8_leaves(state.params))
     matmuls, elements, flops, width = 0, 0.0, 0.0, 0
@@ -96,8 +97,7 @@ def fp8_notes(state: Any, jaxpr: Any) -> tuple[str, ...]:
         "optimizer), counted in the state"
     )
     operands = (
-        f"FP8 operands: {sizes.matmuls} FP8 matmuls a step move {at_one:,.0f} operand elements, {at_one:,.0f} bytes "
-        f"at one byte each on an FP8 device; emulated here at {sizes.operand_width} bytes "
-        f"({sizes.operand_width * at_one:,.0f}), which the compiled peak counts"
+        f"FP8 operands: {sizes.matmuls} FP8 matmuls a step move {at_one:,.0f} operand elements, "
+        f"{sizes.operand_width * at_one:,.0f} bytes at {sizes.operand_width} byte(s) each, as the compiled peak counts them"
     )
     return state, operands
