@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,19 @@ def _checks(text: str | None) -> tuple[str, ...] | None:
     return names
 
 
+def _deterministic_gpu() -> None:
+    """Asks XLA for deterministic GPU programs, before JAX starts its backend (a no-op on CPU).
+
+    The checks compare programs bit for bit; on a GPU, XLA's scatter-adds (an embedding's
+    gradient) use atomics in whatever order the threads arrive unless told otherwise, so the
+    same step twice differs (`leanstep verify` on an H200 said "not reproducible"). A training
+    run wants the flag too, for a resume that equals the uninterrupted run: docs/verify.md.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_deterministic_ops" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_deterministic_ops=true".strip()
+
+
 def run_verify(args: argparse.Namespace) -> int:
     """Verifies, prints the table, writes ``--json``.
 
@@ -83,6 +97,7 @@ def run_verify(args: argparse.Namespace) -> int:
     from leanstep.common.outputs import check_output_path
     from leanstep.training.verify_run import verify_run
 
+    _deterministic_gpu()
     checks = _checks(args.checks)
     if args.layout_devices < 1:
         raise InputError(f"--devices: expected an integer >= 1, got {args.layout_devices}")

@@ -91,7 +91,9 @@ def check_keys(runs: Runs, num_microbatches: int) -> CheckResult:
         elapsed = time.perf_counter() - started
         return CheckResult(
             "keys", "fail", compared, float("inf"), 0.0, _BITWISE, f"{found[0]}[{found[1]}]",
-            "the step is not reproducible: the same state and batch gave different gradients", seconds=elapsed,
+            "the step is not reproducible: the same state and batch gave different gradients (on a GPU, "
+            "XLA's scatter-adds sum in any order: run with XLA_FLAGS=--xla_gpu_deterministic_ops=true, "
+            "as leanstep verify does)", seconds=elapsed,
         )  # fmt: skip
     other = runs.step("batch", num_microbatches, randomness=True, seed=1)
     plain = runs.step("batch", num_microbatches)
