@@ -150,7 +150,7 @@ def __dir__() -> list[str]:
 
 _moved.install()
 
-__version__ = "0.10.0"
+__version__ = "0.11.0"
 
 __all__ = [
     "ACCELERATORS",
