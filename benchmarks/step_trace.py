@@ -27,6 +27,7 @@ import glob
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -170,6 +171,21 @@ def _kernel_events(
         with open(path, "rb") as file:
             data = jax.profiler.ProfileData.from_serialized_xspace(file.read())
     windows, events = [], []
+    with warnings.catch_warnings():
+        # JAX 0.11's event stats warn (DeprecationWarning, "builtin type event_stats has no
+        # __module__") from inside C++: a warning turned into an error there aborts the process.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        _collect(data, instructions, module, windows, events)
+    return windows, events
+
+
+def _collect(
+    data: Any,
+    instructions: dict[str, Instruction],
+    module: str | None,
+    windows: list[tuple[int, int]],
+    events: list[tuple[int, int, str]],
+) -> None:
     for plane in data.planes:
         for line in plane.lines:
             for event in line.events:
@@ -181,7 +197,6 @@ def _kernel_events(
                 if module and dict(event.stats).get("hlo_module", module) != module:
                     continue
                 events.append((event.start_ns, event.end_ns, event.name))
-    return windows, events
 
 
 def _kernel_rows(
