@@ -170,7 +170,8 @@ def _kernel_events(
         (path,) = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
         with open(path, "rb") as file:
             data = jax.profiler.ProfileData.from_serialized_xspace(file.read())
-    windows, events = [], []
+    windows: list[tuple[int, int]] = []
+    events: list[tuple[int, int, str]] = []
     with warnings.catch_warnings():
         # JAX 0.11's event stats warn (DeprecationWarning, "builtin type event_stats has no
         # __module__") from inside C++: a warning turned into an error there aborts the process.
