@@ -6,9 +6,12 @@ r"""bf16 against FP8 step time for the built-in transformer, on whatever device 
         step(state, batch) timed round-robin        the same model, batch and microbatches
     ratio = median(FP8 step) / median(bf16 step)
 
-On an FP8 GPU (H100, H200) XLA rewrites each quantize-dequantize-dot into an FP8 GEMM, so a
-model wide enough for its matmuls to dominate (``--d-model 2048`` or more) should run faster
-in FP8; on a CPU the FP8 operands are emulated in the compute dtype and the step is slower.
+On an FP8 GPU (H100, H200) each FP8 matmul, forward and both transposes, takes FP8 operands
+and compiles to an FP8 GEMM (``benchmarks/fp8_gemm_forms.py``), so a model wide enough for its
+matmuls to dominate (``--d-model 2048`` or more) should run faster in FP8; on a CPU, which has
+no FP8 units, the amaxes and casts are extra work and the step is slower. On one H200 (JAX
+0.11.2) this benchmark did not finish within 170 s with 0.11's FP8 form (docs/fp8.md): give
+it a generous limit there.
 The device, and the compiled programs' FP8 GEMMs (``__cublas$lt$matmul$f8`` custom calls, on a
 GPU) and FP8-typed values, are in the output. Run it as ``python -m benchmarks.fp8_step --d-model 2048 --layers 4``
 (``--json F`` writes the result).
