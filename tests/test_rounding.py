@@ -396,3 +396,19 @@ def test_forward_mode_is_refused():
     f = strict_precision(lambda x: jnp.sin(x.astype(BF16)).astype(jnp.float32))
     with pytest.raises(TypeError, match="forward-mode"):
         jax.jvp(f, (jnp.ones(2),), (jnp.ones(2),))
+
+
+def test_strict_precision_keeps_each_equations_name_stack():
+    # The audit and the planner find FP8 matmuls by their name scope: a strict program that dropped
+    # it made `leanstep verify` call FP8 operands a compute-dtype failure (bf16 strict, FP8 current).
+    from leanstep.blocks.rounding import strict_precision
+    from leanstep.common.jaxprs import equations
+
+    def f(x, w):
+        with jax.named_scope("leanstep_fp8_current_e4m3_e5m2"):
+            return (x @ w).sum()
+
+    x = jnp.ones((4, 4), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(jax.grad(strict_precision(f)))(x, x)
+    stacks = [str(e.source_info.name_stack) for e in equations(jaxpr) if e.primitive.name == "dot_general"]
+    assert len(stacks) == 3 and all("leanstep_fp8_current_e4m3_e5m2" in s for s in stacks), stacks

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src import source_info_util  # no public API keeps an equation's name stack
 from jax.extend import core as jex_core
 
 from leanstep.common.jaxprs import map_sub_jaxprs
@@ -88,7 +89,10 @@ def _eval_rounded(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[A
         return atom.val if isinstance(atom, jex_core.Literal) else env[atom]
 
     for eqn in jaxpr.eqns:
-        with eqn.ctx.manager:
+        # Each equation keeps its name stack (as jax.core.eval_jaxpr does): the audit and the
+        # planner find FP8 matmuls, and place every matmul, by it.
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
             outs = _bind(eqn, [read(a) for a in eqn.invars])
         env.update(zip(eqn.outvars, map(_round, outs)))
     return [read(a) for a in jaxpr.outvars]
