@@ -26,10 +26,10 @@ dequantizing product run in float32, not in the compute dtype (bfloat16 there): 
 from the single rounding of the exact quotient (TE also quantizes from float32). The quotient
 is :math:`x` times the float32 reciprocal :math:`s^{-1}`, as TE's quantize multiplies by its
 scale, not a division: XLA rewrites a division by a scale it knows at compile time into that
-product, so a division would round differently with a constant scale than with a stored one. The FP8 matmul takes
-:math:`q` itself and applies the scales to its float32 product (:mod:`leanstep.blocks.fp8_dot`),
-where Flax dequantizes each operand into the compute dtype first; :func:`qdq` computes
-:math:`\hat x` for references. And an amax so small (a denormal) that :math:`m / a` overflows
+product, so a division would round differently with a constant scale than with a stored one.
+The FP8 matmul takes :math:`q` itself and applies the scales to its float32 product
+(:mod:`leanstep.blocks.fp8_dot`), where Flax dequantizes each operand into the compute dtype
+first; :func:`qdq` computes :math:`\hat x` for references. And an amax so small (a denormal) that :math:`m / a` overflows
 keeps the scale before, where Flax's formula gives 0.
 
 Example:

@@ -8,8 +8,9 @@ r"""FP8 matmuls any model can call: :func:`fp8_dot_general`, :func:`fp8_matmul` 
 (:func:`leanstep.blocks.fp8.quantize`): the FP8 arrays go into the dot itself and into its two
 transposes, which accumulate in float32, are scaled by the product of their operands' scales and
 cast to the compute dtype. That is the form XLA's GPU compiler turns into one FP8 GEMM with its
-scales: on an H200 (JAX 0.11.2) an 8192-cubed product ran at 1,094 TFLOP/s against bf16's 796
-(``python -m benchmarks.fp8_gemm_forms``). Flax's ``Fp8DotGeneralOp`` instead quantizes and
+scales: on an H200 (JAX 0.11.2) an 8192-cubed forward product ran at 1,068-1,094 TFLOP/s against
+bf16's 780-796 (``python -m benchmarks.fp8_gemm_forms``); the whole step, transposes included,
+is not yet timed on a GPU (docs/fp8.md). Flax's ``Fp8DotGeneralOp`` instead quantizes and
 dequantizes around a dot in the compute dtype (leanstep 0.10 did too); on that H200 XLA strips
 the pair, leaving a bf16 GEMM and no FP8 rounding at all. XLA:CPU computes the same products
 exactly (the products of FP8 values are exact in float32). The quantization is straight-through:
@@ -162,13 +163,13 @@ def _fp8_dot_fwd(
     x8, w8 = quantize(lhs, recipe.forward, sx), quantize(rhs, recipe.forward, sw)
     product = jax.lax.dot_general(x8, w8, dimension_numbers, preferred_element_type=jnp.float32)
     grad_state = (meta.grad_scale, meta.grad_history) if delayed else (None, None)
-    return _scaled(product, sx * sw, dtypes[2]), (x8, w8, sx, sw, (sx, hx, sw, hw), grad_state)
+    return _scaled(product, sx * sw, dtypes[2]), (x8, w8, sx, sw, hx, hw, grad_state)
 
 
 def _fp8_dot_bwd(
     recipe: Fp8Recipe, dimension_numbers: Any, dtypes: tuple[Any, Any, Any], res: tuple[Any, ...], g: jax.Array
 ) -> tuple[Any, ...]:
-    x8, w8, sx, sw, (new_sx, hx, new_sw, hw), (grad_scale, grad_history) = res
+    x8, w8, sx, sw, hx, hw, (grad_scale, grad_history) = res
     sg, hg = _scales(recipe, recipe.backward, g, grad_scale, grad_history)
     g8 = quantize(g, recipe.backward, sg)
     ndims = (x8.ndim, w8.ndim)
@@ -176,7 +177,7 @@ def _fp8_dot_bwd(
     dw = _transposed_dot(g8, x8, dimension_numbers, wrt="rhs", ndims=ndims)
     # straight through: lhs and rhs get the cotangents of their quantized copies; the meta's
     # "gradient" is its new value (the scales used, the histories with this step's amax)
-    meta = None if grad_history is None else Fp8Meta(new_sx, hx, new_sw, hw, sg, hg)
+    meta = None if grad_history is None else Fp8Meta(sx, hx, sw, hw, sg, hg)
     return _scaled(dx, sg * sw, dtypes[0]), _scaled(dw, sg * sx, dtypes[1]), meta
 
 
@@ -288,13 +289,13 @@ def fp8_dot_general(
             if recipe.delayed
             else f"current scaling keeps no state: pass meta=None, got {type(meta).__name__}"
         )
-    product = jnp.result_type(lhs, rhs) if preferred_element_type is None else jnp.dtype(preferred_element_type)
+    out_dtype = jnp.result_type(lhs, rhs) if preferred_element_type is None else jnp.dtype(preferred_element_type)
     (lc, rc), (lb, rb) = dimension_numbers
     dims = ((tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb))))
     with jax.named_scope(f"{_SCOPE}{recipe.scaling}_{recipe.forward}_{recipe.backward}"):
         if isinstance(meta, Fp8Meta):
             _note_use(meta)
-        return _fp8_dot(recipe, dims, (lhs.dtype, rhs.dtype, product), lhs, rhs, meta)
+        return _fp8_dot(recipe, dims, (lhs.dtype, rhs.dtype, out_dtype), lhs, rhs, meta)
 
 
 def fp8_matmul(x: ArrayLike, w: ArrayLike, meta: Fp8Meta | None = None, recipe: Fp8Recipe | None = None) -> jax.Array:

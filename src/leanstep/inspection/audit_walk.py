@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from leanstep.blocks.fp8 import fp8_dtype
 from leanstep.blocks.fp8_dot import fp8_scope
 from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.common.jaxprs import MATMUL_PRIMITIVES, is_remat_primitive, scan_operands, sub_jaxprs
@@ -72,14 +71,11 @@ def _segment(eqn: Any) -> str:
 
 
 def _matmul(eqn: Any, scan_depth: int, where: str, multiplier: float, outer: str) -> Matmul:
-    """The record of a matmul equation; an FP8 one's operands by the FP8 formats they carry
-    (``outer``: the name stacks of the equations around it, whose ``transpose(...)`` says that a
-    matmul in a backward scan's body is a transpose)."""
+    """The record of a matmul equation; an FP8 one's scaling from its name scope (``outer``: the
+    name stacks of the equations around it)."""
     preferred = eqn.params.get("preferred_element_type") or eqn.outvars[0].aval.dtype
     lhs, rhs = _aval(eqn.invars[0]), _aval(eqn.invars[1])
-    scope = fp8_scope(outer + str(eqn.source_info.name_stack))
-    if scope is not None:
-        lhs, rhs = (lhs[0], np.dtype(fp8_dtype(scope.lhs)).name), (rhs[0], np.dtype(fp8_dtype(scope.rhs)).name)
+    scope = fp8_scope(outer + str(eqn.source_info.name_stack))  # the operands are FP8 arrays: their own dtypes
     flops = equation_flops(eqn) * multiplier
     kind, scale = eqn.primitive.name, "" if scope is None else scope.scaling
     return Matmul(lhs, rhs, str(np.dtype(preferred)), _aval(eqn.outvars[0])[1], scan_depth, where, flops, kind, scale)
