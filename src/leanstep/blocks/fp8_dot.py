@@ -130,13 +130,18 @@ def _transposed_dot(
     return jnp.transpose(out, tuple(sorted(range(ndim), key=lambda i: axes[i])))
 
 
-def _scales(recipe: Fp8Recipe, fmt: str, x: jax.Array, scale: Any, history: Any) -> tuple[jax.Array, Any]:
+def _scales(recipe: Fp8Recipe, fmt: str, x: jax.Array, scale: Any, history: Any) -> tuple[jax.Array, Any, jax.Array]:
     """The dequantization scale ``x`` is quantized with, and its history with ``max |x|`` recorded
-    (delayed scaling); with current scaling (``history`` None), the scale of ``max |x|`` itself."""
+    (delayed scaling); with current scaling (``history`` None), the scale of ``max |x|`` itself.
+    Third, the factor that keeps a non-finite ``x`` non-finite through the product: 1 where
+    ``max |x|`` is finite, NaN where not (the quantizer's clip would turn an inf into the
+    format's largest value, and the step would train on it)."""
+    amax = amax_of(x)
+    propagate = jnp.where(jnp.isfinite(amax), jnp.float32(1.0), jnp.float32(jnp.nan))
     if history is None:
-        return new_scale(amax_of(x), jnp.ones(1, jnp.float32), fmt, margin=recipe.margin), None
+        return new_scale(amax, jnp.ones(1, jnp.float32), fmt, margin=recipe.margin), None, propagate
     s = new_scale(recipe.history_amax(history), scale, fmt, margin=recipe.margin)
-    return s, record_amax(history, amax_of(x))
+    return s, record_amax(history, amax), propagate
 
 
 def _scaled(product: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
@@ -154,23 +159,25 @@ def _fp8_dot_fwd(
     recipe: Fp8Recipe, dimension_numbers: Any, dtypes: tuple[Any, Any, Any], lhs: Any, rhs: Any, meta: Any
 ) -> tuple[jax.Array, tuple[Any, ...]]:
     delayed = isinstance(meta, Fp8Meta)
-    sx, hx = _scales(
+    sx, hx, finite_x = _scales(
         recipe, recipe.forward, lhs, *((meta.input_scale, meta.input_history) if delayed else (None, None))
     )
-    sw, hw = _scales(
+    sw, hw, finite_w = _scales(
         recipe, recipe.forward, rhs, *((meta.kernel_scale, meta.kernel_history) if delayed else (None, None))
     )
     x8, w8 = quantize(lhs, recipe.forward, sx), quantize(rhs, recipe.forward, sw)
     product = jax.lax.dot_general(x8, w8, dimension_numbers, preferred_element_type=jnp.float32)
     grad_state = (meta.grad_scale, meta.grad_history) if delayed else (None, None)
-    return _scaled(product, sx * sw, dtypes[2]), (x8, w8, sx, sw, hx, hw, grad_state)
+    # a non-finite operand makes the product NaN (as a bf16 matmul's would not be finite), so the
+    # loss is not finite and the step is skipped; its cotangent is then NaN too (the backward below)
+    return _scaled(product, sx * sw * finite_x * finite_w, dtypes[2]), (x8, w8, sx, sw, hx, hw, grad_state)
 
 
 def _fp8_dot_bwd(
     recipe: Fp8Recipe, dimension_numbers: Any, dtypes: tuple[Any, Any, Any], res: tuple[Any, ...], g: jax.Array
 ) -> tuple[Any, ...]:
     x8, w8, sx, sw, hx, hw, (grad_scale, grad_history) = res
-    sg, hg = _scales(recipe, recipe.backward, g, grad_scale, grad_history)
+    sg, hg, finite_g = _scales(recipe, recipe.backward, g, grad_scale, grad_history)
     g8 = quantize(g, recipe.backward, sg)
     ndims = (x8.ndim, w8.ndim)
     dx = _transposed_dot(g8, w8, dimension_numbers, wrt="lhs", ndims=ndims)
@@ -178,7 +185,8 @@ def _fp8_dot_bwd(
     # straight through: lhs and rhs get the cotangents of their quantized copies; the meta's
     # "gradient" is its new value (the scales used, the histories with this step's amax)
     meta = None if grad_history is None else Fp8Meta(sx, hx, sw, hw, sg, hg)
-    return _scaled(dx, sg * sw, dtypes[0]), _scaled(dw, sg * sx, dtypes[1]), meta
+    # an overflowed (scaled) gradient stays non-finite: the step skips it and the loss scale backs off
+    return _scaled(dx, sg * sw * finite_g, dtypes[0]), _scaled(dw, sg * sx * finite_g, dtypes[1]), meta
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

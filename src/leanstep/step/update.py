@@ -4,6 +4,7 @@ r"""The guarded update: unscale once, decide finiteness once, clip, apply only i
 
     G = unscale(G_scaled, S)                           # once, after accumulation
     finite = all(isfinite(G)) and isfinite(loss)       # once, over the whole gradient
+    finite = finite and all(isfinite(new_fp8))         # and the FP8 state it would write
     n = global_norm(G);  G *= min(1, c / n)            # clip the unscaled total
     finite = finite and isfinite(n)                    # a norm that overflows float32 too
     params', opt' = optimizer(G)
@@ -135,14 +136,19 @@ def _checked_update(
     max_grad_norm: float | None,
     loss: jax.Array | None,
     spike: Callable[[jax.Array, jax.Array, Any], jax.Array] | None = None,
+    new_fp8: Any = None,
 ) -> tuple[Any, Any, UpdateInfo]:
     """The optimizer's updates and next state (that state kept as it was unless applied);
-    ``spike(finite, grad_norm, updates)`` says whether a finite step is skipped for a spike."""
+    ``spike(finite, grad_norm, updates)`` says whether a finite step is skipped for a spike;
+    ``new_fp8``, the FP8 state the step would write, must be finite too."""
     _check_grads(scaled_grads, params)
     grads = loss_scale.unscale(scaled_grads)
     # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
-    # not depend on the parameters, or in a stop_gradient).
-    finite = all_finite(grads) if loss is None else all_finite(grads) & jnp.isfinite(loss)
+    # not depend on the parameters, or in a stop_gradient). So is a non-finite amax recorded
+    # by an FP8 matmul (an inf input that the quantizer would have clipped): written, it
+    # would freeze that scale until the inf leaves the history.
+    finite = all_finite(grads) & all_finite(new_fp8)
+    finite = finite if loss is None else finite & jnp.isfinite(loss)
     if max_grad_norm is None:
         grad_norm = global_norm(grads)
         clipped = jnp.zeros((), bool)
@@ -223,7 +229,7 @@ def guarded_update(
 
     updates, opt_state, info = _checked_update(
         scaled_grads, state.opt_state, wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
-        None if spike_guard is None else spike,
+        None if spike_guard is None else spike, new_fp8,
     )  # fmt: skip
     if spike_guard is not None:  # 1, or less after a rollback past spikes (leanstep train)
         scale = state.spike.update_scale
