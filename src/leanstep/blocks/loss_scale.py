@@ -266,7 +266,9 @@ class DynamicLossScale(_ScaleByArray):
             hysteresis,
         )
         if not isinstance(initial_scale, jax.core.Tracer):
-            value = float(scale)
+            # from the value given, not ``scale``: under jax.eval_shape or jit even a Python
+            # float's array is abstract, and the state is built from shapes alone
+            value = float(np.float32(np.asarray(initial_scale)))
             if not state.min_loss_scale <= value <= state.max_loss_scale:
                 raise ValueError(
                     f"initial_scale must be in [min_loss_scale={state.min_loss_scale!r}, "
