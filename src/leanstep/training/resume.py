@@ -1,7 +1,8 @@
 """Where a run goes on from: its newest intact checkpoint, and the rollback decisions around it.
 
 ``--resume`` restores the newest checkpoint that belongs to the run's config (a damaged one is
-passed over, with a note), then follows ``rollbacks.json`` (:mod:`leanstep.training.rollback`): a
+passed over, with a note), then follows ``rollbacks.json`` (:mod:`leanstep.training.rollback`),
+once it has checked that the file holds every decision the checkpoint and ``metrics.jsonl`` record: a
 rollback decided after that checkpoint was saved is finished (its checkpoint restored, its lines
 in ``metrics.jsonl`` moved), and the skips and the updates' factor of the decisions so far carry
 on. ``metrics.jsonl`` is cut back to the step the run goes on from.
@@ -19,7 +20,15 @@ from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.legacy_state import restore_state
 from leanstep.training.loop_state import RunStopped
 from leanstep.training.metrics_log import truncate_metrics
-from leanstep.training.rollback import Rollback, pending_rollback, read_rollbacks, record_rollback_lines
+from leanstep.training.rollback import (
+    ROLLBACKS_FILE,
+    Rollback,
+    check_decisions_kept,
+    logged_rollbacks,
+    pending_rollback,
+    read_rollbacks,
+    record_rollback_lines,
+)
 from leanstep.training.run_steps import planned_steps
 from leanstep.training.schedule import set_total_steps
 
@@ -49,18 +58,28 @@ def resume_run(
 
     Raises:
       RunStopped: no checkpoint can be restored, or ``metrics.jsonl`` cannot be rewritten.
-      ValueError: the checkpoint belongs to another config, or is past ``--steps``.
+      ValueError: the checkpoint belongs to another config, or is past ``--steps``; ``rollbacks.json``
+        is damaged, or lost a decision that the checkpoint or ``metrics.jsonl`` records
+        (:func:`~leanstep.training.rollback.check_decisions_kept`).
     """
     if not resume:
         return Resumed(template, 0.0)
     out = Path(config.out)
     state, elapsed_before, extra = template, 0.0, dict[str, Any]()
-    rollbacks = tuple(read_rollbacks(out))
+    try:
+        rollbacks = tuple(read_rollbacks(out))
+    except ValueError as error:
+        raise ValueError(f"--resume: {error}") from None
     if checkpointer.latest_step() is not None:
         state, elapsed_before, extra = restore_checkpoint(checkpointer, template, config, notes)
+    saved = int(extra.get("rollbacks", 0))
+    # Before anything is changed: a decision lost from rollbacks.json is refused, never trained past.
+    logged = logged_rollbacks(out / "metrics.jsonl")
+    check_decisions_kept(out / ROLLBACKS_FILE, rollbacks, saved=saved, step=int(state.step), logged=logged)
+    if checkpointer.latest_step() is not None:
         # The schedule spans --steps: the saved length, or a longer one (an extension).
         state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
-    pending = pending_rollback(rollbacks, int(extra.get("rollbacks", 0)))
+    pending = pending_rollback(rollbacks, saved)
     if pending is not None:  # stopped inside a rollback: finish it
         state = roll_back_to(checkpointer, state, pending, planned_steps(config))
         notes.append(f"finishing the rollback to step {pending.to_step} that was under way at step {pending.at_step}")

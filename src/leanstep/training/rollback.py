@@ -46,7 +46,9 @@ __all__ = [
     "ROLLED_BACK_FILE",
     "Rollback",
     "SpikeRollback",
+    "check_decisions_kept",
     "data_position",
+    "logged_rollbacks",
     "merge_skips",
     "pending_rollback",
     "read_rollbacks",
@@ -226,8 +228,75 @@ def read_rollbacks(out: Path) -> list[Rollback]:
         return []
     try:
         return [Rollback.from_json(obj) for obj in json.loads(path.read_text(encoding="utf-8"))]
-    except (json.JSONDecodeError, KeyError, TypeError, IndexError, ValueError) as error:
-        raise ValueError(f"{path} is not a list of rollbacks ({error}); it was not written by leanstep") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError, ValueError) as error:
+        raise ValueError(
+            f"{path} is not a list of rollbacks as leanstep writes it ({error}); put back the file the run wrote, "
+            "or start again with a new --out"
+        ) from None
+
+
+def logged_rollbacks(metrics: Path) -> list[Rollback]:
+    """The decisions of the ``"rollback"`` lines of ``metrics`` (a ``metrics.jsonl``; none: no file), in order.
+
+    A rollback's line stays in ``metrics.jsonl``: a later rollback goes back no further than the
+    checkpoint an earlier one restored, so it moves only lines after that. A line cut short by a
+    kill, or one that is not a decision, is passed over.
+    """
+    metrics = Path(metrics)
+    if not metrics.is_file():
+        return []
+    logged: list[Rollback] = []
+    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            obj = json.loads(line)
+            if isinstance(obj, dict) and obj.get("kind") == "rollback":
+                logged.append(Rollback.from_json(obj))
+        except (json.JSONDecodeError, KeyError, TypeError, IndexError, ValueError):
+            continue
+    return logged
+
+
+def check_decisions_kept(
+    path: Path, rollbacks: Sequence[Rollback], *, saved: int, step: int | None, logged: Sequence[Rollback]
+) -> None:
+    """Refuses a ``rollbacks.json`` (at ``path``, holding ``rollbacks``) that lost or changed a decision of its run.
+
+    A run's decisions are recorded three times: in ``rollbacks.json``, as a count in each
+    checkpoint (``saved``: decided before checkpoint ``step`` was saved) and as the
+    ``"rollback"`` lines of ``metrics.jsonl`` (``logged``). The file must hold at least as many
+    as either, and agree with the log where both hold one (the file may hold one more: a run
+    killed between the two writes). A resume without them would take other batches, at another
+    learning rate, and say nothing.
+
+    Raises:
+      ValueError: one line naming the file and what it is missing, or the decision that differs.
+
+    Example:
+      >>> r = Rollback(40, 30, (35, 38, 40), (34, 39), 0.5, 130)
+      >>> check_decisions_kept(Path("run/rollbacks.json"), [r], saved=1, step=45, logged=[r])
+      >>> check_decisions_kept(Path("run/rollbacks.json"), [], saved=1, step=45, logged=[r])
+      Traceback (most recent call last):
+      ...
+      ValueError: --resume: run/rollbacks.json is missing, and checkpoint step 45 was saved after 1 rollback decision(s); ...
+    """
+    held = f"holds {len(rollbacks)}" if path.exists() else "is missing"
+    if len(logged) > saved:
+        needed, source = len(logged), f"metrics.jsonl records {len(logged)}"
+    else:
+        needed, source = saved, f"checkpoint step {step} was saved after {saved}"
+    if len(rollbacks) < needed:
+        raise ValueError(
+            f"--resume: {path} {held}, and {source} rollback decision(s); without them the run would go on "
+            'with other batches and learning rates. Put the file back (metrics.jsonl\'s "rollback" lines hold '
+            "the decisions too), or start again with a new --out"
+        )
+    for number, (kept, line) in enumerate(zip(rollbacks, logged, strict=False), start=1):
+        if kept != line:
+            raise ValueError(
+                f'--resume: {path}: decision {number} differs from metrics.jsonl\'s "rollback" line '
+                f"({json.dumps(kept.to_json())} vs {json.dumps(line.to_json())}); put back the file the run "
+                "wrote, or start again with a new --out"
+            )
 
 
 def write_rollbacks(out: Path, rollbacks: Sequence[Rollback]) -> None:
