@@ -12,7 +12,9 @@ entry in place (a process killed mid-write leaves a truncated entry that is neve
 with a size bound, fails every later write of every process once one entry lacks its access-time
 file (as a kill between the two writes leaves it). Here an entry appears whole or not at all
 (written aside, then renamed), the folder is bounded by removing the least recently used entries,
-and concurrent processes need no lock. Entries keep JAX's names and format.
+and concurrent processes need no lock. Entries keep JAX's names; each carries a digest of its key
+and bytes, so an entry that is not the program of its name (copied over, damaged) is a miss,
+removed and written again, and an entry that is no regular file (a FIFO, a folder) is a miss too.
 
 What keys an entry, so what must miss: JAX hashes the program (without source locations), the
 jaxlib version, the backend and its version, ``XLA_FLAGS`` and ``--xla*`` arguments, the compile
@@ -196,8 +198,8 @@ def enable_compile_cache(
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     compilation_cache.set_cache_dir(str(path))
     compilation_cache.reset_cache()  # else a process that compiled before never opens it (jax#21908)
-    _install(AtomicFileCache(path, max_bytes=max_bytes))
     _report_entry_errors(path, say)
+    _install(AtomicFileCache(path, max_bytes=max_bytes, on_problem=_ERRORS.entry))
     return CacheState(path)
 
 
@@ -240,11 +242,16 @@ class _EntryErrors:
             return
         reading = text.startswith("Error reading")
         removed = _remove_unreadable(self.directory, text) if reading else 0
-        kind = "read" if reading else "written"
-        if kind in self.said:
+        self._tell("read" if reading else "written", text.split("': ", 1)[-1], removed)
+
+    def entry(self, detail: str, removed: bool) -> None:
+        """What :class:`AtomicFileCache` found wrong with an entry it was asked for (a miss)."""
+        self._tell("read", detail, int(removed))
+
+    def _tell(self, kind: str, detail: str, removed: int) -> None:
+        if kind in self.said or self.say is None:
             return
         self.said.add(kind)
-        detail = text.split("': ", 1)[-1]
         done = f"; removed {removed} unreadable entr{'y' if removed == 1 else 'ies'}" if removed else ""
         self.say(
             f"warning: the compilation cache in {str(self.directory)!r} could not be {kind} ({detail}); "
