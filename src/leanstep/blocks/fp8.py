@@ -53,6 +53,7 @@ from leanstep.common.checks import is_int
 
 __all__ = [
     "FP8_FORMATS",
+    "MAX_HISTORY",
     "Fp8Recipe",
     "amax_of",
     "fp8_dtype",
@@ -69,6 +70,13 @@ FP8_FORMATS: dict[str, Any] = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m
 
 _SCALINGS = ("delayed", "current")
 _AMAX_ALGOS = ("max", "most_recent")
+#: The longest amax history: 64 times Transformer Engine's and Flax's 1024 (each FP8 matmul keeps
+#: three float32 histories, so at most 768 KiB a matmul); a longer one is a typo, not a recipe.
+MAX_HISTORY = 2**16
+#: The settings :meth:`Fp8Recipe.from_string` reads after the scaling, and how it reads each.
+_SETTINGS: dict[str, Any] = {"history": int, "amax": str, "margin": float, "forward": str, "backward": str}
+#: The settings of delayed scaling's history, with their defaults (current scaling keeps none).
+_HISTORY_SETTINGS = {"history": 1024, "amax": "max"}
 
 
 def fp8_dtype(fmt: str) -> Any:
@@ -99,13 +107,13 @@ class Fp8Recipe:
     Attributes:
       scaling: ``"delayed"`` (the scale from an amax history kept in the FP8 state) or
         ``"current"`` (the scale from the tensor's own amax, no state).
-      history: the length of each amax history (delayed scaling), an int >= 1; 1024 as in
-        Transformer Engine and Flax.
-      amax: how a history gives the amax: ``"max"`` (of the whole history) or
-        ``"most_recent"`` (its newest entry).
+      history: the length of each amax history (delayed scaling only), an int in
+        ``[1, MAX_HISTORY]``; 1024 as in Transformer Engine and Flax.
+      amax: how a history gives the amax (delayed scaling only): ``"max"`` (of the whole history)
+        or ``"most_recent"`` (its newest entry).
       margin: a non-negative number :math:`\\mu`; the scale keeps :math:`2^{\\mu}` of headroom.
-      forward: the format of the forward operands (activations and weights): ``"e4m3"``.
-      backward: the format of the output gradient in the backward pass: ``"e5m2"``.
+      forward: the format of the forward operands (activations and weights): ``"e4m3"`` (or ``"e5m2"``).
+      backward: the format of the output gradient in the backward pass: ``"e5m2"`` (or ``"e4m3"``).
 
     Raises:
       ValueError, TypeError: a field outside its form, named.
@@ -125,14 +133,25 @@ class Fp8Recipe:
     def __post_init__(self) -> None:
         if self.scaling not in _SCALINGS:
             raise ValueError(f"Fp8Recipe.scaling must be one of {_SCALINGS}, got {self.scaling!r}")
-        if not is_int(self.history) or self.history < 1:
-            raise ValueError(f"Fp8Recipe.history must be an int >= 1 (entries per amax history), got {self.history!r}")
+        if not is_int(self.history) or not 1 <= self.history <= MAX_HISTORY:
+            raise ValueError(
+                f"Fp8Recipe.history must be an int in [1, {MAX_HISTORY}] (entries per amax history), got {self.history!r}"
+            )
         if self.amax not in _AMAX_ALGOS:
             raise ValueError(f"Fp8Recipe.amax must be one of {_AMAX_ALGOS}, got {self.amax!r}")
         if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not 0 <= self.margin < 64:
             raise ValueError(f"Fp8Recipe.margin must be a number in [0, 64) (headroom 2**margin), got {self.margin!r}")
         for name in ("forward", "backward"):
-            fp8_dtype(getattr(self, name))  # the format's own error
+            if getattr(self, name) not in FP8_FORMATS:
+                raise ValueError(
+                    f"Fp8Recipe.{name} must be an FP8 format, one of {', '.join(FP8_FORMATS)}, got {getattr(self, name)!r}"
+                )
+        for name, default in _HISTORY_SETTINGS.items():  # current scaling keeps no history to set
+            if self.scaling == "current" and getattr(self, name) != default:
+                raise ValueError(
+                    f"Fp8Recipe.{name} applies to delayed scaling only (current scaling scales by each tensor's "
+                    f"own amax and keeps no history), got {name}={getattr(self, name)!r} with scaling='current'"
+                )
 
     @property
     def delayed(self) -> bool:
@@ -142,39 +161,69 @@ class Fp8Recipe:
     @classmethod
     def from_string(cls, spec: str) -> Fp8Recipe | None:
         """``"none"`` (None: no FP8), or a scaling with optional settings, comma-separated:
-        ``"delayed"``, ``"current"``, ``"delayed,history=16,amax=most_recent,margin=1"``.
+        ``"delayed"``, ``"current"``, ``"delayed,history=16,amax=most_recent,margin=1,forward=e4m3,backward=e5m2"``
+        (``history`` and ``amax`` with delayed scaling only).
 
         Raises:
-          ValueError: another form, naming it and the expected one.
+          ValueError: another form, naming the setting as written and the expected form.
 
         Example:
           >>> Fp8Recipe.from_string("delayed,history=16").history, Fp8Recipe.from_string("none")
           (16, None)
+          >>> Fp8Recipe.from_string("current,history=16")
+          Traceback (most recent call last):
+          ...
+          ValueError: history=16: history applies to delayed scaling only (current scaling ...
         """
         if not isinstance(spec, str):
             raise TypeError(f"an FP8 recipe is a string, got {type(spec).__name__}")
-        expected = "none, or delayed|current[,history=N][,amax=max|most_recent][,margin=X]"
+        expected = (
+            "none, or delayed|current[,margin=X][,forward=e4m3|e5m2][,backward=e4m3|e5m2], "
+            f"and with delayed [,history=1..{MAX_HISTORY}][,amax=max|most_recent]"
+        )
         scaling, *parts = [part.strip() for part in spec.strip().lower().split(",")]
         if scaling == "none" and not parts:
             return None
         fields: dict[str, Any] = {"scaling": scaling}
+        written: dict[str, str] = {}
         for part in parts:
             name, sep, value = part.partition("=")
-            if not sep or name not in ("history", "amax", "margin") or name in fields:
-                raise ValueError(f"unknown or repeated FP8 setting {part!r} in {spec!r}; expected {expected}")
+            if not sep or name not in _SETTINGS:
+                raise ValueError(f"unknown FP8 setting {part!r} in {spec!r}; expected {expected}")
+            if name in fields:
+                raise ValueError(
+                    f"repeated FP8 setting {part!r} in {spec!r}: {name}= is given twice; expected {expected}"
+                )
             try:
-                fields[name] = int(value) if name == "history" else value if name == "amax" else float(value)
+                fields[name] = _SETTINGS[name](value)
             except ValueError:
                 raise ValueError(f"FP8 setting {part!r} is not a number; expected {expected}") from None
+            written[name] = part
+        for name in _HISTORY_SETTINGS:
+            if scaling == "current" and name in written:
+                raise ValueError(
+                    f"{written[name]}: {name} applies to delayed scaling only (current scaling scales by each "
+                    f"tensor's own amax and keeps no history); drop it, or use delayed; expected {expected}"
+                )
         try:
             return cls(**fields)
         except ValueError as error:
-            raise ValueError(f"{error}; expected {expected}") from None
+            message = str(error)
+            for name, part in written.items():  # the setting as written, not the field's name
+                if message.startswith(f"Fp8Recipe.{name} "):
+                    message = f"{part}: {message.removeprefix('Fp8Recipe.')}"
+            raise ValueError(f"{message}; expected {expected}") from None
 
     def to_string(self) -> str:
-        """The form :meth:`from_string` reads (``recipe == from_string(recipe.to_string())``)."""
+        """The form :meth:`from_string` reads (``recipe == from_string(recipe.to_string())``).
+
+        Example:
+          >>> Fp8Recipe("current", margin=1).to_string()
+          'current,margin=1,forward=e4m3,backward=e5m2'
+        """
         margin = int(self.margin) if float(self.margin).is_integer() else self.margin
-        return f"{self.scaling},history={self.history},amax={self.amax},margin={margin}"
+        history = f",history={self.history},amax={self.amax}" if self.delayed else ""
+        return f"{self.scaling}{history},margin={margin},forward={self.forward},backward={self.backward}"
 
     def history_amax(self, history: jax.Array) -> jax.Array:
         """The amax a history gives (its max, or its newest entry ``history[0]``)."""

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -54,10 +53,15 @@ import jax.numpy as jnp
 
 from leanstep.common.checks import is_int
 
-__all__ = ["WATCHABLE", "SpikeGuard", "SpikeState", "tree_sum"]
+__all__ = ["MAX_WINDOW", "WATCHABLE", "SpikeGuard", "SpikeState", "tree_sum"]
 
 #: What the guard may watch: the step's loss, its gradient norm (before clipping), its update norm.
 WATCHABLE = ("loss", "grad_norm", "update_norm")
+#: The longest window: 2**24 steps, the largest count a float32 holds exactly (64 MiB of ring a
+#: watched value).
+MAX_WINDOW = 2**24
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 def tree_sum(values: jax.Array) -> jax.Array:
@@ -109,9 +113,11 @@ class SpikeGuard:
     """The guard's settings (static; see the module doc).
 
     Attributes:
-      window: values each statistic is over, an int >= 2.
-      k: how many standard deviations above the mean is a spike, > 0 (6 as MaxText and OLMo-core).
-      warmup: recorded steps before any step is judged, an int >= 2 (the window needs values).
+      window: values each statistic is over, an int in ``[2, MAX_WINDOW]`` (2**24).
+      k: how many standard deviations above the mean is a spike, > 0 and finite in float32 (6 as
+        MaxText and OLMo-core).
+      warmup: recorded steps before any step is judged, an int in ``[2, 2**31 - 1]`` (the window
+        needs values; the steps recorded are an int32).
       watch: a tuple of :data:`WATCHABLE` names; the loss alone by default. The gradient norm's
         distribution has a heavy tail: on ``leanstep train``'s default run (1,096 steps) it
         crosses mean + 6 std 6 times, the loss never (``docs/reliability.md``).
@@ -126,12 +132,19 @@ class SpikeGuard:
     watch: tuple[str, ...] = ("loss",)
 
     def __post_init__(self) -> None:
-        if not is_int(self.window) or self.window < 2:
-            raise ValueError(f"SpikeGuard.window must be an int >= 2, got {self.window!r}")
-        if isinstance(self.k, bool) or not isinstance(self.k, (int, float)) or not 0 < self.k < math.inf:
-            raise ValueError(f"SpikeGuard.k must be a positive number, got {self.k!r}")
-        if not is_int(self.warmup) or self.warmup < 2:
-            raise ValueError(f"SpikeGuard.warmup must be an int >= 2, got {self.warmup!r}")
+        # The window's count is divided as a float32 (exact to 2**24) and its steps are counted
+        # in int32: bounded here, not where they would overflow inside the compiled step.
+        if not is_int(self.window) or not 2 <= self.window <= MAX_WINDOW:
+            raise ValueError(
+                f"SpikeGuard.window must be an int in [2, {MAX_WINDOW}] (steps; its count is a float32, exact to "
+                f"2**24), got {self.window!r}"
+            )
+        if isinstance(self.k, bool) or not isinstance(self.k, (int, float)) or not 0 < self.k <= _FLOAT32_MAX:
+            raise ValueError(f"SpikeGuard.k must be a positive number, finite in float32, got {self.k!r}")
+        if not is_int(self.warmup) or not 2 <= self.warmup <= _INT32_MAX:
+            raise ValueError(
+                f"SpikeGuard.warmup must be an int in [2, {_INT32_MAX}] (steps, counted in int32), got {self.warmup!r}"
+            )
         watch = tuple(self.watch) if isinstance(self.watch, (tuple, list)) else (self.watch,)
         if not watch or any(name not in WATCHABLE for name in watch) or len(set(watch)) != len(watch):
             raise ValueError(f"SpikeGuard.watch must name some of {WATCHABLE}, each once, got {self.watch!r}")

@@ -46,8 +46,10 @@ def add_compile_cache_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
-    """The model and batch flags that train, plan and audit share, with ``d``'s defaults."""
+def add_run_flags(p: argparse.ArgumentParser, d: Any, *, scope: dict[str, str] | None = None) -> None:
+    """The model and batch flags that train, plan and audit share, with ``d``'s defaults;
+    ``scope``: a command's words on where a flag acts there (by dest), added to its help."""
+    scope = scope or {}
     from leanstep.blocks.loss_scale_registry import LOSS_SCALES
     from leanstep.models import MODELS, SIZES
 
@@ -71,9 +73,11 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
         "--fp8",
         default=d.fp8,
         metavar="RECIPE",
-        help="FP8 operands for the transformer's block matmuls (e4m3 forward, e5m2 gradients): none, delayed "
-        "(scales from amax histories kept in the state) or current (each tensor's own amax), with optional "
-        "settings, e.g. delayed,history=16,amax=most_recent,margin=0; emulated exactly (and slower) on CPU",
+        help="FP8 operands for the transformer's block matmuls: none, delayed (scales from amax histories kept "
+        "in the state) or current (each tensor's own amax), with optional settings: margin=X, forward=e4m3|e5m2 "
+        "(activations and weights; e4m3), backward=e4m3|e5m2 (gradients; e5m2), and with delayed only "
+        "history=1..65536 (1024) and amax=max|most_recent, e.g. delayed,history=16,amax=most_recent; emulated "
+        "exactly (and slower) on CPU",
     )
     model.add_argument(
         "--master",
@@ -85,14 +89,15 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
         "--moments",
         default=d.moments,
         help="how AdamW's moments are kept: float32, bfloat16, or int8 (blocks of 256 with a float32 scale "
-        "each: 1.016 bytes an element)",
+        "each: 1.016 bytes an element)" + scope.get("moments", ""),
     )
     model.add_argument(
         "--spike-guard",
         default=d.spike_guard,
         metavar="GUARD",
         help="skip a finite step whose loss (or gradient or update norm) is beyond mean + k std of its recent window: "
-        "none, on (k=6,window=100,warmup=100,watch=loss), or k=X,window=N,warmup=N[,watch=loss+grad_norm+update_norm]",
+        "none, on (k=6,window=100,warmup=100,watch=loss), or k=X,window=2..16777216,warmup=N"
+        "[,watch=loss+grad_norm+update_norm]" + scope.get("spike_guard", ""),
     )
     model.add_argument(
         "--spike-rollback",
@@ -100,7 +105,7 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any) -> None:
         metavar="ROLLBACK",
         help="after a burst of spikes, roll back to the checkpoint before it, skip its batches and lower the "
         "learning rate for a while (needs --spike-guard): none, on (after=3,within=50,lr=0.5,for=100,max=5,"
-        "ahead=50), or after=N,within=N,lr=X,for=N,max=N,ahead=N",
+        "ahead=50), or after=N,within=N,lr=X,for=N,max=N,ahead=N (after <= within)" + scope.get("spike_rollback", ""),
     )
     model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")

@@ -14,6 +14,11 @@ from leanstep.cli.jsontree import InputError
 #: ``leanstep verify``'s default device count for the mesh layouts (data=4, fsdp=4, data=2,tensor=2).
 DEFAULT_DEVICES = 4
 
+#: The flags that only verify's resume check (a run trained, killed and resumed) runs with, by field:
+#: the other checks build the step from the model, precision, masters and microbatches
+#: (:func:`leanstep.training.verify_run.verify_setup`), with float32 moments and no spike guard.
+RESUME_ONLY = {"--moments": "moments", "--spike-guard": "spike_guard", "--spike-rollback": "spike_rollback"}
+
 
 def add_parser(subparsers: Any) -> None:
     """Registers ``verify``."""
@@ -31,7 +36,8 @@ def add_parser(subparsers: Any) -> None:
         "(and --json); exits 1 if a check fails.",
         formatter_class=HelpFormatter,
     )
-    add_run_flags(p, d)
+    only = "; verify: its resume check only (the other checks run the step without it)"
+    add_run_flags(p, d, scope=dict.fromkeys(RESUME_ONLY.values(), only))
     p.add_argument(
         "--microbatches", type=int, default=d.microbatches, help="must divide --batch-size (1: checked as 2)"
     )
@@ -106,6 +112,18 @@ def run_verify(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise InputError(str(error)) from None
     config = run_config(args)
+    only = _resume_only(config)
+    if only and not args.resume:
+        raise InputError(
+            f"{only} acts only in verify's resume check, which --no-resume skips: drop --no-resume, or drop "
+            f"{'it' if ' --' not in only else 'them'}"
+        )
+    if only:
+        print(
+            f"leanstep verify: note: {only} acts only in the resume check; the other checks run the step with "
+            "float32 moments and no spike guard",
+            file=sys.stderr,
+        )
     try:
         report = verify_run(config, checks=checks, num_devices=args.layout_devices, resume=args.resume)
     except (TypeError, ValueError) as error:
@@ -114,6 +132,19 @@ def run_verify(args: argparse.Namespace) -> int:
     Console(width=None if sys.stdout.isatty() else 110).print(render_report(report))
     written = _write_json(json_path, report.to_json())
     return 0 if report.passed and written else 1
+
+
+def _resume_only(config: Any) -> str:
+    """The flags of :data:`RESUME_ONLY` that ``config`` sets (as ``--flag value``, space-joined), or ``""``."""
+    from leanstep.training import RunConfig
+    from leanstep.training.config import setting_meaning
+
+    default = RunConfig()
+    return " ".join(
+        f"{flag} {getattr(config, name)}"
+        for flag, name in RESUME_ONLY.items()
+        if setting_meaning(name, getattr(config, name)) != setting_meaning(name, getattr(default, name))
+    )
 
 
 def render_report(report: Any) -> Any:

@@ -10,13 +10,15 @@ on. ``metrics.jsonl`` is cut back to the step the run goes on from.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from leanstep.checkpoints.checkpointer import Checkpointer, CheckpointError
+from leanstep.common.files import read_regular_file
 from leanstep.step.state import TrainState
 from leanstep.training.actions import roll_back_to
-from leanstep.training.config import RunConfig, config_hash
+from leanstep.training.config import RunConfig, config_hashes
 from leanstep.training.legacy_state import restore_state
 from leanstep.training.loop_state import RunStopped
 from leanstep.training.metrics_log import truncate_metrics
@@ -115,7 +117,10 @@ def restore_checkpoint(
     notes.extend(f"warning: skipped damaged checkpoint {reason}" for reason in restored.skipped)
     if restored.skipped:
         notes.append(f"warning: resuming from step {restored.step}, the newest intact checkpoint")
-    if restored.extra.get("config_sha256", config_hash(config)) != config_hash(config):
+    # A checkpoint of 0.11 or before holds the hash of the setting strings as they were written
+    # then: config.json has them (still the saved run's: it is rewritten once the run resumed).
+    mine = config_hashes(config, saved_fields(Path(config.out) / "config.json"))
+    if restored.extra.get("config_sha256", mine[0]) not in mine:
         raise ValueError(
             f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
             "a different config than this one"
@@ -127,3 +132,14 @@ def restore_checkpoint(
         )
     checkpointer.delete_newer_than(restored.step)
     return restored.state, float(restored.extra.get("elapsed_s", 0.0)), restored.extra
+
+
+def saved_fields(config_path: Path) -> dict[str, Any] | None:
+    """The run's fields in ``config.json`` (None: none readable; :func:`~leanstep.training.run_dir.check_run` has
+    refused a missing or damaged one, and that the fields mean this config's, before a resume gets here)."""
+    try:
+        saved = json.loads(read_regular_file(config_path, what=str(config_path), limit=64 << 20))
+    except (OSError, ValueError, RecursionError):
+        return None
+    run = saved.get("run", saved) if isinstance(saved, dict) else None
+    return run if isinstance(run, dict) else None

@@ -67,8 +67,8 @@ class SpikeRollback:
     """When ``leanstep train`` rolls back past spikes, and what it does then (``--spike-rollback``).
 
     Attributes:
-      after: spikes (steps the guard skipped) that make a burst, an int >= 1.
-      within: ... within this many steps, an int >= 1.
+      after: spikes (steps the guard skipped) that make a burst, an int >= 1 ...
+      within: ... within this many steps, an int >= ``after`` (a burst fits in its window).
       lr_factor: the optimizer's updates are multiplied by this after a rollback, in (0, 1].
       lr_steps: ... for this many steps from the checkpoint rolled back to, an int >= 0.
       max_rollbacks: a run that would roll back more often than this stops instead (exit 1).
@@ -96,6 +96,11 @@ class SpikeRollback:
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 raise ValueError(f"SpikeRollback.{name} must be an int >= 0, got {value!r}")
+        if self.after > self.within:
+            raise ValueError(
+                f"SpikeRollback.after ({self.after}) must be at most within ({self.within}): "
+                f"{self.after} spikes never fall within {self.within} steps, so it would never roll back"
+            )
         factor = self.lr_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
             raise ValueError(f"SpikeRollback.lr_factor must be a number in (0, 1], got {factor!r}")
