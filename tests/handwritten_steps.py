@@ -22,6 +22,14 @@ peers shipped:
     float32_layer          the second layer computes in float32 (a framework layer built with dtype=float32)
     keys_reused            every microbatch draws its dropout with the same key
     batch_stat_per_device  the batch statistic is each device's own rows' mean, not the microbatch's
+    loss_scale_twice       the loss scale is divided out of the gradient twice
+    divided_by_m_twice     the token-weighted gradient is divided by M once more, as if a mean of means
+
+``batch_stat="shared"`` centres every microbatch by the whole batch's mean (one statistic a step,
+as a model whose BatchNorm sees the whole batch), a correct design as much as the per-microbatch
+one; ``padded_batch`` makes token weights of unequal counts with an empty microbatch.
+:meth:`HandwrittenStep.reference_loss` is the model's unscaled loss, written once more without
+the step, for verify's ``reference`` check.
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ BUGS = (
     "float32_layer",
     "keys_reused",
     "batch_stat_per_device",
+    "loss_scale_twice",
+    "divided_by_m_twice",
 )
 
 LOSS_SCALE = 2.0**10
@@ -74,6 +84,20 @@ def make_batch(rows: int = 16, tokens: int = 4, features: int = 6, outputs: int 
     }
 
 
+def padded_batch(
+    num_microbatches: int, *, empty: int | None = 1, rows: int = 16, tokens: int = 6, seed: int = 0
+) -> dict:
+    """:func:`make_batch` with token weights of random lengths (padding), microbatch ``empty`` (of a
+    strided split into ``num_microbatches``) without any token; None: every row keeps a token."""
+    batch = make_batch(rows=rows, tokens=tokens, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    lengths = rng.integers(1, tokens + 1, size=rows)
+    mask = (np.arange(tokens)[None, :] < lengths[:, None]).astype(np.float32)
+    if empty is not None:
+        mask[empty::num_microbatches] = 0
+    return {**batch, "mask": mask}
+
+
 @dataclasses.dataclass
 class HandwrittenStep:
     """The protocol of :class:`leanstep.verification.VerifiableStep`, for the step of the module doc."""
@@ -84,11 +108,13 @@ class HandwrittenStep:
     split: str = "strided"
     mask: str | None = "mask"
     compute_dtype: Any = jnp.bfloat16
-    batch_stat: bool = True  # False: no batch statistic and no model state
+    batch_stat: bool | str = True  # False: no batch statistic and no model state; "shared": the whole batch's
 
     def __post_init__(self) -> None:
         if self.bug is not None and self.bug not in (*BUGS, DROPPED):
             raise ValueError(f"bug: expected one of {BUGS}, got {self.bug!r}")
+        if self.batch_stat not in (True, False, "shared"):
+            raise ValueError(f"batch_stat: expected True, False or 'shared', got {self.batch_stat!r}")
         features, outputs = self.batch["x"].shape[-1], self.batch["y"].shape[-1]
         k1, k2 = jax.random.split(jax.random.key(0))
         self.params = {
@@ -140,9 +166,21 @@ class HandwrittenStep:
         x[row] = np.nan
         return {**batch, "x": x}
 
+    def reference_loss(self, params, parts, batch):
+        """The unscaled token-weighted mean loss of ``batch``, in float32, no dropout, and the model state after."""
+        h = jnp.asarray(batch["x"]) @ params["w1"]
+        mean = jnp.mean(jax.lax.stop_gradient(h), axis=(0, 1))
+        if self.batch_stat:
+            h = h - mean[None, None, :]
+        out = jnp.tanh(h) @ params["w2"]
+        error = jnp.sum((out - batch["y"]) ** 2, axis=-1)
+        loss = jnp.sum(error * batch["mask"]) / jnp.sum(batch["mask"])
+        state = parts["model_state"]
+        return loss, None if state is None else {"running_mean": 0.9 * state["running_mean"] + 0.1 * mean}
+
     # --- the step ----------------------------------------------------------------------------------
 
-    def _loss(self, params, rows, key, *, randomness):
+    def _loss(self, params, rows, key, shared_mean, *, randomness):
         """This device's rows of a microbatch: ``(S * loss_sum, (loss_sum, count, amax, mean))``.
 
         The count, the amax and the batch mean are the microbatch's over every device (forward
@@ -154,6 +192,8 @@ class HandwrittenStep:
         mean = jnp.mean(jax.lax.stop_gradient(h).astype(jnp.float32), axis=(0, 1))
         if self.bug != "batch_stat_per_device":
             mean = jax.lax.pmean(mean, "data")  # the microbatch's rows are spread over the devices
+        if shared_mean is not None:
+            mean = shared_mean
         if self.batch_stat:
             h = h - mean.astype(dtype)[None, None, :]
         amax = jax.lax.pmax(jnp.max(jnp.abs(jax.lax.stop_gradient(h).astype(jnp.float32))), "data")
@@ -182,7 +222,7 @@ class HandwrittenStep:
             local,
             mesh=mesh,
             in_specs=(replicated, jax.tree.map(lambda _: spec, batch)),
-            out_specs=(replicated, {"loss": PartitionSpec(), "grad_norm": PartitionSpec(), "skipped": PartitionSpec()}),
+            out_specs=(replicated, dict.fromkeys(("loss", "grad_norm", "skipped", "loss_scale"), PartitionSpec())),
             check_vma=False,
         )(arrays, batch)
 
@@ -201,7 +241,7 @@ class HandwrittenStep:
             j, rows_j = xs
             total, tokens, running, amax = carry
             key = step_key if self.bug == "keys_reused" else jax.random.fold_in(step_key, j)
-            grads, (loss_sum, count, amax_j, mean_j) = grad_fn(params, rows_j, key)
+            grads, (loss_sum, count, amax_j, mean_j) = grad_fn(params, rows_j, key, shared_mean)
             grads = jax.tree.map(lambda g: jax.lax.psum(g, "data"), grads)
             loss_sum = jax.lax.psum(loss_sum, "data")
             if self.bug == "loss_per_microbatch":
@@ -214,16 +254,26 @@ class HandwrittenStep:
             if self.bug == DROPPED:
                 grads = jax.tree.map(lambda g: jnp.where(j == num_microbatches - 1, 0, g), grads)
             total = jax.tree.map(lambda t, g: (t + g.astype(accumulate)).astype(accumulate), total, grads)
-            running = None if running is None else 0.9 * running + 0.1 * mean_j
+            if running is not None and shared_mean is None:
+                running = 0.9 * running + 0.1 * mean_j
             amax = amax_j if self.bug == "fp8_last_microbatch" else jnp.maximum(amax, amax_j)
             return (total, tokens + count, running, amax), loss_sum
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, accumulate), params)
         running = None if arrays["model_state"] is None else arrays["model_state"]["running_mean"]
+        shared_mean = None
+        if self.batch_stat == "shared":  # the whole batch's mean, one statistic for every microbatch
+            h = batch["x"].astype(self.compute_dtype) @ params["w1"].astype(self.compute_dtype)
+            shared_mean = jax.lax.pmean(jnp.mean(h.astype(jnp.float32), axis=(0, 1)), "data")
+            running = 0.9 * running + 0.1 * shared_mean
         init = (zeros, jnp.zeros(()), running, jnp.zeros(()))
         (total, tokens, running, amax), losses = jax.lax.scan(body, init, (jnp.arange(num_microbatches), microbatches))
         denominator = num_microbatches if self.bug == "loss_per_microbatch" else tokens
         grads = jax.tree.map(lambda t: t.astype(jnp.float32) / denominator / LOSS_SCALE, total)
+        if self.bug == "loss_scale_twice":
+            grads = jax.tree.map(lambda g: g / LOSS_SCALE, grads)
+        if self.bug == "divided_by_m_twice":
+            grads = jax.tree.map(lambda g: g / num_microbatches, grads)
         new_fp8 = {"amax_history": jnp.roll(fp8["amax_history"], 1).at[0].set(amax)}
         finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         clipped_tree = {"grads": grads, "fp8": new_fp8} if self.bug == "fp8_clipped" else {"grads": grads}
@@ -253,5 +303,10 @@ class HandwrittenStep:
         out = jax.tree.map(lambda new, old: jnp.where(finite, new, old), applied, kept)
         out["step"] = arrays["step"] + 1
         out["rng"] = arrays["rng"]
-        metrics = {"loss": jnp.sum(losses) / denominator, "grad_norm": norm, "skipped": ~finite}
+        metrics = {
+            "loss": jnp.sum(losses) / denominator,
+            "grad_norm": norm,
+            "skipped": ~finite,
+            "loss_scale": jnp.float32(LOSS_SCALE),
+        }
         return out, metrics

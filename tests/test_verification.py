@@ -45,6 +45,8 @@ FLAGGED_BY = {
     "float32_layer": ("compute_dtype", "dtype=float32", "float32[8, 3]"),
     "keys_reused": ("keys", "dropout keys reused across microbatches", "microbatches 0 and 1"),
     "batch_stat_per_device": ("meshes", "computed over each device's own rows", "model_state/running_mean"),
+    "loss_scale_twice": ("reference", "the loss scale (1024) divided out twice", "relative error"),
+    "divided_by_m_twice": ("reference", "gradients divided by M=4 twice", "relative error"),
 }
 
 

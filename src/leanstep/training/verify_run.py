@@ -23,7 +23,7 @@ from leanstep.training.data import BatchSampler, load_corpus
 from leanstep.verification import CHECKS, CheckResult, LeanstepStep, VerifyReport, verify_step
 from leanstep.verification.mesh_check import layouts_for
 
-__all__ = ["check_resume", "checked_config", "meshes_in_child", "verify_run", "verify_setup"]
+__all__ = ["check_layouts", "check_resume", "checked_config", "meshes_in_child", "verify_run", "verify_setup"]
 
 
 def verify_setup(config: RunConfig) -> LeanstepStep:
@@ -103,6 +103,8 @@ def verify_run(
         + (f" --fp8 {config.fp8}" if config.fp8 != "none" else "")
     )
     wanted = tuple(CHECKS) if checks is None else tuple(checks)
+    if "meshes" in wanted:  # before anything runs: a layout the rows do not fit is a flag error
+        check_layouts(config, layouts_for(num_devices or 1), num_devices or 1)
     here = tuple(c for c in wanted if c != "meshes")
     report = verify_step(setup, num_microbatches=microbatches, checks=here, name=name)
     results = list(report.checks)
@@ -112,6 +114,26 @@ def verify_run(
     if resume:
         results.append(check_resume(config))
     return VerifyReport(name, tuple(results))
+
+
+def check_layouts(config: RunConfig, layouts: list[str], num_devices: int) -> None:
+    """Refuses layouts whose row axes (data, fsdp) do not split each microbatch's rows evenly.
+
+    Raises:
+      ValueError: naming ``--devices``, ``--batch-size`` and ``--microbatches``.
+    """
+    from leanstep.sharding.distributed import parse_mesh
+
+    rows = config.batch_size // config.microbatches
+    for layout in layouts:
+        shape = parse_mesh(layout)
+        split = shape.get("data", 1) * shape.get("fsdp", 1)
+        if rows % split:
+            raise ValueError(
+                f"--devices {num_devices}: the mesh layout {layout} splits each microbatch's {rows} rows (--batch-size "
+                f"{config.batch_size} / --microbatches {config.microbatches}) over {split} devices; expected a device "
+                "count whose layouts divide them (or --devices 1 for none)"
+            )
 
 
 def check_meshes_none(num_devices: int | None) -> CheckResult:

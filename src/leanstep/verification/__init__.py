@@ -7,7 +7,9 @@
     bounds.py          the tolerances, derived (unit roundoff, gamma_n, probabilistic norm bound)
     trees.py           named leaves, bitwise comparison, the worst element against a bound
     batches.py         the batches the checks build: microbatch rows, uneven token counts, poison
-    gradient_checks.py accumulation, token weighting, clipping: against float64 references
+    gradient_checks.py accumulation, M against one, token weighting: against float64 references
+    clip_check.py      clipping at half the float64 full-batch norm
+    reference_check.py the step against the loss's own float32 gradient, computed without the step
     state_checks.py    a forced non-finite step, microbatch keys, FP8 state reduction
     program_checks.py  compute dtype of every matmul, what the remat policy saves (the audit)
     mesh_check.py      each mesh layout against one device

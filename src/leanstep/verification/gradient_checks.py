@@ -23,30 +23,42 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from leanstep.verification.batches import batch_rows, microbatch_rows, rows_of, uneven_mask
-from leanstep.verification.bounds import TINY, norm_bound, unit_roundoff
+from leanstep.verification.bounds import unit_roundoff
 from leanstep.verification.report import CheckResult
 from leanstep.verification.runs import Outcome, Runs
-from leanstep.verification.trees import worst_excess
 
 __all__ = [
+    "PER_MICROBATCH_MEAN",
     "check_accumulation",
-    "check_clip",
     "check_token_weighting",
     "clip_threshold",
+    "fitted_weights",
+    "full_batch_reference",
+    "gradients_of",
     "microbatch_references",
+    "precision_of",
     "reference",
+    "relative_error",
+    "skipped_finite_batch",
+    "weights_text",
 ]
 
 #: The named bug of a sum that has every microbatch's weight but not float32's precision.
 LOW_PRECISION_SUM = (
     "gradients accumulated in a low-precision dtype, not float32 (as deepspeedai/DeepSpeed#1800: ZeRO summing "
     "bf16 gradients in bf16)"
+)
+
+#: The named bug of microbatches weighed 1/M each where the loss contract weighs them by their tokens.
+PER_MICROBATCH_MEAN = (
+    "loss normalised per microbatch: each microbatch's mean weighs 1/M, so M microbatches are not the full "
+    "batch (the full batch divides the summed loss by the whole batch's token count)"
 )
 
 #: The largest relative error (2-norm over the whole gradient, against the norm of
@@ -58,10 +70,6 @@ LOW_PRECISION_SUM = (
 #: elementwise over microbatch gradients alone.
 SUM_TOLERANCE = 2.0**-14
 
-#: A norm summed in a 16-bit format errs by a few of its unit roundoffs, at most about
-#: sqrt(n) 2^-8 for n values that do not cancel; a norm off by more than 2^-4 is another norm.
-LOW_PRECISION_NORM = 2.0**-4
-
 #: The weights a step used are "right" within this relative distance. Rounding moves a fitted
 #: weight by about the unit roundoff of the sum's format (bfloat16: 2^-8 = 0.4%); the bugs this
 #: separates from move it by a microbatch's share of the batch, 1/M or more of it (a microbatch
@@ -70,8 +78,14 @@ WEIGHT_TOLERANCE = 2.0**-5
 
 
 def microbatch_references(
-    runs: Runs, batch: str, num_microbatches: int, *, chained: bool | None = None, **settings: Any
-) -> list[Outcome]:
+    runs: Runs,
+    batch: str,
+    num_microbatches: int,
+    *,
+    chained: bool | None = None,
+    skip: Sequence[int] = (),
+    **settings: Any,
+) -> list[Outcome | None]:
     """Each microbatch of the named batch alone: its rows in every microbatch, through the same program.
 
     The step's own ``M``-microbatch program computes microbatch ``j``'s gradient ``M`` times
@@ -83,16 +97,20 @@ def microbatch_references(
     A model whose gradient reads its own state (EMA batch norm, a counter) sees a different
     state in each copy; for it (``chained``, default: :meth:`Runs.reads_model_state`) the
     references are the one-microbatch program run on each microbatch in turn, each from the
-    state the one before left (:meth:`Runs.chain`).
+    state the one before left (:meth:`Runs.chain`). The microbatches in ``skip`` (those that
+    weigh 0: no tokens) are not run (their entry is None): alone, their loss is 0 / 0.
     """
     if chained is None:
         chained = runs.reads_model_state() and batch in ("batch", "uneven") and not settings
     if chained:
-        return runs.chain(batch, num_microbatches)
+        return [None if j in skip else r for j, r in enumerate(runs.chain(batch, num_microbatches))]
     source = runs.batches[batch]
     rows = microbatch_rows(batch_rows(source), num_microbatches, runs.setup.split)
-    outcomes = []
+    outcomes: list[Outcome | None] = []
     for j, microbatch in enumerate(rows):
+        if j in skip:
+            outcomes.append(None)
+            continue
         name = f"{batch}[microbatch {j} of {num_microbatches}, {num_microbatches} times]"
         if name not in runs.batches:
             order = np.empty(batch_rows(source), np.int64)
@@ -103,15 +121,23 @@ def microbatch_references(
     return outcomes
 
 
+def gradients_of(outcomes: Sequence[Outcome | None]) -> list[dict[str, np.ndarray]]:
+    """The outcomes' gradients, zeros for a microbatch not run (one that weighs 0)."""
+    shapes = next(o.gradient for o in outcomes if o is not None)
+    zeros = {leaf: np.zeros_like(v) for leaf, v in shapes.items()}
+    return [zeros if o is None else o.gradient for o in outcomes]
+
+
 def reference(
     parts: list[dict[str, np.ndarray]], weights: list[float]
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``(sum_j w_j g_j, sum_j |w_j g_j|)`` in float64, leaf by leaf."""
+    """``(sum_j w_j g_j, sum_j |w_j g_j|)`` in float64, leaf by leaf (a term of weight 0 left out)."""
     total: dict[str, np.ndarray] = {}
     magnitude: dict[str, np.ndarray] = {}
+    terms = [(w, g) for w, g in zip(weights, parts, strict=True) if w != 0]
     for name in parts[0]:
-        total[name] = np.sum([w * g[name] for w, g in zip(weights, parts, strict=True)], axis=0)
-        magnitude[name] = np.sum([abs(w) * np.abs(g[name]) for w, g in zip(weights, parts, strict=True)], axis=0)
+        total[name] = np.sum([w * g[name] for w, g in terms], axis=0)
+        magnitude[name] = np.sum([abs(w) * np.abs(g[name]) for w, g in terms], axis=0)
     return total, magnitude
 
 
@@ -141,19 +167,21 @@ def relative_error(
     return ratio(list(triples.values())), {leaf: ratio([t]) for leaf, t in triples.items()}
 
 
+def weights_text(weights: Sequence[float] | np.ndarray) -> str:
+    """The weights as the reports print them: ``"0.25, 0.75"``."""
+    return ", ".join(f"{w:.4g}" for w in weights)
+
+
 def _weighted_sum_check(
-    name: str,
-    runs: Runs,
-    batch: str,
-    num_microbatches: int,
-    weights: list[float],
-    catches: str,
-    started: float,
-    compared: str,
+    name: str, runs: Runs, batch: str, num_microbatches: int, catches: str, started: float, compared: str
 ) -> CheckResult:
+    weights = runs.weights(batch, num_microbatches)
     got = runs.step(batch, num_microbatches)
-    refs = microbatch_references(runs, batch, num_microbatches)
-    want, magnitude = reference([r.gradient for r in refs], weights)
+    skipped = skipped_finite_batch(name, runs, batch, got, weights, compared, started)
+    if skipped is not None:
+        return skipped
+    refs = gradients_of(microbatch_references(runs, batch, num_microbatches, skip=_empty(weights)))
+    want, magnitude = reference(refs, weights)
     error, leaf_errors = relative_error(got.gradient, want, magnitude)
     allowed, tolerance = (
         SUM_TOLERANCE,
@@ -166,14 +194,16 @@ def _weighted_sum_check(
             f"the gradient reads the model state: references from the one-microbatch program, chained; sqrt(u) of "
             f"{np.dtype(dtype).name} ({allowed:.2g}): the weights are checked, a low-precision sum only below it"
         )
-    elapsed = time.perf_counter() - started
     if error <= allowed:
-        return CheckResult(name, "pass", compared, error, allowed, tolerance, seconds=elapsed)
-    fitted = fitted_weights(got.gradient, [r.gradient for r in refs])
+        return CheckResult(name, "pass", compared, error, allowed, tolerance, seconds=time.perf_counter() - started)
+    if runs.has_model_state():
+        shared = _shared_statistics(name, runs, batch, num_microbatches, got, magnitude, compared, started)
+        if shared is not None:
+            return shared
+    fitted = fitted_weights(got.gradient, refs)
     off = np.abs(fitted - np.asarray(weights)) / np.maximum(np.abs(weights), 1e-30)
+    off = np.where(np.asarray(weights) == 0, np.abs(fitted) / max(weights), off)
     j = int(np.argmax(off))
-    shown = ", ".join(f"{w:.4g}" for w in fitted)
-    expected = ", ".join(f"{w:.4g}" for w in weights)
     leaf = max(leaf_errors, key=leaf_errors.__getitem__)
     where = f"{leaf} (its relative error {leaf_errors[leaf]:.2g})"
     if off[j] > WEIGHT_TOLERANCE:
@@ -181,12 +211,72 @@ def _weighted_sum_check(
         diagnosis = catches if name == "token_weighting" else _weights_diagnosis(fitted, weights)
     else:
         where += "; every microbatch has its weight: the sum itself is imprecise"
-        diagnosis = LOW_PRECISION_SUM + _precision_of(error)
-    detail = f"fitted weights [{shown}], expected [{expected}]"
+        diagnosis = LOW_PRECISION_SUM + precision_of(error)
+    detail = f"fitted weights [{weights_text(fitted)}], expected [{weights_text(weights)}]"
+    elapsed = time.perf_counter() - started
     return CheckResult(name, "fail", compared, error, allowed, tolerance, where, diagnosis, detail, elapsed)
 
 
-def _precision_of(relative: float) -> str:
+def _empty(weights: Sequence[float]) -> list[int]:
+    return [j for j, w in enumerate(weights) if w == 0]
+
+
+def skipped_finite_batch(
+    name: str, runs: Runs, batch: str, got: Outcome, weights: list[float], compared: str, started: float
+) -> CheckResult | None:
+    """A failure if the step skipped this batch, whose every value is finite (None if it applied it)."""
+    if not bool(np.asarray(got.metrics.get("skipped", False))):
+        return None
+    empty = _empty(weights)
+    if empty:
+        diagnosis = (
+            f"microbatch {empty[0]} has no tokens and made the step non-finite: its loss divided by its own token "
+            "count, 0 (loss normalised per microbatch; the full batch divides by the whole batch's count)"
+        )
+    else:
+        diagnosis = "the step skipped a batch whose values are all finite (its finiteness guard fires on a finite step)"
+    return CheckResult(
+        name, "fail", compared, math.inf, 0.0, "-", f"metrics/skipped on the batch {batch!r}", diagnosis,
+        f"token weights of the microbatches [{weights_text(weights)}]", time.perf_counter() - started,
+    )  # fmt: skip
+
+
+def _shared_statistics(
+    name: str,
+    runs: Runs,
+    batch: str,
+    num_microbatches: int,
+    got: Outcome,
+    magnitude: dict[str, np.ndarray],
+    compared: str,
+    started: float,
+) -> CheckResult | None:
+    """A pass if the step's gradient is its full-batch (``M = 1``) gradient within ``sqrt(u)``: the model's
+    batch statistics are the whole batch's, shared by the microbatches (None if it is not)."""
+    allowed = _program_tolerance(runs.rounding_dtype)
+    one = runs.step(batch, 1)
+    error, _ = relative_error(got.gradient, one.gradient, magnitude)
+    if not error <= allowed:
+        return None
+    tolerance = (
+        f"the model's batch statistics are shared by the microbatches (the whole batch's): G (M={num_microbatches}) "
+        f"vs G (M=1), sqrt(u) of {np.dtype(runs.rounding_dtype).name} ({allowed:.2g})"
+    )
+    detail = "each microbatch alone normalises by its own rows, so the microbatch references do not apply"
+    return CheckResult(
+        name, "pass", compared + "; vs G (M=1)", error, allowed, tolerance, detail=detail,
+        seconds=time.perf_counter() - started,
+    )  # fmt: skip
+
+
+def _program_tolerance(dtype: Any) -> float:
+    """What two programs of the step may differ by, relative: ``sqrt(u)`` of the dtype they round to
+    (``u`` itself for an 8-bit format, quantized by each program's own amax: one rounding per operand)."""
+    u = unit_roundoff(dtype)
+    return u if np.dtype(dtype).itemsize == 1 else math.sqrt(u)
+
+
+def precision_of(relative: float) -> str:
     for dtype in ("bfloat16", "float16"):
         if relative >= unit_roundoff(dtype) / 8:
             return f" (an error of {relative:.2g} relative is {dtype}'s rounding, u = {unit_roundoff(dtype):.3g})"
@@ -195,22 +285,24 @@ def _precision_of(relative: float) -> str:
 
 def _weights_diagnosis(fitted: np.ndarray, weights: list[float]) -> str:
     total = float(np.sum(weights))
+    count = len(weights)
     if abs(fitted[-1] - total) <= WEIGHT_TOLERANCE * total and np.all(np.abs(fitted[:-1]) <= WEIGHT_TOLERANCE * total):
         return "the step kept the last microbatch's gradient only (an accumulator overwritten, not added to)"
-    dropped = [j for j, w in enumerate(fitted) if abs(w) <= WEIGHT_TOLERANCE * total]
+    if np.all(np.abs(fitted - total / count) <= WEIGHT_TOLERANCE * total / count):
+        return PER_MICROBATCH_MEAN
+    dropped = [j for j, w in enumerate(fitted) if abs(w) <= WEIGHT_TOLERANCE * total and weights[j] != 0]
     if dropped:
         return f"microbatch(es) {dropped} left out of the accumulated gradient"
     return "the microbatches' gradients are combined with the wrong weights (the gradient is not the full batch's)"
 
 
 def check_accumulation(runs: Runs, num_microbatches: int) -> CheckResult:
-    """M microbatches against each microbatch alone, equal weights: the float32 sum, exactly."""
+    """M microbatches against each microbatch alone, weighed as the loss contract says: the float32 sum."""
     started = time.perf_counter()
-    weights = [1.0 / num_microbatches] * num_microbatches
-    compared = f"G (M={num_microbatches}) vs sum_j g_j / M of each microbatch alone, in float64"
-    return _weighted_sum_check(
-        "accumulation", runs, "batch", num_microbatches, weights, LOW_PRECISION_SUM, started, compared
-    )
+    token = getattr(runs.setup, "mask", None) is not None
+    weighed = "c_j / sum c (token counts)" if token else "1/M"
+    compared = f"G (M={num_microbatches}) vs sum_j w_j g_j of each microbatch alone, w_j = {weighed}, in float64"
+    return _weighted_sum_check("accumulation", runs, "batch", num_microbatches, LOW_PRECISION_SUM, started, compared)
 
 
 def check_full_batch(runs: Runs, num_microbatches: int) -> CheckResult:
@@ -220,17 +312,12 @@ def check_full_batch(runs: Runs, num_microbatches: int) -> CheckResult:
     they agree only to rounding that compounds through the network; the check allows
     :math:`\sqrt{u_c}` (a difference past the square root of the compute dtype's unit roundoff
     is structure, not rounding: a split along the wrong axis, a microbatch left out or weighed
-    wrong), relative to :math:`\|\sum_j |w_j g_j|\|`.
+    wrong), relative to :math:`\|\sum_j |w_j g_j|\|`. A model with batch statistics passes if its
+    microbatches share the whole batch's; if each normalises by its own rows, ``M`` microbatches
+    are not one by design and the check does not apply.
     """
     started = time.perf_counter()
     compared = f"G (M={num_microbatches}) vs G (M=1)"
-    state = runs.step("batch", num_microbatches).before.get("model_state")
-    if jax.tree.leaves(state):
-        return CheckResult(
-            "full_batch", "n/a", compared, 0.0, 0.0, "-", seconds=time.perf_counter() - started,
-            detail="the model carries state (batch statistics): each microbatch normalises by its own rows, so M "
-            "microbatches are not one by design; the accumulation check still holds them to their microbatches",
-        )  # fmt: skip
     if getattr(runs.setup, "keyed_by_shape", False):
         return CheckResult(
             "full_batch", "n/a", compared, 0.0, 0.0, "-", seconds=time.perf_counter() - started,
@@ -238,9 +325,7 @@ def check_full_batch(runs: Runs, num_microbatches: int) -> CheckResult:
             "of B rows draws others than M of B/M; give make_loss_fn a random=False to compare",
         )  # fmt: skip
     dtype = runs.rounding_dtype
-    # an 8-bit format (FP8 quantized by each microbatch's current amax) rounds each operand once: u itself
-    u = unit_roundoff(dtype)
-    allowed = u if np.dtype(dtype).itemsize == 1 else math.sqrt(u)
+    allowed = _program_tolerance(dtype)
     _, _, magnitude, _ = full_batch_reference(runs, num_microbatches)
     many = runs.step("batch", num_microbatches)
     one = runs.step("batch", 1)
@@ -249,6 +334,12 @@ def check_full_batch(runs: Runs, num_microbatches: int) -> CheckResult:
     elapsed = time.perf_counter() - started
     if error <= allowed:
         return CheckResult("full_batch", "pass", compared, error, allowed, tolerance, seconds=elapsed)
+    if runs.has_model_state():
+        return CheckResult(
+            "full_batch", "n/a", compared, error, allowed, tolerance, seconds=elapsed,
+            detail="the model carries state (batch statistics) and each microbatch normalises by its own rows, so M "
+            "microbatches are not one by design; the accumulation check still holds them to their microbatches",
+        )  # fmt: skip
     leaf = max(leaf_errors, key=leaf_errors.__getitem__)
     diagnosis = (
         "M microbatches are not the full batch: the batch is split along another axis than its rows, or microbatches "
@@ -264,31 +355,31 @@ def check_token_weighting(runs: Runs, num_microbatches: int) -> CheckResult:
     mask = runs.setup.mask
     compared = "uneven token counts: G vs sum_j c_j g_j / sum_j c_j"
     if mask is None:
-        return CheckResult(
-            "token_weighting", "n/a", compared, 0.0, 0.0, "-",
-            detail="the setup names no token-weight leaf (mask): its loss is not token-weighted",
-        )  # fmt: skip
+        if getattr(runs.setup, "token_weighted", False):
+            detail = (
+                "the loss is token-weighted (token_weighted=True) but no token-weight leaf is named: give mask=<the "
+                "name of the batch's token-weight leaf> to check it (and to weigh microbatches by their token counts)"
+            )
+        else:
+            detail = "the setup names no token-weight leaf (mask): its loss is not token-weighted"
+        return CheckResult("token_weighting", "n/a", compared, 0.0, 0.0, "-", detail=detail)
     rows = microbatch_rows(batch_rows(runs.batches["batch"]), num_microbatches, runs.setup.split)
     if "uneven" not in runs.batches:
         uneven, counts = uneven_mask(runs.batches["batch"], mask, rows)
         runs.register("uneven", uneven)
         runs.token_counts = counts
-    counts = runs.token_counts
-    weights = [c / math.fsum(counts) for c in counts]
-    catches = (
-        "loss normalised per microbatch: each microbatch's mean weighs 1/M, so M microbatches are not the full "
-        "batch (the full batch divides the summed loss by the whole batch's token count)"
+    return _weighted_sum_check(
+        "token_weighting", runs, "uneven", num_microbatches, PER_MICROBATCH_MEAN, started, compared
     )
-    return _weighted_sum_check("token_weighting", runs, "uneven", num_microbatches, weights, catches, started, compared)
 
 
 def full_batch_reference(
     runs: Runs, num_microbatches: int
-) -> tuple[list[Outcome], dict[str, np.ndarray], dict[str, np.ndarray], float]:
-    """The microbatch references of the batch, its float64 gradient ``G*``, ``sum |w_j g_j|`` and ``|G*|``."""
-    weights = [1.0 / num_microbatches] * num_microbatches
-    refs = microbatch_references(runs, "batch", num_microbatches)
-    want, magnitude = reference([r.gradient for r in refs], weights)
+) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray], dict[str, np.ndarray], float]:
+    """The microbatch references' gradients of the batch, its float64 gradient ``G*``, ``sum |w_j g_j|`` and ``|G*|``."""
+    weights = runs.weights("batch", num_microbatches)
+    refs = gradients_of(microbatch_references(runs, "batch", num_microbatches, skip=_empty(weights)))
+    want, magnitude = reference(refs, weights)
     norm = math.sqrt(math.fsum(float(np.sum(v * v)) for v in want.values()))
     return refs, want, magnitude, norm
 
@@ -297,89 +388,3 @@ def clip_threshold(runs: Runs, num_microbatches: int) -> float | None:
     """The clip the checks run with, half the full batch's float64 gradient norm (None: no finite norm)."""
     norm = full_batch_reference(runs, num_microbatches)[3]
     return norm / 2 if norm > 0 and math.isfinite(norm) else None
-
-
-def check_clip(runs: Runs, num_microbatches: int) -> CheckResult:
-    r"""Clipping at half the full batch's float64 norm acts on the unscaled, accumulated gradient.
-
-    With :math:`G` the step's own unclipped gradient and :math:`c = \|G^\star\|/2`, the clipped
-    step's gradient must be :math:`G\,c/\|G\|` within the float32 norm's relative error
-    (:func:`~leanstep.verification.bounds.norm_bound`) and two roundings; the reported
-    ``grad_norm`` must be :math:`\|G^\star\|` within that error plus the accumulation's.
-    """
-    started = time.perf_counter()
-    _refs, want, _magnitude, norm = full_batch_reference(runs, num_microbatches)
-    count = sum(v.size for v in want.values())
-    compared = "clipped at c = |G*|/2 vs G c/|G|; grad_norm vs |G| (float64)"
-    if not norm > 0 or not math.isfinite(norm):
-        return CheckResult("clip", "n/a", compared, 0.0, 0.0, "-", detail=f"the full-batch gradient's norm is {norm}")
-    threshold = norm / 2
-    clipped = runs.step("batch", num_microbatches, max_grad_norm=threshold)
-    unclipped = runs.step("batch", num_microbatches)
-    own = unclipped.gradient
-    own_norm = math.sqrt(math.fsum(float(np.sum(v * v)) for v in own.values()))
-    factor = threshold / own_norm
-    relative = norm_bound(count) + 2 * unit_roundoff("float32")
-    bound = {leaf: factor * abs(v) * relative + TINY for leaf, v in own.items()}
-    worst = worst_excess(clipped.gradient, {leaf: factor * v for leaf, v in own.items()}, bound)
-    tolerance = f"the float32 norm's relative error over {count:,} values and two roundings ({relative:.2g})"
-    elapsed = time.perf_counter() - started
-    problems = []
-    reported = unclipped.metrics.get("grad_norm")
-    if reported is not None:
-        value = float(np.asarray(reported))
-        error = abs(value - own_norm) / own_norm
-        if not error <= relative:
-            problems.append(
-                f"the reported grad_norm {value:.7g} is {error:.2g} relative off the float64 norm {own_norm:.7g} of the "
-                f"gradient the step applied (allowed {relative:.2g}; the full batch's is {norm:.7g})"
-            )
-    if worst.ratio <= 1 and not problems:
-        return CheckResult("clip", "pass", compared, worst.difference, worst.bound, tolerance, seconds=elapsed)
-    diagnosis, detail = _clip_diagnosis(clipped.gradient, own, factor, relative, runs)
-    where = f"{worst.leaf}[{worst.position}]" if worst.ratio > 1 else "metrics/grad_norm"
-    if problems:
-        detail = "; ".join([*problems, detail])
-    return CheckResult(
-        "clip", "fail", compared, worst.difference, worst.bound, tolerance, where, diagnosis, detail, elapsed
-    )
-
-
-def _clip_diagnosis(
-    got: dict[str, np.ndarray], want: dict[str, np.ndarray], factor: float, relative: float, runs: Runs
-) -> tuple[str, str]:
-    """Names what the clip did wrong, from the factor it applied and the direction it kept."""
-    names = sorted(want)
-    g = np.concatenate([got[n].reshape(-1) for n in names])
-    w = np.concatenate([want[n].reshape(-1) for n in names])
-    applied = float(np.dot(g, w) / np.dot(w, w))
-    residual = float(np.linalg.norm(g - applied * w) / max(np.linalg.norm(applied * w), 1e-300))
-    detail = f"applied factor {applied:.7g}, expected {factor:.7g}; off the full-batch direction by {residual:.2g}"
-    if residual > 1e-3:
-        return (
-            (
-                "clipped before accumulation: each microbatch's gradient clipped to its own norm, so the step's "
-                "gradient is not the clipped full-batch gradient"
-            ),
-            detail,
-        )
-    used = factor / applied if applied else math.inf  # the norm the clip divided by, over the gradient's
-    scale = runs.metric("loss_scale")
-    if scale and scale != 1 and abs(used / scale - 1) < 1e-2:
-        return "clipped the scaled gradient: the norm included the loss scale (clip before unscaling)", detail
-    if abs(used - 1) > LOW_PRECISION_NORM:
-        return (
-            (
-                f"the clip divided by {used:.4g} times the gradient's norm: its norm covers other values than the "
-                "gradient (as AI-Hypercomputer/maxtext#672: FP8 scales in the tree that is clipped) or leaves some out"
-            ),
-            detail,
-        )
-    if abs(used - 1) > relative:
-        return (
-            f"the clip used a norm {used - 1:+.2g} relative off the float32 norm of the gradient: the norm was "
-            "summed in low precision (as AI-Hypercomputer/maxtext#5143: the clip's norm summed in bf16 while a "
-            "float32 norm was reported)" + _precision_of(abs(used - 1)),
-            detail,
-        )
-    return "the reported gradient norm is not the norm of the gradient the step applied", detail

@@ -37,6 +37,7 @@ from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.blocks.precision import get_precision
 from leanstep.inspection.auditing import audit
+from leanstep.planning.plan_inputs import is_params_builder, params_for, structure_error
 from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
@@ -71,7 +72,10 @@ class LeanstepStep:
       make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, the loss under a remat policy;
         ``make_loss_fn(remat_policy, random=False)`` if it takes ``random``: a loss that draws no
         random numbers (see :meth:`loss_fn`).
-      params: the float32 parameters (arrays), FP8 state included if the model has any.
+      params: the float32 parameters (arrays), FP8 state included if the model has any; or, for a
+        model whose remat policy changes the parameters' structure (Flax Linen's ``nn.remat``
+        renames its modules), a params builder ``params(remat_policy) -> params``, as
+        :func:`leanstep.plan` takes.
       batch: one global batch (arrays; leaves share the leading row dimension).
       precision: the step's precision (a :class:`leanstep.Precision` or its string form).
       accumulation: the run's microbatch count, or an :class:`leanstep.Accumulation` (its split
@@ -112,7 +116,8 @@ class LeanstepStep:
                 f"got {accumulation!r}"
             )
         self.make_loss_fn = make_loss_fn
-        self.params = params
+        self.params_builder = params if is_params_builder(params) else None
+        self.params = params_for(params, remat)
         self.batch = batch
         self.precision = get_precision(precision)
         self.num_microbatches = accumulation.num_microbatches
@@ -168,6 +173,47 @@ class LeanstepStep:
         fn, args = self.microbatch_loss("none")
         scales = {m.scale for m in audit(fn, *args).matmuls}
         return jnp.dtype("float8_e5m2") if "current" in scales else self.compute_dtype
+
+    @property
+    def token_weighted(self) -> bool:
+        """The loss is token-weighted (``loss.token_weighted``), its mask named or not."""
+        return self.loss.token_weighted
+
+    def params_under(self, policy: str) -> Any:
+        """The params the loss under remat ``policy`` takes (the builder's, where one was given)."""
+        return self.params if self.params_builder is None else params_for(self.params_builder, policy)
+
+    def check_structure(self) -> None:
+        """Traces one microbatch's loss under the remat policy (nothing runs).
+
+        Raises:
+          ValueError: the loss under the policy does not take the params given (it renames
+            them): pass a params builder, naming the argument.
+        """
+        fn, args = self.microbatch_loss(self.remat)
+        try:
+            jax.eval_shape(fn, *args)
+        except Exception as error:
+            # a Flax scope error (a module renamed under remat) or a missing key is one too
+            named = isinstance(error, KeyError) or type(error).__name__.startswith("Scope")
+            refused = structure_error(ValueError(f"structure: {error}") if named else error, self.remat)
+            if refused is None:
+                raise
+            raise ValueError(f"params: {refused}") from None
+
+    def reference_loss(self, params: Any, parts: Mapping[str, Any], batch: Any) -> tuple[jax.Array, Any]:
+        """The loss of ``batch`` as the user wrote it, unscaled, at float32 ``params`` (the trainable
+        part; the FP8 state from ``parts``): the token-weighted mean ``sum / count`` for a
+        token-weighted loss; no random numbers; and the model state it returns."""
+        fp8 = parts.get("fp8")
+        full = params if fp8 is None else merge_fp8(params, fp8)
+        model_state = parts.get("model_state")
+        loss_fn = self.loss_fn(self.remat, random=False)
+        out = self.loss.parse(
+            loss_fn(*self.loss.arguments(full, model_state, batch, jax.random.PRNGKey(0))), model_state
+        )
+        value = out.value / out.token_count if out.token_count is not None else out.value
+        return value, out.model_state
 
     @property
     def keyed_by_shape(self) -> bool:
@@ -253,7 +299,7 @@ class LeanstepStep:
         loss_fn = self.loss_fn(policy, random=False)
         rows = max(1, batch_rows(self.batch) // self.num_microbatches)
         microbatch = self.precision.cast_to_compute(rows_of(self.batch, list(range(rows))))
-        trainable, fp8 = split_fp8(self.params)
+        trainable, fp8 = split_fp8(self.params_under(policy))
         params_c = merge_fp8(self.precision.cast_to_compute(trainable), fp8)
         args: tuple[Any, ...] = (params_c,)
         if self.loss.has_state:

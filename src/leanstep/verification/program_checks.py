@@ -16,18 +16,32 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import jax
 import numpy as np
 
 from leanstep.inspection.auditing import audit
 from leanstep.inspection.residuals import saved_residuals_report
+from leanstep.planning.plan_inputs import structure_error
 from leanstep.verification.report import CheckResult
 from leanstep.verification.runs import Runs
+from leanstep.verification.trees import on_arrays
 
 __all__ = ["check_compute_dtype", "check_remat"]
 
 
 def _dtype_name(dtype: Any) -> str:
     return np.dtype(dtype).name
+
+
+def _audit_step(runs: Runs, num_microbatches: int) -> Any:
+    """The audit of one step from the settled state (its array leaves traced, the rest closed over)."""
+
+    def arrays_after(state: Any, batch: Any) -> list[Any]:
+        after = runs.setup.step(state, batch, num_microbatches)[0]
+        return [leaf for leaf in jax.tree.leaves(after) if isinstance(leaf, jax.Array)]
+
+    step, arrays = on_arrays(arrays_after, runs.state())
+    return audit(step, arrays, runs.batches["batch"])
 
 
 def check_compute_dtype(runs: Runs, num_microbatches: int) -> CheckResult:
@@ -38,8 +52,7 @@ def check_compute_dtype(runs: Runs, num_microbatches: int) -> CheckResult:
     if getattr(setup, "compute_dtype", None) is None:
         return CheckResult("compute_dtype", "n/a", compared, 0.0, 0.0, "-", detail="the setup names no compute dtype")
     want = _dtype_name(setup.compute_dtype)
-    state = runs.state()
-    report = audit(lambda s, b: setup.step(s, b, num_microbatches)[0], state, runs.batches["batch"])
+    report = _audit_step(runs, num_microbatches)
     elapsed = time.perf_counter() - started
     matmuls = report.matmuls
     wrong = [m for m in matmuls if not m.scale and (m.lhs[1] != want or m.rhs[1] != want)]
@@ -72,12 +85,21 @@ def check_remat(runs: Runs, num_microbatches: int) -> CheckResult:
     compared = "remat regions' policy; saved residual bytes vs no remat"
     if policy is None or policy == "none" or not hasattr(setup, "microbatch_loss"):
         return CheckResult("remat", "n/a", compared, 0.0, 0.0, "-", detail=f"remat policy {policy!r}")
-    report = audit(lambda s, b: setup.step(s, b, num_microbatches)[0], runs.state(), runs.batches["batch"])
+    report = _audit_step(runs, num_microbatches)
     problems = report.remat_violations(policy)
     fn, args = setup.microbatch_loss(policy)
     saved = saved_residuals_report(fn, *args)
     plain_fn, plain_args = setup.microbatch_loss("none")
-    plain = saved_residuals_report(plain_fn, *plain_args)
+    try:
+        plain = saved_residuals_report(plain_fn, *plain_args)
+    except (TypeError, ValueError, KeyError) as error:
+        if structure_error(error, "none") is None:
+            raise
+        return CheckResult(
+            "remat", "n/a", compared, 0.0, 0.0, "-", seconds=time.perf_counter() - started,
+            detail=f"the loss without remat does not take the params of remat {policy!r} (its structure differs): "
+            "pass params as a builder, params(remat_policy) -> params, to compare the two",
+        )  # fmt: skip
     if policy.startswith("save:"):
         wanted = set(policy[len("save:") :].split(","))
         extra = sorted({e.name for e in saved.entries if e.kind == "named" and e.name is not None} - wanted)

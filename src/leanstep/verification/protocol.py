@@ -107,6 +107,10 @@ def seen_gradient(opt_state: Any) -> Any:
 class VerifiableStep(Protocol):
     """A training step as :func:`leanstep.verify_step` drives it (see the module doc).
 
+    ``parts(state)`` names the state's parts ``"params"``, ``"opt_state"``, ``"model_state"`` and
+    ``"fp8"`` (see :meth:`parts`). A step may also offer ``reference_loss(params, parts, batch)``:
+    its unscaled loss, which the ``reference`` check differentiates without the step.
+
     Attributes:
       batch: one global batch, a pytree of arrays whose leaves share the leading (row) axis.
       split: how the step cuts rows into microbatches: ``"contiguous"`` (microbatch ``j`` is rows
@@ -149,8 +153,19 @@ class VerifiableStep(Protocol):
         ...
 
     def parts(self, state: Any) -> Mapping[str, Any]:
-        """The state's parts, by the names of :data:`PARTS` (``"params"`` and ``"opt_state"`` at least)."""
+        """The state's parts, by the names of :data:`PARTS` (``"params"`` and ``"opt_state"`` at least):
+
+        ``"params"``: the trainable parameters (the gradient's tree); ``"opt_state"``: the optimizer
+        state (the probe's inside); ``"model_state"``: what the model carries besides (batch
+        statistics, counters; None or absent: none), which a skipped step must keep, the meshes
+        check compares and the gradient checks chain through microbatches; ``"fp8"``: the FP8
+        scaling state (amax histories), None or absent without FP8.
+        """
         ...
+
+    # Optional: ``reference_loss(params, parts, batch) -> (loss, model_state)``, the user's unscaled
+    # loss of ``batch`` (a token-weighted loss: its mean over the tokens), no random numbers, at
+    # float32 ``params`` and the other ``parts``; the ``reference`` check differentiates it.
 
     def poison(self, batch: Any, row: int) -> Any:
         """``batch`` with row ``row``'s loss made non-finite (e.g. NaN in a floating input of that row)."""

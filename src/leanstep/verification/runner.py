@@ -28,16 +28,13 @@ from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.compute_dtype_check import PrecisionWarning
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.verification.batches import batch_rows
-from leanstep.verification.gradient_checks import (
-    check_accumulation,
-    check_clip,
-    check_full_batch,
-    check_token_weighting,
-)
+from leanstep.verification.clip_check import check_clip
+from leanstep.verification.gradient_checks import check_accumulation, check_full_batch, check_token_weighting
 from leanstep.verification.leanstep_step import LeanstepStep
 from leanstep.verification.mesh_check import check_meshes
 from leanstep.verification.program_checks import check_compute_dtype, check_remat
 from leanstep.verification.protocol import VerifiableStep
+from leanstep.verification.reference_check import check_reference
 from leanstep.verification.report import CheckResult, VerifyReport
 from leanstep.verification.runs import Runs
 from leanstep.verification.state_checks import check_fp8, check_keys, check_non_finite
@@ -48,6 +45,7 @@ __all__ = ["CHECKS", "verify", "verify_step"]
 CHECKS: dict[str, Callable[[Runs, int], CheckResult]] = {
     "accumulation": check_accumulation,
     "full_batch": check_full_batch,
+    "reference": check_reference,
     "token_weighting": check_token_weighting,
     "clip": check_clip,
     "non_finite": check_non_finite,
@@ -141,7 +139,8 @@ def verify(
       make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, as for :func:`leanstep.plan`
         (``make_loss_fn(remat_policy, random=False)`` if it takes ``random``: see
         :meth:`LeanstepStep.loss_fn`).
-      params: the parameters (arrays).
+      params: the parameters (arrays), or a params builder ``params(remat_policy) -> params`` for
+        a model whose remat policy renames its parameters (as :func:`leanstep.plan` takes).
       batch: one global batch (arrays).
       checks: the checks to run (default: all).
       meshes: the mesh layouts to compare with one device (see :func:`verify_step`).
@@ -157,6 +156,7 @@ def verify(
 
     Raises:
       TypeError: a setting :class:`LeanstepStep` does not take.
+      ValueError: ``params`` do not fit the loss under the remat policy (pass a params builder).
     """
     unknown = sorted(set(settings) - {*_SETTINGS, *_CONTRACT, "num_microbatches", "split"})
     if unknown:
@@ -168,5 +168,6 @@ def verify(
         count = settings.pop("num_microbatches", 1)
         settings["accumulation"] = Accumulation(count, split=settings.pop("split", "contiguous"))
     setup = LeanstepStep(make_loss_fn, params, batch, **settings)
+    setup.check_structure()
     label = name or f"leanstep step (precision {setup.precision}, M={setup.num_microbatches}, remat {setup.remat})"
     return verify_step(setup, num_microbatches=max(2, setup.num_microbatches), checks=checks, meshes=meshes, name=label)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -86,7 +87,7 @@ class Runs:
             state = self.setup.init(probe, max_grad_norm=max_grad_norm, seed=seed, randomness=randomness, mesh=mesh)
             batch = self.batches.get(self.settle_batch)
             for _ in range(SETTLE_STEPS if batch is not None else 0):
-                after, metrics = self.setup.step(state, batch, self.num_microbatches)
+                after, metrics = self.call_step(state, batch, self.num_microbatches)
                 if not bool(np.asarray(metrics.get("skipped", False))):
                     break
                 state = after
@@ -108,14 +109,14 @@ class Runs:
         key = (batch, num_microbatches, max_grad_norm, randomness, seed, None if mesh is None else id(mesh), again)
         if key not in self._outcomes:
             state = self.state(max_grad_norm=max_grad_norm, randomness=randomness, seed=seed, mesh=mesh)
-            after, metrics = self.setup.step(state, self.batches[batch], num_microbatches)
+            after, metrics = self.call_step(state, self.batches[batch], num_microbatches)
             for _ in range(SETTLE_STEPS if batch != "poisoned" else 0):
                 # a program the settled scale overflows (one microbatch of the whole batch in float16)
                 # settles on its own: the scale is a power of two, the unscaled gradient the same
                 if not bool(np.asarray(metrics.get("skipped", False))):
                     break
                 state = after
-                after, metrics = self.setup.step(state, self.batches[batch], num_microbatches)
+                after, metrics = self.call_step(state, self.batches[batch], num_microbatches)
             before_parts = jax.device_get(dict(self.setup.parts(state)))
             after_parts = jax.device_get(dict(self.setup.parts(after)))
             gradient = to_float64(seen_gradient(after_parts["opt_state"]))
@@ -124,11 +125,44 @@ class Runs:
 
     def run_from(self, state: Any, batch: Any, num_microbatches: int) -> tuple[Any, Outcome]:
         """One step from ``state`` over ``batch`` (not kept): the state after and the outcome."""
-        after, metrics = self.setup.step(state, batch, num_microbatches)
+        after, metrics = self.call_step(state, batch, num_microbatches)
         before_parts = jax.device_get(dict(self.setup.parts(state)))
         after_parts = jax.device_get(dict(self.setup.parts(after)))
         gradient = to_float64(seen_gradient(after_parts["opt_state"]))
         return after, Outcome(before_parts, after_parts, gradient, jax.device_get(dict(metrics)))
+
+    def call_step(self, state: Any, batch: Any, num_microbatches: int) -> tuple[Any, Mapping[str, Any]]:
+        """``setup.step(state, batch, num_microbatches)``, its output checked.
+
+        Raises:
+          TypeError: the step did not return ``(state, metrics)`` with ``metrics`` a mapping.
+        """
+        out = self.setup.step(state, batch, num_microbatches)
+        if not (isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[1], Mapping)):
+            raise TypeError(
+                "step: VerifiableStep.step(state, batch, num_microbatches) must return (state, metrics), metrics a "
+                f"dict (it may be empty); got {_describe(out)}"
+            )
+        return out[0], out[1]
+
+    def weights(self, batch: str, num_microbatches: int) -> list[float]:
+        r"""Each microbatch's weight in the named batch's gradient, as the loss contract implies.
+
+        A token-weighted loss (the setup names its token-weight leaf, ``mask``) weighs microbatch
+        ``j`` by its share of the batch's tokens, :math:`c_j / \sum_k c_k` (an empty microbatch
+        weighs 0); a mean loss weighs each :math:`1/M`. A batch with no token at all: :math:`1/M`.
+        """
+        mask = getattr(self.setup, "mask", None)
+        equal = [1.0 / num_microbatches] * num_microbatches
+        if mask is None:
+            return equal
+        counts = [
+            float(np.sum(np.asarray(rows[mask], np.float64))) for rows in self.microbatches(batch, num_microbatches)
+        ]
+        total = math.fsum(counts)
+        if not (total > 0 and math.isfinite(total)):
+            return equal
+        return [c / total for c in counts]
 
     def microbatches(self, batch: str, num_microbatches: int) -> list[Any]:
         """The microbatches of the named batch, each as a batch of its own."""
@@ -159,10 +193,14 @@ class Runs:
             if jax.tree.leaves(self.setup.parts(state).get("model_state")):
                 first = self.chain("batch", self.num_microbatches)[0]
                 microbatch = self.microbatches("batch", self.num_microbatches)[0]
-                after, _ = self.setup.step(state, microbatch, 1)
+                after, _ = self.call_step(state, microbatch, 1)
                 _, again = self.run_from(after, microbatch, 1)
                 self._reads = first_difference(again.gradient, first.gradient) is not None
         return self._reads
+
+    def has_model_state(self) -> bool:
+        """Whether the setup's state has a model state (batch statistics, a counter)."""
+        return bool(jax.tree.leaves(self.setup.parts(self.state(still=True)).get("model_state")))
 
     @property
     def rounding_dtype(self) -> Any:
@@ -175,3 +213,9 @@ class Runs:
         outcome = next(iter(self._outcomes.values()), None)
         value = None if outcome is None else outcome.metrics.get(name)
         return None if value is None else float(np.asarray(value))
+
+
+def _describe(out: Any) -> str:
+    if isinstance(out, tuple | list):
+        return f"a {type(out).__name__} of {len(out)} items ({', '.join(type(x).__name__ for x in out[:3])})"
+    return f"a {type(out).__name__} (its state alone?)"

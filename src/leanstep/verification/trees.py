@@ -12,13 +12,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
-__all__ = ["Excess", "first_difference", "named_leaves", "to_float64", "worst_excess"]
+__all__ = ["Excess", "first_difference", "named_leaves", "on_arrays", "to_float64", "worst_excess"]
 
 
 def _name(path: tuple[Any, ...]) -> str:
@@ -48,6 +48,27 @@ def _bits(leaf: np.ndarray) -> np.ndarray:
     if leaf.dtype.kind in "fcV" or leaf.dtype.name == "bfloat16" or leaf.dtype.name.startswith("float8"):
         return np.ascontiguousarray(leaf).reshape(*leaf.shape, 1).view(np.uint8)
     return leaf
+
+
+def on_arrays(fn: Callable[..., Any], tree: Any) -> tuple[Callable[..., Any], list[Any]]:
+    """``(f, arrays)`` with ``f(arrays, *rest) == fn(tree, *rest)``: only the array leaves of ``tree``
+    go in as arguments, the others (an Equinox module's strings and functions) are closed over, so
+    that ``jax.jit`` and ``jax.make_jaxpr`` take a state that holds them.
+
+    Example:
+      >>> f, arrays = on_arrays(lambda t, x: t["w"] * x if t["act"] == "id" else x, {"w": np.ones(2), "act": "id"})
+      >>> len(arrays), f(arrays, 3.0).tolist()
+      (1, [3.0, 3.0])
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    dynamic = [isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in leaves]
+
+    def f(arrays: list[Any], *rest: Any) -> Any:
+        given = iter(arrays)
+        full = [next(given) if is_array else leaf for leaf, is_array in zip(leaves, dynamic, strict=True)]
+        return fn(jax.tree.unflatten(treedef, full), *rest)
+
+    return f, [leaf for leaf, is_array in zip(leaves, dynamic, strict=True) if is_array]
 
 
 def first_difference(got: Any, want: Any) -> tuple[str, int] | None:
