@@ -157,7 +157,7 @@ _VERIFY = ["verify", "--model", "mlp", "--size", "tiny", "--batch-size", "4", "-
 def test_verify_refuses_resume_only_flags_without_its_resume_check(capsys):
     assert main([*_VERIFY, "--moments", "int8", "--spike-guard", "on", "--no-resume"]) == 2
     err = _one_line(capsys)
-    assert "--moments int8 --spike-guard on acts only in verify's resume check, which --no-resume skips" in err
+    assert "--moments int8 --spike-guard on act only in verify's resume check, which --no-resume skips" in err
 
 
 def test_verify_says_where_resume_only_flags_act(capsys, monkeypatch):
@@ -170,9 +170,11 @@ def test_verify_says_where_resume_only_flags_act(capsys, monkeypatch):
     monkeypatch.setattr(leanstep.training.verify_run, "verify_run", verify_run)
     assert main([*_VERIFY, "--spike-guard", "on", "--spike-rollback", "on"]) == 0
     err = capsys.readouterr().err
-    assert "note: --spike-guard on --spike-rollback on acts only in the resume check" in err
+    assert "note: --spike-guard on --spike-rollback on act only in the resume check" in err
     ((config, kwargs),) = seen
     assert (config.spike_guard, kwargs["resume"]) == ("on", True)  # handed to verify_run, resume check on
+    assert main([*_VERIFY, "--moments", "bfloat16"]) == 0
+    assert "note: --moments bfloat16 acts only in the resume check" in capsys.readouterr().err
     assert main([*_VERIFY, "--spike-guard", "NONE", "--moments", "float32"]) == 0  # the defaults: no note
     assert "note" not in capsys.readouterr().err
     with pytest.raises(SystemExit):

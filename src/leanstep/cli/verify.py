@@ -113,15 +113,16 @@ def run_verify(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     config = run_config(args)
     only = _resume_only(config)
+    many = " --" in only  # more than one flag
     if only and not args.resume:
         raise InputError(
-            f"{only} acts only in verify's resume check, which --no-resume skips: drop --no-resume, or drop "
-            f"{'it' if ' --' not in only else 'them'}"
+            f"{only} {'act' if many else 'acts'} only in verify's resume check, which --no-resume skips: drop "
+            f"--no-resume, or drop {'them' if many else 'it'}"
         )
     if only:
         print(
-            f"leanstep verify: note: {only} acts only in the resume check; the other checks run the step with "
-            "float32 moments and no spike guard",
+            f"leanstep verify: note: {only} {'act' if many else 'acts'} only in the resume check; the other checks "
+            "run the step with float32 moments and no spike guard",
             file=sys.stderr,
         )
     try:
