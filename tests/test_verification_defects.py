@@ -211,9 +211,10 @@ def test_non_finite_names_a_model_state_that_leaks_from_a_skipped_step():
 
 def test_token_weighting_says_the_mask_is_missing_when_the_loss_is_token_weighted():
     batch = padded_lm_batch()
-    report = leanstep.verify(
-        make_token_loss, PARAMS, batch, num_microbatches=4, token_weighted=True, checks=("token_weighting",)
-    )
+    checks = ("token_weighting", "accumulation", "reference")
+    report = leanstep.verify(make_token_loss, PARAMS, batch, num_microbatches=4, token_weighted=True, checks=checks)
+    # without the mask the microbatches are still weighed by the loss's own counts
+    assert report["accumulation"].status == "pass" and report["reference"].status == "pass", str(report)
     detail = report["token_weighting"].detail
     assert report["token_weighting"].status == "n/a" and "token_weighted=True" in detail and "mask=" in detail
     assert "not token-weighted" not in detail

@@ -179,6 +179,21 @@ class LeanstepStep:
         """The loss is token-weighted (``loss.token_weighted``), its mask named or not."""
         return self.loss.token_weighted
 
+    def token_counts(self, microbatches: list[Any]) -> list[float] | None:
+        """Each microbatch's token count as the loss counts it (its ``count``), for a token-weighted
+        loss whose mask is not named (None otherwise: the mask, or no count, says it)."""
+        if not self.loss.token_weighted or self.mask is not None:
+            return None
+        fn, args = self.microbatch_loss(self.remat)
+        position = 1 + int(self.loss.has_state)  # (params[, model_state], rows[, key])
+
+        def count(rows: Any) -> jax.Array:
+            out = self.loss.parse(fn(*args[:position], rows, *args[position + 1 :]), args[1] if position == 2 else None)
+            return jnp.asarray(out.token_count, jnp.float32)
+
+        counted = jax.jit(count)
+        return [float(counted(rows)) for rows in microbatches]
+
     def params_under(self, policy: str) -> Any:
         """The params the loss under remat ``policy`` takes (the builder's, where one was given)."""
         return self.params if self.params_builder is None else params_for(self.params_builder, policy)

@@ -65,6 +65,7 @@ class Runs:
         self._reads: bool | None = None
         self.layouts: tuple[Any, ...] = ()  # the mesh layouts the meshes check compares with one device
         self.token_counts: list[float] = []  # each microbatch's token count in the "uneven" batch
+        self._weights: dict[tuple[str, int], list[float]] = {}
 
     def register(self, name: str, batch: Any) -> None:
         """Names a batch the checks will run."""
@@ -148,17 +149,27 @@ class Runs:
     def weights(self, batch: str, num_microbatches: int) -> list[float]:
         r"""Each microbatch's weight in the named batch's gradient, as the loss contract implies.
 
-        A token-weighted loss (the setup names its token-weight leaf, ``mask``) weighs microbatch
-        ``j`` by its share of the batch's tokens, :math:`c_j / \sum_k c_k` (an empty microbatch
-        weighs 0); a mean loss weighs each :math:`1/M`. A batch with no token at all: :math:`1/M`.
+        A token-weighted loss weighs microbatch ``j`` by its share of the batch's tokens,
+        :math:`c_j / \sum_k c_k` (an empty microbatch weighs 0), the counts summed from the
+        token-weight leaf the setup names (``mask``), or read from its ``token_counts(microbatches)``
+        where it has one (leanstep's step, from the loss's own counts); a mean loss weighs each
+        :math:`1/M`. A batch with no token at all: :math:`1/M`.
         """
+        if (batch, num_microbatches) not in self._weights:
+            self._weights[batch, num_microbatches] = self._contract_weights(batch, num_microbatches)
+        return self._weights[batch, num_microbatches]
+
+    def _contract_weights(self, batch: str, num_microbatches: int) -> list[float]:
         mask = getattr(self.setup, "mask", None)
+        counter = getattr(self.setup, "token_counts", None)
         equal = [1.0 / num_microbatches] * num_microbatches
-        if mask is None:
+        microbatches = self.microbatches(batch, num_microbatches)
+        if mask is not None:
+            counts = [float(np.sum(np.asarray(rows[mask], np.float64))) for rows in microbatches]
+        elif callable(counter) and (counted := counter(microbatches)) is not None:
+            counts = [float(c) for c in counted]
+        else:
             return equal
-        counts = [
-            float(np.sum(np.asarray(rows[mask], np.float64))) for rows in self.microbatches(batch, num_microbatches)
-        ]
         total = math.fsum(counts)
         if not (total > 0 and math.isfinite(total)):
             return equal
