@@ -289,7 +289,6 @@ def _plan(loop: StepLoop, template: TrainState, compile_s: float) -> BudgetPlan:
         lambda i: step_batch(loop, i),
         lambda p: evaluate(loop, p),
         loop.origin,
-        evaluations=1,  # compiled already (warming_up)
         compile_s=compile_s,
     )
 
