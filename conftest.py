@@ -27,6 +27,7 @@ if not os.environ.get("LEANSTEP_TEST_XLA_DEFAULTS") and "xla_backend_optimizatio
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
 import jax
+import pytest
 
 from leanstep.compilation.cache import ENV, OFF_VALUES, enable_compile_cache
 
@@ -42,10 +43,39 @@ if _NAMED.lower() not in OFF_VALUES:  # LEANSTEP_COMPILE_CACHE=off: the suite ru
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+def _tpu_chips() -> int:
+    """TPU chips attached to this host, read from PCI as JAX reads them, without opening one."""
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        return 0
+    from jax._src import hardware_utils  # jax 0.10 has no public probe that leaves the chip closed
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+
+
+# optionalhook: the hook is pytest-xdist's, and pytest refuses an unknown hook without it (``-p no:xdist``).
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker a core, at most 4 (each holds JAX, and some tests start 8-device children)."""
+    """``-n auto``: one worker a core, at most 4 (each holds JAX, and some tests start 8-device children).
+
+    One on a TPU host: one program at a time can hold the chip, so a second worker would fail
+    to open it.
+    """
     del config
+    if _tpu_chips():
+        return 1
     return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls_where_marked(request):
+    """A test marked ``float32_matmuls`` runs its products at float32 precision on a TPU too (tests/chip.py)."""
+    if request.node.get_closest_marker("float32_matmuls") is None:
+        yield
+        return
+    from chip import float32_matmuls  # tests/chip.py: pytest puts tests/ on the path
+
+    with float32_matmuls():
+        yield
 
 
 def pytest_unconfigure(config):

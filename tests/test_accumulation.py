@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chip import SIX_DECIMALS_ON_TPU, on_tpu
 from leanstep.blocks.accumulation import init_grad_accumulator, microbatched_value_and_grad
 from leanstep.blocks.microbatches import split_microbatches
 from leanstep.common.jaxprs import scan_operands
@@ -112,6 +113,7 @@ every_divisor_jit = jax.jit(
 )
 
 
+@pytest.mark.float32_matmuls
 @settings(max_examples=12, deadline=None)
 @given(
     b=st.integers(1, 8),
@@ -186,6 +188,8 @@ SEED_EXAMPLES = [
 
 @pytest.mark.parametrize(("params", "x", "y", "num_microbatches", "loss", "grads"), SEED_EXAMPLES)
 def test_seed_examples(params: dict, x: list, y: list, num_microbatches: int, loss: float, grads: dict) -> None:
+    if on_tpu():
+        pytest.skip(SIX_DECIMALS_ON_TPU)
     batch = {"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y, jnp.float32)}
     got_loss, got_grads = accumulated(seed_params(params), batch, num_microbatches)
     assert got_loss.dtype == jnp.float32 and got_loss.shape == ()
@@ -287,6 +291,11 @@ def test_bfloat16_gradients_accumulate_in_float32() -> None:
 
 
 def test_bfloat16_params_give_accum_dtype_grads_equal_to_float64_sum() -> None:
+    if on_tpu():  # 1.4% apart on a v5e, products at "highest"
+        pytest.skip(
+            "XLA:TPU keeps bf16 intermediates in float32 where it chooses (excess precision), so the "
+            "reference's per-microbatch bf16 gradients round elsewhere than the step's"
+        )
     params, batch = make_problem(3, 8, 3, 4, 2)
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
     _, grads = accumulated(params, batch, 4)
@@ -318,6 +327,7 @@ def test_scaled_loss_and_overflow_propagate() -> None:
 # --- token weighting ----------------------------------------------------------------------------
 
 
+@pytest.mark.float32_matmuls
 def test_token_weighted_uses_total_count_not_mean_of_means() -> None:
     params, batch = make_problem(7, 6, 2, 3, 2)
     # Valid entries per microbatch of 2 rows: 4, 1, 0 (uneven, one empty).
@@ -335,6 +345,7 @@ def test_token_weighted_uses_total_count_not_mean_of_means() -> None:
     assert abs(np.mean(ratios) - float(loss)) > 1e-3 * abs(float(loss))
 
 
+@pytest.mark.float32_matmuls
 def test_has_aux_is_stacked_along_microbatches() -> None:
     params, batch = make_problem(11, 6, 2, 3, 2)
 
@@ -418,6 +429,7 @@ def test_bad_accum_dtype_raises() -> None:
 # --- splitters and the microbatch index --------------------------------------------------------
 
 
+@pytest.mark.float32_matmuls
 @pytest.mark.parametrize("split", ["strided", "presplit", "callable"])
 def test_every_splitter_gives_the_full_batch_value_and_grad(split: str) -> None:
     """A row-mean loss does not depend on which rows go together; the reference is the full batch."""

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chip import on_tpu
 from leanstep.blocks.clipping import (
     clip_by_global_norm,
     clip_by_global_norm_transform,
@@ -101,6 +102,8 @@ def test_empty_tree_has_norm_zero(tree: object) -> None:
 
 
 def test_float64_leaves_are_summed_in_float64() -> None:
+    if on_tpu():
+        pytest.skip("XLA:TPU has no float64 arithmetic (a norm of 1e30 leaves is nan there)")
     with jax.enable_x64(True):
         # Squares of 1e30 overflow float32 but not float64; the norm itself fits float32.
         tree = {"a": jnp.array([1e30, -1e30], jnp.float64), "b": jnp.array(1.0, jnp.float64)}

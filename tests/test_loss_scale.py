@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chip import TPU_DIVISION_ULPS, on_tpu
 from leanstep.blocks.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -297,6 +298,9 @@ def test_unscale_multiplies_by_the_float32_reciprocal(dtype, loss_scale):
     inverse = np.float32(1.0) / np.float32(loss_scale)
     expected = (np.asarray(values, dtype).astype(np.float32) * inverse).astype(dtype)
     assert out.dtype == dtype
+    if on_tpu() and jnp.dtype(dtype) == jnp.float32:  # the chip's float32 division is not correctly rounded
+        np.testing.assert_array_max_ulp(np.asarray(out), expected, maxulp=TPU_DIVISION_ULPS)
+        return
     np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(expected, np.float64))
 
 
