@@ -160,6 +160,13 @@ def _add_scale_out_flags(group: Any, d: Any) -> None:
     )
     group.add_argument("--num-processes", type=int, default=None, help="processes in a multi-process run")
     group.add_argument("--process-id", type=int, default=None, help="this process's index, 0 .. P-1")
+    group.add_argument(
+        "--join-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long to wait for every process of a multi-process run to join (default 120)",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -189,13 +196,19 @@ def _configure_devices(args: argparse.Namespace) -> None:
     """JAX's devices and processes as the flags ask (:func:`leanstep.sharding.distributed.configure_devices`)."""
     from leanstep.sharding.distributed import configure_devices
 
+    if args.join_timeout is not None and args.coordinator is None:
+        raise InputError("--join-timeout applies to a multi-process run: give --coordinator too")
     try:
         devices = args.devices
         if args.mesh is not None and devices is None:  # every device the mesh needs, split over the processes
             from leanstep.sharding.distributed import parse_mesh
 
             devices = max(1, math.prod(parse_mesh(args.mesh).values()) // (args.num_processes or 1))
-        configure_devices(devices, args.coordinator, args.num_processes, args.process_id)
+        if args.coordinator is None:
+            configure_devices(devices, args.coordinator, args.num_processes, args.process_id)
+        else:
+            _join(args, lambda: configure_devices(devices, args.coordinator, args.num_processes, args.process_id,
+                                                  initialization_timeout=int(args.join_timeout or 120) + 60))  # fmt: skip
     except ValueError as error:
         flags = {
             "num_devices": "--devices",
@@ -204,6 +217,26 @@ def _configure_devices(args: argparse.Namespace) -> None:
             "coordinator": "--coordinator",
         }
         raise InputError(re.sub("|".join(flags), lambda m: flags[m.group(0)], str(error))) from None
+
+
+def _join(args: argparse.Namespace, configure: Any) -> None:
+    """``configure()`` for a multi-process run: the wait said, bounded by ``--join-timeout`` and
+    stoppable by a signal (:mod:`leanstep.cli.joining`)."""
+    from leanstep.cli.joining import join_processes
+
+    timeout = 120.0 if args.join_timeout is None else args.join_timeout
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and 1 <= timeout <= 86400):
+        raise InputError(f"--join-timeout must be a number of seconds in [1, 86400], got {timeout!r}")
+    others = f"{args.num_processes} processes"
+    join_processes(
+        configure,
+        timeout_s=timeout,
+        prefix="leanstep train",
+        waiting=f"process {args.process_id} waiting up to {timeout:g} s for {others} to join at {args.coordinator} "
+        "(--join-timeout; Ctrl-C or SIGTERM stops)",
+        timed_out=f"not all {others} joined at --coordinator {args.coordinator} within --join-timeout {timeout:g} s: "
+        "start every process (--process-id 0 .. --num-processes - 1) with the same --coordinator HOST:PORT",
+    )
 
 
 def _config_from(args: argparse.Namespace) -> Any:
