@@ -90,3 +90,23 @@ def test_two_processes_join_and_train(tmp_path):
         err = log.read_text()
         assert code == 0, err[-3000:]
         assert "waiting up to 120 s for 2 processes" in err
+
+
+@pytest.mark.slow  # two CLI processes that join over gloo
+def test_processes_naming_different_run_folders_are_refused_at_once(tmp_path):
+    """0.11: each waited 600 s for orbax's directory timeout, then stopped with its message."""
+    port = _port()
+    procs, logs = [], []
+    for i in range(2):
+        command = [*LEANSTEP, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+        logs.append(tmp_path / f"stderr{i}.txt")
+        with logs[-1].open("w") as log:
+            flags = ["--devices", "1", "--steps", "3", "--out", str(tmp_path / f"run{i}")]
+            procs.append(subprocess.Popen([*command, *flags], stdout=subprocess.DEVNULL, stderr=log, env=_env()))
+    codes = [proc.wait(timeout=120) for proc in procs]
+    assert codes == [2, 2]
+    for i, log in enumerate(logs):
+        [*_, line] = _lines(log.read_text())
+        assert line.startswith("leanstep train: error: --out must name the same folder in every process"), line
+        assert f"process {i} has {str(tmp_path / f'run{i}')!r}" in line
+    assert not (tmp_path / "run0").exists() and not (tmp_path / "run1").exists()

@@ -179,6 +179,10 @@ def run_train(args: argparse.Namespace) -> int:
             raise InputError("--mesh auto plans a mesh over --devices N devices per process; give --devices")
         args.mesh = None
     _configure_devices(args)  # first: the device count and the processes are fixed once JAX makes its first array
+    if args.coordinator is not None:
+        from leanstep.cli.joining import check_same_out
+
+        check_same_out(args.out, args.process_id, args.num_processes)
     config = _config_from(args)
     console = Console(stderr=True)
     try:
