@@ -6,6 +6,7 @@ rematerialization, microbatches and their accumulation, FP8 matmuls.
     fp8.py                  Fp8Recipe: delayed or current scaling; the scale and quantize-dequantize
     fp8_state.py            FP8 state in the params tree: recognised, max-reduced, overwritten
     fp8_dot.py              fp8_dot_general, fp8_matmul and Fp8Meta, one matmul's FP8 state
+    fp8_agreement.py        two layouts' FP8 states compared entry by entry, within a tolerance
     moments.py              compress_moments: optimizer moments in bfloat16 or 8-bit blocks
     masters.py              bfloat16 masters with stochastic rounding (and Kahan compensation)
     spike_guard.py          SpikeGuard: a loss spike skipped inside the step, exactly reproducible
