@@ -37,12 +37,23 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
 
-__all__ = ["MASTERS", "apply_to_masters", "check_master", "master_dtype", "stochastic_round"]
+__all__ = [
+    "MASTERS",
+    "apply_to_master",
+    "apply_to_masters",
+    "check_master",
+    "master_dtype",
+    "rows_bits",
+    "rows_can_split",
+    "stochastic_round",
+]
 
 #: The master formats (see the module doc).
 MASTERS = ("float32", "bfloat16-sr", "bfloat16-sr-kahan")
@@ -89,8 +100,13 @@ def master_dtype(master: Any) -> Any:
     return jnp.float32 if master == "float32" else jnp.bfloat16
 
 
-def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
+def stochastic_round(x: jax.Array, key: jax.Array, *, first_row: Any = None, leaf_shape: Any = None) -> jax.Array:
     """``x`` (float32) rounded stochastically to bfloat16 (see the module doc).
+
+    With ``first_row`` and ``leaf_shape``, ``x`` is rows ``first_row, first_row + 1, ...`` (its
+    leading axis) of a leaf of shape ``leaf_shape``, and takes the random bits those rows take
+    when the whole leaf is rounded with ``key`` (:func:`rows_bits`): a leaf rounded in slices is
+    rounded as it is whole.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -99,10 +115,69 @@ def stochastic_round(x: jax.Array, key: jax.Array) -> jax.Array:
       [1.0, 1.0078125]
     """
     bits = jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
-    noise = jax.random.bits(key, bits.shape, jnp.uint32) & jnp.uint32(0xFFFF)
+    if first_row is None:
+        noise = jax.random.bits(key, bits.shape, jnp.uint32)
+    else:
+        noise = rows_bits(key, tuple(leaf_shape), first_row, bits.shape[0])
+    noise = noise & jnp.uint32(0xFFFF)
     finite = jnp.isfinite(x)
     rounded = jnp.where(finite, (bits + noise) & jnp.uint32(0xFFFF0000), bits)
     return jax.lax.bitcast_convert_type(rounded, jnp.float32).astype(jnp.bfloat16)
+
+
+def rows_can_split(key: jax.Array, leaf_shape: tuple[int, ...]) -> bool:
+    """Whether :func:`rows_bits` can give the bits of a slice of a leaf of this shape: a threefry
+    key with JAX's partitionable bits (``jax_threefry_partitionable``, the default), fewer than
+    2**32 entries, and a leading axis."""
+    partitionable = bool(jax.config.jax_threefry_partitionable)  # type: ignore[attr-defined]
+    impl = str(jax.random.key_impl(key))
+    return partitionable and "threefry" in impl and len(leaf_shape) >= 1 and math.prod(leaf_shape) < 2**32
+
+
+def rows_bits(key: jax.Array, leaf_shape: tuple[int, ...], first_row: Any, rows: int) -> jax.Array:
+    """Rows ``[first_row, first_row + rows)`` of ``jax.random.bits(key, leaf_shape, uint32)``,
+    without drawing the rest (``first_row`` may be traced; see :func:`rows_can_split`).
+
+    JAX's partitionable threefry draws entry ``n`` (flat index) as
+    ``threefry2x32(key, (n >> 32, n & 0xFFFFFFFF))``, the two words XORed; a slice of rows is
+    the flat indices from ``first_row * row_size`` on.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> key = jax.random.key(3)
+      >>> whole = jax.random.bits(key, (5, 3), jnp.uint32)
+      >>> bool(jnp.all(rows_bits(key, (5, 3), 2, 2) == whole[2:4]))
+      True
+    """
+    row_size = math.prod(leaf_shape[1:])
+    shape = (rows, *leaf_shape[1:])
+    start = jnp.asarray(first_row, jnp.uint32) * jnp.uint32(row_size)
+    low = jax.lax.iota(jnp.uint32, math.prod(shape)).reshape(shape) + start
+    k1, k2 = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32_p.bind(k1, k2, jnp.zeros(shape, jnp.uint32), low)
+    return bits1 ^ bits2
+
+
+def apply_to_master(
+    p: jax.Array,
+    u: jax.Array,
+    master: Any,
+    key: jax.Array,
+    c: Any = None,
+    *,
+    first_row: Any = None,
+    leaf_shape: Any = None,
+) -> tuple[jax.Array, Any]:
+    """One leaf of :func:`apply_to_masters` (``key`` is the leaf's); with ``first_row`` and
+    ``leaf_shape``, ``p`` is a slice of rows of the leaf and is rounded as they are in the whole
+    leaf (:func:`stochastic_round`). Returns ``(new, new_error)``."""
+    wide = p.astype(jnp.float32)
+    y = u.astype(jnp.float32) + (0.0 if c is None else c.astype(jnp.float32))
+    if master is ROUND_TO_NEAREST_CONTROL:
+        new = (wide + y).astype(jnp.bfloat16)
+    else:
+        new = stochastic_round(wide + y, key, first_row=first_row, leaf_shape=leaf_shape)
+    return new, (None if c is None else (y - (new.astype(jnp.float32) - wide)).astype(jnp.bfloat16))
 
 
 def apply_to_masters(params: Any, updates: Any, master: Any, key: jax.Array, error: Any = None) -> tuple[Any, Any]:
@@ -118,13 +193,8 @@ def apply_to_masters(params: Any, updates: Any, master: Any, key: jax.Array, err
     error_leaves = treedef.flatten_up_to(error) if error is not None else [None] * len(leaves)  # type: ignore[attr-defined]
     new_leaves, new_errors = [], []
     for index, (p, u, c) in enumerate(zip(leaves, update_leaves, error_leaves)):
-        wide = p.astype(jnp.float32)
-        y = u.astype(jnp.float32) + (0.0 if c is None else c.astype(jnp.float32))
-        if master is ROUND_TO_NEAREST_CONTROL:
-            new = (wide + y).astype(jnp.bfloat16)
-        else:
-            new = stochastic_round(wide + y, jax.random.fold_in(key, index))
+        new, new_error = apply_to_master(p, u, master, jax.random.fold_in(key, index), c)
         new_leaves.append(new)
-        new_errors.append(None if c is None else (y - (new.astype(jnp.float32) - wide)).astype(jnp.bfloat16))
+        new_errors.append(new_error)
     new_params = jax.tree.unflatten(treedef, new_leaves)
     return new_params, (None if error is None else jax.tree.unflatten(treedef, new_errors))

@@ -5,8 +5,9 @@
     LossContract    what the loss takes and returns           (leanstep.blocks.loss_contract)
     Accumulation    microbatches, split, unroll               (leanstep.blocks.accumulation)
     ShardingLayer   the mesh, its rules, where to reduce      (leanstep.step.sharding_layer)
+    update_chunk    the update's largest chunk                (leanstep.step.update_chunks)
 
-:func:`step_settings` turns the keywords of :func:`leanstep.make_train_step` into all three
+:func:`step_settings` turns the keywords of :func:`leanstep.make_train_step` into these values
 and refuses every combination that cannot work, here and nowhere else
 (:func:`leanstep.step.keywords.loss_settings` does the same for the gradient stage's two).
 """
@@ -23,6 +24,7 @@ from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.step.keywords import loss_value, unexpected_keywords
 from leanstep.step.sharding_layer import ShardingLayer
+from leanstep.step.update_chunks import check_update_chunk
 
 __all__ = ["StepSettings", "step_settings"]
 
@@ -38,11 +40,14 @@ class StepSettings:
       accumulation: how the batch is walked; with a mesh, the split is strided unless given
         (the layer adds its constraint: :meth:`ShardingLayer.split`).
       layer: the sharding layer, or None on one device.
+      update_chunk: the most entries one chunk of the optimizer's update widens at a time
+        (:func:`leanstep.guarded_update`): ``"auto"``, a positive int, or None (the whole tree).
     """
 
     loss: LossContract
     accumulation: Accumulation
     layer: ShardingLayer | None
+    update_chunk: int | str | None = "auto"
 
     @property
     def stage_accumulation(self) -> Accumulation:
@@ -61,6 +66,7 @@ def step_settings(
     *,
     short: dict[str, Any],
     deprecated: dict[str, Any],
+    update_chunk: Any = "auto",
 ) -> StepSettings:
     """The step's three values, every combination that cannot work refused (the one place).
 
@@ -72,16 +78,18 @@ def step_settings(
         ``unroll``), as given; ``split`` None means not chosen (contiguous; strided on a mesh).
       deprecated: the 0.7 sharding keywords (``data_axis``, ``fsdp``, ``rules``, ``reduce``),
         folded into a layer with a ``DeprecationWarning``.
+      update_chunk: ``"auto"``, a positive int or None (:func:`leanstep.guarded_update`).
 
     Raises:
       TypeError: an unknown keyword, or a value of the wrong type.
-      ValueError: a value beside its short-form keywords; sharding keywords without a mesh or
+      ValueError: a bad ``update_chunk``; a value beside its short-form keywords; sharding keywords without a mesh or
         beside a layer; a model state with a reduction that would let it differ between
         devices; a presplit batch on a mesh.
     """
     unknown = set(deprecated) - set(_SHARDING_KEYWORDS)
     if unknown:
         raise unexpected_keywords("make_train_step", unknown)
+    update_chunk = check_update_chunk(update_chunk)
     loss = loss_value(loss, {k: short[k] for k in ("has_aux", "token_weighted", "uses_rng", "has_state") if short[k]})
     split = short["split"]
     split_given = split is not None or accumulation is not None
@@ -100,7 +108,7 @@ def step_settings(
         )
     layer = _layer(mesh, deprecated, has_state=loss.has_state)
     if layer is None:
-        return StepSettings(loss, accumulation, None)
+        return StepSettings(loss, accumulation, None, update_chunk)
     if loss.has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
         raise ValueError(
             f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
@@ -112,7 +120,9 @@ def step_settings(
             "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
             f"{layer.data_axis!r}, and the sharding layer splits it into strided microbatches"
         )
-    return StepSettings(loss, accumulation if split_given else accumulation.replace(split="strided"), layer)
+    return StepSettings(
+        loss, accumulation if split_given else accumulation.replace(split="strided"), layer, update_chunk
+    )
 
 
 def _layer(mesh: Mesh | ShardingLayer | None, deprecated: dict[str, Any], *, has_state: bool) -> ShardingLayer | None:

@@ -60,6 +60,7 @@ def make_train_step(
     loss: LossContract | None = ...,
     accumulation: Accumulation | None = ...,
     spike_guard: SpikeGuard | None = ...,
+    update_chunk: int | str | None = ...,
     **deprecated: Any,
 ) -> JittedTrainStep: ...
 
@@ -85,6 +86,7 @@ def make_train_step(
     loss: LossContract | None = ...,
     accumulation: Accumulation | None = ...,
     spike_guard: SpikeGuard | None = ...,
+    update_chunk: int | str | None = ...,
     **deprecated: Any,
 ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]: ...
 
@@ -109,6 +111,7 @@ def make_train_step(
     loss: LossContract | None = None,
     accumulation: Accumulation | None = None,
     spike_guard: SpikeGuard | None = None,
+    update_chunk: int | str | None = "auto",
     **deprecated: Any,
 ) -> JittedTrainStep | Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
@@ -190,6 +193,11 @@ def make_train_step(
       spike_guard: a :class:`leanstep.SpikeGuard`: a finite step whose loss or gradient norm
         leaps past the state's window is skipped (``metrics.spiked``), decided in the step on
         the reduced values; the state is built with the same guard (``TrainState.create``).
+      update_chunk: apply the optimizer in chunks of at most this many entries, one at a time,
+        so that one chunk's float32 widening of masters and moments is live at once
+        (bit-identical to the whole tree; :mod:`leanstep.step.update_chunks`). ``"auto"``:
+        chunks of ``2**24`` entries where the optimizer allows it (no transformation that mixes
+        parameters), else the whole tree; None: the whole tree at once.
       **deprecated: the 0.7 sharding keywords ``data_axis``, ``fsdp``, ``rules`` and
         ``reduce``, accepted through 0.8 with a ``DeprecationWarning``: give them to
         ``mesh=leanstep.ShardingLayer(mesh, data_axis, fsdp=..., rules=..., reduce=...)``.
@@ -233,7 +241,7 @@ def make_train_step(
     jit, donate = check_bool("jit", jit), check_bool("donate", donate)
     short: dict[str, Any] = dict(has_aux=has_aux, token_weighted=token_weighted, uses_rng=uses_rng, has_state=has_state)
     short.update(num_microbatches=num_microbatches, split=split, unroll=unroll)
-    settings = step_settings(loss, accumulation, mesh, short=short, deprecated=deprecated)
+    settings = step_settings(loss, accumulation, mesh, short=short, deprecated=deprecated, update_chunk=update_chunk)
     contract, accumulation, layer = settings.loss, settings.accumulation, settings.layer
     num_microbatches = accumulation.num_microbatches
     gradients = gradient_stage(
@@ -257,6 +265,7 @@ def make_train_step(
             max_grad_norm=max_grad_norm,
             model_state=grads.model_state,
             spike_guard=spike_guard,
+            update_chunk=settings.update_chunk,
         )
         new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1)
         return new_state, StepMetrics(

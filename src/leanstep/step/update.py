@@ -43,6 +43,7 @@ from leanstep.blocks.masters import apply_to_masters
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive, same_structure, tree_difference
 from leanstep.step.state import TrainState
+from leanstep.step.update_chunks import chunk_plan_for, chunked_update
 
 __all__ = ["GuardedState", "UpdateInfo", "guarded_update", "guarded_update_transform"]
 
@@ -127,6 +128,25 @@ def _check_grads(scaled_grads: Any, params: Any) -> None:
             )
 
 
+def _decide(
+    scaled_grads: Any, params: Any, loss_scale: LossScale, max_grad_norm: float | None, loss: Any, new_fp8: Any
+) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    """The unscaled, clipped gradient, whether it is finite, its norm before clipping, and whether it was clipped."""
+    _check_grads(scaled_grads, params)
+    grads = loss_scale.unscale(scaled_grads)
+    # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
+    # not depend on the parameters, or in a stop_gradient). So is a non-finite amax recorded
+    # by an FP8 matmul (an inf input that the quantizer would have clipped): written, it
+    # would freeze that scale until the inf leaves the history.
+    finite = all_finite(grads) & all_finite(new_fp8)
+    finite = finite if loss is None else finite & jnp.isfinite(loss)
+    if max_grad_norm is None:
+        return grads, finite, global_norm(grads), jnp.zeros((), bool)
+    grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
+    # A finite gradient whose float32 norm overflows would be clipped to zero, not applied.
+    return grads, finite & jnp.isfinite(grad_norm), grad_norm, grad_norm > max_grad_norm
+
+
 def _checked_update(
     scaled_grads: Any,
     opt_state: Any,
@@ -141,22 +161,7 @@ def _checked_update(
     """The optimizer's updates and next state (that state kept as it was unless applied);
     ``spike(finite, grad_norm, updates)`` says whether a finite step is skipped for a spike;
     ``new_fp8``, the FP8 state the step would write, must be finite too."""
-    _check_grads(scaled_grads, params)
-    grads = loss_scale.unscale(scaled_grads)
-    # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
-    # not depend on the parameters, or in a stop_gradient). So is a non-finite amax recorded
-    # by an FP8 matmul (an inf input that the quantizer would have clipped): written, it
-    # would freeze that scale until the inf leaves the history.
-    finite = all_finite(grads) & all_finite(new_fp8)
-    finite = finite if loss is None else finite & jnp.isfinite(loss)
-    if max_grad_norm is None:
-        grad_norm = global_norm(grads)
-        clipped = jnp.zeros((), bool)
-    else:
-        grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
-        clipped = grad_norm > max_grad_norm
-        # A finite gradient whose float32 norm overflows would be clipped to zero, not applied.
-        finite = finite & jnp.isfinite(grad_norm)
+    grads, finite, grad_norm, clipped = _decide(scaled_grads, params, loss_scale, max_grad_norm, loss, new_fp8)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     spiked = jnp.zeros((), bool) if spike is None else spike(finite, grad_norm, updates)
@@ -172,6 +177,7 @@ def guarded_update(
     max_grad_norm: float | None = None,
     model_state: Any = None,
     spike_guard: SpikeGuard | None = None,
+    update_chunk: int | str | None = "auto",
 ) -> tuple[TrainState, UpdateInfo]:
     """Applies ``state.optimizer`` to the scaled gradient if it is finite (see the module doc).
 
@@ -189,6 +195,10 @@ def guarded_update(
         None: ``state.model_state`` is left as it is.
       spike_guard: a :class:`leanstep.SpikeGuard` (the state built with it) that skips a finite
         step whose loss or gradient norm leaps past its window; None: none.
+      update_chunk: apply the optimizer in chunks of at most this many entries, one after
+        another, so that one chunk's float32 widening is live at a time (bit-identical;
+        :mod:`leanstep.step.update_chunks`); ``"auto"``: chunks of ``DEFAULT_UPDATE_CHUNK``
+        where the optimizer allows it, else the whole tree; None: the whole tree at once.
 
     Returns:
       ``(state, info)``: the new state and an :class:`UpdateInfo`.
@@ -196,7 +206,9 @@ def guarded_update(
     Raises:
       ValueError, TypeError: ``max_grad_norm`` is not a positive finite number or None (normal
         in float32), ``state.opt_state`` was not built by ``state.optimizer`` for these params,
-        or ``scaled_grads`` is not shaped like the params.
+        or ``scaled_grads`` is not shaped like the params; ``update_chunk`` an int where the
+        optimizer needs the whole tree (a transformation mixing parameters, named) or the spike
+        guard watches the update's norm.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -227,14 +239,24 @@ def guarded_update(
         spiked, window[0] = spike_guard.decide(state.spike, values, finite)
         return spiked
 
-    updates, opt_state, info = _checked_update(
-        scaled_grads, state.opt_state, wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
-        None if spike_guard is None else spike, new_fp8,
-    )  # fmt: skip
-    if spike_guard is not None:  # 1, or less after a rollback past spikes (leanstep train)
-        scale = state.spike.update_scale
-        updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
-    new_params, master_error = _applied_params(state, params, updates, info.applied)
+    plan = None if update_chunk is None else chunk_plan_for(state, wide, update_chunk, spike_guard)
+    if plan is not None:
+        _, finite, grad_norm, clipped = _decide(scaled_grads, wide, state.loss_scale, max_grad_norm, loss, new_fp8)
+        spiked = jnp.zeros((), bool) if spike_guard is None else spike(finite, grad_norm, None)
+        info = UpdateInfo(grad_norm, finite, clipped & finite & ~spiked, spiked)
+        scale = None if spike_guard is None else state.spike.update_scale
+        new_params, opt_state, master_error = chunked_update(
+            state, params, scaled_grads, plan, info.applied, grad_norm, max_grad_norm, _rounding_key(state), scale
+        )
+    else:
+        updates, opt_state, info = _checked_update(
+            scaled_grads, state.opt_state, wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
+            None if spike_guard is None else spike, new_fp8,
+        )  # fmt: skip
+        if spike_guard is not None:  # 1, or less after a rollback past spikes (leanstep train)
+            scale = state.spike.update_scale
+            updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
+        new_params, master_error = _applied_params(state, params, updates, info.applied)
     if new_fp8 is not None:
         new_params = merge_fp8(new_params, overwrite_fp8(fp8, new_fp8, info.applied))
     skips = jnp.where(info.finite, 0, _saturating_increment(state.consecutive_skips))
@@ -264,13 +286,16 @@ def _check_spike_guard(state: TrainState, spike_guard: SpikeGuard | None, loss: 
         raise ValueError("spike_guard judges the step's loss: pass loss=")
 
 
+def _rounding_key(state: TrainState) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), _ROUNDING_SALT)
+
+
 def _applied_params(state: TrainState, params: Any, updates: Any, applied: jax.Array) -> tuple[Any, Any]:
     """``params + updates`` in the masters' format where the step is applied, else ``params``;
     and the Kahan buffer (None without one)."""
     if state.master == "float32":
         return _where_tree(applied, optax.apply_updates(params, updates), params), None
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), _ROUNDING_SALT)
-    new_params, master_error = apply_to_masters(params, updates, state.master, key, state.master_error)
+    new_params, master_error = apply_to_masters(params, updates, state.master, _rounding_key(state), state.master_error)
     if master_error is not None:
         master_error = _where_tree(applied, master_error, state.master_error)
     return _where_tree(applied, new_params, params), master_error

@@ -1,0 +1,408 @@
+r"""The optimizer applied a chunk at a time, so that one chunk's float32 widening is live at once.
+
+The unchunked update widens every master and every compressed moment to float32 in one program,
+and XLA keeps those temporaries live together: with bfloat16 masters and 8-bit moments the step's
+peak rises above float32 state's. Here the parameters are cut into chunks of at most
+``update_chunk`` entries, in order:
+
+.. code-block:: text
+
+    small leaves         packed into one chunk while they fit
+    a leaf too large     split along its leading axis (the transformer's stacked layers): a
+                         fori_loop over slices of rows, each read, updated and written in place
+    chunk k + 1          reads its inputs through an optimization_barrier with chunk k's outputs,
+                         so XLA can neither merge the chunks nor start one before the last ends
+
+Each chunk calls ``optimizer.update`` on the whole trees with its own leaves (or slices) in
+place, so masks and schedules see the structure they expect; what the other leaves would get is
+dead code, removed by XLA. The result is bit-identical to the unchunked update: the update of
+parameter ``i`` must depend on nothing of another parameter, and be split along its rows only if
+it keeps them apart, both read from the optimizer's jaxpr (:mod:`leanstep.step.update_dependence`);
+scalar state (counts, schedules) is shared by the chunks and taken from the first. Stochastic
+rounding of bfloat16 masters draws, for a slice, the bits its rows take in the whole leaf
+(:func:`leanstep.blocks.masters.rows_bits`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from leanstep.blocks.masters import apply_to_master, rows_can_split
+from leanstep.blocks.moments import QuantizedArray
+from leanstep.common.checks import is_int
+from leanstep.step.update_dependence import update_dependence
+
+__all__ = [
+    "DEFAULT_UPDATE_CHUNK",
+    "ChunkInputs",
+    "ChunkPlan",
+    "Unit",
+    "check_update_chunk",
+    "chunk_plan",
+    "chunked_apply",
+]
+
+#: The default largest chunk, in entries (measured: docs/lean-state.md, "A chunk-bounded update").
+DEFAULT_UPDATE_CHUNK = 2**24
+
+
+def check_update_chunk(update_chunk: Any) -> int | str | None:
+    """``update_chunk`` if it is ``"auto"``, None or a positive int.
+
+    Raises:
+      ValueError: another value, shown with the forms it may take.
+    """
+    if update_chunk is None or update_chunk == "auto" and isinstance(update_chunk, str):
+        return update_chunk
+    if is_int(update_chunk) and update_chunk > 0:
+        return int(update_chunk)
+    raise ValueError(
+        f"update_chunk must be 'auto', a positive int (the most entries one chunk of the optimizer's "
+        f"update widens to float32) or None (the whole tree at once), got {update_chunk!r}"
+    )
+
+
+def _per_param(node: Any) -> bool:
+    return isinstance(node, (QuantizedArray, optax.MaskedNode))
+
+
+class Unit(NamedTuple):
+    """Leaf number ``leaf`` (``rows`` rows from ``start`` on its leading axis; both None: the whole leaf)."""
+
+    leaf: int
+    start: int | None = None
+    rows: int | None = None
+
+
+class ChunkPlan(NamedTuple):
+    """How the update is cut: ``chunks``, each a tuple of :class:`Unit` s updated by one call of
+    the optimizer, one chunk after another."""
+
+    chunks: tuple[tuple[Unit, ...], ...]
+
+
+def _state_parts(opt_state: Any, params_def: Any, params: list[Any]) -> tuple[list[Any], Any, list[bool]]:
+    """The optimizer state flattened to parts: subtrees with the params' structure, and shared leaves."""
+
+    def is_node(node: Any) -> bool:
+        if jax.tree.structure(node, is_leaf=_per_param) != params_def:
+            return False
+        if params_def.num_nodes == 1:  # the params are one bare array: any array has its structure, the shape decides
+            return isinstance(node, QuantizedArray) or tuple(getattr(node, "shape", ())) == tuple(jnp.shape(params[0]))
+        return True
+
+    parts, state_def = jax.tree.flatten(opt_state, is_leaf=is_node)
+    return parts, state_def, [is_node(part) for part in parts]
+
+
+def _owners(parts: list[Any], nodes: list[bool], params_def: Any, params: list[Any]) -> list[Any]:
+    owners: list[Any] = []
+    for part, node in zip(parts, nodes):
+        if not node:
+            owners += [None] * len(jax.tree.leaves(part))
+            continue
+        for index, sub in enumerate(params_def.flatten_up_to(part)):
+            shape = tuple(jnp.shape(params[index]))
+            for leaf in jax.tree.leaves(sub):
+                owners.append((index, len(shape) >= 1 and jnp.ndim(leaf) >= 1 and jnp.shape(leaf)[0] == shape[0]))
+    return owners
+
+
+def chunk_plan(
+    optimizer: optax.GradientTransformation, opt_state: Any, params: Any, update_chunk: int, key: Any = None
+) -> tuple[ChunkPlan | None, str | None]:
+    """The chunks of the update of ``params`` (float32 masters, abstract or concrete), or
+    ``(None, why)`` where the optimizer needs the whole tree. ``key``: the rounding key of
+    bfloat16 masters (a leaf is split only if its bits can be drawn in slices)."""
+    leaves, params_def = jax.tree.flatten(params)
+    parts, _, nodes = _state_parts(opt_state, params_def, leaves)
+    param_owners = [(i, jnp.ndim(p) >= 1) for i, p in enumerate(leaves)]
+    state_owners = _owners(parts, nodes, params_def, leaves)
+    new_state = jax.eval_shape(optimizer.update, params, opt_state, params)[1]
+    new_parts, _, new_nodes = _state_parts(new_state, params_def, leaves)
+    dependence = update_dependence(
+        optimizer.update,
+        (params, opt_state, params),
+        [*param_owners, *state_owners, *param_owners],
+        [*param_owners, *_owners(new_parts, new_nodes, params_def, leaves)],
+    )
+    if dependence.cross is not None:
+        return None, dependence.cross
+    splittable = [
+        dependence.rows[i] and jnp.ndim(p) >= 1 and jnp.shape(p)[0] > 1 and (key is None or rows_can_split(key, jnp.shape(p)))
+        for i, p in enumerate(leaves)
+    ]  # fmt: skip
+    return ChunkPlan(_cut([tuple(jnp.shape(p)) for p in leaves], splittable, update_chunk)), None
+
+
+def _cut(shapes: list[tuple[int, ...]], splittable: list[bool], limit: int) -> tuple[tuple[Unit, ...], ...]:
+    """The chunks: leaves too large together that share a leading axis (a stack of layers) in
+    blocks of rows, block ``j`` of every one of them in chunk ``j``; the other leaves packed whole.
+
+    XLA rewrites ``x / s`` as ``x * (1 / s)`` where the scalar ``s`` (Adam's bias correction) has
+    one user, so a chunk that updates one leaf can round otherwise than the whole tree: with more
+    than one leaf, every chunk updates at least two (a stack of one leaf is not split)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    several = len(shapes) > 1
+    stacks: dict[int, list[int]] = {}
+    for index, shape in enumerate(shapes):
+        if splittable[index]:
+            stacks.setdefault(shape[0], []).append(index)
+    chunks: list[tuple[Unit, ...]] = []
+    whole = set(range(len(shapes)))
+    for length, members in stacks.items():
+        total = sum(sizes[i] for i in members)
+        if total <= limit or (several and len(members) < 2):
+            continue
+        rows = max([r for r in range(1, length) if length % r == 0 and total // length * r <= limit], default=1)
+        chunks += [tuple(Unit(i, start, rows) for i in members) for start in range(0, length, rows)]
+        whole -= set(members)
+    groups: list[list[int]] = []
+    for index in sorted(whole):
+        if groups and sum(sizes[i] for i in groups[-1]) + sizes[index] <= limit:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    for position, group in enumerate(groups):  # no chunk of one leaf (see above)
+        if several and len(group) == 1 and len(groups) > 1:
+            groups[position + 1 if position + 1 < len(groups) else position - 1] += group
+            group.clear()
+    groups = [group for group in groups if group]
+    return tuple(tuple(Unit(i) for i in group) for group in groups) + tuple(chunks)
+
+
+class ChunkInputs(NamedTuple):
+    """What a chunk needs besides its leaves: the whole trees, the step's decisions."""
+
+    optimizer: optax.GradientTransformation
+    params_def: Any
+    grads: list[Any]  # the scaled gradient, as the gradient stage gave it
+    params: list[Any]  # the masters, as kept
+    parts: list[Any]  # the optimizer state's parts
+    state_def: Any
+    nodes: tuple[bool, ...]
+    errors: list[Any] | None
+    prepare: Callable[[list[Any]], list[Any]]  # scaled gradient leaves -> what the optimizer takes
+    finish: Callable[..., tuple[Any, Any]]  # (index, param, update, error, first_row) -> (new, new_error)
+    update_scale: Any
+    applied: jax.Array
+
+
+def _slice(tree: Any, start: Any, rows: int) -> Any:
+    return jax.tree.map(lambda x: jax.lax.slice_in_dim(x, start, start + rows, axis=0), tree)
+
+
+def _dslice(tree: Any, start: Any, rows: int) -> Any:
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0), tree)
+
+
+def _dput(tree: Any, piece: Any, start: Any) -> Any:
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0), tree, piece)
+
+
+def _put(tree: Any, piece: Any, start: Any) -> Any:
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0), tree, piece)
+
+
+def _where(applied: jax.Array, new: Any, old: Any) -> Any:
+    return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+
+
+def _run(inputs: ChunkInputs, owned: dict[int, Any], rows: dict[int, Any]) -> tuple[dict[int, Any], list[Any]]:
+    """``optimizer.update`` with leaf ``i`` replaced by ``owned[i] = (grad, param, state_subs, error)``
+    (rows from ``rows[i]`` on, or None: whole); returns the new ``(param, state_subs, error)`` of
+    the owned leaves and the new shared parts of the state."""
+    grads, params = list(inputs.grads), list(inputs.params)
+    per_param = [inputs.params_def.flatten_up_to(p) if node else None for p, node in zip(inputs.parts, inputs.nodes)]
+    for index, (grad, param, subs, _) in owned.items():
+        grads[index], params[index] = grad, param
+        for column, sub in zip([c for c in per_param if c is not None], subs):
+            column[index] = sub
+    parts = [p if c is None else inputs.params_def.unflatten(c) for p, c in zip(inputs.parts, per_param)]
+    tree = lambda leaves: jax.tree.unflatten(inputs.params_def, leaves)
+    wide = [p.astype(jnp.float32) for p in params]
+    ready = [g.astype(w.dtype) for g, w in zip(inputs.prepare(grads), wide)]
+    updates, new_state = inputs.optimizer.update(tree(ready), jax.tree.unflatten(inputs.state_def, parts), tree(wide))
+    update_leaves = inputs.params_def.flatten_up_to(updates)
+    new_parts = inputs.state_def.flatten_up_to(new_state)
+    new_columns = [inputs.params_def.flatten_up_to(p) for p, node in zip(new_parts, inputs.nodes) if node]
+    out = {}
+    for index, (_, param, subs, error) in owned.items():
+        update = update_leaves[index]
+        if inputs.update_scale is not None:
+            update = update * inputs.update_scale.astype(update.dtype)
+        new, new_error = inputs.finish(index, param, update, error, rows[index])
+        out[index] = (
+            jnp.where(inputs.applied, new, param),
+            [_where(inputs.applied, column[index], old) for column, old in zip(new_columns, subs)],
+            None if error is None else jnp.where(inputs.applied, new_error, error),
+        )
+    shared = [_where(inputs.applied, n, o) for n, o, node in zip(new_parts, inputs.parts, inputs.nodes) if not node]
+    return out, shared
+
+
+def _leaf(inputs: ChunkInputs, index: int) -> tuple[Any, Any, list[Any], Any]:
+    subs = [inputs.params_def.flatten_up_to(p)[index] for p, node in zip(inputs.parts, inputs.nodes) if node]
+    error = None if inputs.errors is None else inputs.errors[index]
+    return inputs.grads[index], inputs.params[index], subs, error
+
+
+def chunked_apply(inputs: ChunkInputs, plan: ChunkPlan) -> tuple[list[Any], Any, list[Any] | None]:
+    """The new params (leaves), optimizer state and Kahan buffer (leaves or None), chunk by chunk:
+    a chunk reads its inputs through an optimization barrier with the last chunk's outputs; a leaf
+    cut in blocks of rows is written block by block into its buffer (in place)."""
+    results: dict[int, Any] = {}
+    _, shared = _run(inputs, {}, {})  # counts and schedules: no parameter's entries are read
+    current: dict[int, Any] = {}  # the leaves being written block by block: (param, subs, error)
+    previous: Any = ()
+    for chunk in plan.chunks:
+        if chunk[0].start is None:  # whole leaves
+            owned = {unit.leaf: _leaf(inputs, unit.leaf) for unit in chunk}
+            owned, previous = jax.lax.optimization_barrier((owned, previous))
+            new, _ = _run(inputs, owned, {unit.leaf: None for unit in chunk})
+            results.update(new)
+            previous = new
+        elif chunk[0].start == 0:  # a stack: every block in one loop
+            carry = {unit.leaf: _leaf(inputs, unit.leaf)[1:] for unit in chunk}
+            carry, _ = jax.lax.optimization_barrier((carry, previous))
+            current.update(_stack_loop(inputs, {unit.leaf: unit.rows or 1 for unit in chunk}, carry))
+            previous = {unit.leaf: current[unit.leaf] for unit in chunk}
+    results.update(current)
+    return _assemble(inputs, results, shared)
+
+
+def _stack_loop(inputs: ChunkInputs, stack: dict[int, int], carry: dict[int, Any]) -> dict[int, Any]:
+    """The blocks of the leaves of a stack (``index -> rows``), one block of each leaf an
+    iteration of a ``fori_loop`` (a loop body is scheduled alone, so one block's widening is live
+    at a time), written in place into ``carry`` (``index -> (param, subs, error)``)."""
+    rows = next(iter(stack.values()))
+    blocks = jnp.shape(inputs.grads[next(iter(stack))])[0] // rows
+
+    def body(j: Any, carry: dict[int, Any]) -> dict[int, Any]:
+        start = j * rows
+        owned = {}
+        for i in stack:
+            param, subs, error = carry[i]
+            owned[i] = (_dslice(inputs.grads[i], start, rows), _dslice(param, start, rows),
+                        _dslice(subs, start, rows), None if error is None else _dslice(error, start, rows))  # fmt: skip
+        new, _ = _run(inputs, owned, {i: start for i in stack})
+        return {i: tuple(None if w is None else _dput(w, n, start) for w, n in zip(carry[i], new[i])) for i in stack}
+
+    return jax.lax.fori_loop(0, blocks, body, carry)
+
+
+def _assemble(
+    inputs: ChunkInputs, results: dict[int, Any], shared: list[Any]
+) -> tuple[list[Any], Any, list[Any] | None]:
+    count = len(inputs.params)
+    new_params = [results[i][0] for i in range(count)]
+    parts, node_column, shared_iter = [], 0, iter(shared)
+    for part, node in zip(inputs.parts, inputs.nodes):
+        if node:
+            parts.append(inputs.params_def.unflatten([results[i][1][node_column] for i in range(count)]))
+            node_column += 1
+        else:
+            parts.append(next(shared_iter))
+    errors = None if inputs.errors is None else [results[i][2] for i in range(count)]
+    return new_params, jax.tree.unflatten(inputs.state_def, parts), errors
+
+
+def chunk_plan_for(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -> ChunkPlan | None:
+    """The plan :func:`leanstep.guarded_update` follows for ``state`` (masters widened: ``wide``),
+    or None: the whole tree at once (``update_chunk`` None; ``"auto"`` where one chunk holds
+    every parameter, the optimizer mixes parameters or the spike guard watches the update's norm).
+
+    Raises:
+      ValueError: a bad ``update_chunk``; an int where the optimizer mixes parameters (the
+        transformation named) or the spike guard watches the update's norm.
+    """
+    update_chunk = check_update_chunk(update_chunk)
+    if update_chunk is None:
+        return None
+    given = update_chunk != "auto"
+    limit = int(update_chunk) if given else DEFAULT_UPDATE_CHUNK
+    if not given and sum(math.prod(jnp.shape(p)) for p in jax.tree.leaves(wide)) <= limit:
+        return None
+    if spike_guard is not None and "update_norm" in spike_guard.watch:
+        if given:
+            raise ValueError(
+                f"update_chunk={update_chunk!r} with a spike guard watching 'update_norm': the norm of the "
+                "whole update is known only after the last chunk; pass update_chunk=None or leave "
+                "'update_norm' out of SpikeGuard(watch=...)"
+            )
+        return None
+    key = None if state.master == "float32" else jax.random.wrap_key_data(state.rng)
+    plan, why = chunk_plan(state.optimizer, state.opt_state, wide, limit, key)
+    if plan is None and given:
+        raise ValueError(
+            f"update_chunk={update_chunk!r}: the optimizer's update mixes parameters ({why}), so it cannot "
+            "be applied a chunk at a time; pass update_chunk=None (or 'auto', which then applies it whole), "
+            "or take the transformation out of the optimizer (the step clips the global norm itself: "
+            "max_grad_norm=)"
+        )
+    return plan
+
+
+def _prepare(loss_scale: Any, grad_norm: jax.Array, max_grad_norm: float | None) -> Callable[[list[Any]], list[Any]]:
+    """Scaled gradient leaves -> unscaled and clipped, entry by entry as the whole tree is
+    (:func:`leanstep.blocks.clipping.clip_by_global_norm`'s scale, from the same norm)."""
+
+    def prepare(leaves: list[Any]) -> list[Any]:
+        grads = loss_scale.unscale(leaves)
+        if max_grad_norm is None:
+            return list(grads)
+        limit = jnp.asarray(max_grad_norm).astype(grad_norm.dtype)
+        within = grad_norm <= limit
+        scale = jnp.where(
+            within, jnp.ones_like(grad_norm), limit / jnp.where(within, jnp.ones_like(grad_norm), grad_norm)
+        )
+        return [(g.astype(jnp.promote_types(g.dtype, jnp.float32)) * scale).astype(g.dtype) for g in grads]
+
+    return prepare
+
+
+def chunked_update(
+    state: Any, params: Any, scaled_grads: Any, plan: ChunkPlan, applied: jax.Array, grad_norm: jax.Array,
+    max_grad_norm: float | None, key: jax.Array, update_scale: Any,
+) -> tuple[Any, Any, Any]:  # fmt: skip
+    """``(params, opt_state, master_error)`` after the update of the trainable ``params`` (as
+    kept), applied where ``applied``, chunk by chunk (see the module doc)."""
+    leaves, params_def = jax.tree.flatten(params)
+    parts, state_def, nodes = _state_parts(state.opt_state, params_def, leaves)
+    shapes = [tuple(jnp.shape(p)) for p in leaves]
+    master = state.master
+
+    def finish(index: int, param: Any, update: Any, error: Any, first_row: Any) -> tuple[Any, Any]:
+        if master == "float32":
+            return jnp.asarray(param + update).astype(param.dtype), None
+        leaf_key = jax.random.fold_in(key, index)
+        return apply_to_master(param, update, master, leaf_key, error, first_row=first_row, leaf_shape=shapes[index])
+
+    inputs = ChunkInputs(
+        optimizer=state.optimizer,
+        params_def=params_def,
+        grads=params_def.flatten_up_to(scaled_grads),  # type: ignore[attr-defined]  # jaxlib's PyTreeDef
+        params=leaves,
+        parts=parts,
+        state_def=state_def,
+        nodes=tuple(nodes),
+        errors=None if state.master_error is None else params_def.flatten_up_to(state.master_error),  # type: ignore[attr-defined]  # jaxlib's PyTreeDef
+        prepare=_prepare(state.loss_scale, grad_norm, max_grad_norm),
+        finish=finish,
+        update_scale=update_scale,
+        applied=applied,
+    )
+    import os
+
+    if os.environ.get("PREP"):
+        prepared = inputs.prepare(inputs.grads)
+        inputs = inputs._replace(grads=prepared, prepare=lambda leaves: leaves)
+    new_params, opt_state, errors = chunked_apply(inputs, plan)
+    error_tree = None if errors is None else jax.tree.unflatten(params_def, errors)
+    return jax.tree.unflatten(params_def, new_params), opt_state, error_tree
