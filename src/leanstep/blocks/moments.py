@@ -1,8 +1,11 @@
 r"""Lean optimizer state: moments kept in bfloat16, or in 8-bit blocks with a float32 scale each.
 
-An optimizer's moments (Adam's ``mu`` and ``nu``, Lion's ``mu``: the subtrees of its state shaped
-like the parameters) are stored compressed and widened to float32 for the update, whose math is
-the optimizer's own, in float32:
+An optimizer's moments (Adam's ``mu`` and ``nu``, Lion's ``mu``, SGD's momentum ``trace``: the
+fields of optax's states that hold running averages of the gradient or its square, listed in
+``MOMENT_FIELDS``) are stored compressed and widened to float32 for the update, whose math is the
+optimizer's own, in float32. Nothing else is compressed, even where it is shaped like the
+parameters: schedule-free's ``z`` and Prodigy's ``params0`` are weights, kept as the optimizer
+keeps them.
 
 .. code-block:: text
 
@@ -21,8 +24,9 @@ midpoints of the sorted map (a value on a midpoint takes the lower code). A bloc
 scale 0 and decodes to zeros.
 
 Blocks run along the last axis, so a parameter split over a device mesh along its other axes
-keeps whole blocks on each device; split along its last axis, each device's part must be a
-multiple of ``B`` (for the FSDP layouts leanstep chooses: a width of ``B * devices``).
+keeps whole blocks on each device; split along its last axis, each device's blocks are its own
+where its part is a multiple of ``B``, and otherwise a block straddles devices and the scales are
+kept whole along that axis (:func:`leanstep.step.state_sharding.scales_sharding`).
 
 Example:
   >>> import jax.numpy as jnp
@@ -47,6 +51,7 @@ from leanstep.common.checks import is_int, same_treedef
 
 __all__ = [
     "MOMENT_DTYPES",
+    "MOMENT_FIELDS",
     "QuantizedArray",
     "compress_moments",
     "dequantize",
@@ -57,8 +62,33 @@ __all__ = [
 #: The forms a moment may be kept in.
 MOMENT_DTYPES = ("float32", "bfloat16", "int8")
 
-#: State fields that hold a second moment (non-negative: the unsigned map).
-_UNSIGNED_FIELDS = frozenset({"nu", "v", "exp_avg_sq"})
+#: The moments of optax's states: state type -> {field: signed}. A second moment (non-negative)
+#: takes the unsigned map; a field that may be negative, the signed one (SM3's ``nu`` is its
+#: momentum; Sophia's ``nu`` averages Hutchinson's Hessian estimates, which may be negative).
+#: Every other field (schedule-free's ``z``, Prodigy's ``params0``, Adan's last gradient ``g``,
+#: counts) is no moment, and is kept as the optimizer keeps it.
+MOMENT_FIELDS: dict[str, dict[str, bool]] = {
+    "ScaleByAdamState": {"mu": True, "nu": False},  # adam(w), nadam(w), radam, lamb, adamax, yogi
+    "ScaleByAmsgradState": {"mu": True, "nu": False, "nu_max": False},
+    "ScaleByLionState": {"mu": True},
+    "TraceState": {"trace": True},  # sgd(momentum=), lars, nesterov
+    "ScaleByRmsState": {"nu": False},
+    "ScaleByRmsWithCountState": {"nu": False},  # rmsprop; schedule-free AdamW's base
+    "ScaleByRStdDevState": {"mu": True, "nu": False},  # centered rmsprop
+    "ScaleByRStdDevWithCountState": {"mu": True, "nu": False},
+    "ScaleByRssState": {"sum_of_squares": False},  # adagrad
+    "ScaleByBeliefState": {"mu": True, "nu": False},  # adabelief
+    "FactoredState": {"v": False},  # adafactor's unfactored second moments (v_row, v_col are not shaped like them)
+    "ScaleBySM3State": {"nu": True},
+    "ScaleByAdanState": {"m": True, "v": True, "n": False},
+    "ScaleByAdemamixState": {"m1": True, "m2": True, "nu": False},
+    "MuonState": {"mu": True},
+    "SophiaState": {"mu": True, "nu": True},
+    "ProdigyState": {"exp_avg": True, "exp_avg_sq": False},
+    "DAdaptAdamWState": {"exp_avg": True, "exp_avg_sq": False},
+    "MomoState": {"exp_avg": True},
+    "MomoAdamState": {"exp_avg": True, "exp_avg_sq": False},
+}
 
 
 def dynamic_map(signed: bool) -> np.ndarray:
@@ -140,7 +170,7 @@ def quantize(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedA
     safe = jnp.where(scales > 0, scales, 1.0)[..., None]
     normalized = jnp.where(scales[..., None] > 0, blocks / safe, 0.0)
     codes = jnp.searchsorted(jnp.asarray(midpoints), normalized, side="left").astype(jnp.uint8)
-    codes = codes.reshape(*blocks.shape[:-2], -1)[..., :n].reshape(shape)
+    codes = codes.reshape(*blocks.shape[:-2], blocks.shape[-2] * block_size)[..., :n].reshape(shape)
     return QuantizedArray(codes, scales, signed, block_size)
 
 
@@ -148,7 +178,8 @@ def dequantize(q: QuantizedArray) -> jax.Array:
     """The float32 array ``q`` stands for: ``map[code] * scale`` of its block."""
     values, _ = _tables(q.signed)
     decoded, n = _blocks(jnp.asarray(values)[q.codes.astype(jnp.int32)], q.block_size)
-    return (decoded * q.scales[..., None]).reshape(*decoded.shape[:-2], -1)[..., :n].reshape(q.shape)
+    whole = (decoded * q.scales[..., None]).reshape(*decoded.shape[:-2], decoded.shape[-2] * q.block_size)
+    return whole[..., :n].reshape(q.shape)  # explicit sizes: a zero-size array has no -1 to infer
 
 
 # --- the optimizer wrapper -------------------------------------------------------------------------
@@ -159,32 +190,66 @@ class _Form(NamedTuple):
     block_size: int
 
 
-def _is_moment(node: Any, template: Any) -> bool:
-    """Whether ``node`` (a state subtree, maybe compressed) has the params' structure and shapes."""
-    leaves = jax.tree.leaves(node, is_leaf=lambda x: isinstance(x, QuantizedArray))
-    if not same_treedef(
-        jax.tree.structure(node, is_leaf=lambda x: isinstance(x, QuantizedArray)), jax.tree.structure(template)
+def _params_shaped(node: Any, template: Any) -> bool:
+    """Whether ``node`` (a state subtree, maybe compressed) is floating and has the params' structure and shapes."""
+    quantized = lambda x: isinstance(x, QuantizedArray)
+    leaves = jax.tree.leaves(node, is_leaf=quantized)
+    if not jax.tree.leaves(template) or not same_treedef(
+        jax.tree.structure(node, is_leaf=quantized), jax.tree.structure(template)
     ):
         return False
-    floating = lambda x: isinstance(x, QuantizedArray) or jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    floating = lambda x: quantized(x) or jnp.issubdtype(jnp.result_type(x), jnp.floating)
     if not all(floating(x) for x in leaves):  # a step count is no moment, even beside a scalar parameter
         return False
-    return [tuple(jnp.shape(x)) if not isinstance(x, QuantizedArray) else x.shape for x in leaves] == [
+    return [x.shape if quantized(x) else tuple(jnp.shape(x)) for x in leaves] == [
         tuple(jnp.shape(p)) for p in jax.tree.leaves(template)
     ]
 
 
-def _walk(node: Any, name: str, template: Any, fn: Callable[[Any, bool], Any]) -> Any:
-    """``fn(moment, signed)`` on every moment subtree of an optimizer state; the rest as is."""
-    if _is_moment(node, template) and jax.tree.leaves(template):
-        return fn(node, name not in _UNSIGNED_FIELDS)
+def _moment_fields(node: Any) -> dict[str, bool]:
+    """``MOMENT_FIELDS`` of ``node``'s type if it is one of optax's states; ``{}`` otherwise."""
+    kind = type(node)
+    if not (isinstance(node, tuple) and hasattr(node, "_fields") and kind.__module__.split(".")[0] == "optax"):
+        return {}
+    return MOMENT_FIELDS.get(kind.__name__, {})
+
+
+def _walk(node: Any, template: Any, fn: Callable[[Any, bool], Any]) -> Any:
+    """``fn(moment, signed)`` on every moment of an optimizer state (a ``MOMENT_FIELDS`` field
+    shaped like the params); the rest as is."""
     if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return type(node)(*(_walk(getattr(node, f), f, template, fn) for f in node._fields))
+        fields = _moment_fields(node)
+        return type(node)(
+            *(
+                fn(value, fields[name])
+                if name in fields and _params_shaped(value, template)
+                else _walk(value, template, fn)
+                for name, value in zip(node._fields, node)
+            )
+        )
     if isinstance(node, (tuple, list)):
-        return type(node)(_walk(x, name, template, fn) for x in node)
+        return type(node)(_walk(x, template, fn) for x in node)
     if isinstance(node, dict):
-        return {k: _walk(v, str(k), template, fn) for k, v in node.items()}
+        return {k: _walk(v, template, fn) for k, v in node.items()}
     return node
+
+
+def _weights_like(node: Any, template: Any, where: str = "") -> list[str]:
+    """The fields of an optimizer state shaped like the params that are no moment, by name."""
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        fields, found = _moment_fields(node), []
+        for name, value in zip(node._fields, node):
+            here = f"{type(node).__name__}.{name}"
+            if _params_shaped(value, template):
+                found += [] if name in fields else [here]
+            else:
+                found += _weights_like(value, template, here)
+        return found
+    if isinstance(node, (tuple, list)):
+        return [f for x in node for f in _weights_like(x, template, where)]
+    if isinstance(node, dict):
+        return [f for k, v in node.items() for f in _weights_like(v, template, f"{where}[{k!r}]")]
+    return []
 
 
 def _compress(form: _Form) -> Callable[[Any, bool], Any]:
@@ -207,23 +272,31 @@ def compress_moments(
 ) -> optax.GradientTransformation:
     """``optimizer`` with its moments kept compressed (see the module doc).
 
-    The moments are widened to float32 before each update and compressed after it; everything
-    else of its state (counts, Adafactor's factored statistics) is kept as the optimizer keeps
-    it. The same arguments give the same wrapper (cached), so a state built twice compiles once.
+    The moments (the ``MOMENT_FIELDS`` of optax's states, where shaped like the parameters) are
+    widened to float32 before each update and compressed after it; everything else of its state
+    (counts, Adafactor's factored statistics, schedule-free's ``z``, Prodigy's ``params0``) is kept
+    as the optimizer keeps it. The same arguments give the same wrapper (cached), so a state built
+    twice compiles once.
 
     Args:
-      optimizer: any optax optimizer whose state holds subtrees shaped like the parameters.
+      optimizer: an optax optimizer whose state holds moments (Adam, AdamW, Lion, SGD with
+        momentum, RMSProp, Adagrad, AdaBelief, Adafactor, schedule-free AdamW, ...).
       dtype: ``"bfloat16"`` or ``"int8"`` (``"float32"``: ``optimizer`` itself).
       block_size: ``B`` for ``"int8"``, an int >= 16.
 
     Raises:
-      ValueError: another ``dtype``, or a bad ``block_size``.
+      ValueError: another ``dtype``, or a bad ``block_size``; at ``init``, a state with fields
+        shaped like the parameters none of which is a moment leanstep knows (schedule-free SGD's
+        ``z``: a copy of the weights, which 8 bits would corrupt), naming them.
 
     Example:
       >>> tx = compress_moments(optax.adamw(1e-3), "int8", block_size=64)
       >>> state = tx.init({"w": jnp.ones((4, 128))})
       >>> state[0].mu["w"].codes.dtype, state[0].mu["w"].scales.shape
       (dtype('uint8'), (4, 2))
+      >>> state = compress_moments(optax.contrib.schedule_free_adamw(1e-3), "int8").init({"w": jnp.ones((4, 128))})
+      >>> type(state.base_optimizer_state[0].nu["w"]).__name__, state.z["w"].dtype
+      ('QuantizedArray', dtype('float32'))
     """
     if dtype not in MOMENT_DTYPES:
         raise ValueError(f"moments must be one of {MOMENT_DTYPES}, got {dtype!r}")
@@ -234,11 +307,21 @@ def compress_moments(
     compress = _compress(_Form(dtype, int(block_size)))
 
     def init(params: Any) -> Any:
-        return _walk(optimizer.init(params), "", params, compress)
+        state, moments = optimizer.init(params), []
+        _walk(state, params, lambda moment, signed: moments.append(moment))
+        weights = _weights_like(state, params)
+        if weights and not moments:
+            raise ValueError(
+                f"moments {dtype!r}: the optimizer's state holds no moment that leanstep compresses "
+                f"(MOMENT_FIELDS in leanstep.blocks.moments), and {', '.join(weights)}, shaped like the "
+                "parameters, is no moment: 8 bits or bfloat16 would change what it tracks; pass "
+                "moments='float32'"
+            )
+        return _walk(state, params, compress)
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        wide = _walk(state, "", updates, _widen)
+        wide = _walk(state, updates, _widen)
         updates, new = optimizer.update(updates, wide, params)
-        return updates, _walk(new, "", updates, compress)
+        return updates, _walk(new, updates, compress)
 
     return optax.GradientTransformation(init, update)

@@ -18,10 +18,10 @@ from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.moments import QuantizedArray
 from leanstep.common.checks import same_treedef
 from leanstep.sharding.meshes import mesh_axes, place_global
-from leanstep.sharding.partition_rules import param_specs
+from leanstep.sharding.partition_rules import make_spec, param_specs
 from leanstep.step.state import TrainState
 
-__all__ = ["params_specs", "shard_train_state", "state_shardings"]
+__all__ = ["params_specs", "scales_sharding", "shard_train_state", "state_shardings"]
 
 Tree = TypeVar("Tree")
 
@@ -105,9 +105,8 @@ def state_shardings(
 
 def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable[[Any], NamedSharding]) -> Any:
     """Optimizer-state subtrees shaped like the params (Adam's mu, nu) laid out like them, and so
-    are compressed ones (:func:`leanstep.compress_moments`: codes and block scales split along the
-    parameter's dimensions, so each device's blocks are its own); other leaves (counts, factored
-    statistics) by the fallback."""
+    are compressed ones (:func:`leanstep.compress_moments`: codes like the parameter, block scales
+    by :func:`scales_sharding`); other leaves (counts, factored statistics) by the fallback."""
     structure, shapes = jax.tree.structure(params), [np.shape(p) for p in jax.tree.leaves(params)]
     quantized = lambda x: isinstance(x, QuantizedArray)
 
@@ -122,12 +121,36 @@ def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable
         if not is_params_like(node):
             return jax.tree.map(fallback, node)
         laid = [
-            QuantizedArray(s, s, x.signed, x.block_size) if quantized(x) else s
+            QuantizedArray(s, scales_sharding(s, x.shape, x.block_size), x.signed, x.block_size) if quantized(x) else s
             for x, s in zip(jax.tree.leaves(node, is_leaf=quantized), jax.tree.leaves(shardings))
         ]
         return jax.tree.unflatten(jax.tree.structure(node, is_leaf=quantized), laid)
 
     return jax.tree.map(place, opt_state, is_leaf=is_params_like)
+
+
+def scales_sharding(sharding: NamedSharding, shape: tuple[int, ...], block_size: int) -> NamedSharding:
+    """The layout of the block scales of a parameter of ``shape`` laid out by ``sharding``.
+
+    The scales have the parameter's dimensions, the last in blocks of ``block_size``
+    (:class:`leanstep.QuantizedArray`). Each dimension but the last is split as the parameter's.
+    The last is split as the parameter's where each device's part of it is whole blocks (then
+    each device's scales are those of its own blocks); otherwise a block straddles devices, the
+    number of blocks need not divide over them, and the scales are kept whole along it.
+
+    Example:
+      >>> columns = NamedSharding(jax.make_mesh((1,), ("fsdp",)), PartitionSpec(None, "fsdp"))
+      >>> scales_sharding(columns, (2, 512), 256).spec, scales_sharding(columns, (2, 64), 256).spec
+      (P(None, 'fsdp'), P())
+    """
+    entries = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    if not shape or entries[-1] is None:
+        return sharding
+    names = entries[-1] if isinstance(entries[-1], tuple) else (entries[-1],)
+    devices = int(np.prod([sharding.mesh.shape[name] for name in names]))
+    if (shape[-1] // devices) % block_size == 0:
+        return sharding
+    return NamedSharding(sharding.mesh, make_spec(entries[:-1]))
 
 
 def shard_train_state(
