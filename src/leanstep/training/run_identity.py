@@ -12,16 +12,21 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.training.rollback import SpikeRollback
 
-if TYPE_CHECKING:
-    from leanstep.training.config import RunConfig
-
 __all__ = ["ADDED_FIELDS", "RESUMABLE_FIELDS", "config_hash", "config_hashes", "setting_meaning"]
+
+
+class _RunConfig(Protocol):
+    """What the hashes read of a :class:`leanstep.training.RunConfig` (a dataclass), named here
+    without importing it: the config module imports this one."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
 
 #: Fields that may change between a run and its resumption; every other field must match.
 #: (Changing ``steps`` changes the learning-rate schedule, so such a run is an extension, not a
@@ -93,7 +98,7 @@ def setting_meaning(name: str, value: Any) -> Any:
     return f"{type(parsed).__name__}({', '.join(changed)})"
 
 
-def config_hash(config: RunConfig, *, as_written: bool = False) -> str:
+def config_hash(config: _RunConfig, *, as_written: bool = False) -> str:
     """sha256 of the fields that identify a run (all but :data:`RESUMABLE_FIELDS`), its setting
     strings by what they mean (:func:`setting_meaning`); ``as_written``: by their text, as
     leanstep 0.11 and before hashed them (the checkpoints of those runs hold that hash)."""
@@ -106,12 +111,12 @@ def config_hash(config: RunConfig, *, as_written: bool = False) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def config_hashes(config: RunConfig, saved: dict[str, Any] | None = None) -> tuple[str, ...]:
+def config_hashes(config: _RunConfig, saved: dict[str, Any] | None = None) -> tuple[str, ...]:
     """The hashes a checkpoint of ``config``'s run may hold: :func:`config_hash`'s, and 0.11's (the
     setting strings as written) of ``config`` and, where ``saved`` (the run's ``config.json``
     fields, which mean what ``config`` means) is given, of the setting strings written there."""
     hashes = [config_hash(config), config_hash(config, as_written=True)]
     if saved is not None:
         written = {k: saved[k] for k in _SETTING_FIELDS if isinstance(saved.get(k), str)}
-        hashes.append(config_hash(dataclasses.replace(config, **written), as_written=True))
+        hashes.append(config_hash(dataclasses.replace(config, **written), as_written=True))  # type: ignore[type-var]
     return tuple(hashes)
