@@ -179,11 +179,12 @@ def test_every_convolution_and_matmul_of_the_bf16_resnet_runs_in_bf16(resnet_run
     assert all(dtypes == ("bfloat16", "bfloat16") for _, dtypes in kinds), kinds
 
 
-def test_without_axis_name_the_module_still_fails_as_jax_says():
-    """The reference for the fix: the bare apply of a pmap-written module has no axis to reduce over."""
+def test_without_axis_name_the_module_fails_naming_its_axis_name():
+    """The bare apply of a pmap-written module has no axis to reduce over: JAX's "unbound axis name"
+    until issue 41 (item 16), now one line naming the module's axis_name= (tests/test_user_mistakes.py)."""
     x = image_batches(1)[0]["x"]
     params, model_state = llinen.split(ResNet().init(jax.random.key(0), x, train=False))
-    with pytest.raises(NameError, match="unbound axis name: batch"):
+    with pytest.raises(ValueError, match="ResNet reduces over the axis name 'batch'.*pass axis_name='batch'"):
         llinen.apply(ResNet(), params, model_state, x)
 
 

@@ -16,13 +16,16 @@ so with all four, ``loss_fn(params, model_state, batch, key)`` returns
 into a :class:`LossOutput` and checks it (structure, a real floating scalar loss, a real scalar
 count, a new model state of the structure and dtypes it was given) with errors that name the
 field; the gradient stage, the accumulation and the sharding layer use the parsed value and
-never look at the raw output again.
+never look at the raw output again. :meth:`LossContract.check_signature` names the field a loss's
+signature does not fit, and :meth:`LossContract.call_error` turns what a loss raises for a setting
+(its model's Dropout handed no key, an axis name nothing binds) into one line naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -106,25 +109,96 @@ class LossContract:
     def check_signature(self, loss_fn: Any) -> None:
         """Raises if ``loss_fn`` cannot take :meth:`arguments`, naming the field that would fit.
 
-        A callable whose signature Python cannot read (a builtin) is let through.
+        A callable whose signature Python cannot read (a builtin) is let through. Where setting or
+        dropping ``uses_rng`` or ``has_state`` would fit, the message says which.
 
         Raises:
           TypeError: ``loss_fn`` takes fewer or more positional arguments than the contract passes.
+
+        Example:
+          >>> LossContract().check_signature(lambda params, batch, key: 0.0)
+          Traceback (most recent call last):
+          ...
+          TypeError: loss_fn(params, batch, key) cannot be called as loss_fn(params, batch): has_state=True passes the model state after params, uses_rng=True passes a PRNG key last; it takes a PRNG key last: pass uses_rng=True (make_train_step's keyword, or loss=leanstep.LossContract(uses_rng=True))
         """
         try:
             signature = inspect.signature(loss_fn)
         except (TypeError, ValueError):
             return
-        names = [name for name in ("params", "model_state", "batch", "key") if name in self._argument_names()]
-        try:
-            signature.bind(*names)
-        except TypeError:
-            said = f" ({self.flags})" if self.flags else ""
-            raise TypeError(
-                f"loss_fn{signature} cannot be called as loss_fn({', '.join(names)}){said}: has_state=True "
-                "passes the model state after params, uses_rng=True passes a PRNG key last; set exactly the "
-                "ones the loss takes (make_train_step's keywords, or loss=leanstep.LossContract(...))"
-            ) from None
+        if _binds(signature, self._argument_names()):
+            return
+        said = f" ({self.flags})" if self.flags else ""
+        raise TypeError(
+            f"loss_fn{signature} cannot be called as loss_fn({', '.join(self._argument_names())}){said}: "
+            "has_state=True passes the model state after params, uses_rng=True passes a PRNG key last; "
+            f"{self._signature_fix(signature)}"
+        ) from None
+
+    def _signature_fix(self, signature: inspect.Signature) -> str:
+        """What to change so that a loss of ``signature`` fits: the ``uses_rng``/``has_state`` that would."""
+        fits = [
+            other
+            for other in (
+                dataclasses.replace(self, uses_rng=rng, has_state=state)
+                for rng in (False, True)
+                for state in (False, True)
+            )
+            if other != self and _binds(signature, other._argument_names())
+        ]
+        if len(fits) > 1:  # three arguments fit either: the last one's name says whether it is a key
+            last = list(signature.parameters)[-1].lower()
+            fits = [c for c in fits if c.uses_rng == any(word in last for word in ("key", "rng", "seed"))]
+        if len(fits) != 1:
+            return (
+                "set exactly the ones the loss takes (make_train_step's keywords, or loss=leanstep.LossContract(...))"
+            )
+        changes = [
+            _FIXES[name, getattr(fits[0], name)]
+            for name in ("uses_rng", "has_state")
+            if getattr(fits[0], name) != getattr(self, name)
+        ]
+        fields = ", ".join(
+            f"{field.name}=True" for field in dataclasses.fields(fits[0]) if getattr(fits[0], field.name)
+        )
+        return f"{'; '.join(changes)} (make_train_step's keyword, or loss=leanstep.LossContract({fields}))"
+
+    def call_error(self, error: BaseException) -> Exception | None:
+        """A leanstep error for what ``loss_fn`` raised while traced, where a setting is the cause; else None.
+
+        A model that needs a PRNG key it was not handed (Flax's ``InvalidRngError``, an NNX or
+        Equinox ``Dropout`` without ``rngs``/``key``) names ``uses_rng``; a collective over an axis
+        name nothing binds (a module written for ``pmap``, ``nn.BatchNorm(axis_name="batch")``)
+        names the ``axis_name=`` that binds it.
+
+        Example:
+          >>> print(LossContract().call_error(RuntimeError("Dropout requires a key when running in non-deterministic mode.")))
+          loss_fn's model needs a PRNG key (Dropout requires a key when running in non-deterministic mode) and none is handed to it: pass uses_rng=True, so that leanstep passes loss_fn(params, batch, key), and hand the key to the model (Linen: module.apply(..., rngs={'dropout': key}); NNX: nnx.Rngs(dropout=key); Equinox: key=key)
+        """
+        text = str(error).split("\n")[0].split(" (https://")[0].strip().rstrip(".")
+        needs_key = (
+            type(error).__name__ == "InvalidRngError"
+            or (isinstance(error, ValueError) and "no `rngs` argument was provided" in text)
+            or (isinstance(error, RuntimeError) and "requires a key" in text)
+        )
+        if needs_key:
+            collection = re.search(r'needs PRNG for "([^"]+)"', text)
+            hand = (
+                f"hand the key to the model (Linen: module.apply(..., rngs={{{collection[1] if collection else 'dropout'!r}: "
+                "key}); NNX: nnx.Rngs(dropout=key); Equinox: key=key)"
+            )
+            if self.uses_rng:
+                return ValueError(
+                    f"loss_fn's model needs a PRNG key ({text}): uses_rng=True passes loss_fn one last; {hand}"
+                )
+            with_key = dataclasses.replace(self, uses_rng=True)._argument_names()
+            return ValueError(
+                f"loss_fn's model needs a PRNG key ({text}) and none is handed to it: pass uses_rng=True, so "
+                f"that leanstep passes loss_fn({', '.join(with_key)}), and {hand}"
+            )
+        unbound = re.search(r"unbound axis name: ([^\s.,]+)", text) if isinstance(error, NameError) else None
+        if unbound:
+            return ValueError(unbound_axis_message(unbound[1], "loss_fn"))
+        return None
 
     def _argument_names(self) -> tuple[str, ...]:
         return self.arguments("params", "model_state", "batch", "key")
@@ -181,6 +255,36 @@ class LossContract:
     def _structure_error(self) -> str:
         flags = " and ".join(f"{name}=True" for name in ("has_aux", "token_weighted") if getattr(self, name))
         return f"{flags}: loss_fn must return {self._without_state()}"
+
+
+#: What to change, by field and whether the loss takes that argument (:meth:`LossContract.check_signature`).
+_FIXES = {
+    ("uses_rng", True): "it takes a PRNG key last: pass uses_rng=True",
+    ("uses_rng", False): "it takes no PRNG key: drop uses_rng=True, or give loss_fn a key argument last",
+    ("has_state", True): "it takes a model state after params: pass has_state=True",
+    ("has_state", False): "it takes no model state: drop has_state=True, or give loss_fn a model_state after params",
+}
+
+
+def unbound_axis_message(name: str, where: str, given: str | None = None) -> str:
+    """The error for a collective over axis ``name`` that nothing binds (a module written for ``pmap``);
+    ``given``: the ``axis_name=`` that was bound instead."""
+    instead = f" (axis_name={given!r} was given: another name)" if given is not None else ""
+    return (
+        f"{where} reduces over the axis name {name!r} (a module written for pmap, such as "
+        f"nn.BatchNorm(axis_name={name!r})), which nothing binds{instead}: leanstep hands the loss the whole "
+        f"(micro)batch, so pass axis_name={name!r} to leanstep.frameworks.linen.apply (the module's "
+        f"axis_name=), or call an Equinox model under jax.vmap(..., axis_name={name!r})"
+    )
+
+
+def _binds(signature: inspect.Signature, names: tuple[str, ...]) -> bool:
+    """Whether a callable of ``signature`` takes ``names`` as positional arguments."""
+    try:
+        signature.bind(*names)
+    except TypeError:
+        return False
+    return True
 
 
 def _pair(out: Any, message: str, whole: Any) -> tuple[Any, Any]:

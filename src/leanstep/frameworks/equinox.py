@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
+from leanstep.frameworks.loss_signature import with_fn_signature
 
 __all__ = ["Float32BatchNorm", "Fp8Linear", "combine", "loss", "split", "stateful_loss"]
 
@@ -54,6 +55,12 @@ def combine(params: eqx.Module, static: eqx.Module) -> eqx.Module:
 def loss(static: eqx.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn(model, batch[, key])`` as ``loss_fn(params, batch[, key])``.
 
+    The loss takes a key exactly when ``fn`` does (:mod:`leanstep.frameworks.loss_signature`), so a
+    ``uses_rng`` that does not fit ``fn`` is named when the step is built.
+
+    Raises:
+      TypeError: ``fn`` takes neither ``(model, batch)`` nor ``(model, batch, key)``.
+
     Example:
       >>> import jax, jax.numpy as jnp
       >>> params, static = split(eqx.nn.Linear(2, 1, key=jax.random.key(0)))
@@ -61,13 +68,15 @@ def loss(static: eqx.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
       >>> loss_fn(params, {"x": jnp.ones((3, 2))}).shape
       ()
     """
-    return lambda params, batch, *key: fn(eqx.combine(params, static), batch, *key)
+    loss_fn = lambda params, batch, *key: fn(eqx.combine(params, static), batch, *key)
+    return with_fn_signature(loss_fn, fn, ("model", "batch"), ("params", "batch"))
 
 
 def stateful_loss(static: eqx.Module, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn(model, model_state, batch[, key]) -> (out, new_model_state)`` as leanstep's stateful loss.
 
-    ``model_state`` is the model's ``eqx.nn.State``; use it with ``has_state=True``. Every
+    ``model_state`` is the model's ``eqx.nn.State``; use it with ``has_state=True``; the loss takes a
+    key exactly when ``fn`` does (``uses_rng``, as :func:`loss`). Every
     ``eqx.nn.BatchNorm`` of the model runs as a :class:`Float32BatchNorm`: under
     ``compute=bfloat16`` its statistics are computed, and kept, in float32 (``eqx.nn.BatchNorm``
     itself cannot mix a bf16 input with float32 running statistics); in float32 nothing changes.
@@ -83,9 +92,11 @@ def stateful_loss(static: eqx.Module, fn: Callable[..., Any]) -> Callable[..., A
       >>> [leaf.dtype.name for leaf in jax.tree.leaves(new_state)]
       ['bool', 'float32', 'float32']
     """
-    return lambda params, model_state, batch, *key: fn(
+    loss_fn = lambda params, model_state, batch, *key: fn(
         _batch_norms_in_float32(eqx.combine(params, static)), model_state, batch, *key
     )
+    arguments = ("model_state", "batch")
+    return with_fn_signature(loss_fn, fn, ("model", *arguments), ("params", *arguments))
 
 
 class Float32BatchNorm(eqx.nn.StatefulLayer):

@@ -27,6 +27,7 @@ code is unchanged.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_dot_general
 from leanstep.blocks.fp8_state import Fp8Collection
+from leanstep.blocks.loss_contract import unbound_axis_message
 
 __all__ = ["OVERWRITE_WITH_GRADIENT", "Fp8DotGeneral", "apply", "merge", "split"]
 
@@ -96,7 +98,11 @@ def apply(
     name a model written for ``pmap`` reduces over (``nn.BatchNorm(axis_name="batch")``, as in
     flax's imagenet ResNet) to an axis of one member, so its ``pmean`` is the identity: leanstep's
     step hands the loss the whole (micro)batch, whose statistics are already the global ones
-    (without it, JAX's "unbound axis name").
+    (without it, or with another name than the module's, a ``ValueError`` naming the module's).
+
+    Raises:
+      TypeError: ``axis_name`` not a non-empty string.
+      ValueError: the module reduces over an axis name that ``axis_name`` does not bind (at trace time).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -106,10 +112,23 @@ def apply(
       >>> model_state["batch_stats"]["mean"]
       Array([1., 1., 1.], dtype=float32)
     """
+    if axis_name is not None and (not isinstance(axis_name, str) or not axis_name):
+        raise TypeError(f"axis_name must be a non-empty string (the module's axis_name=), got {axis_name!r}")
+    try:
+        return _apply(module, params, model_state, args, axis_name, kwargs)
+    except NameError as error:  # JAX's "unbound axis name: NAME": a pmap-written module, its axis not bound
+        unbound = re.search(r"unbound axis name: ([^\s.,]+)", str(error))
+        if unbound is None:
+            raise
+        raise ValueError(unbound_axis_message(unbound[1], type(module).__name__, axis_name)) from None
+
+
+def _apply(
+    module: nn.Module, params: Any, model_state: Mapping[str, Any], args: tuple, axis_name: str | None, kwargs: dict
+) -> tuple[Any, dict[str, Any]]:
+    """:func:`apply`, its ``axis_name`` bound to an axis of one member by ``jax.vmap``."""
     if axis_name is not None:
-        if not isinstance(axis_name, str) or not axis_name:
-            raise TypeError(f"axis_name must be a non-empty string (the module's axis_name=), got {axis_name!r}")
-        bound = lambda p, s, *a: apply(module, p, s, *a, **kwargs)
+        bound = lambda p, s, *a: _apply(module, p, s, a, None, kwargs)
         return jax.vmap(bound, in_axes=None, out_axes=None, axis_name=axis_name, axis_size=1)(
             params, model_state, *args
         )

@@ -32,6 +32,7 @@ from flax import nnx
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
 from leanstep.blocks.fp8_state import register_fp8_state_type
+from leanstep.frameworks.loss_signature import with_fn_signature
 
 __all__ = ["Fp8", "Fp8Linear", "OverwriteWithGradient", "loss", "merge", "split"]
 
@@ -74,7 +75,12 @@ def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., tuple[Any, nnx.
     """``fn(model, batch[, key])`` as ``loss_fn(params, model_state, batch[, key]) -> (out, new_model_state)``.
 
     Use it with ``make_train_step(..., has_state=True)``; ``out`` is whatever ``fn``
-    returns (a loss, ``(loss, aux)``, ``(loss_sum, count)``).
+    returns (a loss, ``(loss, aux)``, ``(loss_sum, count)``). The loss takes a key exactly when
+    ``fn`` does (:mod:`leanstep.frameworks.loss_signature`), so a ``uses_rng`` that does not fit
+    ``fn`` is named when the step is built.
+
+    Raises:
+      TypeError: ``fn`` takes neither ``(model, batch)`` nor ``(model, batch, key)``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -93,7 +99,7 @@ def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., tuple[Any, nnx.
         out = fn(model, batch, *key)
         return out, nnx.state(model, nnx.Not(_TRAINED))
 
-    return loss_fn
+    return with_fn_signature(loss_fn, fn, ("model", "batch"), ("params", "model_state", "batch"))
 
 
 class Fp8Linear(nnx.Module):

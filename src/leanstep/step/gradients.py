@@ -156,7 +156,7 @@ def gradient_stage(
     cast_batch = check_bool("cast_batch", cast_batch)
     if params_layout is not None:
         check_callable("params_layout", params_layout)
-    model_loss = policy.wrap(loss_fn)
+    model_loss = _naming_settings(policy.wrap(loss_fn), contract)
     checked: list[bool] = []  # the compute-dtype check runs on the first trace only
 
     def gradients(
@@ -220,6 +220,22 @@ def gradient_stage(
         return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state, token_count=count)
 
     return gradients
+
+
+def _naming_settings(loss_fn: Callable[..., Any], contract: LossContract) -> Callable[..., Any]:
+    """``loss_fn``, whose errors a setting causes (no key for its Dropout, an unbound axis name) come
+    out as one leanstep line naming it (:meth:`LossContract.call_error`); other errors pass unchanged."""
+
+    def loss_naming_settings(*args: Any) -> Any:
+        try:
+            return loss_fn(*args)
+        except Exception as error:
+            named = contract.call_error(error)
+            if named is None:
+                raise
+            raise named from None
+
+    return loss_naming_settings
 
 
 def _abstract_loss_args(
