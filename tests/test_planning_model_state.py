@@ -66,7 +66,8 @@ def test_a_model_state_plan_notes_that_microbatching_changes_batch_statistics():
 
 
 def test_the_microbatch_bound_is_honoured():
-    space = SearchSpace(remat_policies=["none"], max_microbatches=2)
+    # min_microbatch_rows=1: this batch of 8 rows is below the default 16 rows a microbatch (issue 41, item 17)
+    space = SearchSpace(remat_policies=["none"], max_microbatches=2, min_microbatch_rows=1)
     found = _plan(candidates=space, search=SearchOptions(exhaustive=True))
     assert {c.setting.num_microbatches for c in found.candidates} == {1, 2}
     assert found.chosen.setting.num_microbatches <= 2

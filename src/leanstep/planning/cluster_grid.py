@@ -175,7 +175,7 @@ def families_of(
     ms = [
         m
         for m in range(1, layout.rows + 1)
-        if layout.rows % m == 0 and (counts is None or m in counts) and space.allows(m)
+        if layout.rows % m == 0 and (counts is None or m in counts) and space.allows(m, layout.rows)
     ]
     for reduce in space.reductions or ("auto", "step"):
         if reduce == "step" and layout.shape.get("fsdp", 1) == 1:

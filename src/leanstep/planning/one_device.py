@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -51,18 +51,16 @@ import optax
 
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
-from leanstep.blocks.precision import get_precision
-from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
-from leanstep.common.checks import is_int
 from leanstep.common.memory_sizes import parse_bytes
 from leanstep.inspection.flops import count_flops
 from leanstep.planning.candidates import abstract_tree, compile_candidate, compiler_options_for, first_fit
 from leanstep.planning.fp8_sizes import fp8_notes
+from leanstep.planning.one_device_grid import checked_settings, settings_grid
 from leanstep.planning.plan_inputs import (
+    TreesGiven,
     abstract_state,
     batch_size_of,
     batch_statistics_notes,
-    is_params_builder,
     params_for,
     state_format,
     state_format_notes,
@@ -84,54 +82,6 @@ __all__ = [
     "search_candidates",
     "settings_grid",
 ]
-
-
-def settings_grid(
-    batch_size: int,
-    *,
-    remat_policies: Iterable[str] = REMAT_POLICIES,
-    precisions: Iterable[str] = ("float32",),
-    microbatches: Iterable[int] | None = None,
-    max_microbatches: int | None = None,
-) -> tuple[Setting, ...]:
-    """Every combination of microbatch count (default: the divisors of ``batch_size``; at most
-    ``max_microbatches``), policy and precision.
-
-    Raises:
-      ValueError: a bad ``batch_size``; no count within ``max_microbatches``.
-
-    Example:
-      >>> [s[:3] for s in settings_grid(4, remat_policies=("none", "dots"))][:3]
-      [(1, 'none', 'float32'), (1, 'dots', 'float32'), (2, 'none', 'float32')]
-    """
-    if not is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    counts = (
-        [m for m in range(1, batch_size + 1) if batch_size % m == 0] if microbatches is None else list(microbatches)
-    )
-    bounded = [m for m in counts if max_microbatches is None or m <= max_microbatches]
-    if counts and not bounded:
-        raise ValueError(
-            f"no microbatch count of the batch of {batch_size} ({counts}) is within "
-            f"SearchSpace.max_microbatches={max_microbatches}; raise the bound"
-        )
-    return tuple(Setting(int(m), r, p) for m in bounded for r in remat_policies for p in precisions)
-
-
-def _check_setting(setting: Any, batch_size: int) -> Setting:
-    try:
-        setting = Setting(*setting)
-    except TypeError:
-        raise TypeError(f"candidates must hold (num_microbatches, remat, precision) triples, got {setting!r}") from None
-    m = setting.num_microbatches
-    if not is_int(m) or m < 1 or batch_size % m:
-        raise ValueError(
-            f"candidate {tuple(setting)}: num_microbatches={m!r} must be a positive divisor of "
-            f"the batch size {batch_size}"
-        )
-    get_remat_policy(setting.remat)
-    get_precision(setting.precision)
-    return Setting(int(m), setting.remat, setting.precision)
 
 
 def plan(
@@ -178,9 +128,12 @@ def plan(
         which leaves every memory number unchanged).
       loss_scale: as in the run (it changes the state a little).
       model_state: the model's state for a stateful loss (arrays or ``ShapeDtypeStruct``;
-        pass ``has_state=True`` too), or None. Each microbatch computes its own batch statistics
-        (BatchNorm), so the plan says so in :attr:`Plan.notes`; bound the count with
-        ``SearchSpace(max_microbatches=...)``.
+        pass ``has_state=True`` too), or a builder ``policy -> model state`` (as ``params``: a remat
+        that renames the blocks renames their batch statistics too), or None. Each microbatch
+        computes its own batch statistics (BatchNorm), so the plan says so in :attr:`Plan.notes`;
+        bound the count with ``SearchSpace(max_microbatches=...)``. A :class:`SearchSpace` leaves
+        out microbatches of fewer than ``min_microbatch_rows`` rows, 16 by default with a model
+        state (a list of ``candidates`` is planned as given).
       num_devices: plan a cluster of this many devices.
       accelerator: the accelerator the cluster's plan is priced on.
       **step_kwargs: the run's :func:`make_train_step` arguments (and ``master=``, ``moments=``:
@@ -196,8 +149,8 @@ def plan(
       BudgetError: no candidate fits (the message names the smallest peak and its setting, and
         ``SearchSpace.max_microbatches`` where it was bounded).
       ValueError, TypeError: a bad budget, candidate or option; no microbatch count within
-        ``SearchSpace.max_microbatches``; a remat policy that changes the params' structure
-        given one params tree.
+        ``SearchSpace.max_microbatches`` and ``min_microbatch_rows``; a remat policy that changes
+        the structure of the params or the model state given as one tree.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -241,47 +194,32 @@ def plan(
         raise TypeError(f"make_loss_fn must be callable, got {type(make_loss_fn).__name__}")
     precision, formats = step_kwargs.pop("precision", "float32"), state_format(step_kwargs)
     batch_size, scale = batch_size_of(batch), get_loss_scale(loss_scale)
-    settings = _settings(candidates, batch_size, precision if isinstance(precision, str) else str(precision))
-    state_for = lambda p: abstract_state(params_for(params, p), optimizer, scale, model_state, **formats)
-    steps = _Steps(make_loss_fn, state_for, abstract_tree(batch), step_kwargs, not is_params_builder(params))
+    space = SearchSpace() if candidates is None else candidates
+    rows = space.min_rows(model_state is not None) if isinstance(space, SearchSpace) else None
+    settings = checked_settings(space, batch_size, precision if isinstance(precision, str) else str(precision), rows)
+    state_for = lambda p: abstract_state(params_for(params, p), optimizer, scale, params_for(model_state, p), **formats)
+    steps = _Steps(make_loss_fn, state_for, abstract_tree(batch), step_kwargs, TreesGiven.of(params, model_state))
     options = compiler_options_for(search.compiler_options, jax.default_backend())
     compile_at = lambda i, c: compile_candidate(steps.trace(c), steps.traced[c.setting], budget, options)
     final = search_candidates(_traced_families(settings, steps), compile_at, search.rtol, search.exhaustive, budget)
     chosen = choose(final, search.rtol)
-    bound = candidates.max_microbatches if isinstance(candidates, SearchSpace) else None
+    bound = space.max_microbatches if isinstance(space, SearchSpace) else None
     if chosen is None:
         smallest = min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes))
-        raise BudgetError(budget, smallest, final, bound)
-    notes = batch_statistics_notes(model_state, chosen.setting.num_microbatches, batch_size) + fp8_notes(
-        steps.states[chosen.setting.remat], steps.traced[chosen.setting].jaxpr
+        raise BudgetError(budget, smallest, final, bound, rows if rows != 1 else None)
+    remat = chosen.setting.remat
+    notes = batch_statistics_notes(model_state, chosen.setting.num_microbatches, batch_size, rows) + fp8_notes(
+        steps.states[remat], steps.traced[chosen.setting].jaxpr
     )
-    notes += state_format_notes(params_for(params, chosen.setting.remat), optimizer, scale, model_state, formats)
+    notes += state_format_notes(params_for(params, remat), optimizer, scale, params_for(model_state, remat), formats)
     return Plan(budget, final, chosen, time.perf_counter() - start, notes=notes)
-
-
-def _settings(candidates: Any, batch_size: int, precision: str) -> list[Setting]:
-    """The checked settings to plan: ``candidates`` as given, or its (default) :class:`SearchSpace`'s grid."""
-    if candidates is None or isinstance(candidates, SearchSpace):
-        space = SearchSpace() if candidates is None else candidates
-        if space.cluster_only:
-            raise ValueError(f"{' and '.join(space.cluster_only)} plan a cluster; give num_devices= too")
-        candidates = settings_grid(
-            batch_size,
-            remat_policies=space.remat_policies,
-            precisions=(precision,),
-            microbatches=space.microbatches,
-            max_microbatches=space.max_microbatches,
-        )
-    settings = [_check_setting(s, batch_size) for s in candidates]
-    if not settings:
-        raise ValueError("candidates is empty; give at least one (num_microbatches, remat, precision)")
-    return settings
 
 
 class _Steps:
     """Traces a setting's step once (its loss and state made once per policy); keeps the traced steps.
 
-    ``one_tree``: the policies share one params tree; a loss failing on its structure is refused.
+    ``given``: whether the policies share one params tree, one model state: a loss failing on the
+    structure of one is refused, naming the builder to pass (:func:`structure_error`).
     """
 
     def __init__(
@@ -290,10 +228,10 @@ class _Steps:
         state_for: Callable[[str], Any],
         batch: Any,
         step_kwargs: dict[str, Any],
-        one_tree: bool = True,
+        given: TreesGiven,
     ):
         self.make_loss_fn, self.state_for, self.batch, self.step_kwargs = make_loss_fn, state_for, batch, step_kwargs
-        self.one_tree = one_tree
+        self.given = given
         self.loss_fns: dict[str, Callable[..., Any]] = {}
         self.states: dict[str, Any] = {}
         self.traced: dict[Setting, Any] = {}
@@ -311,8 +249,8 @@ class _Steps:
         )
         try:
             self.traced[s] = step.trace(self.states[s.remat], self.batch)
-        except Exception as error:  # jax's, Equinox's or Flax's error on the params' structure
-            refused = structure_error(error, s.remat) if self.one_tree else None
+        except Exception as error:  # jax's, Equinox's, Flax's or the contract's error on a tree's structure
+            refused = structure_error(error, s.remat, self.given)
             if refused is None:
                 raise
             raise refused from error

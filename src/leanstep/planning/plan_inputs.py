@@ -1,4 +1,4 @@
-"""What :func:`leanstep.plan` is given beside the loss: params per policy, and what a model state implies.
+"""What :func:`leanstep.plan` is given beside the loss: params and model state per policy, and what a model state implies.
 
 .. code-block:: text
 
@@ -6,16 +6,20 @@
                        policy -> params, for a remat policy that changes the params' structure
                        (an Equinox submodule wrapped by leanstep.remat via eqx.tree_at; a Linen
                        model whose unnamed blocks are renamed, ResNetBlock_0 -> CheckpointResNetBlock_0)
-    model_state        each microbatch computes its own batch statistics (BatchNorm): the plan
-                       says so in Plan.notes; bound the count with SearchSpace(max_microbatches=...)
+    model_state        a tree, or a builder policy -> model state, as params: the Linen model's
+                       renamed blocks rename their batch_stats too
+                       each microbatch computes its own batch statistics (BatchNorm): the plan
+                       says so in Plan.notes; bound the count with SearchSpace(max_microbatches=...);
+                       microbatches of fewer than SearchSpace.min_microbatch_rows rows (16 by
+                       default with a model state) are not planned
 
-A params builder is a plain callable (a function, not a pytree of arrays: an Equinox module
+A builder is a plain callable (a function, not a pytree of arrays: an Equinox module
 is callable too, and is taken as a tree).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -26,6 +30,7 @@ from leanstep.step.state import TrainState
 
 __all__ = [
     "STATE_FORMAT_KEYWORDS",
+    "TreesGiven",
     "abstract_state",
     "batch_size_of",
     "batch_statistics_notes",
@@ -136,33 +141,80 @@ def is_params_builder(params: Any) -> bool:
     return len(leaves) == 1 and leaves[0] is params
 
 
-def params_for(params: Any, policy: str) -> Any:
-    """The params to plan ``policy`` with: ``params(policy)`` for a builder, else ``params``."""
-    return params(policy) if is_params_builder(params) else params
+def params_for(tree: Any, policy: str) -> Any:
+    """The params (or model state) to plan ``policy`` with: ``tree(policy)`` for a builder, else ``tree``."""
+    return tree(policy) if is_params_builder(tree) else tree
 
 
-def structure_error(error: BaseException, policy: str) -> ValueError | None:
-    """A leanstep error for a loss that failed on the params' structure under ``policy``; None for other errors."""
+class TreesGiven(NamedTuple):
+    """Whether a plan was given one tree for every policy (not a builder): params, model state."""
+
+    params: bool = True
+    model_state: bool = True
+
+    @classmethod
+    def of(cls, params: Any, model_state: Any) -> TreesGiven:
+        return cls(not is_params_builder(params), model_state is not None and not is_params_builder(model_state))
+
+
+#: The start of the loss contract's error for a new model state of another structure (``LossContract.parse``).
+_STATE_STRUCTURE = "has_state=True: loss_fn must return a new model state of the structure it was given"
+
+
+def structure_error(error: BaseException, policy: str, given: TreesGiven | None = None) -> ValueError | None:
+    """A leanstep error for a loss that failed on a tree's structure under ``policy``; None for other errors.
+
+    The model state's (the loss returned one of another structure: the policy renamed the blocks
+    holding it) names ``model_state``; the params' names ``params``, with ``model_state`` too
+    where both were given as one tree. ``given``: None, one params tree and no model state.
+
+    Example:
+      >>> print(structure_error(TypeError(_STATE_STRUCTURE + "; got ..."), "full", TreesGiven(False, True)))
+      under remat policy 'full' the model state's structure changes: the loss returned a new model state of another structure than the model_state given (a Linen model's unnamed blocks are renamed under remat, ResNetBlock_0 -> CheckpointResNetBlock_0, and their batch_stats with them); pass model_state as a builder too, model_state=lambda policy: <the model state of the model built under that policy>, as params
+    """
+    given = TreesGiven(model_state=False) if given is None else given
     text = f"{type(error).__name__} {error}".lower()
-    if not any(word in text for word in _STRUCTURE_WORDS):
+    if given.model_state and str(error).startswith(_STATE_STRUCTURE):
+        return ValueError(
+            f"under remat policy {policy!r} the model state's structure changes: the loss returned a new model "
+            "state of another structure than the model_state given (a Linen model's unnamed blocks are renamed "
+            "under remat, ResNetBlock_0 -> CheckpointResNetBlock_0, and their batch_stats with them); pass "
+            "model_state as a builder too, model_state=lambda policy: <the model state of the model built under "
+            "that policy>, as params"
+        )
+    if not (given.params or given.model_state) or not any(word in text for word in _STRUCTURE_WORDS):
         return None
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    trees = [name for name, one in (("params", given.params), ("model_state", given.model_state)) if one]
+    builders = " and ".join(
+        f"{name}=lambda policy: <the {_WHAT[name]} of the model built under that policy>" for name in trees
+    )
+    kind = "a params builder" if trees == ["params"] else "a model-state builder" if len(trees) == 1 else "builders"
     return ValueError(
-        f"the loss under remat policy {policy!r} does not take the params given "
-        f"({type(error).__name__}: {first[:300]}): this policy changes the params' structure, so "
-        "pass params as a params builder, params=lambda policy: <the params of the model built "
-        "under that policy> (a callable policy -> params), instead of one tree for every policy"
+        f"the loss under remat policy {policy!r} does not take the {' and '.join(trees)} given "
+        f"({type(error).__name__}: {first[:300]}): this policy changes the {' or '.join(trees)}' structure, so "
+        f"pass {' and '.join(trees)} as {kind}, {builders} (a callable policy -> tree), instead of one tree "
+        "for every policy"
     )
 
 
-def batch_statistics_notes(model_state: Any, num_microbatches: int, batch_size: int) -> tuple[str, ...]:
-    """The plan's notes on a model state: microbatching changes batch statistics.
+#: What each builder builds, in the refusal's words.
+_WHAT = {"params": "params", "model_state": "model state"}
+
+
+def batch_statistics_notes(
+    model_state: Any, num_microbatches: int, batch_size: int, min_rows: int | None = None
+) -> tuple[str, ...]:
+    """The plan's notes on a model state: microbatching changes batch statistics (and ``min_rows``,
+    the fewest rows a microbatch was planned with, where it left counts out).
 
     Example:
       >>> batch_statistics_notes(None, 4, 32)
       ()
       >>> print(batch_statistics_notes({"mean": 0.0}, 4, 32)[0][:72])
       microbatching changes batch statistics: the chosen 4 microbatches each c
+      >>> print(batch_statistics_notes({"mean": 0.0}, 2, 32, 16)[0][-94:])
+      microbatches of fewer than 16 rows were not planned (SearchSpace.min_microbatch_rows, 16 here)
     """
     if model_state is None:
         return ()
@@ -178,5 +230,10 @@ def batch_statistics_notes(model_state: Any, num_microbatches: int, batch_size: 
         note = (
             "microbatching changes batch statistics: with a model state (BatchNorm), a candidate of m "
             f"microbatches computes them over batch/m rows; the chosen setting has one microbatch; {bound}"
+        )
+    if min_rows is not None and min_rows > 1 and batch_size > min_rows:
+        note += (
+            f"; microbatches of fewer than {min_rows} rows were not planned "
+            f"(SearchSpace.min_microbatch_rows, {min_rows} here)"
         )
     return (note,)

@@ -265,17 +265,24 @@ class BudgetError(ValueError):
         smallest: Candidate,
         candidates: tuple[Candidate, ...],
         max_microbatches: int | None = None,
+        min_microbatch_rows: int | None = None,
     ) -> None:
         s = smallest.setting
         where = f", mesh={s.mesh!r}, reduce={s.reduce!r}" if s.mesh else ""
         per = " per device" if s.mesh else ""
         bound = "" if max_microbatches is None else f" with at most SearchSpace.max_microbatches={max_microbatches}"
+        rows = (
+            ""
+            if min_microbatch_rows is None
+            else f", lower SearchSpace.min_microbatch_rows={min_microbatch_rows} (microbatches of fewer rows were "
+            "not planned; 16 by default for a model with batch statistics)"
+        )
         super().__init__(
             f"no setting{bound} fits the budget of {format_bytes(budget_bytes)} ({budget_bytes:,} bytes){per}: the smallest "
             f"peak found is {format_bytes(smallest.peak_bytes)} ({smallest.peak_bytes:,} bytes), with "
             f"num_microbatches={s.num_microbatches}, remat={s.remat!r}, precision={s.precision!r}{where}; "
-            f"raise the budget{', add devices' if s.mesh else ''}{', raise the bound' if bound else ''} "
+            f"raise the budget{', add devices' if s.mesh else ''}{', raise the bound' if bound else ''}{rows} "
             "or lower the batch size"
         )
         self.budget_bytes, self.smallest, self.candidates = budget_bytes, smallest, candidates
-        self.max_microbatches = max_microbatches
+        self.max_microbatches, self.min_microbatch_rows = max_microbatches, min_microbatch_rows
