@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from leanstep import Accumulation, LossContract
+from leanstep.blocks.compute_dtype_check import PrecisionWarning
 from leanstep.blocks.loss_scale import StaticLossScale
 from leanstep.blocks.microbatches import split_microbatches
 from leanstep.step.gradients import Gradients, gradient_stage
@@ -114,7 +115,9 @@ def test_the_loss_sees_compute_dtype_params_and_batch_and_the_layout_hook():
     result = gradient_stage(loss_fn, precision="compute=bfloat16", params_layout=layout)(params0(), batch0())
     assert seen == {"w": jnp.bfloat16, "x": jnp.bfloat16, "layout": jnp.bfloat16}
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(result.grads))  # the accumulator's dtype
-    gradient_stage(loss_fn, precision="compute=bfloat16", cast_batch=False)(params0(), batch0())
+    # a float32 batch against bf16 weights: the matmul runs in float32, and the warning says so
+    with pytest.warns(PrecisionWarning, match=r"float32 x bfloat16: 1, 100.0% of their FLOPs"):
+        gradient_stage(loss_fn, precision="compute=bfloat16", cast_batch=False)(params0(), batch0())
     assert seen["x"] == jnp.float32
 
 
