@@ -307,3 +307,11 @@ def test_twenty_random_padded_configurations_pass_every_gradient_check():
     assert {c["step"] for c in cases} == {"leanstep", "handwritten"} and any(c["empty"] is not None for c in cases)
     failed = [str(report) for report in map(verify_configuration, cases) if not report.passed]
     assert not failed, "\n\n".join(failed)
+
+
+def test_the_cli_names_every_check_the_library_runs():
+    """``leanstep verify --checks`` keeps its own list (no JAX import to build the parser): the same names, in order."""
+    from leanstep.cli.verify import _check_names
+    from leanstep.verification.runner import CHECKS
+
+    assert _check_names() == list(CHECKS)

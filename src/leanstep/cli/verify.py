@@ -59,9 +59,10 @@ def add_parser(subparsers: Any) -> None:
 
 def _check_names() -> list[str]:
     # The names, without importing the checks (and JAX) to build the parser.
+    # tests/test_verification_defects.py holds it equal to leanstep.verification.runner.CHECKS.
     return [
-        "accumulation", "full_batch", "token_weighting", "clip", "non_finite", "keys", "fp8", "compute_dtype",
-        "remat", "meshes",
+        "accumulation", "full_batch", "reference", "token_weighting", "clip", "non_finite", "keys", "fp8",
+        "compute_dtype", "remat", "meshes",
     ]  # fmt: skip
 
 
