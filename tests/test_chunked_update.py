@@ -238,5 +238,16 @@ def test_the_chunked_update_bounds_the_lean_steps_peak():
     assert float32 - lean >= 0.7 * saved, (float32, lean_whole, lean)
 
 
+def test_tpu_fit_dry_run(tmp_path):
+    from benchmarks.tpu_fit import main
+
+    out = tmp_path / "fit.json"
+    report = main(["--tiny", "--formats", "bf16-sr + int8 (chunked update)", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    run = report["train"]["bf16-sr + int8 (chunked update)"]
+    assert len(run["losses"]) == 3 and np.all(np.isfinite(run["losses"]))
+    assert report["formats"]["bf16-sr + int8 (chunked update)"]["peak_bytes"] > 0
+
+
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))

@@ -1,0 +1,132 @@
+"""The lean state on one chip: compiled peaks per state format, and a 20-step run of the leanest.
+
+For the built-in transformer at the given size, every format (float32 AdamW; bfloat16-sr masters
+with bfloat16 moments; bfloat16-sr with int8 moments and the chunked update) is compiled ahead of
+time on abstract inputs and its peak read from ``memory_analysis()`` (arguments + outputs -
+aliased + temporaries); then the last format trains ``--steps`` steps on a learnable token
+pattern (dynamic loss scale, clip 1.0), reporting loss, skips and time a step.
+
+    python benchmarks/tpu_fit.py --d-model 2048 --layers 26 --steps 20 --out fit.json   # on a TPU
+    python benchmarks/tpu_fit.py --tiny --out fit.json                                  # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import leanstep
+from leanstep.models.transformer import TransformerConfig, init_transformer, transformer_loss
+
+FORMATS = {
+    "float32": ("float32", "float32", None),
+    "bf16-sr + bfloat16": ("bfloat16-sr", "bfloat16", "auto"),
+    "bf16-sr + int8 (whole-tree update)": ("bfloat16-sr", "int8", None),
+    "bf16-sr + int8 (chunked update)": ("bfloat16-sr", "int8", "auto"),
+}
+
+
+def _setup(config: TransformerConfig, form: tuple, batch: int, microbatches: int):
+    master, moments, update_chunk = form
+    make = functools.partial(_state, config=config, master=master, moments=moments)
+    loss = functools.partial(transformer_loss, config=config, remat_policy="full")
+    step = leanstep.make_train_step(
+        loss, precision="compute=bfloat16", num_microbatches=microbatches, max_grad_norm=1.0,
+        update_chunk=update_chunk,
+    )  # fmt: skip
+    tokens = jax.ShapeDtypeStruct((batch, config.seq_len + 1), jnp.int32)
+    return make, step, tokens
+
+
+def _state(key: jax.Array, *, config: TransformerConfig, master: str, moments: str) -> leanstep.TrainState:
+    params = init_transformer(key, config)
+    return leanstep.TrainState.create(params, optax.adamw(3e-4), loss_scale="dynamic", master=master, moments=moments)
+
+
+def _batch(step: int, batch: int, length: int, vocab: int) -> dict:
+    """Rows counting up by a per-row stride from a per-step offset: learnable, never the same batch."""
+    rows = np.arange(batch)[:, None]
+    tokens = (step * 7 + rows * 3 + np.arange(length)[None, :] * (1 + rows % 4)) % vocab
+    return {"tokens": jnp.asarray(tokens, jnp.int32)}
+
+
+def peak(config: TransformerConfig, form: tuple, batch: int, microbatches: int) -> dict:
+    make, step, tokens = _setup(config, form, batch, microbatches)
+    state = jax.eval_shape(make, jax.random.key(0))
+    start = time.perf_counter()
+    memory = step.lower(state, {"tokens": tokens}).compile().memory_analysis()
+    total = (
+        memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )  # fmt: skip
+    return {
+        "peak_bytes": int(total),
+        "temp_bytes": int(memory.temp_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes),
+        "compile_s": round(time.perf_counter() - start, 1),
+    }
+
+
+def train(config: TransformerConfig, form: tuple, batch: int, microbatches: int, steps: int) -> dict:
+    make, step, _ = _setup(config, form, batch, microbatches)
+    state = jax.jit(make)(jax.random.key(0))
+    losses, skipped, times = [], [], []
+    for i in range(steps):
+        start = time.perf_counter()
+        state, metrics = step(state, _batch(i, batch, config.seq_len + 1, config.vocab_size))
+        losses.append(float(metrics.loss))
+        skipped.append(bool(metrics.skipped))
+        times.append(time.perf_counter() - start)
+    return {"losses": losses, "skipped": skipped, "step_s": round(float(np.median(times[2:] or times)), 4)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=26)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated names of FORMATS")
+    parser.add_argument("--update-chunk", default="auto", help="the chunked formats' update_chunk: 'auto' or an int")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a CPU dry run: d 64, 2 layers, seq 32, 3 steps, chunks of 8192"
+    )
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.layers, args.seq, args.batch, args.microbatches, args.steps = 64, 2, 32, 4, 2, 3
+        args.update_chunk = "8192"
+    chunk = args.update_chunk if args.update_chunk == "auto" else int(args.update_chunk)
+    formats = {name: (m, v, chunk if c == "auto" else c) for name, (m, v, c) in FORMATS.items()}
+    config = TransformerConfig(
+        vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 128),
+        d_ff=4 * args.d_model, seq_len=args.seq,
+    )  # fmt: skip
+    names = [n for n in args.formats.split(",") if n]
+    params = sum(
+        x.size for x in jax.tree.leaves(jax.eval_shape(lambda k: init_transformer(k, config), jax.random.key(0)))
+    )
+    report: dict = {"device": jax.devices()[0].device_kind, "params": int(params), "config": vars(args), "formats": {}}
+    for name in names:
+        report["formats"][name] = peak(config, formats[name], args.batch, args.microbatches)
+        print(name, report["formats"][name], flush=True)
+    if args.steps:
+        report["train"] = {names[-1]: train(config, formats[names[-1]], args.batch, args.microbatches, args.steps)}
+        print(report["train"], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
