@@ -186,11 +186,11 @@ def _one_device(out: Path) -> None:
     (out / "one_device.json").write_text(json.dumps(results))
 
 
-def _child(out: Path, mode: str) -> dict:
+def _child(out: Path, mode: str, timeout: float = 900) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # the suite's fast-compile flags: see test_a_chain_is_bit_identical...
     proc = subprocess.run(
-        [sys.executable, __file__, str(out), mode], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, __file__, str(out), mode], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     return json.loads((out / f"{mode}.json").read_text())
@@ -220,15 +220,16 @@ def worker(out: Path) -> None:
                     results[name] = _identical(whole, chunked)
                 except Exception as error:  # noqa: BLE001  # reported by the test, named
                     results[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
-    (out / "worker.json").write_text(json.dumps(results))
+                (out / "worker.json").write_text(json.dumps(results))  # as it goes: a timeout keeps what ran
 
 
 @pytest.fixture(scope="module")
 def on_devices(tmp_path_factory) -> dict:
-    return _child(tmp_path_factory.mktemp("chunked"), "worker")
+    return _child(tmp_path_factory.mktemp("chunked"), "worker", timeout=2300)
 
 
-@pytest.mark.slow  # 4 simulated devices in a child process, 32 runs of 20 steps
+@pytest.mark.slow  # 4 simulated devices in a child process, 32 runs of 20 steps (about 15 minutes on 2 cores)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("optimizer", list(_optimizers()))
 @pytest.mark.parametrize("layout", LAYOUTS)
