@@ -21,7 +21,8 @@ import pytest
 import leanstep
 from leanstep.blocks.masters import rows_bits
 from leanstep.blocks.moments import compress_moments
-from leanstep.step.update_chunks import Unit, check_update_chunk, chunk_plan
+from leanstep.step.update_chunk_plan import check_update_chunk
+from leanstep.step.update_chunks import Unit, chunk_plan
 
 CHUNK = 100  # entries: the blocks' stack (3 layers) is cut a layer at a time, the small leaves packed
 FORMS = {"float32": ("float32", "float32"), "lean": ("bfloat16-sr", "int8")}

@@ -39,7 +39,8 @@ LAYERS: dict[str, set[str]] = {
     "step": {"common", "blocks", "sharding"},
     "inspection": {"common", "blocks"},
     "planning": {"common", "blocks", "sharding", "step", "inspection"},
-    "verification": {"common", "blocks", "sharding", "step", "inspection"},
+    # verify takes plan's inputs (a params builder per remat policy): planning.plan_inputs reads them
+    "verification": {"common", "blocks", "sharding", "step", "inspection", "planning"},
     "models": {"common", "blocks", "sharding"},
     "frameworks": {"common", "blocks", "step"},
     "tasks": {"common", "blocks"},

@@ -24,7 +24,7 @@ from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.step.keywords import loss_value, unexpected_keywords
 from leanstep.step.sharding_layer import ShardingLayer
-from leanstep.step.update_chunks import check_update_chunk
+from leanstep.step.update_chunk_plan import check_update_chunk
 
 __all__ = ["StepSettings", "step_settings"]
 

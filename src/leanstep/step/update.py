@@ -41,9 +41,11 @@ from leanstep.blocks.loss_scale import LossScale, NoOpLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.blocks.masters import apply_to_masters
 from leanstep.blocks.spike_guard import SpikeGuard
-from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive, same_structure, tree_difference
+from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive
 from leanstep.step.state import TrainState
-from leanstep.step.update_chunks import chunk_plan_for, chunked_update
+from leanstep.step.update_checks import check_grads, check_opt_state
+from leanstep.step.update_chunk_plan import chunk_plan_for
+from leanstep.step.update_chunks import chunked_update
 
 __all__ = ["GuardedState", "UpdateInfo", "guarded_update", "guarded_update_transform"]
 
@@ -85,54 +87,11 @@ def _saturating_increment(count: jax.Array) -> jax.Array:
     return (jnp.minimum(count, INT32_MAX - 1) + 1).astype(jnp.int32)
 
 
-def check_opt_state(
-    opt_state: Any, optimizer: optax.GradientTransformation, params: Any, name: str = "state.opt_state"
-) -> None:
-    """Raises unless ``opt_state`` has the structure, shapes and dtypes of ``optimizer.init(params)``.
-
-    Compared with ``jax.eval_shape(optimizer.init, params)`` (nothing runs), so an optimizer
-    state built for another optimizer or other parameters is named here, not deep inside the
-    optimizer's update (``'EmptyState' object has no attribute 'mu'``). An ``init`` that cannot
-    be traced is left to the optimizer.
-
-    Raises:
-      ValueError: the first place where the two differ.
-    """
-    abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
-    try:
-        expected = jax.eval_shape(optimizer.init, abstract)
-    except TypeError:  # an init that reads concrete values; its own update reports a mismatch
-        return
-    difference = tree_difference(opt_state, expected, name, "optimizer.init(params)")
-    if difference is not None:
-        raise ValueError(
-            f"{name} does not match the optimizer the step applies: {difference}; was the state built "
-            "for another optimizer (or other parameters)? Build it with TrainState.create(params, "
-            "optimizer) for the optimizer that updates it"
-        )
-
-
-def _check_grads(scaled_grads: Any, params: Any) -> None:
-    """One gradient per parameter, of its shape (the dtypes may differ: float32 gradients, any masters)."""
-    if not same_structure(scaled_grads, params):
-        raise ValueError(
-            "scaled_grads must have the structure of the params (one gradient per parameter): "
-            f"{tree_difference(scaled_grads, params, 'scaled_grads', 'params')}"
-        )
-    for (path, grad), param in zip(jax.tree_util.tree_leaves_with_path(scaled_grads), jax.tree.leaves(params)):
-        if jnp.shape(grad) != jnp.shape(param):
-            where = jax.tree_util.keystr(path)
-            raise ValueError(
-                f"scaled_grads{where} has shape {jnp.shape(grad)}, params{where} has "
-                f"{jnp.shape(param)}; a gradient is shaped like its parameter"
-            )
-
-
 def _decide(
     scaled_grads: Any, params: Any, loss_scale: LossScale, max_grad_norm: float | None, loss: Any, new_fp8: Any
 ) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
     """The unscaled, clipped gradient, whether it is finite, its norm before clipping, and whether it was clipped."""
-    _check_grads(scaled_grads, params)
+    check_grads(scaled_grads, params)
     grads = loss_scale.unscale(scaled_grads)
     # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
     # not depend on the parameters, or in a stop_gradient). So is a non-finite amax recorded
@@ -222,7 +181,7 @@ def guarded_update(
       (Array([0., 0.], dtype=float32), False, 16384.0, 1)
     """
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
-    _check_grads(scaled_grads, state.params)
+    check_grads(scaled_grads, state.params)
     _check_spike_guard(state, spike_guard, loss)
     params, fp8 = split_fp8(state.params)
     scaled_grads, new_fp8 = split_fp8(scaled_grads) if has_fp8(state.params) else (scaled_grads, None)

@@ -35,37 +35,16 @@ import optax
 
 from leanstep.blocks.masters import apply_to_master, rows_can_split
 from leanstep.blocks.moments import QuantizedArray
-from leanstep.common.checks import is_int
 from leanstep.step.update_dependence import update_dependence
 
 __all__ = [
-    "DEFAULT_UPDATE_CHUNK",
     "ChunkInputs",
     "ChunkPlan",
     "Unit",
-    "check_update_chunk",
     "chunk_plan",
     "chunked_apply",
+    "chunked_update",
 ]
-
-#: The default largest chunk, in entries (measured: docs/lean-state.md, "A chunk-bounded update").
-DEFAULT_UPDATE_CHUNK = 2**24
-
-
-def check_update_chunk(update_chunk: Any) -> int | str | None:
-    """``update_chunk`` if it is ``"auto"``, None or a positive int.
-
-    Raises:
-      ValueError: another value, shown with the forms it may take.
-    """
-    if update_chunk is None or update_chunk == "auto" and isinstance(update_chunk, str):
-        return update_chunk
-    if is_int(update_chunk) and update_chunk > 0:
-        return int(update_chunk)
-    raise ValueError(
-        f"update_chunk must be 'auto', a positive int (the most entries one chunk of the optimizer's "
-        f"update widens to float32) or None (the whole tree at once), got {update_chunk!r}"
-    )
 
 
 def _per_param(node: Any) -> bool:
@@ -311,42 +290,6 @@ def _assemble(
             parts.append(next(shared_iter))
     errors = None if inputs.errors is None else [results[i][2] for i in range(count)]
     return new_params, jax.tree.unflatten(inputs.state_def, parts), errors
-
-
-def chunk_plan_for(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -> ChunkPlan | None:
-    """The plan :func:`leanstep.guarded_update` follows for ``state`` (masters widened: ``wide``),
-    or None: the whole tree at once (``update_chunk`` None; ``"auto"`` where one chunk holds
-    every parameter, the optimizer mixes parameters or the spike guard watches the update's norm).
-
-    Raises:
-      ValueError: a bad ``update_chunk``; an int where the optimizer mixes parameters (the
-        transformation named) or the spike guard watches the update's norm.
-    """
-    update_chunk = check_update_chunk(update_chunk)
-    if update_chunk is None:
-        return None
-    given = update_chunk != "auto"
-    limit = int(update_chunk) if given else DEFAULT_UPDATE_CHUNK
-    if not given and sum(math.prod(jnp.shape(p)) for p in jax.tree.leaves(wide)) <= limit:
-        return None
-    if spike_guard is not None and "update_norm" in spike_guard.watch:
-        if given:
-            raise ValueError(
-                f"update_chunk={update_chunk!r} with a spike guard watching 'update_norm': the norm of the "
-                "whole update is known only after the last chunk; pass update_chunk=None or leave "
-                "'update_norm' out of SpikeGuard(watch=...)"
-            )
-        return None
-    key = None if state.master == "float32" else jax.random.wrap_key_data(state.rng)
-    plan, why = chunk_plan(state.optimizer, state.opt_state, wide, limit, key)
-    if plan is None and given:
-        raise ValueError(
-            f"update_chunk={update_chunk!r}: the optimizer's update mixes parameters ({why}), so it cannot "
-            "be applied a chunk at a time; pass update_chunk=None (or 'auto', which then applies it whole), "
-            "or take the transformation out of the optimizer (the step clips the global norm itself: "
-            "max_grad_norm=)"
-        )
-    return plan
 
 
 def _prepare(loss_scale: Any, grad_norm: jax.Array, max_grad_norm: float | None) -> Callable[[list[Any]], list[Any]]:
