@@ -25,7 +25,7 @@ HISTORY = 8
 
 
 def _recipe(scaling: str) -> leanstep.Fp8Recipe:
-    return leanstep.Fp8Recipe(scaling, history=HISTORY)
+    return leanstep.Fp8Recipe(scaling, history=HISTORY) if scaling == "delayed" else leanstep.Fp8Recipe(scaling)
 
 
 def _params(scaling: str | None) -> dict:
