@@ -282,7 +282,10 @@ def qdq(x: jax.Array, fmt: str, scale: jax.Array, dtype: DTypeLike | None = None
     """
     dtype = x.dtype if dtype is None else dtype
     s = jnp.asarray(scale, jnp.float32).reshape(())
-    return (quantize(x, fmt, s).astype(jnp.float32) * s).astype(dtype)
+    # The barrier keeps XLA from folding the FP8 round trip away: XLA:TPU removed convert(convert(
+    # x, fp8), f32) as excess precision and returned x itself (a v5e: 17 stayed 17, not 16).
+    q = jax.lax.optimization_barrier(quantize(x, fmt, s))
+    return (q.astype(jnp.float32) * s).astype(dtype)
 
 
 def record_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
