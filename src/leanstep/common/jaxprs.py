@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 __all__ = [
+    "ELEMENTWISE_PRIMITIVES",
     "MATMUL_PRIMITIVES",
     "equations",
     "is_remat_primitive",
@@ -32,6 +33,74 @@ __all__ = [
     "sub_jaxprs",
     "weighted_equations",
 ]
+
+#: Primitives computed entry by entry at one FLOP an output element (the FLOP count's and the
+#: chunked update's dependence analysis read this one list).
+ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
+    [
+        "abs",
+        "acos",
+        "acosh",
+        "add",
+        "add_any",
+        "and",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "cos",
+        "cosh",
+        "div",
+        "eq",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "exp",
+        "exp2",
+        "expm1",
+        "floor",
+        "ge",
+        "gt",
+        "igamma",
+        "imag",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "lgamma",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "or",
+        "pow",
+        "real",
+        "reduce_precision",
+        "rem",
+        "round",
+        "rsqrt",
+        "select_n",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "square",
+        "sub",
+        "tan",
+        "tanh",
+        "xor",
+    ]
+)
 
 #: The primitives a tensor core or a CPU's matrix units run: matmuls and convolutions.
 MATMUL_PRIMITIVES: tuple[str, ...] = ("dot_general", "conv_general_dilated")

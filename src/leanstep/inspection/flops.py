@@ -23,76 +23,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from leanstep.common.jaxprs import MATMUL_PRIMITIVES, is_remat_primitive, matmul_flops, sub_jaxprs
+from leanstep.common.jaxprs import (
+    ELEMENTWISE_PRIMITIVES,
+    MATMUL_PRIMITIVES,
+    is_remat_primitive,
+    matmul_flops,
+    sub_jaxprs,
+)
 
 __all__ = ["ELEMENTWISE_PRIMITIVES", "REDUCTION_PRIMITIVES", "count_flops", "equation_flops"]
 
-#: Primitives that cost one FLOP per output element.
-ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
-    [
-        "abs",
-        "acos",
-        "acosh",
-        "add",
-        "add_any",
-        "and",
-        "asin",
-        "asinh",
-        "atan",
-        "atan2",
-        "atanh",
-        "cbrt",
-        "ceil",
-        "clamp",
-        "cos",
-        "cosh",
-        "div",
-        "eq",
-        "erf",
-        "erf_inv",
-        "erfc",
-        "exp",
-        "exp2",
-        "expm1",
-        "floor",
-        "ge",
-        "gt",
-        "igamma",
-        "imag",
-        "integer_pow",
-        "is_finite",
-        "le",
-        "lgamma",
-        "log",
-        "log1p",
-        "logistic",
-        "lt",
-        "max",
-        "min",
-        "mul",
-        "ne",
-        "neg",
-        "nextafter",
-        "not",
-        "or",
-        "pow",
-        "real",
-        "reduce_precision",
-        "rem",
-        "round",
-        "rsqrt",
-        "select_n",
-        "sign",
-        "sin",
-        "sinh",
-        "sqrt",
-        "square",
-        "sub",
-        "tan",
-        "tanh",
-        "xor",
-    ]
-)
 #: Primitives that cost one FLOP per input element.
 REDUCTION_PRIMITIVES: frozenset[str] = frozenset(
     [

@@ -30,84 +30,16 @@ import jax
 from jax._src import source_info_util  # the traceback of an equation: JAX has no public reader
 from jax.extend import core as jex_core
 
+from leanstep.common.jaxprs import ELEMENTWISE_PRIMITIVES
+
 __all__ = ["Dep", "Dependence", "update_dependence"]
 
-#: Primitives computed entry by entry (operands of the output's shape, or scalars).
-_ELEMENTWISE = frozenset(
-    [
-        "abs",
-        "acos",
-        "acosh",
-        "add",
-        "and",
-        "asin",
-        "asinh",
-        "atan",
-        "atan2",
-        "atanh",
-        "cbrt",
-        "ceil",
-        "clamp",
-        "conj",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "cos",
-        "cosh",
-        "div",
-        "eq",
-        "erf",
-        "erf_inv",
-        "erfc",
-        "exp",
-        "exp2",
-        "expm1",
-        "floor",
-        "ge",
-        "gt",
-        "imag",
-        "integer_pow",
-        "is_finite",
-        "le",
-        "le_to",
-        "lgamma",
-        "digamma",
-        "log",
-        "log1p",
-        "logistic",
-        "lt",
-        "max",
-        "min",
-        "mul",
-        "ne",
-        "neg",
-        "nextafter",
-        "not",
-        "or",
-        "pow",
-        "real",
-        "reduce_precision",
-        "rem",
-        "round",
-        "rsqrt",
-        "select_n",
-        "shift_left",
-        "shift_right_arithmetic",
-        "shift_right_logical",
-        "sign",
-        "sin",
-        "sinh",
-        "sqrt",
-        "square",
-        "sub",
-        "tan",
-        "tanh",
-        "xor",
-        "population_count",
-        "threefry2x32",
-        "optimization_barrier",
-    ]
-)
+#: Primitives computed entry by entry (operands of the output's shape, or scalars): the FLOP
+#: count's list, and those that cost no FLOP (conversions, copies, bit operations, the PRNG).
+_ELEMENTWISE = ELEMENTWISE_PRIMITIVES | {
+    "conj", "convert_element_type", "copy", "copy_p", "digamma", "le_to", "optimization_barrier",
+    "population_count", "shift_left", "shift_right_arithmetic", "shift_right_logical", "threefry2x32",
+}  # fmt: skip
 _REDUCTIONS = frozenset(
     ["reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"]
 )
