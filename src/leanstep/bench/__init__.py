@@ -12,7 +12,8 @@ In one run, interleaved so that drift hits every contender alike:
 4. the machine's limit: the best-of-N matmul throughput through XLA and PyTorch and, where
    ``/proc/cpuinfo`` tells, the CPU's theoretical float32 peak; each row's model FLOPs
    utilization against the peak of its backend and dtype (never above 100%: none, and why,
-   where the row outruns that probe).
+   where the row outruns that probe). On an accelerator: the chip's dense bf16 peak
+   (:data:`CHIP_PEAKS`) beside a large measured matmul, every row's MFU against the chip's peak.
 
 ``leanstep bench --speedrun`` (:func:`run_speedrun`) asks another question: held-out bits per byte
 after equal wall-clock, leanstep's run against the same run written in PyTorch
@@ -36,6 +37,14 @@ from leanstep.bench.handwritten import (
     init_handwritten_state,
     make_handwritten_step,
 )
+from leanstep.bench.machine import (
+    ACCELERATOR_MATMUL_SIZES,
+    CHIP_PEAKS,
+    Platform,
+    detect_platform,
+    machine_info,
+    platform_for,
+)
 from leanstep.bench.matmul import (
     MATMUL_SIZES,
     measure_matmul_gflops,
@@ -43,7 +52,7 @@ from leanstep.bench.matmul import (
     xla_float32_peak,
     xla_matmul,
 )
-from leanstep.bench.runner import machine_info, run_benchmark
+from leanstep.bench.runner import run_benchmark
 from leanstep.bench.speedrun import compression_references, run_speedrun
 from leanstep.bench.speedrun_torch import (
     TorchPeerRun,
@@ -66,17 +75,21 @@ from leanstep.bench.torch_step import (
 from leanstep.bench.utilization import describe_probe, model_flops_utilization
 
 __all__ = [
+    "ACCELERATOR_MATMUL_SIZES",
+    "CHIP_PEAKS",
     "FMA_UNITS_ASSUMPTION",
     "MATMUL_SIZES",
     "BenchConfig",
     "CpuPeak",
     "HandwrittenState",
+    "Platform",
     "TorchPeerRun",
     "build_torch_model",
     "choose_torch_precision",
     "compiled_stats",
     "compression_references",
     "describe_probe",
+    "detect_platform",
     "hlo_op_counts",
     "init_handwritten_state",
     "load_jax_params",
@@ -87,6 +100,7 @@ __all__ = [
     "model_flops_utilization",
     "parse_cgroup_cpu_limit",
     "parse_cpuinfo",
+    "platform_for",
     "plot_benchmark",
     "read_cpu_peak",
     "run_benchmark",

@@ -115,6 +115,12 @@ def _peak_panel(ax: Any, result: dict[str, Any]) -> None:
     cpu = (result.get("cpu_peak") or {}).get("gflops")
     if cpu:
         ax.axhline(cpu, color="#d62728", linestyle=":", label=f"CPU float32 theoretical: {cpu:.3g} GFLOP/s")
+    platform = result.get("platform") or {}
+    if platform.get("accelerator") and platform.get("peak_gflops"):
+        peak = platform["peak_gflops"]
+        ax.axhline(
+            peak, color="#d62728", linestyle=":", label=f"{platform['device_kind']} bf16 peak: {peak:.4g} GFLOP/s"
+        )
     achieved = result["mfu"]["leanstep_achieved_gflops"]
     ax.axhline(
         achieved, color=_IMPL_COLORS["leanstep"], linestyle="--", label=f"leanstep bf16 step: {achieved:.3g} GFLOP/s"
@@ -133,8 +139,8 @@ def plot_benchmark(result: dict[str, Any], path: str | os.PathLike[str]) -> str:
     Six panels: leanstep's step time and compiled memory (temp, argument and output bytes)
     against the number of microbatches and against the remat policy, every implementation's
     step time, and the measured best-of-N matmul peaks (hatched where a row outran one, so it
-    is no limit of that row) and the CPU's theoretical float32 peak against leanstep's achieved
-    model FLOPs/s.
+    is no limit of that row) and the CPU's theoretical float32 peak (on an accelerator: the chip's
+    dense bf16 peak) against leanstep's achieved model FLOPs/s.
 
     Raises:
       OSError: the PNG could not be written (see :func:`leanstep.common.outputs.write_bytes_atomic`:
@@ -164,10 +170,12 @@ def plot_benchmark(result: dict[str, Any], path: str | os.PathLike[str]) -> str:
     _impl_panel(axes[0, 2], result)
     _peak_panel(axes[1, 2], result)
     model = config["model"]
+    platform = result.get("platform") or {}
+    device = f"{platform['device_kind']} | host " if platform.get("accelerator") else ""
     figure.suptitle(
         f"leanstep bench: transformer d_model={model['d_model']} layers={model['n_layers']} "
         f"heads={model['n_heads']} d_ff={model['d_ff']} seq={config['seq_len']} | "
-        f"{machine['cpu_model']}, {machine['cores_available']} cores | jax {machine['jax']}"
+        f"{device}{machine['cpu_model']}, {machine['cores_available']} cores | jax {machine['jax']}"
         + (f", torch {machine['torch']}" if machine.get("torch") else ""),
         fontsize=11,
     )

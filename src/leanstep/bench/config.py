@@ -6,12 +6,18 @@ import dataclasses
 from typing import Any
 
 from leanstep.bench.contenders import Spec
+from leanstep.bench.machine import Platform
 from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
 from leanstep.common.checks import is_int, is_real
 from leanstep.models import build_model
 from leanstep.training import RunConfig
 
-__all__ = ["BenchConfig"]
+__all__ = ["ACCELERATOR_MODEL", "BenchConfig"]
+
+#: The transformer an accelerator times, beside ``n_layers`` (4 quick, 8 full): big enough that the
+#: chip, not the host's dispatch, sets the step time (a 128-wide model ran a v5e's step in its
+#: host overhead); head width 128 fills a TPU's matrix units.
+ACCELERATOR_MODEL = (("d_model", 1024), ("n_heads", 8), ("d_ff", 4096), ("seq_len", 1024))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +70,41 @@ class BenchConfig:
             remat_sweep=("full", "dots"),
         )
         return cls(**{**fields, **changes}).validate()
+
+    @classmethod
+    def for_platform(cls, platform: Platform, *, quick: bool, **changes: Any) -> BenchConfig:
+        """:meth:`quick` or :meth:`full` on a CPU; on an accelerator, a model and sweeps sized for the chip.
+
+        On an accelerator: :data:`ACCELERATOR_MODEL` with 4 layers at batch 8 (``quick``, about
+        1 minute on a v5e) or 8 layers at batch 16, bf16 compute as on a CPU, the sweeps kept to
+        settings whose states fit one 16 GiB chip together, matmul peaks up to 8192^2 (quick) or
+        16384^2, and no torch rows (PyTorch here runs on the host CPU: no peer of the chip). A
+        ``size`` or ``model_overrides`` in ``changes`` replaces the platform's model.
+
+        Example:
+          >>> from leanstep.bench.machine import platform_for
+          >>> BenchConfig.for_platform(platform_for("cpu", "cpu"), quick=True) == BenchConfig.quick()
+          True
+          >>> config = BenchConfig.for_platform(platform_for("tpu", "TPU v5 lite"), quick=True)
+          >>> dict(config.model_overrides)["d_model"], config.batch_size, config.torch
+          (1024, 8, False)
+        """
+        if not platform.accelerator:
+            return cls.quick(**changes) if quick else cls.full(**changes)
+        layers = 4 if quick else 8
+        fields: dict[str, Any] = dict(
+            size="small",
+            model_overrides=(*ACCELERATOR_MODEL, ("n_layers", layers)),
+            batch_size=8 if quick else 16,
+            microbatch_sweep=(1, 2) if quick else (2, 4, 8),
+            remat_sweep=("full", "dots") if quick else ("full", "dots", "dots_no_batch"),
+            repeats=20,
+            matmul_size=8192 if quick else 16384,
+            matmul_repeats=5,
+        )
+        if "size" in changes and "model_overrides" not in changes:
+            fields["model_overrides"] = ()
+        return cls(**{**fields, **changes, "torch": False}).validate()
 
     def validate(self) -> BenchConfig:
         """Checks every field, naming it; returns self. Raises ValueError."""

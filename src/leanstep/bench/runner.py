@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 from collections.abc import Callable
 from typing import Any
 
@@ -20,50 +19,20 @@ from leanstep.bench.contenders import (
     build_torch_contender,
 )
 from leanstep.bench.cpu_peak import CpuPeak, read_cpu_peak
-from leanstep.bench.matmul import measure_matmul_gflops, torch_matmul, xla_matmul
+from leanstep.bench.machine import ACCELERATOR_MATMUL_SIZES, Platform, detect_platform, machine_info
+from leanstep.bench.matmul import MATMUL_SIZES, measure_matmul_gflops, torch_matmul, xla_matmul
 from leanstep.bench.timing import summarize_times, time_interleaved
 from leanstep.bench.torch_step import torch_available
 from leanstep.bench.utilization import describe_probe, model_flops_utilization
 from leanstep.training import build_run
 
-__all__ = ["BenchConfig", "machine_info", "run_benchmark"]
+__all__ = ["BenchConfig", "machine_info", "run_benchmark"]  # machine_info: speedrun.py imports it here
 
 FLOPS_SOURCE = (
     "analytic: model.flops_per_token * batch_size * seq_len (6N + 12 L T d, forward + backward; "
     "remat recomputation not counted). XLA's cost analysis (xla_gflop) counts each lax.scan body once, "
     "not per iteration, so it is reported but not used."
 )
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU model, core counts, instruction-set flags that matter for bf16, library versions."""
-    model = "unknown"
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
-    except OSError:
-        model = platform.processor() or "unknown"
-    info = {
-        "cpu_model": model,
-        "cpu_count": os.cpu_count(),
-        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu_flags": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma"}),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jax_backend": jax.default_backend(),
-        "numpy": np.__version__,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-    }
-    info["jax_threads"] = info["cores_available"]  # XLA:CPU's pool has one thread per available core
-    return info
 
 
 Limit = tuple[float | None, str]  # (GFLOP/s or None, what it is)
@@ -75,6 +44,8 @@ def _row(
     spec = contender.spec
     summary = summarize_times(times)
     probe = f"{'torch' if spec.impl == 'torch' else 'xla'}_{spec.precision}"
+    if spec.impl != "torch" and "chip" in probes:  # on an accelerator every XLA row runs on the chip
+        probe = "chip"
     peak, what = probes.get(probe, (None, probe))
     achieved = gflop / (summary["step_ms_median"] / 1e3)
     mfu, mfu_note = model_flops_utilization(achieved, peak, limit=what)
@@ -112,6 +83,32 @@ def _cpu_limit(cpu_peak: CpuPeak, peaks: dict[str, float | None], notes: list[st
     return cpu_peak.gflops, what
 
 
+def _chip_limit(platform: Platform, matmul: dict[str, Any], notes: list[str]) -> dict[str, Limit]:
+    """The limit of every XLA row on an accelerator, as ``{"chip": limit}``: the chip's table peak, else the
+    measured bf16 matmul (a note says so); ``{}`` on a CPU."""
+    if not platform.accelerator:
+        return {}
+    if platform.peak_gflops is not None:
+        return {"chip": (platform.peak_gflops, f"{platform.device_kind} dense bf16 peak (vendor figure)")}
+    notes.append(
+        f"device kind {platform.device_kind!r} is not in leanstep.bench.CHIP_PEAKS: "
+        "MFU is against the measured xla bfloat16 matmul instead of the chip's peak"
+    )
+    measured = matmul.get("xla_bfloat16")
+    return {"chip": (measured["gflops"], describe_probe("xla_bfloat16", measured))} if measured else {}
+
+
+def _platform_summary(platform: Platform, peaks: dict[str, float | None]) -> dict[str, Any]:
+    """The platform, the measured bf16 matmul as a fraction of the chip's peak, the device's memory use."""
+    summary: dict[str, Any] = {**dataclasses.asdict(platform), "accelerator": platform.accelerator}
+    summary["xla_bfloat16_matmul_fraction_of_peak"] = _ratio(peaks.get("xla_bfloat16"), platform.peak_gflops)
+    stats = jax.devices()[0].memory_stats() if platform.accelerator else None
+    summary["device_memory"] = (
+        None if not stats else {k: stats.get(k) for k in ("bytes_limit", "peak_bytes_in_use", "bytes_in_use")}
+    )
+    return summary
+
+
 def _find(rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
     return [row for row in rows if all(row[k] == v for k, v in match.items())]
 
@@ -120,8 +117,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else a / b
 
 
-def _set_up_torch(config: BenchConfig, machine: dict[str, Any], notes: list[str]) -> bool:
+def _set_up_torch(config: BenchConfig, machine: dict[str, Any], notes: list[str], accelerator: bool) -> bool:
     """Whether the torch rows run; if they do, torch's thread count is set and recorded in ``machine``."""
+    if config.torch and accelerator:
+        notes.append("torch rows skipped on an accelerator: PyTorch's CPU build would time the host, not the chip.")
+        return False
     with_torch = config.torch and torch_available()
     if config.torch and not with_torch:
         notes.append(
@@ -135,7 +135,9 @@ def _set_up_torch(config: BenchConfig, machine: dict[str, Any], notes: list[str]
     return with_torch
 
 
-def _measure_matmuls(config: BenchConfig, with_torch: bool, log: Callable[[str], None]) -> dict[str, Any]:
+def _measure_matmuls(
+    config: BenchConfig, with_torch: bool, log: Callable[[str], None], sizes: tuple[int, ...]
+) -> dict[str, Any]:
     """The matmul peaks, ``{backend}_{dtype}``: XLA, then torch (None without it), each float32 then bfloat16."""
     matmul: dict[str, Any] = {}
     for backend, make in (("xla", xla_matmul), ("torch", torch_matmul)):
@@ -148,6 +150,7 @@ def _measure_matmuls(config: BenchConfig, with_torch: bool, log: Callable[[str],
                 make,
                 dtype,
                 max_size=config.matmul_size,
+                sizes=sizes,
                 repeats=config.matmul_repeats,
                 max_seconds=config.matmul_max_seconds,
             )
@@ -205,9 +208,18 @@ def _first_step_checks(ours: Contender, theirs: Contender) -> dict[str, Any]:
 
 
 def _ratios(
-    config: BenchConfig, rows: list[dict[str, Any]], paired: list[float], ours: Contender, theirs: Contender
+    config: BenchConfig,
+    rows: list[dict[str, Any]],
+    paired: list[float],
+    ours: Contender,
+    theirs: Contender,
+    notes: list[str],
 ) -> dict[str, float | None]:
-    """leanstep's time and temporary memory over the hand-written step's, and its time over torch's per precision."""
+    """leanstep's time and temporary memory over the hand-written step's, and its time over torch's per precision.
+
+    The temp-bytes ratio is None (n/a) where XLA reports no temporaries for either step (a TPU
+    does for a small program): 0 bytes over a few is no comparison of the two steps.
+    """
 
     def median_ms(**match: Any) -> float | None:
         found = _find(rows, num_microbatches=config.num_microbatches, **match)
@@ -220,6 +232,12 @@ def _ratios(
         "leanstep_over_handwritten_time_paired_median": float(np.median(paired)),
         "leanstep_over_handwritten_temp_bytes": _ratio(ours.stats["temp_bytes"], theirs.stats["temp_bytes"]),
     }
+    temps = (ours.stats["temp_bytes"], theirs.stats["temp_bytes"])
+    if 0 in temps:
+        ratios["leanstep_over_handwritten_temp_bytes"] = None
+        notes.append(
+            f"XLA reports {temps[0]} temp bytes for leanstep's step and {temps[1]} for the hand-written one: no ratio"
+        )
     for precision in ("float32", "bfloat16"):
         ratios[f"leanstep_over_torch_time_{precision}"] = _ratio(
             median_ms(impl="leanstep", precision=precision, remat="full"), median_ms(impl="torch", precision=precision)
@@ -275,7 +293,12 @@ def _closing_notes(machine: dict[str, Any], notes: list[str]) -> None:
     )
 
 
-def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+def run_benchmark(
+    config: BenchConfig,
+    *,
+    log: Callable[[str], None] = lambda message: None,
+    platform: Platform | None = None,
+) -> dict[str, Any]:
     """Runs every measurement of ``config`` and returns the JSON-ready result.
 
     Order: matmul peaks (XLA, then torch; each the best of ``matmul_repeats`` calls at the
@@ -290,21 +313,37 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
     against the theoretical float32 peak (:func:`leanstep.bench.read_cpu_peak`), None where
     that cannot be read or a measured float32 matmul beats it (a note says which).
 
+    On an accelerator (``platform.accelerator``) every XLA row's ``mfu`` is against the chip's
+    dense bf16 peak (``mfu_against`` ``"chip"``; :data:`leanstep.bench.CHIP_PEAKS`, else the
+    measured bf16 matmul), the matmuls are measured at
+    :data:`leanstep.bench.ACCELERATOR_MATMUL_SIZES`, and neither the CPU's peak
+    (``cpu_peak`` None) nor torch rows are measured.
+
+    Args:
+      config: what to measure.
+      log: called with each progress line.
+      platform: the device's facts; None: :func:`leanstep.bench.detect_platform`.
+
     Returns:
-      ``{"config", "machine", "peak_gflops", "matmul", "cpu_peak", "rows", "ratios", "mfu",
-      "checks", "diagnostics", "notes"}``: ``peak_gflops`` the best-of-N GFLOP/s per
+      ``{"config", "machine", "platform", "peak_gflops", "matmul", "cpu_peak", "rows", "ratios",
+      "mfu", "checks", "diagnostics", "notes"}``: ``peak_gflops`` the best-of-N GFLOP/s per
       ``{backend}_{dtype}``, ``matmul`` each measurement in full (median, every size),
-      ``cpu_peak`` the :class:`leanstep.bench.CpuPeak` as a dict.
+      ``cpu_peak`` the :class:`leanstep.bench.CpuPeak` as a dict (None on an accelerator),
+      ``platform`` the :class:`leanstep.bench.Platform` as a dict with the bf16 matmul's
+      fraction of its peak and the device's memory use.
     """
     config.validate()
+    platform = detect_platform() if platform is None else platform
     notes: list[str] = []
     machine = machine_info()
-    with_torch = _set_up_torch(config, machine, notes)
-    matmul = _measure_matmuls(config, with_torch, log)
+    with_torch = _set_up_torch(config, machine, notes, platform.accelerator)
+    sizes = ACCELERATOR_MATMUL_SIZES if platform.accelerator else MATMUL_SIZES
+    matmul = _measure_matmuls(config, with_torch, log, sizes)
     peaks = {key: None if value is None else value["gflops"] for key, value in matmul.items()}
     probes = {key: (peaks[key], describe_probe(key, value)) for key, value in matmul.items() if value}
-    cpu_peak = read_cpu_peak()
-    cpu = _cpu_limit(cpu_peak, peaks, notes)
+    probes.update(_chip_limit(platform, matmul, notes))
+    cpu_peak = None if platform.accelerator else read_cpu_peak()
+    cpu = (None, "theoretical float32 CPU peak") if cpu_peak is None else _cpu_limit(cpu_peak, peaks, notes)
 
     run = build_run(config.run_config())
     model, optimizer, params = run.model, run.optimizer, run.init_params()
@@ -332,14 +371,15 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] = lambda me
     )
     rows = [_row(c, times[key], gflop, probes, cpu, tokens_per_step) for key, c in contenders.items()]
     paired = [a / b for a, b in zip(times[main.key], times[hand.key])]
-    ratios = _ratios(config, rows, paired, ours, theirs)
+    ratios = _ratios(config, rows, paired, ours, theirs, notes)
     mfu = _mfu_summary(config, rows, gflop, cpu)
     diagnostics = _diagnostics(ours, theirs)
     _closing_notes(machine, notes)
     return {
         "config": {**dataclasses.asdict(config), "model": dataclasses.asdict(model.config),
                    "seq_len": model.seq_len, "tokens_per_step": tokens_per_step},
-        "machine": machine, "peak_gflops": peaks, "matmul": matmul, "cpu_peak": dataclasses.asdict(cpu_peak),
+        "machine": machine, "platform": _platform_summary(platform, peaks), "peak_gflops": peaks, "matmul": matmul,
+        "cpu_peak": None if cpu_peak is None else dataclasses.asdict(cpu_peak),
         "rows": rows, "ratios": ratios,
         "mfu": mfu, "checks": checks, "diagnostics": diagnostics, "notes": notes,
     }  # fmt: skip
