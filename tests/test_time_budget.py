@@ -266,6 +266,9 @@ def test_a_budgeted_run_stops_within_the_budget_plus_one_step_and_records_its_pl
     assert len(records) == steps or (ran_out and len(records) < steps), notes
     assert records[-1]["elapsed_s"] <= budget_s + max(step_times), (records[-1]["elapsed_s"], wall, plan)
     assert _records(out, "eval")[-1]["step"] == records[-1]["step"]
+    # The end, the summary and chart written, on the budget's clock: after the last step, within the call.
+    summary = json.loads((out / "summary.json").read_text())
+    assert records[-1]["elapsed_s"] < summary["ended_s"] < wall, (summary, wall)
     if plan["replan_at"] is not None and len(records) == steps:
         # Planned again after the warmup, from the loop's own times: the run is the run of
         # --steps N, bit for bit.

@@ -18,6 +18,7 @@ _LABELS = {
     "final_train_loss_window": "final train loss: steps averaged",
     "mean_tokens_per_sec": "mean tokens/sec (after compile)",
     "total_time_s": "total time",
+    "ended_s": "ended at (summary and chart written)",
     "dropped_lines": "cut-off lines skipped",
     "max_grad_norm": "max_grad_norm (config)",
 }
@@ -27,7 +28,7 @@ def _format(key: str, value: object) -> str:
     if value is None:
         return "—"
     if isinstance(value, float):
-        if key == "total_time_s":
+        if key in ("total_time_s", "ended_s"):
             return f"{value:.1f} s"
         if key in ("mean_tokens_per_sec", "final_loss_scale"):
             return f"{value:,.0f}"

@@ -7,6 +7,7 @@ a chart that cannot be drawn is a warning.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,12 @@ __all__ = ["finish_run"]
 
 
 def finish_run(
-    out: Path, run_info: dict[str, Any], *, max_grad_norm: float | None, emit: Callable[..., None]
+    out: Path,
+    run_info: dict[str, Any],
+    *,
+    max_grad_norm: float | None,
+    emit: Callable[..., None],
+    origin: float | None = None,
 ) -> dict[str, Any]:
     """Writes ``summary.json``, then ``curves.png``, of the finished run in ``out``; returns the summary.
 
@@ -29,9 +35,13 @@ def finish_run(
       run_info: the run's ``config.json``, which the summary repeats.
       max_grad_norm: the clipping threshold the chart draws.
       emit: where a warning goes (a chart that cannot be written loses no numbers).
+      origin: ``time.perf_counter()`` when the run began, or None.
 
     Returns:
-      The summary, with ``"curves"``: the chart's path, or None when it was not written.
+      The summary, with ``"curves"``: the chart's path, or None when it was not written; and,
+      given ``origin`` for a run never resumed, ``"ended_s"``: seconds from ``origin`` to the
+      chart drawn (the run's end, on the clock ``--time-budget`` counts on; ``total_time_s`` is
+      its last step's).
 
     Raises:
       RunStopped: ``summary.json`` could not be written (the checkpoints are intact).
@@ -51,6 +61,8 @@ def finish_run(
         ) from None
     try:
         summary["curves"] = str(plot_curves(metrics_record, out / "curves.png", max_grad_norm=max_grad_norm))
+        if origin is not None and not metrics_record.resumed_at:
+            summary["ended_s"] = time.perf_counter() - origin
         write_json_atomic(out / "summary.json", summary)  # now naming the chart
     except OSError as error:  # ENOSPC, EACCES, ...: plot_curves leaves no partial file
         emit(
