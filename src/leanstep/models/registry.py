@@ -102,7 +102,7 @@ def build_model(name: str, size: str = "small", **overrides: Any) -> Model:
     Example:
       >>> model = build_model("transformer", "tiny", n_layers=3)
       >>> model.config
-      TransformerConfig(vocab_size=256, d_model=16, n_layers=3, n_heads=2, d_ff=32, seq_len=16)
+      TransformerConfig(vocab_size=256, d_model=16, n_layers=3, n_heads=2, d_ff=32, seq_len=16, attention='auto')
       >>> params = jax.eval_shape(model.init, jax.random.key(0))  # shapes only: nothing is computed
       >>> batch = {"tokens": jax.ShapeDtypeStruct((2, model.seq_len + 1), jax.numpy.int32)}
       >>> jax.eval_shape(lambda p, b: model.loss(p, b, remat_policy="dots"), params, batch).shape

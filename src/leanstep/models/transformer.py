@@ -29,6 +29,7 @@ from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
 from leanstep.blocks.fp8_state import split_fp8
 from leanstep.blocks.rematerialization import checkpoint_name, remat
+from leanstep.models.attention import causal_attention, check_attention
 from leanstep.models.layers import (
     cast_floating,
     check_positive_ints,
@@ -57,6 +58,9 @@ class TransformerConfig:
       d_ff: hidden width of the MLP.
       seq_len: longest input the positional embedding covers (``T``; batches carry ``T + 1``).
       fp8: an :class:`leanstep.Fp8Recipe` for the blocks' four matmuls, or None (no FP8).
+      attention: ``"xla"`` (the scores written out; every platform and mesh), ``"splash"``
+        (JAX's Pallas kernel for TPUs: one device, ``seq_len`` a multiple of 128), or ``"auto"``
+        (``"splash"`` where it runs, else ``"xla"``); see :mod:`leanstep.models.attention`.
 
     Raises:
       ValueError: a size is not a positive int, or ``d_model % n_heads != 0``.
@@ -70,14 +74,16 @@ class TransformerConfig:
     d_ff: int = 512
     seq_len: int = 128
     fp8: Fp8Recipe | None = dataclasses.field(default=None, repr=False)
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
-        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fp8"}
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("fp8", "attention")}
         check_positive_ints("TransformerConfig", **sizes)
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
             raise TypeError(f"TransformerConfig.fp8 must be an Fp8Recipe or None, got {type(self.fp8).__name__}")
         if self.d_model % self.n_heads:
             raise ValueError(f"TransformerConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        check_attention(self.attention, seq_len=self.seq_len)
 
 
 def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
@@ -159,7 +165,7 @@ TRANSFORMER_RULES = (
 
 
 def _attention(
-    h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | None = None
+    h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | None, attention: str
 ) -> jax.Array:
     """Causal multi-head self-attention on flattened ``h`` of shape ``(batch * time, d)``.
 
@@ -167,22 +173,16 @@ def _attention(
     of them in contiguous blocks gives each device whole heads.
     """
     d = h.shape[-1]
-    head_dim = d // n_heads
     qkv = constrain(_dense(h, p, "qkv", fp8), "batch", "tensor")
-    qkv = qkv.reshape(batch, time, n_heads, 3, head_dim)
-    q = qkv[:, :, :, 0] * jnp.asarray(1.0 / math.sqrt(head_dim), h.dtype)
-    k, v = qkv[:, :, :, 1], qkv[:, :, :, 2]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
-    causal = jnp.tril(jnp.ones((time, time), jnp.bool_))
-    scores = jnp.where(causal[None, None], scores, jnp.finfo(jnp.float32).min)
-    # Softmax in float32: bf16 exponentials of large scores lose the small probabilities.
-    probs = jax.nn.softmax(scores, axis=-1).astype(h.dtype)
-    context = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(batch * time, d)
-    context = checkpoint_name(constrain(context, "batch", "tensor"), "attn_out")
+    qkv = qkv.reshape(batch, time, n_heads, 3, d // n_heads)
+    context = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2], implementation=attention)
+    context = checkpoint_name(constrain(context.reshape(batch * time, d), "batch", "tensor"), "attn_out")
     return constrain(_dense(context, p, "proj", fp8), "batch", None)
 
 
-def _block(x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | None = None) -> jax.Array:
+def _block(
+    x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | None, attention: str
+) -> jax.Array:
     """One pre-norm block on the flattened residual stream ``x`` of shape ``(batch * time, d)``.
 
     Sharded, its parameters are gathered here, inside the rematerialized block, so the
@@ -190,7 +190,7 @@ def _block(x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8:
     """
     p = gathered(p, "blocks")
     h = layer_norm(x, p["ln1_scale"], p["ln1_bias"])
-    x = x + _attention(h, p, batch=batch, time=time, n_heads=n_heads, fp8=fp8)
+    x = x + _attention(h, p, batch=batch, time=time, n_heads=n_heads, fp8=fp8, attention=attention)
     h = layer_norm(x, p["ln2_scale"], p["ln2_bias"])
     hidden = constrain(jax.nn.gelu(_dense(h, p, "fc", fp8)), "batch", "tensor")
     hidden = checkpoint_name(hidden, "mlp_hidden")
@@ -236,7 +236,9 @@ def transformer_logits(
     x = embedding_lookup(top["embed"], tokens) + top["pos"][None, :time]
     x = constrain(x.reshape(batch * time, config.d_model), "batch", None)
     block = remat(
-        functools.partial(_block, batch=batch, time=time, n_heads=config.n_heads, fp8=config.fp8),
+        functools.partial(
+            _block, batch=batch, time=time, n_heads=config.n_heads, fp8=config.fp8, attention=config.attention
+        ),
         remat_policy,
         prevent_cse=False,
     )

@@ -1,0 +1,148 @@
+"""The step's pace on one chip: leanstep's step beside a hand-written one, MFU by formula and by XLA.
+
+For each named configuration of the built-in transformer (width, depth, attention kernel, remat
+policy, microbatches; float32 AdamW masters, bf16 compute, dynamic loss scale, clip 1.0), the
+two steps are compiled and timed one after the other (both states do not fit together), each
+the median of ``--steps`` calls after two warm-up calls. MFU is the model's training FLOPs a
+second (``transformer_flops_per_token`` x tokens, the PaLM formula) over the chip's peak;
+XLA's own count of the compiled step (``cost_analysis()["flops"]``) is printed beside it, with
+the compiled peak (arguments + outputs - aliased + temporaries).
+
+    python benchmarks/tpu_step.py --configs base,splash --out step.json   # on a TPU v5e
+    python benchmarks/tpu_step.py --tiny --out step.json                  # CPU dry run
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import leanstep
+from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
+from leanstep.models.transformer import (
+    TransformerConfig,
+    init_transformer,
+    transformer_flops_per_token,
+    transformer_loss,
+)
+
+#: TPU v5e bf16 peak, FLOP/s (Google Cloud's TPU v5e specification).
+V5E_PEAK = 197e12
+
+#: name -> (d_model, layers, head_dim, attention, remat, microbatches, batch rows of seq tokens)
+CONFIGS: dict[str, tuple[int, int, int, str, str, int, int]] = {
+    "base": (2048, 8, 256, "xla", "dots", 2, 16),
+    "splash": (2048, 8, 256, "splash", "dots", 2, 16),
+    "splash-mb1": (2048, 8, 256, "splash", "dots", 1, 16),
+    "splash-none-mb4": (2048, 8, 256, "splash", "none", 4, 16),
+    "splash-none-mb2": (2048, 8, 256, "splash", "none", 2, 16),
+    "splash-h128": (2048, 8, 128, "splash", "dots", 2, 16),
+    "small-base": (1024, 12, 256, "xla", "dots", 2, 16),
+    "small-splash": (1024, 12, 256, "splash", "dots", 2, 16),
+    "small-splash-none-mb2": (1024, 12, 256, "splash", "none", 2, 16),
+}
+
+
+def _batch(step: int, rows: int, length: int) -> dict:
+    """Rows counting up by a per-row stride from a per-step offset: learnable, never the same batch."""
+    r = np.arange(rows)[:, None]
+    return {"tokens": jnp.asarray((step * 7 + r * 3 + np.arange(length)[None, :] * (1 + r % 4)) % 256, jnp.int32)}
+
+
+def _compiled_figures(step: Any, state: Any, batch: dict) -> dict:
+    compiled = step.lower(state, batch).compile()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    peak = (
+        memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )  # fmt: skip
+    return {"peak_bytes": int(peak), "xla_flops": float(cost.get("flops", float("nan")))}
+
+
+def _time(step: Any, state: Any, rows: int, length: int, steps: int) -> tuple[list[float], Any, Any]:
+    times, metrics = [], None
+    for i in range(steps + 2):
+        batch = _batch(i, rows, length)
+        jax.block_until_ready(batch)
+        start = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+    return times[2:], state, metrics
+
+
+def measure(name: str, spec: tuple, *, seq: int, steps: int, handwritten: bool) -> dict:
+    d, layers, head_dim, attention, remat, microbatches, rows = spec
+    config = TransformerConfig(
+        vocab_size=256, d_model=d, n_layers=layers, n_heads=d // head_dim, d_ff=4 * d, seq_len=seq,
+        attention=attention,
+    )  # fmt: skip
+    loss = functools.partial(transformer_loss, config=config, remat_policy=remat)
+    params = init_transformer(jax.random.key(0), config)
+    n = sum(x.size for x in jax.tree.leaves(params))
+    tokens = rows * seq
+    model_flops = transformer_flops_per_token(config) * tokens
+    out: dict = {"params": int(n), "tokens": tokens, "model_flops": float(model_flops), "spec": list(spec)}
+    step = leanstep.make_train_step(
+        loss, precision="compute=bfloat16", num_microbatches=microbatches, max_grad_norm=1.0
+    )  # fmt: skip
+    state = leanstep.TrainState.create(params, optax.adamw(3e-4), loss_scale="dynamic")
+    del params
+    out["leanstep"] = _compiled_figures(step, state, _batch(0, rows, seq + 1))
+    times, state, metrics = _time(step, state, rows, seq + 1, steps)
+    out["leanstep"].update(step_s=float(np.median(times)), loss=float(metrics.loss))
+    del state
+    if handwritten:
+        hand = make_handwritten_step(loss, optax.adamw(3e-4), compute_dtype=jnp.bfloat16, num_microbatches=microbatches)
+        hand_state = init_handwritten_state(init_transformer(jax.random.key(0), config), optax.adamw(3e-4))
+        out["handwritten"] = _compiled_figures(hand, hand_state, _batch(0, rows, seq + 1))
+        times, hand_state, _ = _time(hand, hand_state, rows, seq + 1, steps)
+        out["handwritten"]["step_s"] = float(np.median(times))
+        out["ratio"] = out["leanstep"]["step_s"] / out["handwritten"]["step_s"]
+        del hand_state
+    peak = V5E_PEAK if jax.default_backend() == "tpu" else float("nan")
+    out["mfu"] = model_flops / out["leanstep"]["step_s"] / peak
+    out["xla_mfu"] = out["leanstep"]["xla_flops"] / out["leanstep"]["step_s"] / peak
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="base,splash", help=f"comma-separated names of {sorted(CONFIGS)}")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--handwritten", default="base,splash", help="configs that also time the hand-written step")
+    parser.add_argument("--tiny", action="store_true", help="a CPU dry run: d 64, 2 layers, seq 32, 2 steps")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    configs = {name: CONFIGS[name] for name in args.configs.split(",") if name}
+    if args.tiny:
+        configs = {"tiny": (64, 2, 32, "xla", "dots", 2, 4)}
+        args.seq, args.steps, args.handwritten = 32, 2, "tiny"
+    report: dict = {"device": jax.devices()[0].device_kind, "seq": args.seq, "results": {}}
+    for name, spec in configs.items():
+        try:
+            report["results"][name] = measure(
+                name, spec, seq=args.seq, steps=args.steps, handwritten=name in args.handwritten.split(",")
+            )
+        except Exception as error:  # noqa: BLE001 (an out-of-memory configuration is a result)
+            report["results"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        print(name, json.dumps(report["results"][name]), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
