@@ -7,6 +7,7 @@
     keywords.py        the gradient stage's 0.7 keywords, folded into values (deprecated)
     gradients.py       stage 1, gradient_stage: cast, microbatch, accumulate
     update.py          stage 2, guarded_update: unscale, check, clip, apply or skip
+    update_offload.py  offload_opt_state: the optimizer state in host memory, a chunk at a time on the device
     state_sharding.py  where a train state lives on a mesh
     sharding_layer.py  stage 3, ShardingLayer: both stages over a mesh, one reduction
     settings.py        StepSettings: loss contract, accumulation, layer; refusals in one place
@@ -23,6 +24,7 @@ from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.state_sharding import shard_train_state, state_shardings
 from leanstep.step.train_step import JittedTrainStep, make_train_step
 from leanstep.step.update import GuardedState, UpdateInfo, guarded_update, guarded_update_transform
+from leanstep.step.update_offload import offload_opt_state
 
 __all__ = [
     "REDUCTIONS",
@@ -38,6 +40,7 @@ __all__ = [
     "guarded_update",
     "guarded_update_transform",
     "make_train_step",
+    "offload_opt_state",
     "shard_train_state",
     "state_shardings",
     "step_settings",

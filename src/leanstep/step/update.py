@@ -44,8 +44,9 @@ from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive
 from leanstep.step.state import TrainState
 from leanstep.step.update_checks import check_grads, check_opt_state
-from leanstep.step.update_chunk_plan import chunk_plan_for
 from leanstep.step.update_chunks import chunked_update
+from leanstep.step.update_offload import back_like, on_device
+from leanstep.step.update_offload_plan import update_plan
 
 __all__ = ["GuardedState", "UpdateInfo", "guarded_update", "guarded_update_transform"]
 
@@ -97,12 +98,15 @@ def _decide(
     # not depend on the parameters, or in a stop_gradient). So is a non-finite amax recorded
     # by an FP8 matmul (an inf input that the quantizer would have clipped): written, it
     # would freeze that scale until the inf leaves the history.
-    finite = all_finite(grads) & all_finite(new_fp8)
+    finite = all_finite(new_fp8)
     finite = finite if loss is None else finite & jnp.isfinite(loss)
     if max_grad_norm is None:
-        return grads, finite, global_norm(grads), jnp.zeros((), bool)
+        return grads, finite & all_finite(grads), global_norm(grads), jnp.zeros((), bool)
     grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
-    # A finite gradient whose float32 norm overflows would be clipped to zero, not applied.
+    # A non-finite entry makes the norm non-finite (its square is inf or NaN), and a finite
+    # gradient whose float32 norm overflows would be clipped to zero, not applied: the norm's
+    # test covers both, and reads the gradient once (XLA:CPU kept every leaf's unscaled copy
+    # live for a second pass, 4 bytes a parameter at the step's peak; docs/lean-state.md).
     return grads, finite & jnp.isfinite(grad_norm), grad_norm, grad_norm > max_grad_norm
 
 
@@ -198,7 +202,7 @@ def guarded_update(
         spiked, window[0] = spike_guard.decide(state.spike, values, finite)
         return spiked
 
-    plan = None if update_chunk is None else chunk_plan_for(state, wide, update_chunk, spike_guard)
+    plan = update_plan(state, wide, update_chunk, spike_guard)  # an offloaded state: update_offload_plan
     if plan is not None:
         _, finite, grad_norm, clipped = _decide(scaled_grads, wide, state.loss_scale, max_grad_norm, loss, new_fp8)
         spiked = jnp.zeros((), bool) if spike_guard is None else spike(finite, grad_norm, None)
@@ -209,9 +213,10 @@ def guarded_update(
         )
     else:
         updates, opt_state, info = _checked_update(
-            scaled_grads, state.opt_state, wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
+            scaled_grads, on_device(state.opt_state), wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
             None if spike_guard is None else spike, new_fp8,
         )  # fmt: skip
+        opt_state = back_like(opt_state, state.opt_state)  # an offloaded state: back to the host
         if spike_guard is not None:  # 1, or less after a rollback past spikes (leanstep train)
             scale = state.spike.update_scale
             updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)

@@ -36,6 +36,7 @@ import optax
 from leanstep.blocks.masters import apply_to_master, rows_can_split
 from leanstep.blocks.moments import QuantizedArray
 from leanstep.step.update_dependence import update_dependence
+from leanstep.step.update_offload import back_like, is_offloaded, on_device, placeholders
 
 __all__ = [
     "ChunkInputs",
@@ -139,8 +140,10 @@ def _cut(shapes: list[tuple[int, ...]], splittable: list[bool], limit: int) -> t
         total = sum(sizes[i] for i in members)
         if total <= limit or (several and len(members) < 2):
             continue
-        rows = max([r for r in range(1, length) if length % r == 0 and total // length * r <= limit], default=1)
-        chunks += [tuple(Unit(i, start, rows) for i in members) for start in range(0, length, rows)]
+        for group in _stack_groups(members, [sizes[i] // length for i in members], limit):
+            row = sum(sizes[i] for i in group) // length
+            rows = max([r for r in range(1, length) if length % r == 0 and row * r <= limit], default=1)
+            chunks += [tuple(Unit(i, start, rows) for i in group) for start in range(0, length, rows)]
         whole -= set(members)
     groups: list[list[int]] = []
     for index in sorted(whole):
@@ -154,6 +157,40 @@ def _cut(shapes: list[tuple[int, ...]], splittable: list[bool], limit: int) -> t
             group.clear()
     groups = [group for group in groups if group]
     return tuple(tuple(Unit(i) for i in group) for group in groups) + tuple(chunks)
+
+
+def _stack_groups(members: list[int], row_sizes: list[int], limit: int) -> list[list[int]]:
+    """The leaves of a stack in groups, each looped over on its own, so that a row of a group holds
+    at most ``limit`` entries where it can: largest first, each into the first group it fits; a
+    group of one leaf joins the smallest other group (see :func:`_cut`: no chunk of one leaf)."""
+    if sum(row_sizes) <= limit:
+        return [list(members)]
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for size, index in sorted(zip(row_sizes, members), key=lambda pair: (-pair[0], pair[1])):
+        fit = next((g for g, total in enumerate(totals) if total + size <= limit), None)
+        if fit is None:
+            groups.append([index])
+            totals.append(size)
+        else:
+            groups[fit].append(index)
+            totals[fit] += size
+    size_of = dict(zip(members, row_sizes))
+    while len(groups) > 1 and min(len(g) for g in groups) < 2:
+        lone = next(g for g, group in enumerate(groups) if len(group) < 2)
+        donor = max(range(len(groups)), key=lambda g: len(groups[g]))
+        if len(groups[donor]) > 2:  # the donor's smallest leaf keeps the lone leaf company
+            moved = min(groups[donor], key=lambda i: (size_of[i], i))
+            groups[donor].remove(moved)
+            groups[lone].append(moved)
+            totals[donor] -= size_of[moved]
+            totals[lone] += size_of[moved]
+            continue
+        other = min((g for g in range(len(groups)) if g != lone), key=lambda g: totals[g])
+        groups[other] += groups[lone]
+        totals[other] += totals[lone]
+        del groups[lone], totals[lone]
+    return [sorted(group) for group in groups]
 
 
 class ChunkInputs(NamedTuple):
@@ -171,6 +208,7 @@ class ChunkInputs(NamedTuple):
     finish: Callable[..., tuple[Any, Any]]  # (index, param, update, error, first_row) -> (new, new_error)
     update_scale: Any
     applied: jax.Array
+    kept_parts: list[Any] | None = None  # an offloaded state's parts as kept (host); ``parts`` then has placeholders
 
 
 def _slice(tree: Any, start: Any, rows: int) -> Any:
@@ -227,7 +265,8 @@ def _run(inputs: ChunkInputs, owned: dict[int, Any], rows: dict[int, Any]) -> tu
 
 
 def _leaf(inputs: ChunkInputs, index: int) -> tuple[Any, Any, list[Any], Any]:
-    subs = [inputs.params_def.flatten_up_to(p)[index] for p, node in zip(inputs.parts, inputs.nodes) if node]
+    parts = inputs.parts if inputs.kept_parts is None else inputs.kept_parts
+    subs = [inputs.params_def.flatten_up_to(p)[index] for p, node in zip(parts, inputs.nodes) if node]
     error = None if inputs.errors is None else inputs.errors[index]
     return inputs.grads[index], inputs.params[index], subs, error
 
@@ -242,9 +281,10 @@ def chunked_apply(inputs: ChunkInputs, plan: ChunkPlan) -> tuple[list[Any], Any,
     previous: Any = ()
     for chunk in plan.chunks:
         if chunk[0].start is None:  # whole leaves
-            owned = {unit.leaf: _leaf(inputs, unit.leaf) for unit in chunk}
-            owned, previous = jax.lax.optimization_barrier((owned, previous))
+            kept = {unit.leaf: _leaf(inputs, unit.leaf) for unit in chunk}
+            owned, previous = jax.lax.optimization_barrier((on_device(kept), previous))
             new, _ = _run(inputs, owned, {unit.leaf: None for unit in chunk})
+            new = back_like(new, {i: kept[i][1:] for i in kept})  # an offloaded state goes back to the host
             results.update(new)
             previous = new
         elif chunk[0].start == 0:  # a stack: every block in one loop
@@ -270,7 +310,8 @@ def _stack_loop(inputs: ChunkInputs, stack: dict[int, int], carry: dict[int, Any
             param, subs, error = carry[i]
             owned[i] = (_dslice(inputs.grads[i], start, rows), _dslice(param, start, rows),
                         _dslice(subs, start, rows), None if error is None else _dslice(error, start, rows))  # fmt: skip
-        new, _ = _run(inputs, owned, {i: start for i in stack})
+        new, _ = _run(inputs, on_device(owned), {i: start for i in stack})  # an offloaded block: one transfer
+        new = back_like(new, carry)  # an offloaded block goes back into its host buffer
         return {i: tuple(None if w is None else _dput(w, n, start) for w, n in zip(carry[i], new[i])) for i in stack}
 
     return jax.lax.fori_loop(0, blocks, body, carry)
@@ -341,11 +382,11 @@ def chunked_update(
         update_scale=update_scale,
         applied=applied,
     )
-    import os
-
-    if os.environ.get("PREP"):
-        prepared = inputs.prepare(inputs.grads)
-        inputs = inputs._replace(grads=prepared, prepare=lambda leaves: leaves)
+    if is_offloaded(parts):  # the state in host memory: leanstep.step.update_offload
+        inputs = inputs._replace(
+            parts=[placeholders(p) if node else on_device(p) for p, node in zip(parts, nodes)], kept_parts=parts
+        )
     new_params, opt_state, errors = chunked_apply(inputs, plan)
+    opt_state = back_like(opt_state, state.opt_state)
     error_tree = None if errors is None else jax.tree.unflatten(params_def, errors)
     return jax.tree.unflatten(params_def, new_params), opt_state, error_tree

@@ -1,0 +1,163 @@
+"""The optimizer state in host memory (leanstep.step.update_offload) and the memory-space report
+(leanstep.inspection.memory_spaces): the same bits as the state kept on the device, one chunk of
+the state on the device at a time (read from the program), and the audit's refusals.
+
+XLA:CPU compiles and runs the offloaded step but keeps every buffer in its one memory: its
+``memory_analysis()`` reports no host bytes, so the device-resident bytes are read here from the
+compiled entry layout (S(5): host) and the traced transfers; benchmarks/tpu_offload.py measures
+them on a TPU."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import leanstep
+from leanstep.step.update_chunks import chunk_plan
+from leanstep.step.update_offload import is_offloaded
+from tests.test_chunked_update import CHUNK, FORMS, _batch, _identical, _loss, _optimizers, _params
+
+
+def _trajectory(optimizer: str, form: str, update_chunk, offload: bool, steps: int = 4) -> list[np.ndarray]:
+    master, moments = FORMS[form]
+    state = leanstep.TrainState.create(
+        _params(), _optimizers()[optimizer], loss_scale="dynamic", master=master, moments=moments
+    )
+    if offload:
+        state = leanstep.offload_opt_state(state)
+    step = leanstep.make_train_step(
+        _loss, precision="compute=bfloat16", num_microbatches=2, max_grad_norm=1.0, update_chunk=update_chunk,
+        donate=False,
+    )  # fmt: skip
+    leaves = []
+    for i in range(steps):
+        state, metrics = step(state, _batch(i))
+        assert is_offloaded(state.opt_state) == offload  # the step keeps the state where it was
+        leaves += [np.asarray(x) for x in jax.tree.leaves((state, metrics))]
+    return leaves
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "form", "update_chunk"),
+    [
+        ("adamw", "lean", CHUNK),
+        ("adamw", "float32", "auto"),
+        ("chain", "lean", None),
+        ("sgd_momentum", "float32", CHUNK),
+    ],
+)
+def test_an_offloaded_state_steps_bit_identically_to_one_on_the_device(optimizer, form, update_chunk):
+    on_device = _trajectory(optimizer, form, update_chunk, offload=False)
+    offloaded = _trajectory(optimizer, form, update_chunk, offload=True)
+    assert _identical(on_device, offloaded)
+    per_step = len(on_device) // 4
+    assert not _identical(on_device[:per_step], on_device[-per_step:])  # the state moved
+
+
+def test_offload_places_the_moments_on_the_host_and_keeps_scalars_on_the_device():
+    state = leanstep.TrainState.create(_params(), optax.adam(1e-3), moments="int8")
+    offloaded = leanstep.offload_opt_state(state)
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(offloaded.opt_state) if x.ndim}
+    assert kinds == {"pinned_host"}
+    assert all(x.sharding.memory_kind == "device" for x in jax.tree.leaves(offloaded.opt_state) if not x.ndim)
+    assert not is_offloaded(offloaded.params) and not is_offloaded(state.opt_state)
+    for a, b in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(offloaded.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_offload_opt_state_refuses_what_is_not_a_state_of_arrays():
+    with pytest.raises(TypeError, match="offload_opt_state takes a leanstep.TrainState, got dict"):
+        leanstep.offload_opt_state({"w": jnp.zeros(2)})
+    abstract = jax.eval_shape(lambda: leanstep.TrainState.create(_params(), optax.adam(1e-3)))
+    with pytest.raises(TypeError, match="takes a state of arrays, got jax.ShapeDtypeStructs in state.opt_state"):
+        leanstep.offload_opt_state(abstract)
+
+
+# --- what the program keeps on the device -------------------------------------------------------------
+
+
+def _state_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
+
+
+def _transformer_reports(update_chunk: int):
+    from leanstep.models.transformer import TransformerConfig, init_transformer, transformer_loss
+
+    config = TransformerConfig(vocab_size=512, d_model=128, n_layers=4, n_heads=2, d_ff=512, seq_len=32)
+    make = lambda key: leanstep.TrainState.create(
+        init_transformer(key, config), optax.adamw(1e-3), loss_scale="dynamic", master="bfloat16-sr", moments="int8"
+    )
+    state = jax.jit(make)(jax.random.key(0))
+    loss = functools.partial(transformer_loss, config=config, remat_policy="full")
+    step = leanstep.make_train_step(
+        loss, precision="compute=bfloat16", num_microbatches=2, max_grad_norm=1.0, update_chunk=update_chunk
+    )
+    batch = {"tokens": jnp.zeros((4, 33), jnp.int32)}
+    plain = leanstep.memory_space_report(step, state, batch)
+    offloaded = leanstep.memory_space_report(step, leanstep.offload_opt_state(state), batch)
+    return state, plain, offloaded
+
+
+def _chunk_state_bytes(state, update_chunk: int) -> list[int]:
+    """Each chunk's optimizer-state bytes, from the plan and the optimizer's state of each leaf alone."""
+    wide = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state.params)
+    plan, _ = chunk_plan(state.optimizer, state.opt_state, wide, update_chunk)
+    leaves = jax.tree.leaves(wide)
+    per_leaf = [_state_bytes(jax.eval_shape(state.optimizer.init, leaf)) for leaf in leaves]
+    return [
+        sum(per_leaf[u.leaf] * (1 if u.rows is None else u.rows) // (1 if u.rows is None else leaves[u.leaf].shape[0])
+            for u in chunk)
+        for chunk in plan.chunks
+    ]  # fmt: skip
+
+
+def test_an_offloaded_state_is_on_the_device_one_chunk_at_a_time():
+    update_chunk = 70_000  # the 4 layers' stack cut in blocks, the embedding and the rest whole
+    state, plain, offloaded = _transformer_reports(update_chunk)
+    moments = _state_bytes(state.opt_state)
+    chunks = _chunk_state_bytes(state, update_chunk)
+    assert len(chunks) > 2 and sum(chunks) == moments
+    # The compiled program keeps the moments in host memory, in and out; the same buffers in all.
+    assert offloaded.host_argument_bytes == offloaded.host_output_bytes == moments
+    assert offloaded.device_argument_bytes + offloaded.host_argument_bytes == plain.device_argument_bytes
+    masters = _state_bytes(state.params)
+    assert offloaded.device_argument_bytes - masters < 0.05 * masters  # masters, scalars and the batch
+    # It brings them to the device a chunk at a time: one transfer each way per chunk, the largest one chunk.
+    assert (
+        offloaded.asked_to_device
+        == offloaded.asked_to_host
+        == leanstep.inspection.Transfers(len(chunks), moments, max(chunks))
+    )
+    assert max(chunks) < moments / 2
+    assert plain.asked_to_device.moves == plain.to_device.moves == 0
+    # XLA:CPU: one memory, no transfers in the compiled program, no host bytes in its analysis.
+    if jax.devices()[0].platform == "cpu":
+        assert offloaded.to_device.moves == offloaded.reported_host_bytes == 0
+    assert offloaded.device_peak_bytes < plain.device_peak_bytes
+    leanstep.check_offload(offloaded, plain)
+
+
+def test_check_offload_refuses_a_policy_that_moves_nothing_or_keeps_the_peak():
+    _, plain, offloaded = _transformer_reports(70_000)
+    with pytest.raises(ValueError, match="the offload policy moves nothing"):
+        leanstep.check_offload(plain, plain)
+    higher = offloaded._replace(temp_bytes=offloaded.temp_bytes + plain.device_peak_bytes)
+    with pytest.raises(ValueError, match="does not lower the step's device peak: .* bytes offloaded against"):
+        leanstep.check_offload(higher, plain)
+
+
+def test_tpu_offload_dry_run(tmp_path):
+    from benchmarks.tpu_offload import main
+
+    out = tmp_path / "offload.json"
+    report = main(["--tiny", "--formats", "bf16-sr + int8", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    entry = report["formats"]["bf16-sr + int8"]
+    assert entry["bit_identical"] is True and entry["check_offload"] == "accepted"
+    assert entry["offloaded"]["host_argument_bytes"] > 0 and entry["plain"]["host_argument_bytes"] == 0
