@@ -196,8 +196,9 @@ def make_train_step(
       update_chunk: apply the optimizer in chunks of at most this many entries, one at a time,
         so that one chunk's float32 widening of masters and moments is live at once
         (bit-identical to the whole tree; :mod:`leanstep.step.update_chunks`). ``"auto"``:
-        chunks of ``2**24`` entries where the optimizer allows it (no transformation that mixes
-        parameters), else the whole tree; None: the whole tree at once.
+        chunks of ``2**22`` entries for a lean state (bfloat16 masters or compressed moments)
+        where the optimizer allows it (no transformation that mixes parameters), else the whole
+        tree; None: the whole tree at once.
       **deprecated: the 0.7 sharding keywords ``data_axis``, ``fsdp``, ``rules`` and
         ``reduce``, accepted through 0.8 with a ``DeprecationWarning``: give them to
         ``mesh=leanstep.ShardingLayer(mesh, data_axis, fsdp=..., rules=..., reduce=...)``.

@@ -15,7 +15,7 @@ from leanstep.step.update_chunks import ChunkPlan, chunk_plan
 __all__ = ["DEFAULT_UPDATE_CHUNK", "check_update_chunk", "chunk_plan_for"]
 
 #: The default largest chunk, in entries (measured: docs/lean-state.md, "A chunk-bounded update").
-DEFAULT_UPDATE_CHUNK = 2**24
+DEFAULT_UPDATE_CHUNK = 2**22
 
 
 def check_update_chunk(update_chunk: Any) -> int | str | None:

@@ -10,6 +10,8 @@ peak rises above float32 state's. Here the parameters are cut into chunks of at 
     small leaves         packed into one chunk while they fit
     a leaf too large     split along its leading axis (the transformer's stacked layers): a
                          fori_loop over slices of rows, each read, updated and written in place
+    a layer too large    the stack's leaves in groups of at least two, a row of each at most
+                         ``update_chunk`` entries where one leaf's row allows it; a loop a group
     chunk k + 1          reads its inputs through an optimization_barrier with chunk k's outputs,
                          so XLA can neither merge the chunks nor start one before the last ends
 
