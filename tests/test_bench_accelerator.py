@@ -15,7 +15,7 @@ import jax
 import pytest
 from rich.console import Console
 
-from leanstep.bench import CHIP_PEAKS, BenchConfig, Platform, platform_for, run_benchmark, runner
+from leanstep.bench import CHIP_PEAKS, MATMUL_SIZES, BenchConfig, Platform, platform_for, run_benchmark, runner
 from leanstep.bench.contenders import Contender, Spec
 from leanstep.cli import bench as bench_cli
 from leanstep.cli.bench_table import render_benchmark
@@ -81,6 +81,25 @@ def test_an_unknown_accelerator_is_measured_against_its_bf16_matmul():
     ]
     assert runner._chip_limit(TPU, matmul, notes)["chip"][0] == V5E_GFLOPS and len(notes) == 1
     assert runner._chip_limit(CPU, matmul, notes) == {}
+
+
+@pytest.mark.parametrize("accelerator, sizes, probe", [(True, (4096, 8192, 16384), 4096), (False, MATMUL_SIZES, 256)])
+def test_an_accelerator_measures_its_matmuls_at_sizes_that_fill_the_chip(monkeypatch, accelerator, sizes, probe):
+    seen = []
+
+    def record(make, dtype, **settings):
+        seen.append((make, dtype, settings))
+        return {"gflops": 1.0}
+
+    monkeypatch.setattr(runner, "measure_matmul_gflops", record)
+    config = BenchConfig.for_platform(TPU if accelerator else CPU, quick=True)
+    matmul = runner._measure_matmuls(config, False, lambda line: None, accelerator)
+    assert matmul == {"xla_float32": {"gflops": 1.0}, "xla_bfloat16": {"gflops": 1.0}, "torch_float32": None,
+                      "torch_bfloat16": None}  # fmt: skip
+    assert [dtype for _, dtype, _ in seen] == ["float32", "bfloat16"]
+    for make, _, settings in seen:
+        assert make is runner.xla_matmul and settings["sizes"] == sizes and settings["probe_size"] == probe
+        assert settings["max_size"] == (8192 if accelerator else 2048)
 
 
 # ---------------------------------------------------------------- the model chosen

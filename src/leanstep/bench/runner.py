@@ -136,9 +136,15 @@ def _set_up_torch(config: BenchConfig, machine: dict[str, Any], notes: list[str]
 
 
 def _measure_matmuls(
-    config: BenchConfig, with_torch: bool, log: Callable[[str], None], sizes: tuple[int, ...]
+    config: BenchConfig, with_torch: bool, log: Callable[[str], None], accelerator: bool
 ) -> dict[str, Any]:
-    """The matmul peaks, ``{backend}_{dtype}``: XLA, then torch (None without it), each float32 then bfloat16."""
+    """The matmul peaks, ``{backend}_{dtype}``: XLA, then torch (None without it), each float32 then bfloat16.
+
+    On an accelerator at :data:`ACCELERATOR_MATMUL_SIZES`, probed from the smallest (a chip runs
+    small matmuls in their dispatch time, and each probe size is one more compilation).
+    """
+    sizes = ACCELERATOR_MATMUL_SIZES if accelerator else MATMUL_SIZES
+    probe_size = ACCELERATOR_MATMUL_SIZES[0] if accelerator else 256  # 256: measure_matmul_gflops's default
     matmul: dict[str, Any] = {}
     for backend, make in (("xla", xla_matmul), ("torch", torch_matmul)):
         for dtype in ("float32", "bfloat16"):
@@ -153,6 +159,7 @@ def _measure_matmuls(
                 sizes=sizes,
                 repeats=config.matmul_repeats,
                 max_seconds=config.matmul_max_seconds,
+                probe_size=probe_size,
             )
     return matmul
 
@@ -337,8 +344,7 @@ def run_benchmark(
     notes: list[str] = []
     machine = machine_info()
     with_torch = _set_up_torch(config, machine, notes, platform.accelerator)
-    sizes = ACCELERATOR_MATMUL_SIZES if platform.accelerator else MATMUL_SIZES
-    matmul = _measure_matmuls(config, with_torch, log, sizes)
+    matmul = _measure_matmuls(config, with_torch, log, platform.accelerator)
     peaks = {key: None if value is None else value["gflops"] for key, value in matmul.items()}
     probes = {key: (peaks[key], describe_probe(key, value)) for key, value in matmul.items() if value}
     probes.update(_chip_limit(platform, matmul, notes))
