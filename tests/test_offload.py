@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -104,35 +105,39 @@ def _transformer_reports(update_chunk: int):
     return state, plain, offloaded
 
 
-def _chunk_state_bytes(state, update_chunk: int) -> list[int]:
-    """Each chunk's optimizer-state bytes, from the plan and the optimizer's state of each leaf alone."""
+def _chunk_state_bytes(state, update_chunk: int) -> tuple[list[int], int]:
+    """Each chunk's optimizer-state bytes, from the plan and the optimizer's state of each leaf
+    alone; and how many stacks hold vectors (moved whole before their loop: update_chunks)."""
     wide = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state.params)
     plan, _ = chunk_plan(state.optimizer, state.opt_state, wide, update_chunk)
     leaves = jax.tree.leaves(wide)
     per_leaf = [_state_bytes(jax.eval_shape(state.optimizer.init, leaf)) for leaf in leaves]
-    return [
+    chunks = [
         sum(per_leaf[u.leaf] * (1 if u.rows is None else u.rows) // (1 if u.rows is None else leaves[u.leaf].shape[0])
             for u in chunk)
         for chunk in plan.chunks
     ]  # fmt: skip
+    vector_stacks = sum(c[0].start == 0 and any(leaves[u.leaf].ndim <= 2 for u in c) for c in plan.chunks)
+    return chunks, vector_stacks
 
 
 def test_an_offloaded_state_is_on_the_device_one_chunk_at_a_time():
     update_chunk = 70_000  # the 4 layers' stack cut in blocks, the embedding and the rest whole
     state, plain, offloaded = _transformer_reports(update_chunk)
     moments = _state_bytes(state.opt_state)
-    chunks = _chunk_state_bytes(state, update_chunk)
-    assert len(chunks) > 2 and sum(chunks) == moments
+    chunks, vector_stacks = _chunk_state_bytes(state, update_chunk)
+    assert len(chunks) > 2 and sum(chunks) == moments and vector_stacks >= 1
     # The compiled program keeps the moments in host memory, in and out; the same buffers in all.
     assert offloaded.host_argument_bytes == offloaded.host_output_bytes == moments
     assert offloaded.device_argument_bytes + offloaded.host_argument_bytes == plain.device_argument_bytes
     masters = _state_bytes(state.params)
     assert offloaded.device_argument_bytes - masters < 0.05 * masters  # masters, scalars and the batch
-    # It brings them to the device a chunk at a time: one transfer each way per chunk, the largest one chunk.
+    # It brings them to the device a chunk at a time: one transfer each way per chunk (and a stack's
+    # vectors whole, around its loop), the largest one chunk.
     assert (
         offloaded.asked_to_device
         == offloaded.asked_to_host
-        == leanstep.inspection.Transfers(len(chunks), moments, max(chunks))
+        == leanstep.inspection.Transfers(len(chunks) + vector_stacks, moments, max(chunks))
     )
     assert max(chunks) < moments / 2
     assert plain.asked_to_device.moves == plain.to_device.moves == 0
@@ -161,3 +166,30 @@ def test_tpu_offload_dry_run(tmp_path):
     entry = report["formats"]["bf16-sr + int8"]
     assert entry["bit_identical"] is True and entry["check_offload"] == "accepted"
     assert entry["offloaded"]["host_argument_bytes"] > 0 and entry["plain"]["host_argument_bytes"] == 0
+
+
+def _cli(argv):
+    import argparse
+
+    from leanstep.cli import plan as cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parsers(parser.add_subparsers())
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def test_cli_audit_offload_reports_both_steps_and_refuses_an_offload_that_moves_nothing(capsys, monkeypatch):
+    argv = ["audit", "--size", "tiny", "--batch-size", "4", "--microbatches", "2", "--offload", "opt_state"]
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "state on the device: memory spaces" in out and "optimizer state offloaded: memory spaces" in out
+    assert re.search(r"offloaded: memory spaces \(cpu\):\n.*\n  host    arguments [1-9][0-9.]* KiB", out)
+    assert out.rstrip().endswith("offload (--offload opt_state): ok")
+    from leanstep.training import analysis
+    from leanstep.training.config import RunConfig
+
+    plain, _ = analysis.offload_audit_run(RunConfig(size="tiny", batch_size=4, microbatches=2))
+    monkeypatch.setattr(analysis, "offload_audit_run", lambda config: (plain, plain))
+    assert _cli(argv) == 1
+    assert "offload (--offload opt_state): REFUSED: the offload policy moves nothing" in capsys.readouterr().out

@@ -95,6 +95,11 @@ def _add_audit_parser(subparsers: Any, d: Any) -> None:
     add_run_flags(a, d)
     a.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
     a.add_argument("--remat", default=d.remat, help=remat_help())
+    a.add_argument(
+        "--offload", choices=("none", "opt_state"), default="none",
+        help="opt_state: also compile the step with the optimizer state in host memory, report device and host "
+        "bytes and transfers, and fail if it moves nothing or does not lower the device peak",
+    )  # fmt: skip
     add_compile_cache_flag(a)
     a.set_defaults(run=run_audit)
 
@@ -365,4 +370,22 @@ def run_audit(args: argparse.Namespace) -> int:
     )
     for problem in problems:
         print(f"  - {problem}")
-    return 0 if not problems else 1
+    return (0 if not problems else 1) | _audit_offload(config, getattr(args, "offload", "none"))
+
+
+def _audit_offload(config: Any, offload: str) -> int:
+    """``--offload opt_state``: both steps' memory spaces, and the verdict (1: refused)."""
+    if offload == "none":
+        return 0
+    from leanstep.inspection.memory_spaces import check_offload
+    from leanstep.training.analysis import offload_audit_run
+
+    plain, offloaded = offload_audit_run(config)
+    print(f"state on the device: {plain}\noptimizer state offloaded: {offloaded}")
+    try:
+        check_offload(offloaded, plain)
+    except ValueError as error:
+        print(f"offload (--offload opt_state): REFUSED: {error}")
+        return 1
+    print("offload (--offload opt_state): ok")
+    return 0

@@ -12,15 +12,18 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from leanstep.inspection.auditing import AuditReport, audit
+from leanstep.inspection.memory_spaces import MemorySpaceReport, memory_space_report
 from leanstep.planning.one_device import BudgetError, Plan, plan
 from leanstep.planning.search_options import SearchOptions, SearchSpace, split_options
+from leanstep.step.update_offload import offload_opt_state
 from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
 
-__all__ = ["audit_run", "plan_run"]
+__all__ = ["audit_run", "offload_audit_run", "plan_run"]
 
 
 def plan_run(
@@ -244,3 +247,20 @@ def audit_run(config: RunConfig) -> AuditReport:
         loss_fn=run.precision.wrap(run.loss_fn()),
         loss_args=(params_c, run.batch_spec(rows)),
     )
+
+
+def offload_audit_run(config: RunConfig) -> tuple[MemorySpaceReport, MemorySpaceReport]:
+    """The memory spaces of the step ``config`` trains with, its state on the device and with the
+    optimizer state offloaded (:func:`leanstep.offload_opt_state`): compiled, never run. The state
+    is built (JAX traces an abstract array in host memory as one on the device).
+
+    Example:
+      >>> plain, offloaded = offload_audit_run(RunConfig(size="tiny", batch_size=4, microbatches=2))
+      >>> plain.host_argument_bytes == 0 < offloaded.host_argument_bytes
+      True
+    """
+    run = build_run(config)
+    state = run.init_state()
+    batch = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), run.batch_spec())
+    step = run.make_step()
+    return memory_space_report(step, state, batch), memory_space_report(step, offload_opt_state(state), batch)
