@@ -193,3 +193,17 @@ def test_cli_audit_offload_reports_both_steps_and_refuses_an_offload_that_moves_
     monkeypatch.setattr(analysis, "offload_audit_run", lambda config: (plain, plain))
     assert _cli(argv) == 1
     assert "offload (--offload opt_state): REFUSED: the offload policy moves nothing" in capsys.readouterr().out
+
+
+def test_an_offloaded_state_compiles_the_step_once():
+    from leanstep.compilation.count import CompileCount
+
+    state = leanstep.offload_opt_state(leanstep.TrainState.create(_params(), optax.adamw(1e-2), loss_scale="dynamic"))
+    step = leanstep.make_train_step(_loss, update_chunk=CHUNK, donate=False)
+    batches = [_batch(i) for i in range(3)]
+    state, _ = step(state, batches[0])
+    with CompileCount() as count:
+        for batch in batches[1:]:  # the state the step returns: committed arrays, as offload_opt_state's
+            state, _ = step(state, batch)
+        jax.block_until_ready(state)
+    assert count.compiled == 0

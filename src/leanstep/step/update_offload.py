@@ -133,4 +133,7 @@ def offload_opt_state(state: Any) -> Any:
     def place(x: Any) -> Any:
         return x if jnp.ndim(x) == 0 else jax.device_put(x, _host_sharding(x))
 
+    # Every array committed to where it is, as the step's outputs are: a state of uncommitted
+    # device arrays beside committed host ones compiles the step a second time on its second call.
+    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state)
     return state.replace(opt_state=jax.tree.map(place, state.opt_state))
