@@ -71,8 +71,6 @@ LAYERS: dict[str, set[str]] = {
     },
 }
 LAYERS["cli"] = set(LAYERS) - {"cli", "leanstep"}
-#: The 0.7 import paths, forwarded (leanstep._moved): imported by the packages that moved a name.
-COMPAT = "leanstep._moved"
 
 
 def module_name(path: Path) -> str:
@@ -218,7 +216,7 @@ def subpackage(module: str) -> str:
 
 
 def test_every_module_is_in_a_layer():
-    assert {subpackage(name) for name in MODULES if name != COMPAT} == set(LAYERS)
+    assert {subpackage(name) for name in MODULES} == set(LAYERS)
 
 
 def test_the_layers_are_a_hierarchy():
@@ -230,7 +228,7 @@ def boundary_crossings(edges: dict[str, set[str]]) -> list[str]:
         f"{a} imports {b}"
         for a, targets in edges.items()
         for b in targets
-        if subpackage(a) != subpackage(b) and subpackage(b) not in LAYERS[subpackage(a)] and b != COMPAT
+        if subpackage(a) != subpackage(b) and subpackage(b) not in LAYERS[subpackage(a)]
     )
 
 
@@ -249,9 +247,7 @@ def test_no_private_module_is_imported_across_sub_packages():
         f"{name}:{line} imports {target}"
         for name, path in MODULES.items()
         for target, _, line in imports(path)
-        if any(part.startswith("_") for part in target.split("."))
-        and subpackage(name) != subpackage(target)
-        and target != COMPAT
+        if any(part.startswith("_") for part in target.split(".")) and subpackage(name) != subpackage(target)
     ]
     assert crossings == []
 

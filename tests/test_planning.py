@@ -291,18 +291,6 @@ def test_search_options_reject_a_bad_margin_or_compiler_options_when_made():
         SearchOptions(compiler_options="fast")
 
 
-def test_plan_takes_0_8_0s_flat_search_keywords_with_a_warning_naming_the_new_form():
-    warning = r"plan\(flops_rtol=\) is deprecated .*search=SearchOptions\(rtol=...\)"
-    # Checked as the value checks it.
-    with pytest.warns(DeprecationWarning, match=warning), pytest.raises(ValueError, match="rtol must be a number in"):
-        plan(make_loss_fn, _params(), _batch(), OPT, budget_bytes="1MiB", flops_rtol=1.5)
-    with (
-        pytest.raises(TypeError, match="give exhaustive inside search=SearchOptions"),
-        pytest.warns(DeprecationWarning),
-    ):
-        plan(make_loss_fn, _params(), _batch(), OPT, budget_bytes="1MiB", exhaustive=True, search=SearchOptions())
-
-
 def test_plan_rejects_batch_leaves_of_different_lengths():
     with pytest.raises(ValueError, match="share one leading batch axis"):
         plan(make_loss_fn, _params(), {"x": np.ones((4, T, D)), "y": np.ones((3, T, 2))}, OPT, budget_bytes="1MiB")

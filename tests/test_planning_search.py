@@ -29,7 +29,7 @@ from leanstep.planning.cluster_search import (
 )
 from leanstep.planning.cost_model import StepCost, get_accelerator
 from leanstep.planning.records import Candidate, Setting, family_rows
-from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords, split_options
+from leanstep.planning.search_options import SearchSpace, split_options
 
 MS = 1e-3
 
@@ -325,28 +325,10 @@ def test_search_space_checks_its_axes_when_made():
 
 def test_split_options_sorts_flat_keywords_into_the_two_values():
     space, search, rest = split_options(
-        {"meshes": [{"data": 2}], "flops_rtol": 0.1, "exhaustive": True, "has_aux": True, "candidates": []}
+        {"meshes": [{"data": 2}], "rtol": 0.1, "exhaustive": True, "has_aux": True, "candidates": []}
     )
     assert space == {"meshes": [{"data": 2}]} and search == {"rtol": 0.1, "exhaustive": True}
     assert rest == {"has_aux": True, "candidates": []}
-    with pytest.raises(TypeError, match="give rtol= or flops_rtol=, not both"):
-        split_options({"rtol": 0.1, "flops_rtol": 0.1})
-
-
-def test_legacy_keywords_move_into_the_values_with_a_warning_naming_the_new_form():
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"plan_cluster\(exhaustive=, meshes=\) is deprecated and goes in 0.9: "
-        r"pass space=SearchSpace\(meshes=...\) and search=SearchOptions\(exhaustive=...\)",
-    ):
-        space, search, rest = legacy_keywords(
-            "plan_cluster", None, None, {"meshes": [{"data": 2}], "exhaustive": True, "max_grad_norm": 1.0}
-        )
-    assert space == SearchSpace(meshes=({"data": 2},)) and search == SearchOptions(exhaustive=True)
-    assert rest == {"max_grad_norm": 1.0}
-    assert legacy_keywords("plan", None, None, {"has_aux": True}) == (None, SearchOptions(), {"has_aux": True})
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="give meshes inside the SearchSpace"):
-        legacy_keywords("plan", SearchSpace(), None, {"meshes": [{"data": 2}]})
 
 
 def test_family_rows_shows_one_member_a_family_the_chosen_first():

@@ -1,12 +1,9 @@
-"""Settings as values: LossContract, Accumulation and the step's settings, checked in one place;
-and the 0.7 keywords and import paths, still working through 0.8 with a DeprecationWarning."""
+"""Settings as values: LossContract, Accumulation and the step's settings, checked in one place
+(what 0.12 removed, the 0.7 keywords and import paths: tests/test_removed.py)."""
 
 from __future__ import annotations
 
-import importlib
 import itertools
-import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +13,6 @@ import pytest
 
 import leanstep
 from leanstep import Accumulation, LossContract, ShardingLayer, TrainState, gradient_stage, make_train_step
-from leanstep._moved import MOVED
 from leanstep.blocks.loss_contract import LossOutput
 from leanstep.blocks.microbatches import split_microbatches, split_strided_microbatches
 
@@ -130,24 +126,21 @@ def _batch():
     }
 
 
-def test_the_gradient_stage_s_old_keywords_warn_and_give_the_same_result_as_the_values():
-    new = gradient_stage(_aux_loss, accumulation=Accumulation(4, split="strided"), loss=LossContract(has_aux=True))
-    with pytest.warns(DeprecationWarning, match=r"gradient_stage\(has_aux=, num_microbatches=, split=\) is deprecated"):
-        old = gradient_stage(_aux_loss, num_microbatches=4, split="strided", has_aux=True)
-    a, b = new(_params(), _batch()), old(_params(), _batch())
-    np.testing.assert_array_equal(a.grads["w"], b.grads["w"])
-    np.testing.assert_array_equal(a.aux["max"], b.aux["max"])
-    # The reference: the full batch's gradient, by jax.grad, without leanstep.
+def test_the_gradient_stage_s_values_give_the_full_batch_gradient_and_strided_aux():
+    stage = gradient_stage(_aux_loss, accumulation=Accumulation(4, split="strided"), loss=LossContract(has_aux=True))
+    a = stage(_params(), _batch())
+    # The reference: the full batch's gradient, by jax.grad, without leanstep; the aux of the strided rows.
     reference = jax.grad(lambda p: _aux_loss(p, _batch())[0])(_params())
     np.testing.assert_allclose(a.grads["w"], reference["w"], rtol=1e-5, atol=1e-6)
+    rows = [_aux_loss(_params(), {k: v[j::4] for k, v in _batch().items()})[1]["max"] for j in range(4)]
+    np.testing.assert_allclose(a.aux["max"], np.stack(rows), rtol=1e-6)
+    # An int is that many contiguous microbatches.
+    contiguous = gradient_stage(_aux_loss, accumulation=4, loss=LossContract(has_aux=True))(_params(), _batch())
+    np.testing.assert_allclose(contiguous.grads["w"], reference["w"], rtol=1e-5, atol=1e-6)
 
 
-def test_the_gradient_stage_refuses_a_value_and_its_keyword_together():
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="inside loss=LossContract"):
-        gradient_stage(_aux_loss, loss=LossContract(has_aux=True), has_aux=True)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="inside accumulation=Accumulation"):
-        gradient_stage(_aux_loss, accumulation=Accumulation(2), split="strided")
-    with pytest.raises(TypeError, match=r"gradient_stage\(\) got unexpected keyword argument\(s\): num_micro"):
+def test_the_gradient_stage_refuses_values_of_the_wrong_type():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_micro'"):
         gradient_stage(_aux_loss, num_micro=2)
     with pytest.raises(TypeError, match="loss must be a leanstep.LossContract, got dict"):
         gradient_stage(_aux_loss, loss={"has_aux": True})
@@ -174,7 +167,7 @@ def test_make_train_step_takes_the_values_or_the_short_keywords_and_they_agree()
         (dict(accumulation=Accumulation(2), num_microbatches=2), ValueError, "inside accumulation=Accumulation"),
         (dict(accumulation=2), TypeError, "accumulation must be a leanstep.Accumulation, got int"),
         (dict(accumulation=Accumulation(2, divide=False)), ValueError, r"Accumulation\(divide=False\) hands on sums"),
-        (dict(num_micro=2), TypeError, r"make_train_step\(\) got unexpected keyword argument\(s\): num_micro"),
+        (dict(num_micro=2), TypeError, "unexpected keyword argument 'num_micro'"),
     ],
 )
 def test_make_train_step_refuses_what_cannot_work_in_one_place(kwargs, error, pattern):
@@ -191,40 +184,6 @@ def test_presplit_on_a_mesh_is_refused_for_either_form():
     for kwargs in (dict(split="presplit"), dict(accumulation=Accumulation(1, split="presplit"))):
         with pytest.raises(ValueError, match="split='presplit' is not supported with a mesh"):
             make_train_step(_aux_loss, mesh=layer, **kwargs)
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_every_0_7_module_path_imports_with_a_warning_and_forwards(old):
-    sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=f"{old} moved to {MOVED[old]} in leanstep 0.8"):
-        module = importlib.import_module(old)
-    new = importlib.import_module(MOVED[old])
-    public = getattr(new, "__all__", None) or [n for n in vars(new) if not n.startswith("_")]
-    assert public and all(getattr(module, name) is getattr(new, name) for name in public)
-    assert set(public) <= set(dir(module))
-    sys.modules.pop(old, None)
-
-
-def test_the_warning_points_at_the_importer():
-    sys.modules.pop("leanstep.gradients", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from leanstep.gradients import gradient_stage as moved  # noqa: F401
-
-    assert [w.filename for w in caught if issubclass(w.category, DeprecationWarning)] == [__file__]
-    sys.modules.pop("leanstep.gradients", None)
-
-
-def test_names_that_left_the_sharding_package_still_resolve_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="leanstep.sharding.shard_train_state moved to leanstep.step"):
-        moved = leanstep.sharding.shard_train_state
-    assert moved is leanstep.shard_train_state
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        leanstep.sharding.state_shardings  # noqa: B018
-    assert [w.filename for w in caught] == [__file__]
-    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        leanstep.sharding.nothing  # noqa: B018
 
 
 def test_loss_output_is_a_plain_record():
@@ -290,3 +249,16 @@ def test_a_framework_object_given_as_params_is_named_with_its_fix(make, pattern)
     }[make]()
     with pytest.raises(TypeError, match=pattern):
         TrainState.create(params, optax.sgd(0.1))
+
+
+def test_a_plain_mesh_becomes_a_layer_reducing_per_microbatch_with_a_model_state():
+    from leanstep.step.settings import step_settings
+
+    mesh = leanstep.data_mesh(jax.devices()[:1])
+    short = dict(has_aux=False, token_weighted=False, uses_rng=False, num_microbatches=2, split=None, unroll=1)
+    stateful = step_settings(None, None, mesh, short={**short, "has_state": True})
+    plain = step_settings(None, None, mesh, short={**short, "has_state": False})
+    assert (stateful.layer.reduce, plain.layer.reduce) == ("microbatch", "auto")
+    assert stateful.layer.mesh is mesh and stateful.accumulation.split == "strided"
+    layer = ShardingLayer(mesh, reduce="step")
+    assert step_settings(None, None, layer, short={**short, "has_state": False}).layer is layer

@@ -475,30 +475,6 @@ def test_one_device_mesh_step_matches_plain_step_and_keeps_rng_per_microbatch():
     np.testing.assert_array_equal(sharded.aux[1], plain.aux[1])
 
 
-def test_the_0_7_sharding_keywords_still_work_with_a_warning_and_the_same_refusals():
-    """make_train_step(mesh=mesh, fsdp=True) is make_train_step(mesh=ShardingLayer(mesh, fsdp=True)) through 0.8."""
-    mesh = data_mesh(jax.devices()[:1])
-    with pytest.warns(
-        DeprecationWarning, match=r"make_train_step\(fsdp=\) is deprecated: pass mesh=leanstep.ShardingLayer"
-    ):
-        old = make_train_step(mlp_loss, mesh=mesh, fsdp=True, jit=False, **STEP_KW)
-    new = make_train_step(mlp_loss, mesh=ShardingLayer(mesh, fsdp=True), jit=False, **STEP_KW)
-    old_params, new_params = (flat(step(new_state(), batch_at(0))[0].params) for step in (old, new))
-    assert old_params.keys() == new_params.keys()
-    for key in old_params:
-        np.testing.assert_array_equal(old_params[key], new_params[key])
-    assert any(not np.array_equal(v, flat(new_state().params)[k]) for k, v in new_params.items())  # it moved
-    for kwargs, pattern in (
-        (dict(fsdp=True), "fsdp=True shards the state over a mesh"),
-        (dict(reduce="step"), "rules= and reduce= lay the step out over a mesh"),
-        (dict(mesh=ShardingLayer(mesh), reduce="step"), "mesh= is a ShardingLayer: give data_axis"),
-    ):
-        with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=pattern):
-            make_train_step(mlp_loss, **kwargs)
-    with pytest.raises(TypeError, match=r"make_train_step\(\) got unexpected keyword argument\(s\): fsdp_axis"):
-        make_train_step(mlp_loss, mesh=mesh, fsdp_axis="x")
-
-
 def test_simulated_devices_run_on_the_cpu_platform_whatever_the_parent_names(monkeypatch):
     # `leanstep plan --devices N` and `leanstep verify` make N simulated devices in a child: on a GPU
     # machine the child must not start the GPU backend (one device, where N were asked for).

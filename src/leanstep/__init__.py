@@ -8,18 +8,15 @@ gradient norm, and rematerialization, composed in the right order by
 Importing ``leanstep`` is light: each public name is imported from its sub-package when first
 used (``leanstep.make_train_step`` imports :mod:`leanstep.step`, and JAX with it), so that the
 ``leanstep`` command handles signals and prints ``--help`` before JAX loads. The names and
-their sub-packages are the imports under ``TYPE_CHECKING`` below, the one list of them, read
-by :func:`_exports` for the lazy imports and by type checkers and the API reference as they are.
+their sub-packages are written twice, as the imports under ``TYPE_CHECKING`` below (read by type
+checkers and the API reference) and as ``_EXPORTS`` (read by the lazy imports); a test checks that
+they, and ``__all__``, agree.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
-
-from leanstep import _moved
 
 if TYPE_CHECKING:
     from leanstep.blocks import (
@@ -123,20 +120,122 @@ if TYPE_CHECKING:
     )
 
 
-def _exports() -> dict[str, str]:
-    """name -> the sub-package it is imported from, as the ``TYPE_CHECKING`` block says."""
-    with open(os.path.join(os.path.dirname(__file__), "__init__.py"), encoding="utf-8") as file:
-        tree = ast.parse(file.read())
-    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
-    return {
-        alias.asname or alias.name: node.module
-        for node in block.body
-        if isinstance(node, ast.ImportFrom) and node.module is not None
-        for alias in node.names
-    }
-
-
-_EXPORTS = _exports()
+#: Each public name -> the sub-package it is imported from when first used: the imports under
+#: ``TYPE_CHECKING`` above, as a value (``tests/test_public_api.py`` checks that the two and
+#: ``__all__`` hold the same names).
+_EXPORTS: dict[str, str] = {
+    name: module
+    for module, names in {
+        "leanstep.blocks": (
+            "MASTERS",
+            "MOMENT_DTYPES",
+            "REMAT_POLICIES",
+            "SPLITS",
+            "Accumulation",
+            "DynamicLossScale",
+            "Fp8Collection",
+            "Fp8Meta",
+            "Fp8Recipe",
+            "LossContract",
+            "LossScale",
+            "NoOpLossScale",
+            "Precision",
+            "PrecisionWarning",
+            "QuantizedArray",
+            "SpikeGuard",
+            "SpikeState",
+            "StaticLossScale",
+            "all_finite",
+            "checkpoint_name",
+            "clip_by_global_norm",
+            "clip_by_global_norm_transform",
+            "compress_moments",
+            "fp8_dot_general",
+            "fp8_matmul",
+            "get_loss_scale",
+            "get_precision",
+            "get_remat_policy",
+            "get_splitter",
+            "global_norm",
+            "microbatched_value_and_grad",
+            "presplit_microbatches",
+            "remat",
+            "split_microbatches",
+            "split_strided_microbatches",
+            "strict_precision",
+        ),
+        "leanstep.checkpoints": (
+            "Checkpointer",
+            "CheckpointError",
+            "RestoreResult",
+        ),
+        "leanstep.compilation": (
+            "CompileCount",
+            "disable_compile_cache",
+            "enable_compile_cache",
+        ),
+        "leanstep.inspection": (
+            "AuditReport",
+            "Collective",
+            "CollectivesReport",
+            "MemorySpaceReport",
+            "ResidualReport",
+            "audit",
+            "check_offload",
+            "collectives_report",
+            "memory_space_report",
+            "saved_residuals_report",
+        ),
+        "leanstep.planning": (
+            "ACCELERATORS",
+            "Accelerator",
+            "BudgetError",
+            "Plan",
+            "SearchOptions",
+            "SearchSpace",
+            "get_accelerator",
+            "plan",
+        ),
+        "leanstep.sharding": (
+            "MeshAxes",
+            "batch_sharding",
+            "constrain",
+            "data_mesh",
+            "fsdp_partition_spec",
+            "gathered",
+            "mesh_axes",
+            "param_specs",
+            "shard_batch",
+            "sharding_context",
+        ),
+        "leanstep.step": (
+            "REDUCTIONS",
+            "Gradients",
+            "GuardedState",
+            "ShardingLayer",
+            "StepMetrics",
+            "TrainState",
+            "UpdateInfo",
+            "gradient_stage",
+            "guarded_update",
+            "guarded_update_transform",
+            "make_train_step",
+            "offload_opt_state",
+            "shard_train_state",
+            "state_shardings",
+        ),
+        "leanstep.verification": (
+            "CheckResult",
+            "LeanstepStep",
+            "VerifiableStep",
+            "VerifyReport",
+            "probe_optimizer",
+            "verify",
+            "verify_step",
+        ),
+    }.items()
+    for name in names
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -151,8 +250,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
-
-_moved.install()
 
 __version__ = "0.11.0"
 

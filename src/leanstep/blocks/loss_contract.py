@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from leanstep.common.checks import check_bool, check_scalar_output, same_structure, tree_difference
 
-__all__ = ["LossContract", "LossOutput"]
+__all__ = ["LossContract", "LossOutput", "loss_contract_of"]
 
 
 class LossOutput(NamedTuple):
@@ -322,3 +322,19 @@ def check_aux(aux: Any) -> None:
                 f"has_aux=True: loss_fn's aux must be a pytree of arrays and numbers (it is stacked over "
                 f"microbatches), got a {type(leaf).__name__} leaf: {leaf!r:.40}"
             )
+
+
+def loss_contract_of(loss: LossContract | None, flags: dict[str, bool]) -> LossContract:
+    """``loss``, or the contract of the short-form ``flags`` given (``has_aux=True``, ...) when None.
+
+    Raises:
+      TypeError: ``loss`` neither None nor a :class:`LossContract`.
+      ValueError: ``loss`` and ``flags`` both given (one setting, spelled once).
+    """
+    if loss is None:
+        return LossContract(**flags)
+    if not isinstance(loss, LossContract):
+        raise TypeError(f"loss must be a leanstep.LossContract, got {type(loss).__name__}")
+    if flags:
+        raise ValueError(f"give {', '.join(sorted(flags))} inside loss=LossContract(...), not beside it")
+    return loss

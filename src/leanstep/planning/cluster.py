@@ -64,6 +64,7 @@ from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.blocks.precision import get_precision
 from leanstep.common.memory_sizes import parse_bytes
+from leanstep.common.removed import refuses_removed_keywords
 from leanstep.planning.candidates import abstract_tree, compiler_options_for
 from leanstep.planning.cluster_compile import ClusterCompiler, place_meshes, step_flops
 from leanstep.planning.cluster_grid import Family, families_of, mesh_shapes
@@ -72,7 +73,7 @@ from leanstep.planning.cost_model import Accelerator, get_accelerator
 from leanstep.planning.fp8_sizes import fp8_notes
 from leanstep.planning.plan_inputs import is_params_builder, state_format, state_format_notes
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
-from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords
+from leanstep.planning.search_options import SearchOptions, SearchSpace
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 
@@ -108,6 +109,7 @@ def _mesh_shapes(space: SearchSpace, num_devices: int, batch_size: int, node_siz
     return shapes
 
 
+@refuses_removed_keywords("plan_cluster")
 def plan_cluster(
     make_loss_fn: Callable[[str], Callable[..., Any]],
     params: Any,
@@ -145,7 +147,8 @@ def plan_cluster(
       loss_scale: as the run's :class:`leanstep.TrainState`.
       **step_kwargs: the run's :func:`leanstep.make_train_step` arguments (``precision``, the
         precision of every candidate; ``max_grad_norm``, ``has_aux``, ...). 0.8.0's flat search
-        keywords (``meshes=``, ``rtol=``, ``exhaustive=``, ...) still work, with a ``DeprecationWarning``.
+        keywords (``meshes=``, ``rtol=``, ``exhaustive=``, ...) were removed in 0.12: a TypeError
+        names their place in ``space=`` or ``search=``.
 
     Returns:
       A :class:`leanstep.Plan` with ``num_devices`` and ``accelerator`` set.
@@ -155,8 +158,8 @@ def plan_cluster(
       ValueError: too few devices, a bad budget, grid or accelerator.
     """
     start_time = time.perf_counter()
-    space, search, step_kwargs = legacy_keywords("plan_cluster", space, search, step_kwargs)
     space = SearchSpace() if space is None else space
+    search = SearchOptions() if search is None else search
     if not isinstance(space, SearchSpace):
         raise TypeError(f"space must be a SearchSpace, got {type(space).__name__}")
     if is_params_builder(params):

@@ -52,6 +52,7 @@ import optax
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.common.memory_sizes import parse_bytes
+from leanstep.common.removed import refuses_removed_keywords
 from leanstep.inspection.flops import count_flops
 from leanstep.planning.candidates import abstract_tree, compile_candidate, compiler_options_for, first_fit
 from leanstep.planning.fp8_sizes import fp8_notes
@@ -67,7 +68,7 @@ from leanstep.planning.plan_inputs import (
     structure_error,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
-from leanstep.planning.search_options import SearchOptions, SearchSpace, legacy_keywords
+from leanstep.planning.search_options import SearchOptions, SearchSpace
 from leanstep.step.train_step import make_train_step
 
 __all__ = [
@@ -84,6 +85,7 @@ __all__ = [
 ]
 
 
+@refuses_removed_keywords("plan")
 def plan(
     make_loss_fn: Callable[[str], Callable[..., Any]],
     params: Any,
@@ -139,8 +141,8 @@ def plan(
       **step_kwargs: the run's :func:`make_train_step` arguments (and ``master=``, ``moments=``:
         the state's format, :meth:`leanstep.TrainState.create`'s): ``precision`` (of the default
         candidates), ``max_grad_norm``, ``has_aux``, ``token_weighted``, ``has_state``, ...
-        0.8.0's flat search keywords (``flops_rtol=``, ``exhaustive=``, ``compiler_options=``,
-        ``remat_policies=``, ...) still work, with a ``DeprecationWarning``.
+        0.8.0's flat search keywords (``flops_rtol=``, ``exhaustive=``, ``remat_policies=``, ...)
+        were removed in 0.12: a TypeError names their place in ``search=`` or ``candidates=``.
 
     Returns:
       A :class:`Plan`.
@@ -164,7 +166,7 @@ def plan(
       >>> p.chosen.setting[:3], p.chosen.fits
       ((1, 'none', 'float32'), True)
     """
-    candidates, search, step_kwargs = legacy_keywords("plan", candidates, search, step_kwargs)
+    search = SearchOptions() if search is None else search
     if num_devices is not None:
         from leanstep.planning.cluster import plan_cluster
 

@@ -9,14 +9,14 @@
 
 Both are frozen and checked when made, so a bad grid fails before anything is traced.
 :func:`split_options` sorts flat keywords (``exhaustive=True``, ``meshes=[...]``: the form of
-:func:`leanstep.training.analysis.plan_run` and of leanstep 0.8.0's planners) into the two.
+:func:`leanstep.training.analysis.plan_run`) into the two; the planners themselves take only the
+values (their flat keywords of 0.8 were removed in 0.12: :mod:`leanstep.common.removed`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
@@ -29,7 +29,6 @@ __all__ = [
     "SPACE_FIELDS",
     "SearchOptions",
     "SearchSpace",
-    "legacy_keywords",
     "split_options",
 ]
 
@@ -164,8 +163,8 @@ class SearchOptions:
 
 #: Flat keyword -> the :class:`SearchSpace` field it sets.
 SPACE_FIELDS = {f.name: f.name for f in dataclasses.fields(SearchSpace)}
-#: Flat keyword -> the :class:`SearchOptions` field it sets (``flops_rtol``: one-device 0.8.0's name of ``rtol``).
-SEARCH_FIELDS = {**{f.name: f.name for f in dataclasses.fields(SearchOptions)}, "flops_rtol": "rtol"}
+#: Flat keyword -> the :class:`SearchOptions` field it sets.
+SEARCH_FIELDS = {f.name: f.name for f in dataclasses.fields(SearchOptions)}
 
 
 def split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -180,48 +179,7 @@ def split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
         if name in SPACE_FIELDS:
             space[SPACE_FIELDS[name]] = value
         elif name in SEARCH_FIELDS:
-            if SEARCH_FIELDS[name] in search:
-                raise TypeError(f"give rtol= or flops_rtol=, not both (got {options!r})")
             search[SEARCH_FIELDS[name]] = value
         else:
             rest[name] = value
     return space, search, rest
-
-
-def legacy_keywords(
-    where: str, space: Any, search: SearchOptions | None, step_kwargs: Mapping[str, Any]
-) -> tuple[Any, SearchOptions, dict[str, Any]]:
-    """``(space, search, step_kwargs)`` with 0.8.0's flat search keywords moved into the values.
-
-    They keep working through 0.8 with a ``DeprecationWarning`` naming the new form; given
-    beside the value they belong to, they are refused.
-
-    Raises:
-      TypeError: a flat keyword beside ``space=``/``candidates=`` or ``search=``.
-    """
-    space_fields, search_fields, rest = split_options(step_kwargs)
-    moved = sorted(set(step_kwargs) - set(rest))
-    if moved:
-        warnings.warn(
-            f"{where}({', '.join(f'{name}=' for name in moved)}) is deprecated and goes in 0.9: pass "
-            f"{_new_form(where, space_fields, search_fields)}",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-    if space_fields:
-        if space is not None:
-            raise TypeError(f"{where}: give {', '.join(space_fields)} inside the SearchSpace, not beside it")
-        space = SearchSpace(**space_fields)
-    if search_fields and search is not None:
-        raise TypeError(f"{where}: give {', '.join(search_fields)} inside search=SearchOptions(...), not beside it")
-    return space, SearchOptions(**search_fields) if search is None else search, rest
-
-
-def _new_form(where: str, space_fields: Iterable[str], search_fields: Iterable[str]) -> str:
-    keyword = "candidates" if where == "plan" else "space"
-    forms = []
-    if space_fields:
-        forms.append(f"{keyword}=SearchSpace({', '.join(f'{name}=...' for name in space_fields)})")
-    if search_fields:
-        forms.append(f"search=SearchOptions({', '.join(f'{name}=...' for name in search_fields)})")
-    return " and ".join(forms)

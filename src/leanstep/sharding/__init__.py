@@ -12,8 +12,6 @@ The train state's layout and the step's sharding layer are the step's
 knows meshes and arrays, not the step.
 """
 
-from typing import Any
-
 from leanstep.sharding.meshes import batch_sharding, check_mesh, data_mesh, fsdp_partition_spec, mesh_axes, shard_batch
 from leanstep.sharding.model_sharding import constrain, gathered, sharding_context
 from leanstep.sharding.partition_rules import MeshAxes, param_specs
@@ -31,10 +29,3 @@ __all__ = [
     "shard_batch",
     "sharding_context",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """``leanstep.sharding.shard_train_state`` and ``state_shardings``, which moved (0.8)."""
-    from leanstep._moved import moved_attribute
-
-    return moved_attribute(__name__, name)

@@ -44,12 +44,12 @@ from leanstep.blocks.accumulation import Accumulation, accumulate
 from leanstep.blocks.compute_dtype_check import PrecisionWarning, unused_compute_dtype
 from leanstep.blocks.fp8_dot import fp8_uses
 from leanstep.blocks.fp8_state import has_fp8
-from leanstep.blocks.loss_contract import LossContract, LossOutput
+from leanstep.blocks.loss_contract import LossContract, LossOutput, loss_contract_of
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale
 from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.rematerialization import check_saved_names
 from leanstep.common.checks import check_bool, check_callable
-from leanstep.step.keywords import loss_settings
+from leanstep.common.removed import refuses_removed_keywords
 
 __all__ = ["Gradients", "data_shards", "gradient_stage"]
 
@@ -89,6 +89,7 @@ class Gradients(NamedTuple):
     token_count: jax.Array | None = None
 
 
+@refuses_removed_keywords("gradient_stage")
 def gradient_stage(
     loss_fn: Callable[..., Any],
     *,
@@ -97,7 +98,6 @@ def gradient_stage(
     loss: LossContract | None = None,
     cast_batch: bool = True,
     params_layout: Callable[[Any, Callable[[Any], None]], Any] | None = None,
-    **deprecated: Any,
 ) -> Callable[..., Gradients]:
     r"""Builds ``gradients(params, batch, loss_scale=None, key=None, model_state=None) -> Gradients``.
 
@@ -125,16 +125,14 @@ def gradient_stage(
       params_layout: ``params_layout(params_c, probe)`` lays out the compute-dtype params
         before the loss sees them (the sharding layer, :class:`leanstep.ShardingLayer`);
         ``probe(params_c)`` traces the loss once on abstract values. None: nothing.
-      **deprecated: the 0.7 keywords ``num_microbatches``, ``split``, ``unroll`` (now
-        ``accumulation=``) and ``has_aux``, ``token_weighted``, ``uses_rng``, ``has_state``
-        (now ``loss=``), accepted through 0.8 with a ``DeprecationWarning``.
 
     Returns:
       The gradient function, traceable under ``jax.jit``.
 
     Raises:
-      TypeError, ValueError: a bad argument, named (now), a ``precision`` whose params dtype is
-        not float32 among them (the gradient is of float32 masters:
+      TypeError, ValueError: a bad argument, named (now), a keyword removed in 0.12
+        (``num_microbatches=``, ``has_aux=``, ...: the TypeError names its new spelling), a
+        ``precision`` whose params dtype is not float32 among them (the gradient is of float32 masters:
         :func:`leanstep.blocks.precision.check_train_precision`); at trace time, a loss output (or a
         token count) of the wrong structure, dtype or shape, a batch the splitter refuses, or a
         ``"save:NAME"`` remat policy in the loss naming a tag the loss never sets.
@@ -151,7 +149,7 @@ def gradient_stage(
     """
     check_callable("loss_fn", loss_fn)
     policy = check_train_precision(precision)
-    contract, accumulation = loss_settings(loss, accumulation, deprecated, where="gradient_stage")
+    contract, accumulation = loss_contract_of(loss, {}), _accumulation_of(accumulation)
     contract.check_signature(loss_fn)
     cast_batch = check_bool("cast_batch", cast_batch)
     if params_layout is not None:
@@ -274,3 +272,14 @@ def _check_traced_loss(
     message = unused_compute_dtype(jax.extend.core.jaxpr_as_fun(jaxpr), tuple(jax.tree.leaves(args)), compute_dtype)
     if message is not None:
         warnings.warn(message, PrecisionWarning, stacklevel=4)
+
+
+def _accumulation_of(accumulation: Accumulation | int) -> Accumulation:
+    """``accumulation``, or that many contiguous microbatches."""
+    if isinstance(accumulation, Accumulation):
+        return accumulation
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int):
+        raise TypeError(
+            f"accumulation must be a leanstep.Accumulation or a number of microbatches, got {accumulation!r}"
+        )
+    return Accumulation(accumulation)

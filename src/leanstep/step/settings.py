@@ -8,27 +8,22 @@
     update_chunk    the update's largest chunk                (leanstep.step.update_chunks)
 
 :func:`step_settings` turns the keywords of :func:`leanstep.make_train_step` into these values
-and refuses every combination that cannot work, here and nowhere else
-(:func:`leanstep.step.keywords.loss_settings` does the same for the gradient stage's two).
+and refuses every combination that cannot work, here and nowhere else.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any
 
 from jax.sharding import Mesh
 
 from leanstep.blocks.accumulation import Accumulation
-from leanstep.blocks.loss_contract import LossContract
-from leanstep.step.keywords import loss_value, unexpected_keywords
+from leanstep.blocks.loss_contract import LossContract, loss_contract_of
 from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.update_chunk_plan import check_update_chunk
 
 __all__ = ["StepSettings", "step_settings"]
-
-_SHARDING_KEYWORDS = {"data_axis": "data", "fsdp": False, "rules": None, "reduce": "auto"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +60,6 @@ def step_settings(
     mesh: Mesh | ShardingLayer | None,
     *,
     short: dict[str, Any],
-    deprecated: dict[str, Any],
     update_chunk: Any = "auto",
 ) -> StepSettings:
     """The step's three values, every combination that cannot work refused (the one place).
@@ -76,21 +70,16 @@ def step_settings(
       mesh: a ``Mesh``, a :class:`ShardingLayer`, or None.
       short: the short-form keywords of :func:`leanstep.make_train_step` (``has_aux`` ...
         ``unroll``), as given; ``split`` None means not chosen (contiguous; strided on a mesh).
-      deprecated: the 0.7 sharding keywords (``data_axis``, ``fsdp``, ``rules``, ``reduce``),
-        folded into a layer with a ``DeprecationWarning``.
       update_chunk: ``"auto"``, a positive int or None (:func:`leanstep.guarded_update`).
 
     Raises:
-      TypeError: an unknown keyword, or a value of the wrong type.
-      ValueError: a bad ``update_chunk``; a value beside its short-form keywords; sharding keywords without a mesh or
-        beside a layer; a model state with a reduction that would let it differ between
-        devices; a presplit batch on a mesh.
+      TypeError: a value of the wrong type.
+      ValueError: a bad ``update_chunk``; a value beside its short-form keywords; a model state
+        with a reduction that would let it differ between devices; a presplit batch on a mesh.
     """
-    unknown = set(deprecated) - set(_SHARDING_KEYWORDS)
-    if unknown:
-        raise unexpected_keywords("make_train_step", unknown)
     update_chunk = check_update_chunk(update_chunk)
-    loss = loss_value(loss, {k: short[k] for k in ("has_aux", "token_weighted", "uses_rng", "has_state") if short[k]})
+    flags = {k: short[k] for k in ("has_aux", "token_weighted", "uses_rng", "has_state") if short[k]}
+    loss = loss_contract_of(loss, flags)
     split = short["split"]
     split_given = split is not None or accumulation is not None
     if accumulation is None:
@@ -106,7 +95,7 @@ def step_settings(
             "Accumulation(divide=False) hands on sums for a caller that reduces them itself; make_train_step "
             "divides (and, token-weighted on a mesh, sums across devices first): leave divide=True"
         )
-    layer = _layer(mesh, deprecated, has_state=loss.has_state)
+    layer = _layer(mesh, has_state=loss.has_state)
     if layer is None:
         return StepSettings(loss, accumulation, None, update_chunk)
     if loss.has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
@@ -125,27 +114,8 @@ def step_settings(
     )
 
 
-def _layer(mesh: Mesh | ShardingLayer | None, deprecated: dict[str, Any], *, has_state: bool) -> ShardingLayer | None:
-    defaults = _SHARDING_KEYWORDS
-    given = {k: v for k, v in deprecated.items() if not (type(v) is type(defaults[k]) and v == defaults[k])}
-    if deprecated:
-        warnings.warn(
-            f"make_train_step({', '.join(f'{k}=' for k in sorted(deprecated))}) is deprecated: pass "
-            "mesh=leanstep.ShardingLayer(mesh, ...) (leanstep 0.8; the keywords go in 0.9)",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-    if mesh is None:
-        if "fsdp" in given:
-            raise ValueError("fsdp=True shards the state over a mesh; pass mesh= (e.g. leanstep.data_mesh())")
-        if given:
-            raise ValueError("rules= and reduce= lay the step out over a mesh; pass mesh= too")
-        return None
-    if isinstance(mesh, ShardingLayer):
-        if given:
-            raise ValueError("mesh= is a ShardingLayer: give data_axis, fsdp, rules and reduce to it, not here")
+def _layer(mesh: Mesh | ShardingLayer | None, *, has_state: bool) -> ShardingLayer | None:
+    if mesh is None or isinstance(mesh, ShardingLayer):
         return mesh
-    keywords = {**_SHARDING_KEYWORDS, **deprecated}
-    if has_state and keywords["reduce"] == "auto":
-        keywords["reduce"] = "microbatch"  # batch statistics must see whole microbatches, as on one device
-    return ShardingLayer(mesh, **keywords)
+    # Batch statistics must see whole microbatches, as on one device.
+    return ShardingLayer(mesh, reduce="microbatch" if has_state else "auto")

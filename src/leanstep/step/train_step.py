@@ -17,6 +17,7 @@ from leanstep.blocks.microbatches import Splitter
 from leanstep.blocks.precision import Precision
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import INT32_MAX, check_bool, check_positive
+from leanstep.common.removed import refuses_removed_keywords
 from leanstep.step.gradients import gradient_stage
 from leanstep.step.settings import step_settings
 from leanstep.step.sharding_layer import ShardingLayer, manual_constraint_error
@@ -61,7 +62,6 @@ def make_train_step(
     accumulation: Accumulation | None = ...,
     spike_guard: SpikeGuard | None = ...,
     update_chunk: int | str | None = ...,
-    **deprecated: Any,
 ) -> JittedTrainStep: ...
 
 
@@ -87,10 +87,10 @@ def make_train_step(
     accumulation: Accumulation | None = ...,
     spike_guard: SpikeGuard | None = ...,
     update_chunk: int | str | None = ...,
-    **deprecated: Any,
 ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]: ...
 
 
+@refuses_removed_keywords("make_train_step")
 def make_train_step(
     loss_fn: Callable[..., Any],
     optimizer: None = None,
@@ -112,7 +112,6 @@ def make_train_step(
     accumulation: Accumulation | None = None,
     spike_guard: SpikeGuard | None = None,
     update_chunk: int | str | None = "auto",
-    **deprecated: Any,
 ) -> JittedTrainStep | Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
 
@@ -184,7 +183,8 @@ def make_train_step(
         out differently are resharded; lay them out once with
         :func:`leanstep.shard_train_state` and :func:`leanstep.shard_batch`); finiteness is
         decided on the reduced gradient, so every device skips the same steps. None: one
-        device.
+        device. With ``has_state`` a plain ``Mesh`` reduces once per microbatch
+        (``ShardingLayer(mesh, reduce="microbatch")``).
       loss: what ``loss_fn`` takes and returns, as one value (in place of ``has_aux``,
         ``token_weighted``, ``uses_rng`` and ``has_state``).
       accumulation: how the batch is walked, as one value (in place of
@@ -199,10 +199,6 @@ def make_train_step(
         chunks of ``2**22`` entries for a lean state (bfloat16 masters or compressed moments)
         where the optimizer allows it (no transformation that mixes parameters), else the whole
         tree; None: the whole tree at once.
-      **deprecated: the 0.7 sharding keywords ``data_axis``, ``fsdp``, ``rules`` and
-        ``reduce``, accepted through 0.8 with a ``DeprecationWarning``: give them to
-        ``mesh=leanstep.ShardingLayer(mesh, data_axis, fsdp=..., rules=..., reduce=...)``.
-        ``reduce`` defaults to ``"microbatch"`` with ``has_state`` on a plain ``Mesh``.
 
     Returns:
       The step function.
@@ -218,8 +214,10 @@ def make_train_step(
         not a scalar, or a ``"save:NAME"`` remat policy naming a tag the loss never sets; at
         call time, an input array that was deleted (a donated state used again).
       TypeError: ``loss_fn`` not callable, ``jit`` or ``donate`` not a bool, ``mesh`` not a
-        ``jax.sharding.Mesh``, an ``optimizer``, an unknown keyword; at trace time, ``state`` not a :class:`TrainState`; at call
-        time, a ``jax.ShapeDtypeStruct`` or non-array leaf in the state or batch.
+        ``jax.sharding.Mesh``, an ``optimizer``, a keyword removed in 0.12 (``fsdp=``, ``data_axis=``,
+        ``rules=``, ``reduce=``: the TypeError names ``mesh=ShardingLayer(mesh, ...)``); at trace
+        time, ``state`` not a :class:`TrainState`; at call time, a ``jax.ShapeDtypeStruct`` or
+        non-array leaf in the state or batch.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -242,7 +240,7 @@ def make_train_step(
     jit, donate = check_bool("jit", jit), check_bool("donate", donate)
     short: dict[str, Any] = dict(has_aux=has_aux, token_weighted=token_weighted, uses_rng=uses_rng, has_state=has_state)
     short.update(num_microbatches=num_microbatches, split=split, unroll=unroll)
-    settings = step_settings(loss, accumulation, mesh, short=short, deprecated=deprecated, update_chunk=update_chunk)
+    settings = step_settings(loss, accumulation, mesh, short=short, update_chunk=update_chunk)
     contract, accumulation, layer = settings.loss, settings.accumulation, settings.layer
     num_microbatches = accumulation.num_microbatches
     gradients = gradient_stage(

@@ -1,0 +1,118 @@
+"""What 0.12 removed (issue 42): the 0.7 import paths, the 0.8 keyword shims, and ``leanstep``
+reading its own source at import. An old spelling gets leanstep's own TypeError naming the new one."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import leanstep
+from leanstep.common.removed import REMOVED_KEYWORDS, refuses_removed_keywords, removed_keyword_error
+from leanstep.planning.cluster import plan_cluster
+from leanstep.planning.search_options import SearchOptions, SearchSpace
+
+INIT = Path(leanstep.__file__)
+FUNCTIONS = {
+    "make_train_step": leanstep.make_train_step,
+    "gradient_stage": leanstep.gradient_stage,
+    "plan": leanstep.plan,
+    "plan_cluster": plan_cluster,
+}
+CASES = [(where, old) for where, removed in REMOVED_KEYWORDS.items() for old in sorted(removed)]
+
+
+@pytest.mark.parametrize(("where", "old"), CASES, ids=[f"{w}-{o}" for w, o in CASES])
+def test_a_removed_keyword_gets_one_typeerror_naming_its_new_spelling(where, old):
+    new = REMOVED_KEYWORDS[where][old]
+    want = f"{where}({old}=) was removed in leanstep 0.12 (deprecated in 0.8): pass {new}"
+    # Positional arguments are never looked at: the keyword is refused before the function runs.
+    with pytest.raises(TypeError) as caught:
+        FUNCTIONS[where](*([None] * 4), **{old: 1})
+    assert str(caught.value) == want
+
+
+@pytest.mark.parametrize(("where", "old"), CASES, ids=[f"{w}-{o}" for w, o in CASES])
+def test_the_new_spelling_names_a_real_value_and_field(where, old):
+    """``pass search=leanstep.SearchOptions(exhaustive=...)``: that class exists and takes that keyword."""
+    keyword, cls, field = re.fullmatch(
+        r"(\w+)=leanstep\.(\w+)\((?:mesh, )?(\w+)=\.\.\.\)", REMOVED_KEYWORDS[where][old]
+    ).groups()
+    assert keyword in inspect.signature(FUNCTIONS[where]).parameters
+    assert field in inspect.signature(getattr(leanstep, cls)).parameters
+    assert old not in inspect.signature(FUNCTIONS[where]).parameters
+
+
+def test_the_planners_refuse_every_flat_search_keyword():
+    fields = {f.name for cls in (SearchSpace, SearchOptions) for f in dataclasses.fields(cls)} | {"flops_rtol"}
+    assert set(REMOVED_KEYWORDS["plan"]) == fields == set(REMOVED_KEYWORDS["plan_cluster"])
+
+
+def test_several_removed_keywords_are_named_together_each_new_value_once():
+    error = removed_keyword_error("gradient_stage", ["split", "has_aux", "num_microbatches", "precision"])
+    assert str(error) == (
+        "gradient_stage(has_aux=, num_microbatches=, split=) was removed in leanstep 0.12 (deprecated in 0.8): pass "
+        "loss=leanstep.LossContract(has_aux=...) and accumulation=leanstep.Accumulation(num_microbatches=...) and "
+        "accumulation=leanstep.Accumulation(split=...)"
+    )
+
+
+def test_the_wrapped_functions_keep_their_signature_without_a_catch_all():
+    for where, function in FUNCTIONS.items():
+        kinds = [p.kind for p in inspect.signature(function).parameters.values()]
+        assert (inspect.Parameter.VAR_KEYWORD in kinds) == (where in ("plan", "plan_cluster")), where  # step kwargs
+    # Any other unknown keyword is Python's own error, from the function itself.
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_micro'"):
+        leanstep.make_train_step(lambda p, b: 0.0, num_micro=2)
+
+
+def test_the_wrapper_passes_everything_else_through():
+    @refuses_removed_keywords("gradient_stage")
+    def stage(*args, **kwargs):
+        """Its doc."""
+        return args, kwargs
+
+    assert stage(1, precision="bfloat16") == ((1,), {"precision": "bfloat16"})
+    assert stage.__doc__ == "Its doc." and stage.__name__ == "stage"
+
+
+@pytest.mark.parametrize(
+    "old", ["leanstep.gradients", "leanstep.checkpoint", "leanstep._checks", "leanstep.plan_records"]
+)
+def test_the_0_7_import_paths_are_gone(old):
+    sys.modules.pop(old, None)
+    with pytest.raises(ModuleNotFoundError, match=f"No module named '{re.escape(old)}'"):
+        importlib.import_module(old)
+
+
+def test_import_leanstep_installs_no_import_hook_and_sharding_forwards_nothing():
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("leanstep")]
+    for name in ("shard_train_state", "state_shardings"):
+        with pytest.raises(AttributeError):
+            getattr(leanstep.sharding, name)
+
+
+def test_leanstep_reads_no_source_at_import():
+    """``__init__`` imports only importlib and typing: it no longer opens and parses itself."""
+    tree = ast.parse(INIT.read_text())
+    imported = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module != "__future__"}
+    assert imported == {"importlib", "typing"}
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert not names & {"open", "__file__", "ast"}
+
+
+def test_the_public_names_agree_in_the_imports_the_lazy_table_and_all():
+    tree = ast.parse(INIT.read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    typed = {a.asname or a.name: node.module for node in block.body for a in node.names}
+    assert typed == leanstep._EXPORTS
+    assert sorted(leanstep._EXPORTS) == sorted(leanstep.__all__)
+    for name, module in leanstep._EXPORTS.items():
+        assert getattr(leanstep, name) is getattr(importlib.import_module(module), name), name
