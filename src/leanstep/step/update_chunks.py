@@ -38,7 +38,7 @@ import optax
 from leanstep.blocks.masters import apply_to_master, rows_can_split
 from leanstep.blocks.moments import QuantizedArray
 from leanstep.step.update_dependence import update_dependence
-from leanstep.step.update_offload import back_like, is_offloaded, on_device, placeholders
+from leanstep.step.update_offload import back_like, is_offloaded, offloaded_rows, on_device, placeholders
 
 __all__ = [
     "ChunkInputs",
@@ -291,20 +291,11 @@ def chunked_apply(inputs: ChunkInputs, plan: ChunkPlan) -> tuple[list[Any], Any,
             previous = new
         elif chunk[0].start == 0:  # a stack: every block in one loop
             kept = {unit.leaf: _leaf(inputs, unit.leaf)[1:] for unit in chunk}
-            carry, _ = jax.lax.optimization_barrier((_offloaded_rows(kept), previous))
+            carry, _ = jax.lax.optimization_barrier((offloaded_rows(kept), previous))
             current.update(back_like(_stack_loop(inputs, {unit.leaf: unit.rows or 1 for unit in chunk}, carry), kept))
             previous = {unit.leaf: current[unit.leaf] for unit in chunk}
     results.update(current)
     return _assemble(inputs, results, shared)
-
-
-def _offloaded_rows(kept: dict[int, Any]) -> dict[int, Any]:
-    """An offloaded stack's state as the loop moves it: a leaf of at most two dimensions (a stack of
-    vectors: norms, biases) comes to the device whole before the loop, since XLA:TPU cannot write
-    a block of its rows into host memory (the rows are its tiled sublane axis: a compiler check
-    fails); the others stay on the host and move block by block."""
-    vectors = on_device({i: leaf for i, leaf in kept.items() if jnp.ndim(leaf[0]) <= 2})  # in one transfer
-    return {i: vectors.get(i, leaf) for i, leaf in kept.items()}
 
 
 def _stack_loop(inputs: ChunkInputs, stack: dict[int, int], carry: dict[int, Any]) -> dict[int, Any]:

@@ -35,7 +35,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-__all__ = ["HOST_MEMORY_KIND", "back_like", "is_offloaded", "offload_opt_state", "on_device", "placeholders"]
+__all__ = [
+    "HOST_MEMORY_KIND",
+    "back_like",
+    "is_offloaded",
+    "offload_opt_state",
+    "offloaded_rows",
+    "on_device",
+    "placeholders",
+]
 
 #: The memory kind an offloaded state lives in.
 HOST_MEMORY_KIND = "pinned_host"
@@ -82,6 +90,16 @@ def placeholders(tree: Any) -> Any:
     the optimizer for the leaves a chunk does not own (their results are dead code, removed by
     XLA; host values there would mix memory spaces, which JAX refuses)."""
     return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x)) if _on_host(x) else x, tree)
+
+
+def offloaded_rows(kept: dict[int, Any]) -> dict[int, Any]:
+    """A stack's ``index -> (param, state, error)`` as the chunked update's loop moves it: a leaf of
+    at most two dimensions (a stack of vectors: norms, biases) comes to the device whole before the
+    loop, in one transfer, since XLA:TPU cannot write a block of its rows into host memory (they
+    are its tiled sublane axis; its compiler aborts, seen on a v5e); the others stay where they are
+    and move block by block."""
+    vectors = on_device({i: leaf for i, leaf in kept.items() if jnp.ndim(leaf[0]) <= 2})
+    return {i: vectors.get(i, leaf) for i, leaf in kept.items()}
 
 
 def _host_sharding(x: Any) -> Any:
