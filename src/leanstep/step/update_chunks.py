@@ -290,9 +290,9 @@ def chunked_apply(inputs: ChunkInputs, plan: ChunkPlan) -> tuple[list[Any], Any,
             results.update(new)
             previous = new
         elif chunk[0].start == 0:  # a stack: every block in one loop
-            kept = {unit.leaf: _leaf(inputs, unit.leaf)[1:] for unit in chunk}
-            carry, _ = jax.lax.optimization_barrier((offloaded_rows(kept), previous))
-            current.update(back_like(_stack_loop(inputs, {unit.leaf: unit.rows or 1 for unit in chunk}, carry), kept))
+            stack = {unit.leaf: _leaf(inputs, unit.leaf)[1:] for unit in chunk}
+            carry, _ = jax.lax.optimization_barrier((offloaded_rows(stack), previous))
+            current.update(back_like(_stack_loop(inputs, {unit.leaf: unit.rows or 1 for unit in chunk}, carry), stack))
             previous = {unit.leaf: current[unit.leaf] for unit in chunk}
     results.update(current)
     return _assemble(inputs, results, shared)
