@@ -207,3 +207,31 @@ def test_an_offloaded_state_compiles_the_step_once():
             state, _ = step(state, batch)
         jax.block_until_ready(state)
     assert count.compiled == 0
+
+
+# Shaped as XLA:TPU writes it (from a v5e): a host buffer's row sliced to the device, updated, and
+# written back into it; a copy into VMEM (S(1)) in between is no host transfer.
+_TPU_HLO = """HloModule jit_B, input_output_alias={ {0}: (0, {}, may-alias) }, entry_computation_layout={(f32[8,512,1024]{2,1,0:T(8,128)S(5)}, f32[8,512,1024]{2,1,0:T(8,128)})->f32[8,512,1024]{2,1,0:T(8,128)S(5)}}
+
+ENTRY %main.1 (m.1: f32[8,512,1024], g.1: f32[8,512,1024]) -> f32[8,512,1024] {
+  %m.1 = f32[8,512,1024]{2,1,0:T(8,128)S(5)} parameter(0)
+  %g.1 = f32[8,512,1024]{2,1,0:T(8,128)} parameter(1)
+  %c = s32[] constant(0)
+  %dynamic-slice-start = ((f32[8,512,1024]{2,1,0:T(8,128)S(5)}, s32[], s32[], s32[]), f32[1,512,1024]{2,1,0:T(8,128)}, u32[]{:S(2)}) dynamic-slice-start(%m.1, %c, %c, %c), dynamic_slice_sizes={1,512,1024}
+  %dynamic-slice-done = f32[1,512,1024]{2,1,0:T(8,128)} dynamic-slice-done(%dynamic-slice-start)
+  %copy-start = (f32[1,512,1024]{2,1,0:T(8,128)S(1)}, f32[1,512,1024]{2,1,0:T(8,128)}, u32[]{:S(2)}) copy-start(%dynamic-slice-done)
+  %copy-done = f32[1,512,1024]{2,1,0:T(8,128)S(1)} copy-done(%copy-start)
+  %fusion = f32[1,512,1024]{2,1,0:T(8,128)} fusion(%copy-done), kind=kLoop, calls=%fused
+  %dynamic-update-slice-start = ((f32[8,512,1024]{2,1,0:T(8,128)S(5)}, f32[1,512,1024]{2,1,0:T(8,128)}, s32[]{:T(128)}, s32[]{:T(128)}, s32[]{:T(128)}), f32[8,512,1024]{2,1,0:T(8,128)S(5)}, u32[]{:S(2)}) dynamic-update-slice-start(%m.1, %fusion, %c, %c, %c)
+  ROOT %dynamic-update-slice-done = f32[8,512,1024]{2,1,0:T(8,128)S(5)} dynamic-update-slice-done(%dynamic-update-slice-start)
+}
+"""
+
+
+def test_the_hlo_reader_counts_a_tpu_programs_host_slices_and_layout():
+    from leanstep.inspection.memory_spaces import entry_layout, hlo_transfers
+
+    row = 512 * 1024 * 4
+    assert hlo_transfers(_TPU_HLO) == (leanstep.inspection.Transfers(1, row, row),) * 2
+    whole = 8 * row
+    assert entry_layout(_TPU_HLO) == ([(whole, True), (whole, False)], [(whole, True)], {0: 0})

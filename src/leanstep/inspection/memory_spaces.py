@@ -30,7 +30,7 @@ from leanstep.common.jaxprs import weighted_equations
 from leanstep.common.memory_sizes import format_bytes
 from leanstep.inspection.hlo_text import ITEMSIZE, compiled_text, parse_hlo, trip_counts
 
-__all__ = ["MemorySpaceReport", "Transfers", "check_offload", "memory_space_report"]
+__all__ = ["MemorySpaceReport", "Transfers", "check_offload", "entry_layout", "hlo_transfers", "memory_space_report"]
 
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\](?:\{([^}]*)\})?")
 _HOST = "S(5)"
@@ -104,8 +104,9 @@ def _arrays(text: str) -> list[tuple[int, bool]]:
     return out
 
 
-def _entry_layout(hlo: str) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]], dict[int, int]]:
-    """The entry's parameters and results as ``(bytes, host)``, and results aliased to parameters."""
+def entry_layout(hlo: str) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]], dict[int, int]]:
+    """The entry's parameters and results as ``(bytes, in host memory)``, and the results aliased to
+    parameters (``result index -> parameter number``), from a compiled program's HLO text."""
     header = hlo.split("\n", 1)[0]
     start = header.find("entry_computation_layout={")
     if start < 0:
@@ -126,7 +127,9 @@ def _entry_layout(hlo: str) -> tuple[list[tuple[int, bool]], list[tuple[int, boo
     return _arrays(arguments), _arrays(results), aliases
 
 
-def _hlo_transfers(hlo: str) -> tuple[Transfers, Transfers]:
+def hlo_transfers(hlo: str) -> tuple[Transfers, Transfers]:
+    """``(to device, to host)`` moves of a compiled program's HLO text (see the module doc); an
+    asynchronous pair counts once, at its ``-done``, with the operands of its ``-start``."""
     computations, entry = parse_hlo(hlo)
     trips = trip_counts(computations, entry)
     types = {i.name: i for instructions in computations.values() for i in instructions}
@@ -177,12 +180,12 @@ def memory_space_report(step: Any, *args: Any) -> MemorySpaceReport:
     traced = step.trace(*args)
     compiled = traced.lower().compile()
     hlo = compiled_text(compiled)
-    params, results, aliases = _entry_layout(hlo)
+    params, results, aliases = entry_layout(hlo)
     memory = compiled.memory_analysis()
     host_reported = sum(
         int(getattr(memory, f"host_{what}_size_in_bytes", 0) or 0) for what in ("argument", "output", "temp")
     )
-    to_device, to_host = _hlo_transfers(hlo)
+    to_device, to_host = hlo_transfers(hlo)
     asked_device, asked_host = _traced_transfers(traced.jaxpr)
     return MemorySpaceReport(
         device_argument_bytes=sum(size for size, host in params if not host),
