@@ -37,19 +37,12 @@ def corpus(tmp_path_factory) -> Path:
     return root
 
 
+def _argv(corpus: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", *FLAGS, "--data", str(corpus), "--out", str(out), *extra]
+
+
 def _command(corpus: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "leanstep.cli.main",
-        "train",
-        *FLAGS,
-        "--data",
-        str(corpus),
-        "--out",
-        str(out),
-        *extra,
-    ]
+    return [sys.executable, "-m", "leanstep.cli.main", *_argv(corpus, out, *extra)]
 
 
 def _env() -> dict[str, str]:
@@ -75,14 +68,15 @@ def _final_state(run: Path):
     [["--fp8", FP8], ["--master", "bfloat16-sr-kahan", "--moments", "int8"]],
     ids=["fp8", "lean-state"],
 )
-def test_a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, corpus, flags):
+def test_a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp_path, corpus, cli, flags):
     """FP8 state, and (issue 29) bfloat16 masters with stochastic rounding, a Kahan buffer and
-    8-bit moments: every leaf of the state after SIGKILL and --resume equals the straight run's."""
-    straight = subprocess.run(
-        _command(corpus, tmp_path / "straight", *flags), env=_env(), capture_output=True, timeout=300, check=False
-    )
-    assert straight.returncode == 0, straight.stderr.decode()[-3000:]
+    8-bit moments: every leaf of the state after SIGKILL and --resume equals the straight run's.
+
+    The straight run and the resume run in this process; only the run that is killed is a child."""
+    straight = cli(*_argv(corpus, tmp_path / "straight", *flags))
+    assert straight.code == 0, straight.err[-3000:]
     killed = tmp_path / "killed"
+    # A child process: the run is killed (SIGKILL) mid-way, which pytest's own process must survive.
     process = subprocess.Popen(
         _command(corpus, killed, *flags), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -91,10 +85,8 @@ def test_a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp
         time.sleep(0.005)
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
-    resumed = subprocess.run(
-        _command(corpus, killed, *flags, "--resume"), env=_env(), capture_output=True, timeout=300, check=False
-    )
-    assert resumed.returncode == 0, resumed.stderr.decode()[-3000:]
+    resumed = cli(*_argv(corpus, killed, *flags, "--resume"))
+    assert resumed.code == 0, resumed.err[-3000:]
     (step_a, a), (step_b, b) = _final_state(tmp_path / "straight"), _final_state(killed)
     assert step_a == step_b == 12
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -108,20 +100,12 @@ def test_a_killed_and_resumed_run_ends_bit_identical_to_an_uninterrupted_one(tmp
         assert jax.tree.leaves(a.params)[0].dtype == jnp.bfloat16
 
 
-def test_resuming_with_another_recipe_is_refused(tmp_path, corpus):
+def test_resuming_with_another_recipe_is_refused(tmp_path, corpus, cli):
     out = tmp_path / "run"
-    first = subprocess.run(
-        _command(corpus, out, "--fp8", FP8, "--steps", "3"), env=_env(), capture_output=True, timeout=300, check=False
-    )
-    assert first.returncode == 0, first.stderr.decode()[-2000:]
-    again = subprocess.run(
-        _command(corpus, out, "--fp8", "current", "--steps", "3", "--resume"),
-        env=_env(),
-        capture_output=True,
-        timeout=300,
-        check=False,
-    )
-    assert again.returncode == 2 and "fp8" in again.stderr.decode()
+    first = cli(*_argv(corpus, out, "--fp8", FP8, "--steps", "3"))
+    assert first.code == 0, first.err[-2000:]
+    again = cli(*_argv(corpus, out, "--fp8", "current", "--steps", "3", "--resume"))
+    assert again.code == 2 and "fp8" in again.err
 
 
 @pytest.mark.parametrize(

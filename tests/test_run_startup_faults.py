@@ -4,8 +4,10 @@ hang or an abort, and leaves a run directory that ``--resume`` handles.
 The classes: an ``--out`` orbax cannot write (a name that is not UTF-8), a state too big for the
 host's memory (physical or ``ulimit -v``), a refusal to resume a damaged checkpoint (which must
 not abort at exit), and SIGINT / SIGTERM at each moment of start-up (compiling, calibrating,
-before the first checkpoint). Every run is a subprocess; the suite's compile cache
-(``$LEANSTEP_COMPILE_CACHE``, conftest.py) is inherited.
+before the first checkpoint). A run whose end is the point (an abort at exit, a signal, a memory
+limit) is a subprocess, which inherits the suite's compile cache (``$LEANSTEP_COMPILE_CACHE``,
+conftest.py); a refusal or a start that only needs its exit code and its lines runs in this
+process (the ``cli`` fixture, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -51,12 +53,16 @@ def _lines(stderr: bytes) -> list[str]:
     return [line for line in stderr.decode(errors="replace").splitlines() if line.strip()]
 
 
+def _argv(corpus: Path, out: Path | str, *extra: str) -> list[str]:
+    return ["train", *TINY, "--data", str(corpus), "--out", str(out), *extra]
+
+
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, corpus) -> Path:
+def finished(tmp_path_factory, corpus, cli) -> Path:
     """A finished two-step run with its one checkpoint, step 2 (copied by each test that damages it)."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    result = _train(corpus, out, "--steps", "2", "--checkpoint-every", "2")
-    assert result.returncode == 0, result.stderr.decode()
+    result = cli(*_argv(corpus, out, "--steps", "2", "--checkpoint-every", "2"))
+    assert result.code == 0, result.err
     return out
 
 
@@ -64,11 +70,12 @@ def finished(tmp_path_factory, corpus) -> Path:
 
 
 @pytest.mark.parametrize("name", [b"u\xff\xfev", b"\xe9t\xe9", b"a\x80"])
-def test_an_out_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path, corpus, name):
-    out = os.fsencode(tmp_path) + b"/runs/" + name
-    result = _train(corpus, out, "--steps", "2")
-    lines = _lines(result.stderr)
-    assert result.returncode == 2, lines
+def test_an_out_that_is_not_utf8_is_refused_before_anything_is_written(tmp_path, corpus, cli, name):
+    # The name as Python hands a command line's undecodable bytes to the program (surrogate escapes).
+    out = os.fsdecode(os.fsencode(tmp_path) + b"/runs/" + name)
+    result = cli(*_argv(corpus, out, "--steps", "2"))
+    lines = [line for line in result.err.splitlines() if line.strip()]
+    assert result.code == 2, lines
     assert len(lines) == 1 and "--out" in lines[0] and "UTF-8" in lines[0], lines
     assert not (tmp_path / "runs").exists()
 
@@ -93,6 +100,7 @@ def _under_ulimit(command: list[str | bytes]) -> list[str | bytes]:
 def test_a_state_too_big_for_memory_is_one_line_and_exit_1(tmp_path, corpus, sizes, limited):
     out = tmp_path / "run"
     command = _command(corpus, out, "--steps", "2", *sizes)
+    # A child process: a memory limit (ulimit), or an allocation past physical memory, is its own.
     command = _under_ulimit(command) if limited else command
     result = subprocess.run(command, env=_env(), capture_output=True, timeout=300, check=False)
     lines = _lines(result.stderr)
@@ -125,7 +133,7 @@ def test_refusing_a_damaged_only_checkpoint_ends_in_one_line_not_an_abort(tmp_pa
     run = tmp_path / "run"
     shutil.copytree(finished, run)
     damage(run)
-    result = _train(corpus, run, "--steps", "4", "--resume")
+    result = _train(corpus, run, "--steps", "4", "--resume")  # a child process: an abort at its exit is the defect
     lines = _lines(result.stderr)
     assert result.returncode == 1, lines  # not 134 (an abort at exit)
     assert len(lines) == 1 and "no checkpoint of the run can be restored" in lines[0], lines
@@ -221,17 +229,17 @@ def test_a_signal_while_the_command_imports_is_one_line(sig, inherited, delay):
     assert process.returncode == 128 + sig and len(_lines(stderr)) == 1, _lines(stderr)
 
 
-def test_resume_of_a_directory_holding_only_its_lock_starts_afresh_in_one_line(tmp_path, corpus):
+def test_resume_of_a_directory_holding_only_its_lock_starts_afresh_in_one_line(tmp_path, corpus, cli):
     out = tmp_path / "run"
     out.mkdir()
     (out / "run.lock").touch()  # what a run preempted before its first write leaves
-    result = _train(corpus, out, "--steps", "2", "--resume")
-    assert result.returncode == 0, _lines(result.stderr)
-    notes = [line for line in _lines(result.stderr) if "afresh" in line]
+    result = cli(*_argv(corpus, out, "--steps", "2", "--resume"))
+    assert result.code == 0, result.err
+    notes = [line for line in result.err.splitlines() if "afresh" in line]
     assert len(notes) == 1 and "--resume" in notes[0]
     assert (out / "config.json").is_file()
 
 
-def test_resume_of_an_empty_directory_is_still_refused(tmp_path, corpus):
-    result = _train(corpus, tmp_path, "--steps", "2", "--resume")  # no run ever started there
-    assert result.returncode == 2 and "holds no run" in result.stderr.decode()
+def test_resume_of_an_empty_directory_is_still_refused(tmp_path, corpus, cli):
+    result = cli(*_argv(corpus, tmp_path, "--steps", "2", "--resume"))  # no run ever started there
+    assert result.code == 2 and "holds no run" in result.err
