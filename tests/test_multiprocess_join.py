@@ -64,13 +64,11 @@ def test_sigterm_while_waiting_ends_the_process_at_once(tmp_path):
     assert "terminated (SIGTERM) while waiting for the other processes; nothing was written" in rest
 
 
-def test_join_timeout_without_a_coordinator_is_refused(tmp_path):
-    proc = subprocess.run(
-        [*LEANSTEP, "--join-timeout", "5", "--out", str(tmp_path / "run")],
-        capture_output=True, text=True, env=_env(), timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert _lines(proc.stderr) == [
+def test_join_timeout_without_a_coordinator_is_refused(tmp_path, cli):
+    # In this process: a flag refused before any process joins (the tests above need their own).
+    result = cli("train", "--join-timeout", "5", "--out", tmp_path / "run")
+    assert result.code == 2
+    assert _lines(result.err) == [
         "leanstep train: error: --join-timeout applies to a multi-process run: give --coordinator too"
     ]
 

@@ -105,7 +105,7 @@ def test_double_and_triple_signals_during_a_save_commit_it_then_stop(trials):
 
 
 def test_a_second_process_is_refused_at_once_naming_the_holder_and_a_dead_holders_lock_is_taken_over(
-    tmp_path, corpus, capsys
+    tmp_path, corpus, cli
 ):
     out = tmp_path / "run"
     holder = subprocess.Popen(
@@ -126,35 +126,14 @@ def test_a_second_process_is_refused_at_once_naming_the_holder_and_a_dead_holder
     try:
         assert holder.stdout.readline().strip() == "locked"
         started = time.monotonic()
-        refused = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "leanstep.cli.main",
-                "train",
-                "--model",
-                "mlp",
-                "--size",
-                "tiny",
-                "--steps",
-                "2",
-                "--data",
-                str(corpus),
-                "--out",
-                str(out),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=_env(),
-            check=False,
-        )
-        assert refused.returncode == 2 and refused.stdout == ""
-        assert refused.stderr.count("\n") == 1, refused.stderr
+        # The refused run in this process: the lock's holder is the other process, which is the point.
+        refused = cli("train", "--model", "mlp", "--size", "tiny", "--steps", "2", "--data", corpus, "--out", out)
+        assert refused.code == 2 and refused.out == ""
+        assert refused.err.count("\n") == 1, refused.err
         assert (
             f"--out {str(out)!r} is in use by another leanstep train (pid {holder.pid} on host "
             f"{socket.gethostname()}, since "
-        ) in refused.stderr
+        ) in refused.err
         assert time.monotonic() - started < 60  # at once: no data loaded, nothing compiled first
         assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # and nothing written
         with pytest.raises(RunDirectoryInUse, match=f"pid {holder.pid} on host"):
