@@ -14,25 +14,15 @@ from leanstep.cli.solve import load_examples
 from leanstep.tasks import TASKS
 
 
-def _solve(capsys, argv, stdin=None, monkeypatch=None):
-    if stdin is not None:
-        import io
-
-        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-    code = main(["solve", *argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_list_names_the_four_tasks(capsys):
-    code, out, _ = _solve(capsys, ["--list"])
+def test_list_names_the_four_tasks(cli):
+    code, out, _ = cli("solve", "--list")
     assert code == 0
     assert out.split() == sorted(TASKS)
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
-def test_example_one_prints_input_output_expected_and_matches(capsys, task):
-    code, out, err = _solve(capsys, [task, "--example", "1"])
+def test_example_one_prints_input_output_expected_and_matches(cli, task):
+    code, out, err = cli("solve", task, "--example", "1")
     assert code == 0, err
     lines = out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["input", "output", "expected", "match"]
@@ -41,20 +31,20 @@ def test_example_one_prints_input_output_expected_and_matches(capsys, task):
     assert lines[3] == "match: yes, to 6 decimals"
 
 
-def test_stdin_gives_the_seed_output_as_one_json_line(capsys, monkeypatch):
+def test_stdin_gives_the_seed_output_as_one_json_line(cli):
     example = load_examples("mixed-precision-step")[2]
-    code, out, _ = _solve(capsys, ["mixed-precision-step"], json.dumps(example["input"]), monkeypatch)
+    code, out, _ = cli("solve", "mixed-precision-step", stdin=json.dumps(example["input"]))
     assert code == 0
     assert out.count("\n") == 1
     assert json.loads(out) == example["output"]  # 1.5e+38 prints as such, booleans as false
     assert '"grads_finite": false' in out
 
 
-def test_input_file_and_list_nodes(capsys, tmp_path):
+def test_input_file_and_list_nodes(cli, tmp_path):
     example = load_examples("global-norm-clipping")[2]  # a tree with a list of objects
     path = tmp_path / "in.json"
     path.write_text(json.dumps(example["input"]))
-    code, out, _ = _solve(capsys, ["global-norm-clipping", "--input", str(path)])
+    code, out, _ = cli("solve", "global-norm-clipping", "--input", str(path))
     assert code == 0
     assert json.loads(out) == example["output"]
 
@@ -99,28 +89,29 @@ def test_input_file_and_list_nodes(capsys, tmp_path):
         ("global-norm-clipping", '{"grads": {"w": [true]}, "max_norm": 1}', "grads['w'][0]: expected a number"),
     ],
 )
-def test_bad_input_is_one_line_on_stderr_and_exit_2(capsys, monkeypatch, task, stdin, message):
-    code, out, err = _solve(capsys, [task], stdin, monkeypatch)
+def test_bad_input_is_one_line_on_stderr_and_exit_2(cli, task, stdin, message):
+    code, out, err = cli("solve", task, stdin=stdin)
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1 and "Traceback" not in err
     assert message in err
 
 
-def test_unknown_task_and_bad_example_number(capsys):
+def test_unknown_task_and_bad_example_number(cli):
     with pytest.raises(SystemExit) as info:
         main(["solve", "no-such-task"])
     assert info.value.code == 2
-    code, _, err = _solve(capsys, ["mixed-precision-step", "--example", "4"])
+    code, _, err = cli("solve", "mixed-precision-step", "--example", "4")
     assert code == 2 and "has examples 1 to 3, got 4" in err
 
 
-def test_missing_input_file(capsys, tmp_path):
-    code, _, err = _solve(capsys, ["mixed-precision-step", "--input", str(tmp_path / "nope.json")])
+def test_missing_input_file(cli, tmp_path):
+    code, _, err = cli("solve", "mixed-precision-step", "--input", str(tmp_path / "nope.json"))
     assert code == 2 and "nope.json does not exist" in err
 
 
 def test_console_script_exits_2_without_a_traceback():
+    # A child process: the exit code and stderr of the command itself, as a shell sees them.
     result = subprocess.run(
         [sys.executable, "-m", "leanstep.cli.main", "solve", "gradient-accumulation"],
         input='{"params": 1',
