@@ -45,9 +45,12 @@ def _setup(config: TransformerConfig, form: tuple, batch: int, microbatches: int
     return make, step, tokens
 
 
+_OPTIMIZER = optax.adamw(3e-4)  # one instance: it is the state's static metadata, which compiled programs check
+
+
 def _state(key: jax.Array, *, config: TransformerConfig, master: str, moments: str) -> leanstep.TrainState:
     params = init_transformer(key, config)
-    return leanstep.TrainState.create(params, optax.adamw(3e-4), loss_scale="dynamic", master=master, moments=moments)
+    return leanstep.TrainState.create(params, _OPTIMIZER, loss_scale="dynamic", master=master, moments=moments)
 
 
 def _batch(step: int, batch: int, length: int, vocab: int) -> dict:

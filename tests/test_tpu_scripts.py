@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from leanstep.models.transformer import TransformerConfig, transformer_flops_per_token
 
@@ -20,3 +24,33 @@ def test_tpu_step_dry_run_times_both_steps_and_counts_the_models_flops(tmp_path)
     assert result["leanstep"]["step_s"] > 0 and result["handwritten"]["step_s"] > 0
     assert result["leanstep"]["peak_bytes"] > 0 and math.isfinite(result["leanstep"]["loss"])
     assert math.isnan(result["mfu"])  # no chip, no peak: not a number rather than a made-up one
+
+
+def test_tpu_check_dry_run_fits_a_ladder_per_format_and_compares_the_planner_with_the_compiled_peak(tmp_path):
+    from benchmarks.tpu_check import LADDER, main
+
+    report = main(["--tiny", "--parts", "fit,plan", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "check.json").read_text())["parts"].keys() == {"fit", "plan"}
+    fit, limit = report["parts"]["fit"], report["limit_bytes"]
+    assert fit["formats"].keys() == LADDER.keys()
+    for name, result in fit["formats"].items():
+        # The deepest model that compiles under the limit: one layer more, compiled, does not.
+        assert result["fits"] and result["peak_bytes"] <= 0.97 * limit < result["next_layer_peak_bytes"], name
+        if name != "bf16-sr + bfloat16":
+            train = result["train"]
+            assert len(train["losses"]) == 2 and all(math.isfinite(x) for x in train["losses"]), name
+    plan = report["parts"]["plan"]
+    assert plan["predicted_peak_bytes"] <= 0.97 * limit and math.isfinite(plan["loss"])
+    assert plan["measured_peak_bytes"] is None  # a CPU keeps no allocator statistics
+
+
+def test_tpu_check_sh_runs_the_module(tmp_path):
+    script = Path(__file__).parents[1] / "benchmarks" / "tpu_check.sh"
+    done = subprocess.run(
+        ["bash", str(script), "--tiny", "--parts", "plan", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "predicted_peak_bytes" in json.loads((tmp_path / "check.json").read_text())["parts"]["plan"]

@@ -1,0 +1,224 @@
+"""leanstep on one accelerator chip, in one command: what fits, how fast, what the planner predicts.
+
+Four parts, each written to ``<out>/check.json`` as it ends (a part that fails records its error):
+
+* ``fit``: the fit ladder of the built-in transformer (d 2048, seq 1024, full remat, bf16
+  compute, AdamW, dynamic loss scale, clip 1.0) per state format (float32; bf16-sr masters with
+  bfloat16 moments; bf16-sr with int8 moments and the chunked update). Compiled peaks at two
+  depths give bytes a layer; the deepest model under the chip's memory is compiled (one layer
+  less while it does not fit) and, for float32 and int8, trains ``--fit-steps`` steps from that
+  compiled program: losses, skips, seconds a step. The bf16-moment format is compiled at the
+  int8 format's depth too, so the two peaks compare at equal model and batch.
+* ``pace``: leanstep's step and the hand-written one (``benchmarks/tpu_step.py``) at 405M and
+  152M parameters: seconds a step, MFU by the model's formula and XLA's count.
+* ``plan``: :func:`leanstep.plan` for the 405M model under the chip's memory; its chosen
+  setting's compiled peak against the chip's measured peak (``memory_stats()``) over 3 steps.
+* ``offload``: the optimizer state in host memory (``benchmarks/tpu_offload.py``).
+
+    bash benchmarks/tpu_check.sh --out check          # on a TPU VM after pip install -e . (about 9 min)
+    python benchmarks/tpu_check.py --tiny --out check # the CPU dry run the suite runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+import leanstep
+from benchmarks import tpu_fit, tpu_step
+from leanstep.models.transformer import TransformerConfig, init_transformer, transformer_loss
+
+LADDER = {  # name -> (master, moments, update_chunk)
+    "float32": ("float32", "float32", None),
+    "bf16-sr + bfloat16": ("bfloat16-sr", "bfloat16", "auto"),
+    "bf16-sr + int8 (chunked)": ("bfloat16-sr", "int8", "auto"),
+}
+_USABLE = 0.97  # of the chip's bytes_limit: the allocator's own blocks and fragmentation
+
+
+def _config(size: dict, layers: int) -> TransformerConfig:
+    d = size["d_model"]
+    return TransformerConfig(
+        vocab_size=256, d_model=d, n_layers=layers, n_heads=max(1, d // 128), d_ff=4 * d, seq_len=size["seq"]
+    )
+
+
+def _memory_limit(tiny: bool) -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    return int(stats.get("bytes_limit", 0)) if not tiny else 24 << 20
+
+
+def _compile(config: TransformerConfig, form: tuple, size: dict) -> tuple[Any, int]:
+    make, step, tokens = tpu_fit._setup(config, form, size["batch"], size["microbatches"])
+    state = jax.eval_shape(make, jax.random.key(0))
+    compiled = step.lower(state, {"tokens": tokens}).compile()
+    memory = compiled.memory_analysis()
+    peak = (
+        memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )  # fmt: skip
+    return compiled, int(peak)
+
+
+def _train(compiled: Any, config: TransformerConfig, form: tuple, size: dict, steps: int) -> dict:
+    make, _, _ = tpu_fit._setup(config, form, size["batch"], size["microbatches"])
+    state = jax.jit(make)(jax.random.key(0))
+    losses, skipped, times = [], [], []
+    for i in range(steps):
+        batch = tpu_fit._batch(i, size["batch"], config.seq_len + 1, config.vocab_size)
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        losses.append(float(metrics.loss))
+        skipped.append(bool(metrics.skipped))
+        times.append(time.perf_counter() - start)
+    del state
+    return {"losses": losses, "skipped": skipped, "step_s": float(np.median(times[2:] or times))}
+
+
+def ladder(name: str, size: dict, limit: int, *, train_steps: int, lo: int, hi: int) -> dict:
+    """The deepest model of ``size`` whose step in format ``name`` compiles under ``limit`` bytes."""
+    form = LADDER[name]
+    peaks = {layers: _compile(_config(size, layers), form, size)[1] for layers in (lo, hi)}
+    per_layer = (peaks[hi] - peaks[lo]) / (hi - lo)
+    layers = max(1, math.floor((limit * _USABLE - (peaks[lo] - lo * per_layer)) / per_layer))
+    tried: dict[int, tuple[Any, int]] = {}
+    while True:  # from the estimate, down while it does not fit, up while one layer more does
+        if layers not in tried:
+            tried[layers] = _compile(_config(size, layers), form, size)
+        if tried[layers][1] > limit * _USABLE and layers > 1:
+            layers -= 1
+        elif layers + 1 in tried or tried[layers][1] > limit * _USABLE:
+            break
+        else:
+            tried[layers + 1] = _compile(_config(size, layers + 1), form, size)
+            if tried[layers + 1][1] > limit * _USABLE:
+                break
+            layers += 1
+    compiled, peak = tried[layers]
+    above = tried.get(layers + 1, (None, None))[1]
+    config = _config(size, layers)
+    params = sum(
+        x.size for x in jax.tree.leaves(jax.eval_shape(lambda k: init_transformer(k, config), jax.random.key(0)))
+    )
+    out: dict = {
+        "layers": layers,
+        "params": int(params),
+        "peak_bytes": peak,
+        "next_layer_peak_bytes": above,
+        "bytes_a_layer": per_layer,
+        "peaks": peaks,
+    }
+    out["fits"] = peak <= limit * _USABLE
+    if train_steps and out["fits"]:
+        out["train"] = _train(compiled, config, form, size, train_steps)
+    del compiled, tried
+    return out
+
+
+def part_fit(args: argparse.Namespace, limit: int) -> dict:
+    size = {"d_model": args.d_model, "seq": args.seq, "batch": args.batch, "microbatches": args.microbatches}
+    lo, hi = (1, 2) if args.tiny else (2, 4)
+    result: dict = {"size": size, "limit_bytes": limit, "formats": {}}
+    for name in LADDER:
+        steps = 0 if name == "bf16-sr + bfloat16" else args.fit_steps
+        result["formats"][name] = ladder(name, size, limit, train_steps=steps, lo=lo, hi=hi)
+    layers = result["formats"]["bf16-sr + int8 (chunked)"]["layers"]
+    _, result["bf16_moments_at_int8_depth_peak_bytes"] = _compile(
+        _config(size, layers), LADDER["bf16-sr + bfloat16"], size
+    )
+    return result
+
+
+def part_pace(args: argparse.Namespace) -> dict:
+    if args.tiny:
+        return tpu_step.main(["--tiny"])
+    return tpu_step.main(
+        ["--configs", "base,splash,small-splash", "--handwritten", "splash,small-splash", "--steps", "6"]
+    )
+
+
+def _shapes(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def part_plan(args: argparse.Namespace, limit: int) -> dict:
+    d, layers, rows, seq = (64, 2, 8, 32) if args.tiny else (2048, 8, 16, 1024)
+    config = TransformerConfig(
+        vocab_size=256, d_model=d, n_layers=layers, n_heads=max(1, d // 256), d_ff=4 * d, seq_len=seq
+    )
+    params = init_transformer(jax.random.key(0), config)
+    batch, optimizer = tpu_step._batch(0, rows, seq + 1), optax.adamw(3e-4)
+    chosen = leanstep.plan(
+        lambda policy: functools.partial(transformer_loss, config=config, remat_policy=policy),
+        _shapes(params), _shapes(batch), optimizer,
+        budget_bytes=int(limit * _USABLE), loss_scale="dynamic", precision="compute=bfloat16", max_grad_norm=1.0,
+        candidates=leanstep.SearchSpace(remat_policies=("dots", "full"), microbatches=(1, 2, 4)),
+    ).chosen  # fmt: skip
+    state = leanstep.TrainState.create(params, optimizer, loss_scale="dynamic")
+    del params
+    for i in range(3):
+        state, metrics = chosen.executable(state, tpu_step._batch(i, rows, seq + 1))
+    jax.block_until_ready(metrics)
+    measured = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return {
+        "setting": chosen.setting._asdict(), "predicted_peak_bytes": chosen.peak_bytes,
+        "measured_peak_bytes": measured, "loss": float(metrics.loss),
+    }  # fmt: skip
+
+
+def part_offload(args: argparse.Namespace) -> dict:
+    from benchmarks import tpu_offload
+
+    return tpu_offload.main(["--tiny"] if args.tiny else ["--layers", "4", "--steps", "3"])
+
+
+PARTS = ("plan", "fit", "pace", "offload")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="a folder for check.json")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    parser.add_argument("--d-model", type=int, default=2048)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--fit-steps", type=int, default=20)
+    parser.add_argument("--tiny", action="store_true", help="a CPU dry run: tiny shapes, a 24 MiB 'chip'")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.seq, args.batch, args.microbatches, args.fit_steps = 64, 32, 4, 1, 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    limit = _memory_limit(args.tiny)
+    report: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "limit_bytes": limit, "parts": {}}
+    run = {
+        "fit": lambda: part_fit(args, limit),
+        "pace": lambda: part_pace(args),
+        "plan": lambda: part_plan(args, limit),
+    }
+    run["offload"] = lambda: part_offload(args)
+    for name in args.parts.split(","):
+        start = time.perf_counter()
+        try:
+            report["parts"][name] = run[name]()
+        except Exception:  # noqa: BLE001 (the other parts still run; the error is the result)
+            report["parts"][name] = {"error": traceback.format_exc(limit=4)[-1500:]}
+        report["parts"][name]["seconds"] = round(time.perf_counter() - start, 1)
+        print(name, json.dumps(report["parts"][name], default=str)[:2000], flush=True)
+        (out / "check.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()
