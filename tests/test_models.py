@@ -270,7 +270,7 @@ def test_remat_policies_give_the_unremated_gradients(loss_fn, config, value_and_
 def test_blocks_tag_attn_out_and_mlp_hidden_for_save_policies(tf_params):
     layer = jax.tree_util.tree_map(lambda a: a[0], tf_params["blocks"])
     x = jnp.ones((2 * 4, TF.d_model))
-    block = functools.partial(_block, batch=2, time=4, n_heads=TF.n_heads)
+    block = functools.partial(_block, batch=2, time=4, n_heads=TF.n_heads, fp8=None, attention="xla")
     saved = saved_residuals_report(remat(block, "save:attn_out,mlp_hidden"), x, layer)
     assert sorted(e.name for e in saved.of_kind("named")) == ["attn_out", "mlp_hidden"]
     assert saved.count("dot_general") == 0
