@@ -261,51 +261,6 @@ def worker(out: Path, mode: str = "worker") -> None:
                 (out / f"{mode}.json").write_text(json.dumps(results))  # as it goes: a timeout keeps what ran
 
 
-@pytest.fixture(scope="module")
-def on_devices(tmp_path_factory) -> dict:
-    return _child(tmp_path_factory.mktemp("chunked"), "worker", timeout=2300)
-
-
-@pytest.mark.slow  # 4 simulated devices in a child process, 34 runs of 20 steps (10 minutes on 2 idle cores)
-@pytest.mark.timeout(2400)
-def test_chunked_steps_are_bit_identical_on_four_devices_without_fused_multiply_adds(tmp_path):
-    # Every case of the four-device test below, and the chain on one device: the chunked update
-    # computes each entry with the whole tree's IEEE operations. What differs under XLA's defaults
-    # is where LLVM contracts a product and a sum into one fused multiply-add, which depends on the
-    # kernel XLA:CPU fused around them (not something the update's HLO can pin: XLA:CPU expands
-    # optimization barriers before fusion); without FMA instructions no case differs.
-    results = _child(tmp_path, "no_fma", timeout=2300, xla_flags=NO_FMA)
-    assert len(results) == 2 + len(LAYOUTS) * len(_optimizers()) * len(FORMS), results
-    assert all(value is True for value in results.values()), results
-
-
-@pytest.mark.slow  # 4 simulated devices in a child process, 32 runs of 20 steps (5 minutes on 2 idle cores)
-@pytest.mark.timeout(2400)
-@pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("optimizer", list(_optimizers()))
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_chunked_steps_are_bit_identical_on_four_devices(on_devices, layout, optimizer, form):
-    name = f"{layout}/{optimizer}/{form}"
-    if name in _NOT_YET_ON_A_MESH:
-        assert on_devices[name] is False, f"{name}: {on_devices[name]} (True: take it off _NOT_YET_ON_A_MESH)"
-        pytest.xfail(_NOT_YET_ON_A_MESH[name])  # it ran, and differs: as measured
-    assert on_devices[name] is True
-
-
-# Measured (2 cores, XLA's default flags): these differ from the second step on, by at most 2e-5
-# relative over 5 steps, and are bit-identical without fused multiply-adds (the test above, NO_FMA):
-# LLVM contracts products and sums into FMAs per kernel, and XLA:CPU fuses the chunked and the
-# whole-tree programs' same HLO into different kernels. fsdp + int8 starts and trains (issue 41 item 8).
-_ULPS = "XLA:CPU's FMA contraction differs between the two programs' kernels (identical without FMA; issue 40)"
-_NOT_YET_ON_A_MESH = {
-    name: _ULPS
-    for name in (
-        "data/adamw/float32", "data/adamw/lean", "data/sgd_momentum/float32", "data/chain/float32",
-        "data/chain/lean", "fsdp/adamw/lean", "fsdp/sgd_momentum/lean", "fsdp/chain/lean",
-    )
-}  # fmt: skip
-
-
 # --- the peak, compile-only ---------------------------------------------------------------------------
 
 
