@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 import leanstep
@@ -60,50 +59,27 @@ def _memory_limit(tiny: bool) -> int:
 
 def _compile(config: TransformerConfig, form: tuple, size: dict) -> tuple[Any, int]:
     make, step, tokens = tpu_fit._setup(config, form, size["batch"], size["microbatches"])
-    state = jax.eval_shape(make, jax.random.key(0))
-    compiled = step.lower(state, {"tokens": tokens}).compile()
-    memory = compiled.memory_analysis()
-    peak = (
-        memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )  # fmt: skip
-    return compiled, int(peak)
-
-
-def _train(compiled: Any, config: TransformerConfig, form: tuple, size: dict, steps: int) -> dict:
-    make, _, _ = tpu_fit._setup(config, form, size["batch"], size["microbatches"])
-    state = jax.jit(make)(jax.random.key(0))
-    losses, skipped, times = [], [], []
-    for i in range(steps):
-        batch = tpu_fit._batch(i, size["batch"], config.seq_len + 1, config.vocab_size)
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        losses.append(float(metrics.loss))
-        skipped.append(bool(metrics.skipped))
-        times.append(time.perf_counter() - start)
-    del state
-    return {"losses": losses, "skipped": skipped, "step_s": float(np.median(times[2:] or times))}
+    compiled = step.lower(jax.eval_shape(make, jax.random.key(0)), {"tokens": tokens}).compile()
+    return compiled, tpu_fit.compiled_peak(compiled)
 
 
 def ladder(name: str, size: dict, limit: int, *, train_steps: int, lo: int, hi: int) -> dict:
     """The deepest model of ``size`` whose step in format ``name`` compiles under ``limit`` bytes."""
-    form = LADDER[name]
-    peaks = {layers: _compile(_config(size, layers), form, size)[1] for layers in (lo, hi)}
+    form, cap = LADDER[name], limit * _USABLE
+    tried: dict[int, tuple[Any, int]] = {}  # layers -> (compiled step, its peak)
+
+    def peak_at(n: int) -> int:
+        if n not in tried:
+            tried[n] = _compile(_config(size, n), form, size)
+        return tried[n][1]
+
+    peaks = {n: peak_at(n) for n in (lo, hi)}
     per_layer = (peaks[hi] - peaks[lo]) / (hi - lo)
-    layers = max(1, math.floor((limit * _USABLE - (peaks[lo] - lo * per_layer)) / per_layer))
-    tried: dict[int, tuple[Any, int]] = {}
-    while True:  # from the estimate, down while it does not fit, up while one layer more does
-        if layers not in tried:
-            tried[layers] = _compile(_config(size, layers), form, size)
-        if tried[layers][1] > limit * _USABLE and layers > 1:
-            layers -= 1
-        elif layers + 1 in tried or tried[layers][1] > limit * _USABLE:
-            break
-        else:
-            tried[layers + 1] = _compile(_config(size, layers + 1), form, size)
-            if tried[layers + 1][1] > limit * _USABLE:
-                break
-            layers += 1
+    layers = max(1, math.floor((cap - (peaks[lo] - lo * per_layer)) / per_layer))
+    while layers > 1 and peak_at(layers) > cap:  # from the estimate down while it does not fit,
+        layers -= 1
+    while peak_at(layers) <= cap and peak_at(layers + 1) <= cap:  # then up while one layer more does
+        layers += 1
     compiled, peak = tried[layers]
     above = tried.get(layers + 1, (None, None))[1]
     config = _config(size, layers)
@@ -118,10 +94,11 @@ def ladder(name: str, size: dict, limit: int, *, train_steps: int, lo: int, hi: 
         "bytes_a_layer": per_layer,
         "peaks": peaks,
     }
-    out["fits"] = peak <= limit * _USABLE
+    out["fits"] = peak <= cap
     if train_steps and out["fits"]:
-        out["train"] = _train(compiled, config, form, size, train_steps)
-    del compiled, tried
+        out["train"] = tpu_fit.train(config, form, size["batch"], size["microbatches"], train_steps, step=compiled)
+    del compiled
+    tried.clear()  # the compiled programs: the next format compiles beside none of them
     return out
 
 

@@ -16,6 +16,7 @@ import argparse
 import functools
 import json
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,25 +61,37 @@ def _batch(step: int, batch: int, length: int, vocab: int) -> dict:
     return {"tokens": jnp.asarray(tokens, jnp.int32)}
 
 
-def peak(config: TransformerConfig, form: tuple, batch: int, microbatches: int) -> dict:
-    make, step, tokens = _setup(config, form, batch, microbatches)
-    state = jax.eval_shape(make, jax.random.key(0))
-    start = time.perf_counter()
-    memory = step.lower(state, {"tokens": tokens}).compile().memory_analysis()
+def compiled_peak(compiled: Any) -> int:
+    """A compiled step's peak: arguments + outputs - aliased + temporaries (``memory_analysis()``)."""
+    memory = compiled.memory_analysis()
     total = (
         memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
         + memory.temp_size_in_bytes
     )  # fmt: skip
+    return int(total)
+
+
+def peak(config: TransformerConfig, form: tuple, batch: int, microbatches: int) -> dict:
+    make, step, tokens = _setup(config, form, batch, microbatches)
+    state = jax.eval_shape(make, jax.random.key(0))
+    start = time.perf_counter()
+    compiled = step.lower(state, {"tokens": tokens}).compile()
+    memory = compiled.memory_analysis()
     return {
-        "peak_bytes": int(total),
+        "peak_bytes": compiled_peak(compiled),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_bytes": int(memory.argument_size_in_bytes),
         "compile_s": round(time.perf_counter() - start, 1),
     }
 
 
-def train(config: TransformerConfig, form: tuple, batch: int, microbatches: int, steps: int) -> dict:
-    make, step, _ = _setup(config, form, batch, microbatches)
+def train(config: TransformerConfig, form: tuple, batch: int, microbatches: int, steps: int, step: Any = None) -> dict:
+    """``steps`` steps of ``form`` from a fresh state: losses, skips, the median seconds a step.
+
+    ``step``: a program compiled for this state and batch (``tpu_check``'s), or None to jit one.
+    """
+    make, jitted, _ = _setup(config, form, batch, microbatches)
+    step = jitted if step is None else step
     state = jax.jit(make)(jax.random.key(0))
     losses, skipped, times = [], [], []
     for i in range(steps):

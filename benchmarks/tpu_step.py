@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 import leanstep
+from benchmarks import tpu_fit
 from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
 from leanstep.models.transformer import (
     TransformerConfig,
@@ -52,21 +53,14 @@ CONFIGS: dict[str, tuple[int, int, int, str, str, int, int]] = {
 
 
 def _batch(step: int, rows: int, length: int) -> dict:
-    """Rows counting up by a per-row stride from a per-step offset: learnable, never the same batch."""
-    r = np.arange(rows)[:, None]
-    return {"tokens": jnp.asarray((step * 7 + r * 3 + np.arange(length)[None, :] * (1 + r % 4)) % 256, jnp.int32)}
+    return tpu_fit._batch(step, rows, length, 256)
 
 
 def _compiled_figures(step: Any, state: Any, batch: dict) -> dict:
     compiled = step.lower(state, batch).compile()
-    memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    peak = (
-        memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )  # fmt: skip
-    return {"peak_bytes": int(peak), "xla_flops": float(cost.get("flops", float("nan")))}
+    return {"peak_bytes": tpu_fit.compiled_peak(compiled), "xla_flops": float(cost.get("flops", float("nan")))}
 
 
 def _time(step: Any, state: Any, rows: int, length: int, steps: int) -> tuple[list[float], Any, Any]:

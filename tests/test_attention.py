@@ -55,15 +55,17 @@ def test_the_splash_kernel_equals_the_written_out_product_and_its_gradients():
         np.testing.assert_allclose(np.asarray(g_kernel), np.asarray(g_written), rtol=1e-4, atol=2e-5)
 
 
-def test_auto_writes_the_product_out_off_a_tpu_and_under_a_mesh():
-    on_tpu = jax.default_backend() == "tpu"
-    assert attention.resolve_attention("auto", time=1024, head_dim=256) == ("splash" if on_tpu else "xla")
-    assert attention.resolve_attention("auto", time=1000, head_dim=256) == "xla"  # T not a multiple of 128
-    assert attention.resolve_attention("auto", time=1024, head_dim=64) == "xla"  # a narrow head
-    assert attention.resolve_attention("xla", time=1024, head_dim=256) == "xla"
+def test_auto_takes_the_kernel_on_one_tpu_and_writes_the_product_out_elsewhere():
+    assert attention.resolve_attention("auto", time=1024, head_dim=256, platform="tpu") == "splash"
+    assert attention.resolve_attention("auto", time=1024, head_dim=256, platform="cpu") == "xla"
+    assert attention.resolve_attention("auto", time=1000, head_dim=256, platform="tpu") == "xla"  # T % 128
+    assert attention.resolve_attention("auto", time=1024, head_dim=64, platform="tpu") == "xla"  # a narrow head
+    assert attention.resolve_attention("xla", time=1024, head_dim=256, platform="tpu") == "xla"
+    on_this = "splash" if jax.default_backend() == "tpu" else "xla"
+    assert attention.resolve_attention("auto", time=1024, head_dim=256) == on_this
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    with sharding_context(MeshAxes(mesh, ("data",), None, None), {}, {}):
-        assert attention.resolve_attention("auto", time=1024, head_dim=256) == "xla"
+    with sharding_context(MeshAxes(mesh, ("data",), None, None), {}, {}):  # a sharded step: XLA partitions it
+        assert attention.resolve_attention("auto", time=1024, head_dim=256, platform="tpu") == "xla"
 
 
 @pytest.mark.parametrize(

@@ -60,17 +60,22 @@ def check_attention(implementation: str, *, seq_len: int) -> None:
         )
 
 
-def resolve_attention(implementation: str, *, time: int, head_dim: int) -> str:
+def resolve_attention(implementation: str, *, time: int, head_dim: int, platform: str | None = None) -> str:
     """The implementation ``"auto"`` stands for here and now (as traced); any other name as given.
 
+    ``platform``: the backend to decide for (``jax.default_backend()`` when None).
+
     Example:
-      >>> resolve_attention("auto", time=1024, head_dim=256)  # on a CPU
+      >>> resolve_attention("auto", time=1024, head_dim=256, platform="cpu")
       'xla'
+      >>> resolve_attention("auto", time=1024, head_dim=256, platform="tpu")  # one device
+      'splash'
     """
     if implementation != "auto":
         return implementation
+    platform = jax.default_backend() if platform is None else platform
     fits = time % _LANES == 0 and head_dim % _LANES == 0
-    return "splash" if fits and jax.default_backend() == "tpu" and not sharding_active() else "xla"
+    return "splash" if fits and platform == "tpu" and not sharding_active() else "xla"
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, implementation: str = "auto") -> jax.Array:

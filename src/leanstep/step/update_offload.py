@@ -63,12 +63,7 @@ def on_device(tree: Any) -> Any:
     """``tree`` with its host-memory leaves moved to the device, in one transfer; the others as they are."""
     leaves, treedef = jax.tree.flatten(tree)
     moving = [i for i, x in enumerate(leaves) if _on_host(x)]
-    if not moving:
-        return tree
-    moved = jax.device_put([leaves[i] for i in moving], jax.memory.Space.Device)
-    for i, x in zip(moving, moved):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+    return jax.tree.unflatten(treedef, _put(leaves, moving, jax.memory.Space.Device)) if moving else tree
 
 
 def back_like(new: Any, old: Any) -> Any:
@@ -77,12 +72,13 @@ def back_like(new: Any, old: Any) -> Any:
     leaves, treedef = jax.tree.flatten(new)
     olds = treedef.flatten_up_to(old)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef
     moving = [i for i, (x, o) in enumerate(zip(leaves, olds)) if _on_host(o) and not _on_host(x)]
-    if not moving:
-        return new
-    moved = jax.device_put([leaves[i] for i in moving], jax.memory.Space.Host)
-    for i, x in zip(moving, moved):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+    return jax.tree.unflatten(treedef, _put(leaves, moving, jax.memory.Space.Host)) if moving else new
+
+
+def _put(leaves: list[Any], indices: list[int], space: Any) -> list[Any]:
+    """``leaves`` with those at ``indices`` moved to memory ``space``, in one transfer."""
+    moved = dict(zip(indices, jax.device_put([leaves[i] for i in indices], space)))
+    return [moved.get(i, x) for i, x in enumerate(leaves)]
 
 
 def placeholders(tree: Any) -> Any:
