@@ -26,7 +26,7 @@ MAX_FUNCTION_LINES = 80
 MAX_PARAMETERS = 12
 #: Functions allowed more parameters, with the reason.
 MANY_PARAMETERS = {
-    "leanstep.step.train_step.make_train_step": "the short keyword form for the common case (the issue's exception)",
+    "leanstep.step.spec.StepSpec.from_keywords": "the short keyword form for the common case (the issue's exception)",
 }
 #: The sub-packages, each with the sub-packages it may import: the architecture, bottom up.
 #: ``leanstep`` is the package itself (its ``__init__``: the public API) and ``tasks`` the seeds.

@@ -66,7 +66,8 @@ def test_several_removed_keywords_are_named_together_each_new_value_once():
 def test_the_wrapped_functions_keep_their_signature_without_a_catch_all():
     for where, function in FUNCTIONS.items():
         kinds = [p.kind for p in inspect.signature(function).parameters.values()]
-        assert (inspect.Parameter.VAR_KEYWORD in kinds) == (where in ("plan", "plan_cluster")), where  # step kwargs
+        # plan's step kwargs; make_train_step's short keywords, which StepSpec.from_keywords takes by name
+        assert (inspect.Parameter.VAR_KEYWORD in kinds) == (where in ("plan", "plan_cluster", "make_train_step")), where
     # Any other unknown keyword is Python's own error, from the function itself.
     with pytest.raises(TypeError, match="unexpected keyword argument 'num_micro'"):
         leanstep.make_train_step(lambda p, b: 0.0, num_micro=2)

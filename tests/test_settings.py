@@ -255,10 +255,11 @@ def test_a_plain_mesh_becomes_a_layer_reducing_per_microbatch_with_a_model_state
     from leanstep.step.settings import step_settings
 
     mesh = leanstep.data_mesh(jax.devices()[:1])
-    short = dict(has_aux=False, token_weighted=False, uses_rng=False, num_microbatches=2, split=None, unroll=1)
-    stateful = step_settings(None, None, mesh, short={**short, "has_state": True})
-    plain = step_settings(None, None, mesh, short={**short, "has_state": False})
-    assert (stateful.layer.reduce, plain.layer.reduce) == ("microbatch", "auto")
-    assert stateful.layer.mesh is mesh and stateful.accumulation.split == "strided"
+    short = dict(num_microbatches=2, mesh=mesh)
+    stateful = leanstep.StepSpec.from_keywords(**short, has_state=True)
+    plain = leanstep.StepSpec.from_keywords(**short)
+    assert (stateful.sharding.reduce, plain.sharding.reduce) == ("microbatch", "auto")
+    assert step_settings(stateful, mesh).layer.reduce == "microbatch"
+    assert step_settings(stateful, mesh).layer.mesh is mesh and stateful.accumulation.split == "strided"
     layer = ShardingLayer(mesh, reduce="step")
-    assert step_settings(None, None, layer, short={**short, "has_state": False}).layer is layer
+    assert step_settings(leanstep.StepSpec.from_keywords(mesh=layer), layer).layer is layer

@@ -9,7 +9,9 @@
     update_offload.py  offload_opt_state: the optimizer state in host memory, a chunk at a time on the device
     state_sharding.py  where a train state lives on a mesh
     sharding_layer.py  stage 3, ShardingLayer: both stages over a mesh, one reduction
-    settings.py        StepSettings: loss contract, accumulation, layer; refusals in one place
+    spec.py            StepSpec: every setting of a step as one value, checked once, to and from JSON
+    spec_parts.py      LossScaleSpec, MeshLayout: the spec's loss scale and layout, as data
+    settings.py        StepSettings: a spec placed on its mesh (the layer), the mesh's refusals
     train_step.py      make_train_step: the three composed, jitted, inputs checked
 
 What the loss takes and returns (:class:`leanstep.LossContract`) and how the batch is walked
@@ -19,6 +21,7 @@ What the loss takes and returns (:class:`leanstep.LossContract`) and how the bat
 from leanstep.step.gradients import Gradients, gradient_stage
 from leanstep.step.settings import StepSettings, step_settings
 from leanstep.step.sharding_layer import REDUCTIONS, ShardingLayer
+from leanstep.step.spec import LossScaleSpec, MeshLayout, StepSpec
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.state_sharding import shard_train_state, state_shardings
 from leanstep.step.train_step import JittedTrainStep, make_train_step
@@ -30,9 +33,12 @@ __all__ = [
     "Gradients",
     "GuardedState",
     "JittedTrainStep",
+    "LossScaleSpec",
+    "MeshLayout",
     "ShardingLayer",
     "StepMetrics",
     "StepSettings",
+    "StepSpec",
     "TrainState",
     "UpdateInfo",
     "gradient_stage",

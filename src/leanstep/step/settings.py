@@ -1,27 +1,24 @@
-"""A step's settings as three values, made and checked in one place.
+"""A :class:`leanstep.StepSpec` placed on its mesh: the values :func:`leanstep.make_train_step` composes.
 
 .. code-block:: text
 
-    LossContract    what the loss takes and returns           (leanstep.blocks.loss_contract)
-    Accumulation    microbatches, split, unroll               (leanstep.blocks.accumulation)
-    ShardingLayer   the mesh, its rules, where to reduce      (leanstep.step.sharding_layer)
-    update_chunk    the update's largest chunk                (leanstep.step.update_chunks)
+    StepSpec        every setting, checked once                 (leanstep.step.spec)
+    ShardingLayer   the spec's layout on the mesh given         (leanstep.step.sharding_layer)
 
-:func:`step_settings` turns the keywords of :func:`leanstep.make_train_step` into these values
-and refuses every combination that cannot work, here and nowhere else.
+:func:`step_settings` adds what only the mesh can tell: a model state whose reduction would let it
+differ between devices (``reduce="auto"`` over replica axes). Every other refusal is the spec's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jax.sharding import Mesh
 
 from leanstep.blocks.accumulation import Accumulation
-from leanstep.blocks.loss_contract import LossContract, loss_contract_of
 from leanstep.step.sharding_layer import ShardingLayer
-from leanstep.step.update_chunk_plan import check_update_chunk
+from leanstep.step.spec import MeshLayout, StepSpec
+from leanstep.step.spec_parts import axes_text
 
 __all__ = ["StepSettings", "step_settings"]
 
@@ -31,91 +28,78 @@ class StepSettings:
     """What :func:`leanstep.make_train_step` composes, checked together.
 
     Attributes:
-      loss: what the loss takes and returns.
-      accumulation: how the batch is walked; with a mesh, the split is strided unless given
-        (the layer adds its constraint: :meth:`ShardingLayer.split`).
+      spec: the step's settings.
       layer: the sharding layer, or None on one device.
-      update_chunk: the most entries one chunk of the optimizer's update widens at a time
-        (:func:`leanstep.guarded_update`): ``"auto"``, a positive int, or None (the whole tree).
     """
 
-    loss: LossContract
-    accumulation: Accumulation
+    spec: StepSpec
     layer: ShardingLayer | None
-    update_chunk: int | str | None = "auto"
 
     @property
     def stage_accumulation(self) -> Accumulation:
         """The accumulation the gradient stage runs: on a mesh, its microbatches constrained by the layer."""
+        accumulation = self.spec.accumulation
         if self.layer is None:
-            return self.accumulation
+            return accumulation
         # Token-weighted over manual axes, each device hands on its sums (a device without tokens: 0, not 0/0).
-        sums = self.loss.token_weighted and bool(self.layer.manual_axes)
-        return self.accumulation.replace(split=self.layer.split(self.accumulation.splitter), divide=not sums)
+        sums = self.spec.loss.token_weighted and bool(self.layer.manual_axes)
+        return accumulation.replace(split=self.layer.split(accumulation.splitter), divide=not sums)
 
 
-def step_settings(
-    loss: LossContract | None,
-    accumulation: Accumulation | None,
-    mesh: Mesh | ShardingLayer | None,
-    *,
-    short: dict[str, Any],
-    update_chunk: Any = "auto",
-) -> StepSettings:
-    """The step's three values, every combination that cannot work refused (the one place).
+def step_settings(spec: StepSpec, mesh: Mesh | ShardingLayer | None) -> StepSettings:
+    """``spec`` on ``mesh`` (None: one device), with the refusals only the mesh can tell.
 
     Args:
-      loss: the loss contract, or None: made from ``short``.
-      accumulation: the accumulation, or None: made from ``short``.
-      mesh: a ``Mesh``, a :class:`ShardingLayer`, or None.
-      short: the short-form keywords of :func:`leanstep.make_train_step` (``has_aux`` ...
-        ``unroll``), as given; ``split`` None means not chosen (contiguous; strided on a mesh).
-      update_chunk: ``"auto"``, a positive int or None (:func:`leanstep.guarded_update`).
+      spec: the step's settings.
+      mesh: a ``Mesh`` (laid out by ``spec.sharding``, or the defaults: once per microbatch with a
+        model state), a :class:`ShardingLayer` (taken as it is), or None.
 
     Raises:
-      TypeError: a value of the wrong type.
-      ValueError: a bad ``update_chunk``; a value beside its short-form keywords; a model state
-        with a reduction that would let it differ between devices; a presplit batch on a mesh.
+      TypeError: ``mesh`` neither a Mesh nor a layer.
+      ValueError: a mesh whose axes, or a layer whose layout, differ from ``spec.sharding``; a model
+        state with a reduction that would let it differ between devices.
     """
-    update_chunk = check_update_chunk(update_chunk)
-    flags = {k: short[k] for k in ("has_aux", "token_weighted", "uses_rng", "has_state") if short[k]}
-    loss = loss_contract_of(loss, flags)
-    split = short["split"]
-    split_given = split is not None or accumulation is not None
-    if accumulation is None:
-        accumulation = Accumulation(
-            short["num_microbatches"], "contiguous" if split is None else split, short["unroll"]
-        )
-    elif not isinstance(accumulation, Accumulation):
-        raise TypeError(f"accumulation must be a leanstep.Accumulation, got {type(accumulation).__name__}")
-    elif (short["num_microbatches"], split, short["unroll"]) != (1, None, 1):
-        raise ValueError("give num_microbatches, split and unroll inside accumulation=Accumulation(...), not beside it")
-    if not accumulation.divide:
-        raise ValueError(
-            "Accumulation(divide=False) hands on sums for a caller that reduces them itself; make_train_step "
-            "divides (and, token-weighted on a mesh, sums across devices first): leave divide=True"
-        )
-    layer = _layer(mesh, has_state=loss.has_state)
-    if layer is None:
-        return StepSettings(loss, accumulation, None, update_chunk)
-    if loss.has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
+    if not isinstance(spec, StepSpec):
+        raise TypeError(f"spec must be a leanstep.StepSpec, got {type(spec).__name__}")
+    if mesh is None:
+        return StepSettings(spec, None)
+    has_state = spec.loss.has_state
+    layout = spec.sharding
+    if layout is None:
+        layer = mesh if isinstance(mesh, ShardingLayer) else _layer(MeshLayout.of(mesh, has_state=has_state), mesh)
+    else:
+        layer = _layer(layout, mesh)
+    if has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
         raise ValueError(
             f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
             "device would differ between devices that reduce their gradient once per step; use "
             "reduce='microbatch' (the default with has_state)"
         )
-    if accumulation.split == "presplit":
+    if spec.accumulation.split == "presplit":
         raise ValueError(
             "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
             f"{layer.data_axis!r}, and the sharding layer splits it into strided microbatches"
         )
-    return StepSettings(
-        loss, accumulation if split_given else accumulation.replace(split="strided"), layer, update_chunk
-    )
+    return StepSettings(spec, layer)
 
 
-def _layer(mesh: Mesh | ShardingLayer | None, *, has_state: bool) -> ShardingLayer | None:
-    if mesh is None or isinstance(mesh, ShardingLayer):
-        return mesh
-    # Batch statistics must see whole microbatches, as on one device.
-    return ShardingLayer(mesh, reduce="microbatch" if has_state else "auto")
+def _layer(layout: MeshLayout, mesh: Mesh | ShardingLayer) -> ShardingLayer:
+    """The sharding layer of ``layout`` on ``mesh`` (a layer given is taken as it is, if its layout is this one).
+
+    Raises:
+      ValueError: the mesh's axes, or the layer's layout, differ from ``layout``.
+    """
+    given = mesh if isinstance(mesh, ShardingLayer) else None
+    if isinstance(mesh, ShardingLayer):
+        layer = mesh
+    else:
+        layer = ShardingLayer(mesh, data_axis=layout.data_axis, fsdp=layout.fsdp, reduce=layout.reduce)
+    found = MeshLayout.of(layer)
+    if layout.axes is not None and found.axes != layout.axes:
+        raise ValueError(f"sharding.axes is {axes_text(layout.axes)} but the mesh given has {axes_text(found.axes)}")
+    if given is not None and dataclasses.replace(found, axes=layout.axes) != layout:
+        raise ValueError(
+            f"the ShardingLayer given lays the step out as {found}, the spec as {layout}: give the layout once "
+            "(a plain Mesh with the spec's sharding, or the layer with the spec's sharding=None)"
+        )
+    return layer

@@ -51,13 +51,11 @@ from leanstep.sharding.partition_rules import (
     param_path,
 )
 from leanstep.step.gradients import Gradients, data_shards
+from leanstep.step.spec_parts import REDUCTIONS  # the values of ``reduce`` (see the module doc)
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.state_sharding import params_specs, state_shardings
 
 __all__ = ["REDUCTIONS", "ShardingLayer"]
-
-#: The values of ``reduce`` (see the module doc).
-REDUCTIONS = ("auto", "step", "microbatch")
 
 # The parameters' specs, from their global shapes, while a step is traced (inside the
 # shard_map the parameters have local shapes, from which the specs cannot be told).

@@ -17,12 +17,11 @@ import optax
 
 from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.loss_scale import LossScale
-from leanstep.blocks.loss_scale_registry import get_loss_scale
-from leanstep.blocks.masters import check_master, master_dtype
+from leanstep.blocks.masters import master_dtype
 from leanstep.blocks.moments import compress_moments
-from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_optimizer, is_int
 from leanstep.step.param_checks import check_params
+from leanstep.step.spec import StepSpec
 
 __all__ = ["StepMetrics", "TrainState"]
 
@@ -91,13 +90,11 @@ class TrainState:
         cls,
         params: Any,
         optimizer: optax.GradientTransformation,
+        spec: StepSpec | None = None,
         *,
-        loss_scale: str | LossScale = "none",
         seed: int = 0,
         model_state: Any = None,
-        master: Any = "float32",
-        moments: str = "float32",
-        spike_guard: SpikeGuard | None = None,
+        **short: Any,
     ) -> TrainState:
         """Builds the state at step 0.
 
@@ -110,27 +107,29 @@ class TrainState:
           params: a pytree of concrete floating-point arrays; they are stored as float32 masters.
           optimizer: any ``optax.GradientTransformation``; its ``init`` builds ``opt_state``
             and the train step applies it.
-          loss_scale: ``"dynamic"``, ``"none"`` or a loss-scale instance (a static scale needs
-            its value: ``StaticLossScale.create(1024.0)``).
+          spec: the step's :class:`leanstep.StepSpec`, whose ``loss_scale``, ``master``,
+            ``moments`` and ``spike_guard`` the state is built with (the same value the step is
+            built from, so the two agree by construction); None: built from ``short``.
           seed: the seed of ``rng``, an int in ``[0, 2**32 - 1]`` (``[0, 2**63 - 1]`` under
             ``jax_enable_x64``): without x64 a PRNG key keeps 32 bits of the seed, so a wider
             seed would give the run of another.
           model_state: a pytree of arrays the model carries besides its parameters (kept in
             its own dtypes), or None.
-          master: ``"float32"`` masters, or bfloat16 ones with stochastic rounding,
-            ``"bfloat16-sr"`` (2 bytes a weight) or ``"bfloat16-sr-kahan"`` (and a bfloat16
-            buffer of what rounding lost). Round-to-nearest bfloat16 is refused.
-          moments: the optimizer's moments kept as ``"float32"``, ``"bfloat16"`` or ``"int8"``
-            (8-bit blocks; :func:`leanstep.compress_moments` wraps ``optimizer``).
-          spike_guard: a :class:`leanstep.SpikeGuard`: the state carries its (empty) window, for
-            ``make_train_step(..., spike_guard=...)``; None: none.
+          **short: in place of ``spec``, its four fields as keywords: ``loss_scale``
+            (``"dynamic"``, ``"none"``, a number (static) or a loss-scale instance, kept as it
+            is), ``master`` (``"float32"``, or bfloat16 with stochastic rounding,
+            ``"bfloat16-sr"`` or ``"bfloat16-sr-kahan"``; round-to-nearest bfloat16 is refused),
+            ``moments`` (``"float32"``, ``"bfloat16"`` or ``"int8"``:
+            :func:`leanstep.compress_moments` wraps ``optimizer``) and ``spike_guard`` (a
+            :class:`leanstep.SpikeGuard`, whose empty window the state carries).
 
         Raises:
           TypeError: a parameter leaf is not a floating-point array (a framework's
             non-parameter variables among them are named, with the split to use) or is a
             ``jax.ShapeDtypeStruct``, ``optimizer`` is not a hashable ``GradientTransformation``,
-            ``seed`` is not an int, ``loss_scale`` is neither a name nor a loss scale, or a
-            ``model_state`` leaf is not a concrete array.
+            ``seed`` is not an int, ``loss_scale`` is neither a name nor a loss scale, a
+            ``model_state`` leaf is not a concrete array, a keyword that is none of the four, or a
+            spec and keywords both.
           ValueError: ``params`` has no leaves, ``seed`` is out of range, or ``master`` or
             ``moments`` is not one of their forms (plain bfloat16 masters: why, and what works).
 
@@ -156,16 +155,7 @@ class TrainState:
                 f"seed must be an int in [0, 2**{bits} - 1], got {seed!r}"
                 + ("" if bits == 63 else "; a PRNG key keeps 32 bits of the seed without jax_enable_x64")
             )
-        if not isinstance(loss_scale, (str, LossScale)):
-            raise TypeError(
-                f"loss_scale must be 'dynamic', 'static', 'none' or a LossScale (e.g. "
-                f"leanstep.StaticLossScale.create(1024.0)), got {type(loss_scale).__name__} {loss_scale!r}"
-            )
-        if isinstance(loss_scale, str) and loss_scale.strip().lower() == "static":
-            raise ValueError(
-                "loss_scale='static' needs its scale: pass loss_scale=leanstep.StaticLossScale.create(S) "
-                "(e.g. S=1024.0)"
-            )
+        spec, loss_scale = _spec_of(spec, short)
         check_params(params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
             where = f"model_state{jax.tree_util.keystr(path)}"
@@ -176,8 +166,8 @@ class TrainState:
                 )
             if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
                 raise TypeError(f"{where} is a {type(leaf).__name__}; the model state must be a pytree of arrays")
-        master = check_master(master)
-        optimizer = compress_moments(optimizer, moments)  # the optimizer itself for "float32"
+        master, spike_guard = spec.master, spec.spike_guard
+        optimizer = compress_moments(optimizer, spec.moments)  # the optimizer itself for "float32"
         params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
         trainable, fp8 = split_fp8(params)  # the optimizer and the masters' format: trainable only
         kept = jax.tree.map(lambda p: p.astype(master_dtype(master)), trainable)
@@ -186,7 +176,7 @@ class TrainState:
             step=jnp.zeros((), jnp.int32),
             params=merge_fp8(kept, fp8),
             opt_state=optimizer.init(trainable),  # of float32 values: moments float32 unless compressed
-            loss_scale=get_loss_scale(loss_scale),
+            loss_scale=loss_scale,
             rng=jax.random.key_data(jax.random.key(seed)),
             consecutive_skips=jnp.zeros((), jnp.int32),
             model_state=jax.tree.map(jnp.asarray, model_state),
@@ -202,6 +192,39 @@ class TrainState:
     def replace(self, **changes: Any) -> TrainState:
         """A copy with ``changes`` applied (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+
+#: The keywords :meth:`TrainState.create` takes in place of a spec: the state's fields of a :class:`StepSpec`.
+_STATE_KEYWORDS = ("loss_scale", "master", "moments", "spike_guard")
+
+
+def _spec_of(spec: StepSpec | None, short: dict[str, Any]) -> tuple[StepSpec, LossScale]:
+    """The spec :meth:`TrainState.create` builds from, and the initial loss scale (a loss-scale
+    instance given as a keyword is kept as it is: its counters, or its own class)."""
+    unknown = sorted(set(short) - set(_STATE_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"TrainState.create() got an unexpected keyword argument {unknown[0]!r}; it takes a spec or "
+            f"{', '.join(_STATE_KEYWORDS)}"
+        )
+    if spec is not None:
+        if not isinstance(spec, StepSpec):
+            raise TypeError(f"spec must be a leanstep.StepSpec or None, got {type(spec).__name__}")
+        if short:
+            raise TypeError(
+                f"TrainState.create got a spec and the keywords {', '.join(sorted(short))}: give them once, in "
+                "the spec (spec.replace(...)) or as keywords"
+            )
+        return spec, spec.loss_scale.make()
+    given = short.get("loss_scale", "none")
+    if not isinstance(given, (str, LossScale)):  # a number is a static scale in a StepSpec, not here (0.11's form)
+        raise TypeError(
+            f"loss_scale must be 'dynamic', 'static', 'none' or a LossScale (e.g. "
+            f"leanstep.StaticLossScale.create(1024.0)), got {type(given).__name__} {given!r}"
+        )
+    kept = given if isinstance(given, LossScale) else None
+    spec = StepSpec.from_keywords(**{**short, "loss_scale": "none" if kept is not None else given})
+    return spec, spec.loss_scale.make() if kept is None else kept
 
 
 class StepMetrics(NamedTuple):

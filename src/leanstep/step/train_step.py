@@ -9,18 +9,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.fp8_state import split_fp8
-from leanstep.blocks.loss_contract import LossContract
 from leanstep.blocks.masters import master_dtype
-from leanstep.blocks.microbatches import Splitter
-from leanstep.blocks.precision import Precision
-from leanstep.blocks.spike_guard import SpikeGuard
-from leanstep.common.checks import INT32_MAX, check_bool, check_positive
+from leanstep.common.checks import INT32_MAX, check_bool
 from leanstep.common.removed import refuses_removed_keywords
 from leanstep.step.gradients import gradient_stage
 from leanstep.step.settings import step_settings
 from leanstep.step.sharding_layer import ShardingLayer, manual_constraint_error
+from leanstep.step.spec import StepSpec
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.update import guarded_update
 
@@ -43,75 +39,33 @@ class JittedTrainStep(Protocol):
 @overload
 def make_train_step(
     loss_fn: Callable[..., Any],
-    optimizer: None = ...,
+    spec: StepSpec | None = ...,
     *,
-    precision: str | Precision = ...,
-    num_microbatches: int = ...,
-    max_grad_norm: float | None = ...,
-    has_aux: bool = ...,
-    token_weighted: bool = ...,
-    uses_rng: bool = ...,
-    has_state: bool = ...,
-    split: str | Splitter | None = ...,
-    unroll: int | bool = ...,
-    cast_batch: bool = ...,
-    jit: Literal[True] = ...,
-    donate: bool = ...,
     mesh: Mesh | ShardingLayer | None = ...,
-    loss: LossContract | None = ...,
-    accumulation: Accumulation | None = ...,
-    spike_guard: SpikeGuard | None = ...,
-    update_chunk: int | str | None = ...,
+    jit: Literal[True] = ...,
+    **short: Any,
 ) -> JittedTrainStep: ...
 
 
 @overload
 def make_train_step(
     loss_fn: Callable[..., Any],
-    optimizer: None = ...,
+    spec: StepSpec | None = ...,
     *,
-    precision: str | Precision = ...,
-    num_microbatches: int = ...,
-    max_grad_norm: float | None = ...,
-    has_aux: bool = ...,
-    token_weighted: bool = ...,
-    uses_rng: bool = ...,
-    has_state: bool = ...,
-    split: str | Splitter | None = ...,
-    unroll: int | bool = ...,
-    cast_batch: bool = ...,
-    jit: bool,
-    donate: bool = ...,
     mesh: Mesh | ShardingLayer | None = ...,
-    loss: LossContract | None = ...,
-    accumulation: Accumulation | None = ...,
-    spike_guard: SpikeGuard | None = ...,
-    update_chunk: int | str | None = ...,
+    jit: bool,
+    **short: Any,
 ) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]: ...
 
 
 @refuses_removed_keywords("make_train_step")
 def make_train_step(
     loss_fn: Callable[..., Any],
-    optimizer: None = None,
+    spec: StepSpec | None = None,
     *,
-    precision: str | Precision = "float32",
-    num_microbatches: int = 1,
-    max_grad_norm: float | None = None,
-    has_aux: bool = False,
-    token_weighted: bool = False,
-    uses_rng: bool = False,
-    has_state: bool = False,
-    split: str | Splitter | None = None,
-    unroll: int | bool = 1,
-    cast_batch: bool = True,
-    jit: bool = True,
-    donate: bool = True,
     mesh: Mesh | ShardingLayer | None = None,
-    loss: LossContract | None = None,
-    accumulation: Accumulation | None = None,
-    spike_guard: SpikeGuard | None = None,
-    update_chunk: int | str | None = "auto",
+    jit: bool = True,
+    **short: Any,
 ) -> JittedTrainStep | Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     r"""Builds ``step(state, batch) -> (state, metrics)``: one compiled, correctly ordered train step.
 
@@ -133,48 +87,22 @@ def make_train_step(
     :class:`leanstep.ShardingLayer` around both. The optimizer is the state's
     (:meth:`TrainState.create`).
 
-    The settings are three values (:mod:`leanstep.step.settings` checks them together):
-    ``loss=`` a :class:`leanstep.LossContract`, ``accumulation=`` a
-    :class:`leanstep.Accumulation` and ``mesh=`` a ``Mesh`` or a
-    :class:`leanstep.ShardingLayer`. The keywords ``has_aux`` ... ``unroll`` are the short
-    form of the first two, for the common case; give either form, not both.
+    Its settings are one value, a :class:`leanstep.StepSpec` (checked once, with a JSON form);
+    the short keywords (``precision=``, ``num_microbatches=``, ``max_grad_norm=``, ``has_aux=``,
+    ``loss=``, ``accumulation=``, ... : :meth:`StepSpec.from_keywords`) are a thin way to build it.
+    Give the spec or the keywords, not both.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)`` with
         ``uses_rng``) returning a scalar loss, ``(loss, aux)`` with ``has_aux``, or
         ``(loss_sum, count)`` with ``token_weighted`` (then the loss is the whole batch's
         ``sum / count``, not a mean of microbatch means; with ``has_aux`` too,
-        ``((loss_sum, count), aux)``). It receives params (and, with ``cast_batch``, the
-        batch's floating leaves) in the compute dtype.
-      optimizer: no longer taken (a TypeError says so): the optimizer is given once, to
-        :meth:`TrainState.create`.
-      precision: a :class:`Precision` or its string form, e.g.
-        ``"params=float32,compute=bfloat16,output=float32"``; with ``strict`` the
-        loss runs under :func:`strict_precision`.
-      num_microbatches: static number of equal microbatches the batch is split into.
-      max_grad_norm: clip the accumulated gradient to this global norm; None: no clipping.
-      has_aux: ``loss_fn`` also returns aux; it comes back in the metrics, stacked over
-        microbatches.
-      token_weighted: ``loss_fn`` returns ``(loss_sum, count)``.
-      uses_rng: pass ``fold_in(fold_in(state.rng, step), j)`` to microbatch ``j``'s loss.
-      cast_batch: cast the batch's floating leaves to the compute dtype (integer
-        leaves such as token ids are left alone). Without it a float32 input would
-        silently promote a bf16 matmul back to float32.
-      has_state: the model carries ``state.model_state`` (batch statistics, counters):
-        ``loss_fn(params, model_state, batch[, key])`` returns ``(out, new_model_state)``
-        with ``out`` as above; the state is threaded through the microbatches in order and
-        kept only if the step is applied.
-      split: how the batch becomes microbatches (see :mod:`leanstep.blocks.microbatches`);
-        None: ``"contiguous"``, or ``"strided"`` with a mesh (so no row moves between
-        devices: the full-batch loss and gradient are the same, per-microbatch ``aux``
-        and keys follow the strided rows, the same on any device count).
-      unroll: forwarded to the microbatch ``lax.scan``; ``True`` unrolls it (on XLA:CPU
-        convolutions in a loop run several times slower; unrolled microbatches cost memory).
-        One microbatch never runs in a scan.
-      jit: compile the step with ``jax.jit`` (the step then has the jitted function's
-        ``lower``, ``trace`` and ``eval_shape``).
-      donate: donate the state's buffers to the step (only with ``jit``); the
-        state passed in must not be used again (a call with it raises a ValueError).
+        ``((loss_sum, count), aux)``); with ``has_state``, ``loss_fn(params, model_state,
+        batch[, key])`` returning ``(out, new_model_state)``. It receives params (and, with
+        ``cast_batch``, the batch's floating leaves) in the compute dtype.
+      spec: the step's settings (:class:`leanstep.StepSpec`: precision, loss contract,
+        accumulation, clipping, spike guard, update chunks, donation, layout); None: built from
+        ``short``. The optimizer is not taken (a TypeError says so): it is the state's.
       mesh: run sharded on this device mesh through :class:`leanstep.ShardingLayer` (or
         through the layer given): the axes have roles by name (an ``"fsdp"`` axis splits
         the parameters, a ``"tensor"`` axis is tensor parallel, every other axis is data
@@ -182,42 +110,32 @@ def make_train_step(
         batch axes, the state is laid out by :func:`leanstep.state_shardings` (inputs laid
         out differently are resharded; lay them out once with
         :func:`leanstep.shard_train_state` and :func:`leanstep.shard_batch`); finiteness is
-        decided on the reduced gradient, so every device skips the same steps. None: one
-        device. With ``has_state`` a plain ``Mesh`` reduces once per microbatch
-        (``ShardingLayer(mesh, reduce="microbatch")``).
-      loss: what ``loss_fn`` takes and returns, as one value (in place of ``has_aux``,
-        ``token_weighted``, ``uses_rng`` and ``has_state``).
-      accumulation: how the batch is walked, as one value (in place of
-        ``num_microbatches``, ``split`` and ``unroll``; its split is used as given, on a
-        mesh too).
-      spike_guard: a :class:`leanstep.SpikeGuard`: a finite step whose loss or gradient norm
-        leaps past the state's window is skipped (``metrics.spiked``), decided in the step on
-        the reduced values; the state is built with the same guard (``TrainState.create``).
-      update_chunk: apply the optimizer in chunks of at most this many entries, one at a time,
-        so that one chunk's float32 widening of masters and moments is live at once
-        (bit-identical to the whole tree; :mod:`leanstep.step.update_chunks`). ``"auto"``:
-        chunks of ``2**22`` entries for a lean state (bfloat16 masters or compressed moments)
-        where the optimizer allows it (no transformation that mixes parameters), else the whole
-        tree; None: the whole tree at once.
+        decided on the reduced gradient, so every device skips the same steps. A plain ``Mesh``
+        is laid out by ``spec.sharding`` (its axes checked against the mesh's), or by the
+        layer's defaults (with ``has_state``, ``reduce="microbatch"``). The short form's split
+        is strided on a mesh (no row moves between devices); a spec's is used as given.
+        None: one device.
+      jit: compile the step with ``jax.jit`` (the step then has the jitted function's
+        ``lower``, ``trace`` and ``eval_shape``); with ``spec.donate`` the state passed in is
+        donated and must not be used again (a call with it raises a ValueError).
+      **short: the keywords of :meth:`StepSpec.from_keywords`, in place of ``spec``.
 
     Returns:
       The step function.
 
     Raises:
-      ValueError: ``num_microbatches`` < 1, ``max_grad_norm`` not a normal, finite float32 > 0,
-        a ``precision`` whose params dtype is not float32 (the masters are float32:
-        :func:`leanstep.blocks.precision.check_train_precision`), ``split="presplit"`` with a
-        mesh, a model state with a reduction that lets it differ between devices, a value and
-        its short-form keywords both given; at trace time, the batch not divisible by
-        ``num_microbatches`` (times the data-axis size, with a mesh), ``state.params`` not
-        float32, ``state.opt_state`` not built by the optimizer applied, a token count that is
-        not a scalar, or a ``"save:NAME"`` remat policy naming a tag the loss never sets; at
-        call time, an input array that was deleted (a donated state used again).
-      TypeError: ``loss_fn`` not callable, ``jit`` or ``donate`` not a bool, ``mesh`` not a
-        ``jax.sharding.Mesh``, an ``optimizer``, a keyword removed in 0.12 (``fsdp=``, ``data_axis=``,
-        ``rules=``, ``reduce=``: the TypeError names ``mesh=ShardingLayer(mesh, ...)``); at trace
-        time, ``state`` not a :class:`TrainState`; at call time, a ``jax.ShapeDtypeStruct`` or
-        non-array leaf in the state or batch.
+      ValueError: a setting refused by :class:`StepSpec` (named); a mesh that differs from
+        ``spec.sharding``, a model state with a reduction that lets it differ between devices;
+        at trace time, the batch not divisible by ``num_microbatches`` (times the data-axis size,
+        with a mesh), ``state.params`` not float32, ``state.opt_state`` not built by the optimizer
+        applied, a token count that is not a scalar, or a ``"save:NAME"`` remat policy naming a
+        tag the loss never sets; at call time, an input array that was deleted (a donated state
+        used again).
+      TypeError: ``loss_fn`` not callable, ``jit`` not a bool, ``mesh`` not a ``Mesh``, an
+        optimizer, a spec and short keywords both, an unknown keyword or one removed in 0.12
+        (``fsdp=``, ``data_axis=``, ``rules=``, ``reduce=``: the TypeError names
+        ``mesh=ShardingLayer(mesh, ...)``); at trace time, ``state`` not a :class:`TrainState`; at
+        call time, a ``jax.ShapeDtypeStruct`` or non-array leaf in the state or batch.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -231,24 +149,17 @@ def make_train_step(
       >>> float(metrics.loss), float(metrics.grad_norm), bool(metrics.skipped), bool(metrics.clipped)
       (1.0, 2.828..., False, True)
     """
-    if optimizer is not None:
-        raise TypeError(
-            "make_train_step takes no optimizer since leanstep 0.8 (deprecated since 0.2): give it once, to "
-            "TrainState.create(params, optimizer); the step applies the state's"
-        )
-    max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
-    jit, donate = check_bool("jit", jit), check_bool("donate", donate)
-    short: dict[str, Any] = dict(has_aux=has_aux, token_weighted=token_weighted, uses_rng=uses_rng, has_state=has_state)
-    short.update(num_microbatches=num_microbatches, split=split, unroll=unroll)
-    settings = step_settings(loss, accumulation, mesh, short=short, update_chunk=update_chunk)
-    contract, accumulation, layer = settings.loss, settings.accumulation, settings.layer
+    spec = _spec_of(spec, short, mesh)
+    jit = check_bool("jit", jit)
+    settings = step_settings(spec, mesh)
+    contract, accumulation, layer = spec.loss, spec.accumulation, settings.layer
     num_microbatches = accumulation.num_microbatches
     gradients = gradient_stage(
         loss_fn,
-        precision=precision,
+        precision=spec.precision,
         accumulation=settings.stage_accumulation,
         loss=contract,
-        cast_batch=cast_batch,
+        cast_batch=spec.cast_batch,
         params_layout=None if layer is None else layer.model_params,
     )
     if layer is not None:
@@ -261,10 +172,10 @@ def make_train_step(
             state,
             grads.grads,
             loss=grads.loss,
-            max_grad_norm=max_grad_norm,
+            max_grad_norm=spec.max_grad_norm,
             model_state=grads.model_state,
-            spike_guard=spike_guard,
-            update_chunk=settings.update_chunk,
+            spike_guard=spec.spike_guard,
+            update_chunk=spec.update_chunk,
         )
         new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1)
         return new_state, StepMetrics(
@@ -296,7 +207,25 @@ def make_train_step(
 
     if not jit:
         return step
-    return _CheckedStep(jax.jit(step, donate_argnums=(0,) if donate else ()), donate)
+    return _CheckedStep(jax.jit(step, donate_argnums=(0,) if spec.donate else ()), spec.donate)
+
+
+def _spec_of(spec: Any, short: dict[str, Any], mesh: Mesh | ShardingLayer | None) -> StepSpec:
+    """The step's spec: ``spec``, or the one the short keywords build (a mesh gives it its layout)."""
+    if spec is None:
+        return StepSpec.from_keywords(**short, mesh=mesh)
+    if not isinstance(spec, StepSpec):
+        raise TypeError(
+            f"spec must be a leanstep.StepSpec or None, got {type(spec).__name__}; make_train_step takes no "
+            "optimizer since leanstep 0.8 (deprecated since 0.2): give it once, to TrainState.create(params, "
+            "optimizer); the step applies the state's"
+        )
+    if short:
+        raise TypeError(
+            f"make_train_step got a spec and the keywords {', '.join(sorted(short))}: give the settings once, "
+            "in the spec (spec.replace(...)) or as keywords"
+        )
+    return spec
 
 
 def _check_master_dtypes(state: TrainState) -> None:

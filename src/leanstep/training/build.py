@@ -111,16 +111,8 @@ class Run:
         return self._state_of(self.init_params())
 
     def _state_of(self, params: Any) -> TrainState:
-        config = self.config  # --master and --moments: how the masters and the moments are kept
-        return TrainState.create(
-            params,
-            self.optimizer,
-            loss_scale=self.loss_scale,
-            seed=config.seed,
-            master=config.master,
-            moments=config.moments,
-            spike_guard=self.spike_guard,
-        )
+        # The step's spec: its loss scale, masters, moments and spike guard (the layout is the step's).
+        return TrainState.create(params, self.optimizer, self.config.step_spec(sharded=False), seed=self.config.seed)
 
     @property
     def spike_guard(self) -> SpikeGuard | None:
@@ -134,16 +126,11 @@ class Run:
     def make_step(self, *, mesh: Mesh | None = None, **changes: Any) -> JittedTrainStep:
         """The run's jitted train step; ``changes`` override ``microbatches``, ``remat``, ``precision``."""
         config = dataclasses.replace(self.config, **changes)
-        return make_train_step(
-            self.loss_fn(config.remat),
-            precision=config.precision,
-            num_microbatches=config.microbatches,
-            max_grad_norm=config.max_grad_norm,
-            mesh=None
-            if mesh is None
-            else ShardingLayer(mesh, fsdp=config.fsdp, rules=self.model.rules, reduce=config.reduce),
-            spike_guard=SpikeGuard.from_string(config.spike_guard),
-        )
+        spec = config.step_spec(sharded=mesh is not None)
+        layout, layer = spec.sharding, None
+        if mesh is not None and layout is not None:  # the spec's layout, with the model's partition rules
+            layer = ShardingLayer(mesh, fsdp=layout.fsdp, rules=self.model.rules, reduce=layout.reduce)
+        return make_train_step(self.loss_fn(config.remat), spec, mesh=layer)
 
 
 def build_run(config: RunConfig) -> Run:

@@ -7,6 +7,7 @@ Field names follow the command-line flags of ``leanstep train`` (``batch_size`` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -18,12 +19,13 @@ from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.blocks.masters import check_master
-from leanstep.blocks.moments import MOMENT_DTYPES
 from leanstep.blocks.precision import check_train_precision
 from leanstep.blocks.rematerialization import get_remat_policy
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import is_int, is_real
 from leanstep.models import build_model
+from leanstep.sharding.distributed import parse_mesh
+from leanstep.step.spec import LossScaleSpec, MeshLayout, StepSpec
 from leanstep.training.rollback import SpikeRollback
 from leanstep.training.run_identity import (
     ADDED_FIELDS,
@@ -166,6 +168,35 @@ class RunConfig:
             check(self)
         return self
 
+    @functools.cached_property
+    def step(self) -> StepSpec:
+        """The :class:`leanstep.StepSpec` of these flags, parsed once (:meth:`step_spec`; laid out over a
+        mesh with ``--devices`` or ``--mesh``). ``--precision auto`` is resolved first, by ``build_run``."""
+        return self.step_spec(sharded=self.devices is not None or self.mesh is not None)
+
+    def step_spec(self, *, sharded: bool) -> StepSpec:
+        """The step of these flags on one device, or over a mesh (``sharded``: strided microbatches,
+        and ``--mesh``, ``--fsdp``, ``--reduce`` as its layout). ``--remat`` is the model's loss's.
+
+        Example:
+          >>> RunConfig(precision="compute=bf16", moments="int8").step_spec(sharded=False).to_json()["moments"]
+          'int8'
+        """
+        if self.precision == "auto":
+            raise ValueError("--precision auto is chosen for the device by build_run: read run.config.step")
+        axes = None if self.mesh is None else tuple(parse_mesh(self.mesh).items())
+        return StepSpec.from_keywords(
+            precision=self.precision,
+            num_microbatches=self.microbatches,
+            max_grad_norm=self.max_grad_norm,
+            loss_scale=LossScaleSpec(self.loss_scale, None if self.loss_scale == "none" else self.initial_loss_scale),
+            fp8=self.fp8,
+            master=self.master,
+            moments=self.moments,
+            spike_guard=self.spike_guard,
+            sharding=MeshLayout(axes, fsdp=self.fsdp, reduce=self.reduce) if sharded else None,
+        )
+
     def make_loss_scale(self) -> LossScale:
         """The run's initial loss scale: ``--loss-scale`` at ``--initial-loss-scale`` (none: no scale)."""
         return get_loss_scale(self.loss_scale, None if self.loss_scale == "none" else self.initial_loss_scale)
@@ -290,12 +321,6 @@ def _check_float32s(config: RunConfig) -> None:
         )
 
 
-def _check_moments(moments: Any) -> str:
-    if moments not in MOMENT_DTYPES:
-        raise ValueError(f"the optimizer's moments are kept as one of {', '.join(MOMENT_DTYPES)}, got {moments!r}")
-    return moments
-
-
 def _check_parts(config: RunConfig) -> None:
     """The names and paths: schedule, ``--out``/``--data``, precision, remat, loss scale, the model."""
     if config.schedule not in SCHEDULES:
@@ -308,7 +333,7 @@ def _check_parts(config: RunConfig) -> None:
         ("--remat", get_remat_policy, config.remat),
         ("--fp8", Fp8Recipe.from_string, config.fp8),
         ("--master", check_master, config.master),
-        ("--moments", _check_moments, config.moments),
+        ("--moments", lambda moments: StepSpec(moments=moments), config.moments),
         ("--spike-guard", SpikeGuard.from_string, config.spike_guard),
         ("--spike-rollback", SpikeRollback.from_string, config.spike_rollback),
     ):

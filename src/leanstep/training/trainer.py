@@ -300,6 +300,7 @@ def _run_info(
     run, mesh = setup.run, setup.mesh
     return {
         "run": config.to_json(),
+        "step": config.step_spec(sharded=mesh is not None).to_json(),  # the StepSpec the step was built from
         "corpus": setup.described,
         "model_config": dataclasses.asdict(run.model.config),
         "parameters": int(sum(x.size for x in jax.tree.leaves(template.params))),

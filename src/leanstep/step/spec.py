@@ -1,0 +1,310 @@
+"""What a train step is, as one value: :class:`StepSpec`, checked in one place and written to and
+read from JSON, so that ``config.json``, ``leanstep plan``, ``verify`` and ``train`` read and
+write the same value.
+
+.. code-block:: text
+
+    field          what                                              read by
+    precision      params / compute / output dtypes                  make_train_step
+    loss           what the loss takes and returns                   make_train_step
+    accumulation   microbatches, split, unroll                       make_train_step
+    max_grad_norm  clip the accumulated gradient (None: no clipping) make_train_step
+    loss_scale     none, dynamic or static (a LossScaleSpec)         TrainState.create
+    fp8            the model's FP8 recipe, or None                   the model's builder (build_run)
+    master         how the masters are kept                          TrainState.create
+    moments        how the optimizer's moments are kept              TrainState.create
+    update_chunk   the update's largest chunk                        make_train_step
+    spike_guard    a SpikeGuard, or None                             both
+    cast_batch     the batch's floats cast to the compute dtype      make_train_step
+    donate         the state's buffers donated to the step           make_train_step
+    sharding       a MeshLayout (None: the mesh's defaults)          make_train_step, given a mesh
+
+Remat is not here: it is the model's (the loss takes the policy; :func:`leanstep.remat` wraps a
+block), and so are the partition rules (``ShardingLayer(mesh, rules=model.rules)``). The FP8
+recipe is here because it is part of what a run's step computes; the step itself reads the FP8
+state from the parameters, so it is the model's builder that takes ``spec.fp8``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from leanstep.blocks.accumulation import Accumulation
+from leanstep.blocks.fp8 import Fp8Recipe
+from leanstep.blocks.loss_contract import LossContract, loss_contract_of
+from leanstep.blocks.masters import check_master
+from leanstep.blocks.microbatches import Splitter
+from leanstep.blocks.moments import MOMENT_DTYPES
+from leanstep.blocks.precision import Precision, check_train_precision
+from leanstep.blocks.spike_guard import SpikeGuard
+from leanstep.common.checks import check_bool, check_positive
+from leanstep.step.spec_parts import LossScaleSpec, MeshLayout
+from leanstep.step.update_chunk_plan import check_update_chunk
+
+__all__ = ["LossScaleSpec", "MeshLayout", "StepSpec"]
+
+# The defaults (values: frozen, shared).
+_FLOAT32 = Precision.from_string("float32")
+_PLAIN_LOSS = LossContract()
+_ONE_MICROBATCH = Accumulation()
+_NO_LOSS_SCALE = LossScaleSpec()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """Every setting of a train step, as one value (see the module doc for who reads which field).
+
+    Each field also takes its short form, made into the value here: ``precision`` a string
+    (``"compute=bfloat16"``), ``loss_scale`` ``"none"``/``"dynamic"``/a number/a loss scale,
+    ``fp8`` and ``spike_guard`` their flag strings (``"delayed"``, ``"on"``; ``"none"``: None),
+    ``sharding`` a :class:`MeshLayout`. :meth:`from_keywords` builds one from
+    :func:`leanstep.make_train_step`'s keywords.
+
+    Raises:
+      TypeError: a field of the wrong type, named, with the form expected.
+      ValueError: a field outside its form, or two that cannot work together (a presplit batch on
+        a mesh; a model state reduced once per step), named.
+
+    Example:
+      >>> spec = StepSpec("compute=bfloat16", accumulation=Accumulation(2), max_grad_norm=1.0, loss_scale="dynamic")
+      >>> StepSpec.from_json(spec.to_json()) == spec
+      True
+      >>> spec == StepSpec.from_keywords(precision="compute=bfloat16", num_microbatches=2, max_grad_norm=1.0,
+      ...                                loss_scale="dynamic")
+      True
+      >>> StepSpec(moments="int4")
+      Traceback (most recent call last):
+      ...
+      ValueError: moments must be one of ('float32', 'bfloat16', 'int8'), got 'int4'
+    """
+
+    precision: Precision = _FLOAT32
+    loss: LossContract = _PLAIN_LOSS
+    accumulation: Accumulation = _ONE_MICROBATCH
+    max_grad_norm: float | None = None
+    loss_scale: LossScaleSpec = _NO_LOSS_SCALE
+    fp8: Fp8Recipe | None = None
+    master: Any = "float32"
+    moments: str = "float32"
+    update_chunk: int | str | None = "auto"
+    spike_guard: SpikeGuard | None = None
+    cast_batch: bool = True
+    donate: bool = True
+    sharding: MeshLayout | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in _checked(self).items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes: Any) -> StepSpec:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_keywords(
+        cls,
+        *,
+        precision: str | Precision = "float32",
+        num_microbatches: int = 1,
+        max_grad_norm: float | None = None,
+        has_aux: bool = False,
+        token_weighted: bool = False,
+        uses_rng: bool = False,
+        has_state: bool = False,
+        split: str | Splitter | None = None,
+        unroll: int | bool = 1,
+        cast_batch: bool = True,
+        donate: bool = True,
+        loss: LossContract | None = None,
+        accumulation: Accumulation | None = None,
+        spike_guard: SpikeGuard | str | None = None,
+        update_chunk: int | str | None = "auto",
+        loss_scale: Any = "none",
+        fp8: Fp8Recipe | str | None = None,
+        master: Any = "float32",
+        moments: str = "float32",
+        sharding: MeshLayout | None = None,
+        mesh: Any = None,
+    ) -> StepSpec:
+        """The spec of :func:`leanstep.make_train_step`'s short keywords (and
+        :meth:`leanstep.TrainState.create`'s): each setting once, as a value or its short form.
+
+        Args:
+          precision ... donate: the fields of the same names; ``num_microbatches``, ``split``
+            and ``unroll`` make the accumulation (``split`` None: ``"contiguous"``, or
+            ``"strided"`` on a mesh, so that no row moves between devices), ``has_aux``,
+            ``token_weighted``, ``uses_rng`` and ``has_state`` the loss contract.
+          loss, accumulation: the values, in place of their short keywords.
+          mesh: the ``Mesh`` or :class:`leanstep.ShardingLayer` the step will run on: the spec
+            takes its layout (in place of ``sharding``).
+
+        Raises:
+          ValueError: a value beside its short keywords; any refusal of :class:`StepSpec`.
+          TypeError: ``loss`` or ``accumulation`` not their value types; ``sharding`` and ``mesh`` both given.
+        """
+        flags = dict(has_aux=has_aux, token_weighted=token_weighted, uses_rng=uses_rng, has_state=has_state)
+        contract = loss_contract_of(loss, {k: v for k, v in flags.items() if v})
+        if mesh is not None:
+            if sharding is not None:
+                raise TypeError("give the layout once: sharding=MeshLayout(...) or mesh=, not both")
+            sharding = MeshLayout.of(mesh, has_state=contract.has_state)
+        if accumulation is None:
+            default = "contiguous" if sharding is None else "strided"
+            accumulation = Accumulation(num_microbatches, default if split is None else split, unroll)
+        elif not isinstance(accumulation, Accumulation):
+            raise TypeError(f"accumulation must be a leanstep.Accumulation, got {type(accumulation).__name__}")
+        elif (num_microbatches, split, unroll) != (1, None, 1):
+            raise ValueError(
+                "give num_microbatches, split and unroll inside accumulation=Accumulation(...), not beside it"
+            )
+        return cls(
+            precision,  # type: ignore[arg-type]  # a string is parsed by __post_init__
+            contract,
+            accumulation,
+            max_grad_norm,
+            loss_scale,
+            fp8,  # type: ignore[arg-type]
+            master,
+            moments,
+            update_chunk,
+            spike_guard,  # type: ignore[arg-type]
+            cast_batch,
+            donate,
+            sharding,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as a JSON-ready dict, read back by :meth:`from_json` to an equal spec.
+
+        Raises:
+          TypeError: a field with no JSON form: a splitter function, a test-only master format.
+        """
+        if not isinstance(self.accumulation.split, str):
+            raise TypeError(f"accumulation.split {self.accumulation.split!r} (a function) has no JSON form")
+        if not isinstance(self.master, str):
+            raise TypeError(f"master {self.master!r} has no JSON form")
+        guard = self.spike_guard
+        return {
+            "precision": str(self.precision),
+            "loss": dataclasses.asdict(self.loss),
+            "accumulation": {
+                "num_microbatches": self.accumulation.num_microbatches,
+                "split": self.accumulation.split,
+                "unroll": self.accumulation.unroll,
+            },
+            "max_grad_norm": self.max_grad_norm,
+            "loss_scale": self.loss_scale.to_json(),
+            "fp8": None if self.fp8 is None else self.fp8.to_string(),
+            "master": self.master,
+            "moments": self.moments,
+            "update_chunk": self.update_chunk,
+            "spike_guard": None if guard is None else {**dataclasses.asdict(guard), "watch": list(guard.watch)},
+            "cast_batch": self.cast_batch,
+            "donate": self.donate,
+            "sharding": None if self.sharding is None else self.sharding.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | str) -> StepSpec:
+        """The spec of :meth:`to_json`'s dict (or its JSON text); a field left out takes its default.
+
+        Raises:
+          ValueError: a key that is not a field; any refusal of :class:`StepSpec`.
+        """
+        if isinstance(data, str):
+            data = json.loads(data)
+        if not isinstance(data, Mapping):
+            raise TypeError(f"a step spec's JSON is an object, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"unknown step spec field(s) {unknown}; expected some of {names}")
+        fields = dict(data)
+        readers: dict[str, Any] = {
+            "loss": lambda d: LossContract(**d),
+            "accumulation": lambda d: Accumulation(**d),
+            "loss_scale": LossScaleSpec.from_json,
+            "fp8": lambda d: None if d is None else Fp8Recipe.from_string(d),
+            "spike_guard": lambda d: None if d is None else SpikeGuard(**d),
+            "sharding": lambda d: None if d is None else MeshLayout.from_json(d),
+        }
+        for name, read in readers.items():
+            if name in fields:
+                try:
+                    fields[name] = read(fields[name])
+                except TypeError as error:  # a missing or extra key of the part
+                    raise ValueError(f"{name}: {error}") from None
+        return cls(**fields)
+
+
+def _checked(spec: StepSpec) -> dict[str, Any]:
+    """Every field of ``spec`` in its value form, each checked and every combination that cannot work
+    refused: the one place (the mesh's own refusals follow in :func:`leanstep.step.settings.step_settings`)."""
+    fields = {
+        "precision": check_train_precision(spec.precision),
+        "loss": spec.loss,
+        "accumulation": spec.accumulation,
+        "max_grad_norm": check_positive("max_grad_norm", spec.max_grad_norm, optional=True),
+        "loss_scale": LossScaleSpec.of(spec.loss_scale),
+        "fp8": _recipe(spec.fp8),
+        "master": check_master(spec.master),
+        "moments": spec.moments,
+        "update_chunk": check_update_chunk(spec.update_chunk),
+        "spike_guard": _guard(spec.spike_guard),
+        "cast_batch": check_bool("cast_batch", spec.cast_batch),
+        "donate": check_bool("donate", spec.donate),
+        "sharding": spec.sharding,
+    }
+    if not isinstance(spec.loss, LossContract):
+        raise TypeError(f"loss must be a leanstep.LossContract, got {type(spec.loss).__name__}")
+    if not isinstance(spec.accumulation, Accumulation):
+        raise TypeError(f"accumulation must be a leanstep.Accumulation, got {type(spec.accumulation).__name__}")
+    if not spec.accumulation.divide:
+        raise ValueError(
+            "Accumulation(divide=False) hands on sums for a caller that reduces them itself; make_train_step "
+            "divides (and, token-weighted on a mesh, sums across devices first): leave divide=True"
+        )
+    if spec.moments not in MOMENT_DTYPES:
+        raise ValueError(f"moments must be one of {MOMENT_DTYPES}, got {spec.moments!r}")
+    layout = spec.sharding
+    if layout is None:
+        return fields
+    if not isinstance(layout, MeshLayout):
+        raise TypeError(f"sharding must be a leanstep.step.MeshLayout or None, got {type(layout).__name__}")
+    if spec.loss.has_state and layout.reduce == "step":
+        raise ValueError(
+            f"has_state=True with reduce={layout.reduce!r}: a model state (batch statistics) computed per "
+            "device would differ between devices that reduce their gradient once per step; use "
+            "reduce='microbatch' (the default with has_state)"
+        )
+    if spec.accumulation.split == "presplit":
+        raise ValueError(
+            "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
+            f"{layout.data_axis!r}, and the sharding layer splits it into strided microbatches"
+        )
+    return fields
+
+
+def _recipe(fp8: Any) -> Fp8Recipe | None:
+    if fp8 is None or isinstance(fp8, Fp8Recipe):
+        return fp8
+    if isinstance(fp8, str):
+        try:
+            return Fp8Recipe.from_string(fp8)
+        except ValueError as error:
+            raise ValueError(f"fp8: {error}") from None
+    raise TypeError(f"fp8 must be a leanstep.Fp8Recipe, its string form (e.g. 'delayed') or None, got {fp8!r}")
+
+
+def _guard(guard: Any) -> SpikeGuard | None:
+    if guard is None or isinstance(guard, SpikeGuard):
+        return guard
+    if isinstance(guard, str):
+        try:
+            return SpikeGuard.from_string(guard)
+        except ValueError as error:
+            raise ValueError(f"spike_guard: {error}") from None
+    raise TypeError(f"spike_guard must be a leanstep.SpikeGuard, its string form (e.g. 'on') or None, got {guard!r}")
