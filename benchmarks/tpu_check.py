@@ -6,7 +6,7 @@ Four parts, each written to ``<out>/check.json`` as it ends (a part that fails r
   compute, AdamW, dynamic loss scale, clip 1.0) per state format (float32; bf16-sr masters with
   bfloat16 moments; bf16-sr with int8 moments and the chunked update). Compiled peaks at two
   depths give bytes a layer; the deepest model under the chip's memory is compiled (one layer
-  less while it does not fit) and, for float32 and int8, trains ``--fit-steps`` steps from that
+  less while it does not fit) and, for int8, trains ``--fit-steps`` steps from that
   compiled program: losses, skips, seconds a step. The bf16-moment format is compiled at the
   int8 format's depth too, so the two peaks compare at equal model and batch.
 * ``pace``: leanstep's step and the hand-written one (``benchmarks/tpu_step.py``) at 405M and
@@ -14,6 +14,8 @@ Four parts, each written to ``<out>/check.json`` as it ends (a part that fails r
 * ``plan``: :func:`leanstep.plan` for the 405M model under the chip's memory; its chosen
   setting's compiled peak against the chip's measured peak (``memory_stats()``) over 3 steps.
 * ``offload``: the optimizer state in host memory (``benchmarks/tpu_offload.py``).
+* ``moments``: nanoseconds an entry to code and decode 8-bit moments, per search
+  (``benchmarks/moment_codes.py``).
 
     bash benchmarks/tpu_check.sh --out check          # on a TPU VM after pip install -e . (about 9 min)
     python benchmarks/tpu_check.py --tiny --out check # the CPU dry run the suite runs
@@ -46,10 +48,13 @@ _USABLE = 0.97  # of the chip's bytes_limit: the allocator's own blocks and frag
 
 
 def _config(size: dict, layers: int) -> TransformerConfig:
+    """The ladder's model. Its attention is written out ("xla"): under full remat the splash kernel's
+    step did not compile in 6.5 minutes on the v5e (the written-out one compiled in 22-34 s)."""
     d = size["d_model"]
     return TransformerConfig(
-        vocab_size=256, d_model=d, n_layers=layers, n_heads=max(1, d // 128), d_ff=4 * d, seq_len=size["seq"]
-    )
+        vocab_size=256, d_model=d, n_layers=layers, n_heads=max(1, d // 128), d_ff=4 * d, seq_len=size["seq"],
+        attention="xla",
+    )  # fmt: skip
 
 
 def _memory_limit(tiny: bool) -> int:
@@ -107,7 +112,7 @@ def part_fit(args: argparse.Namespace, limit: int) -> dict:
     lo, hi = (1, 2) if args.tiny else (2, 4)
     result: dict = {"size": size, "limit_bytes": limit, "formats": {}}
     for name in LADDER:
-        steps = 0 if name == "bf16-sr + bfloat16" else args.fit_steps
+        steps = args.fit_steps if name == "bf16-sr + int8 (chunked)" else 0  # the leanest trains; the others compile
         result["formats"][name] = ladder(name, size, limit, train_steps=steps, lo=lo, hi=hi)
     layers = result["formats"]["bf16-sr + int8 (chunked)"]["layers"]
     _, result["bf16_moments_at_int8_depth_peak_bytes"] = _compile(
@@ -153,13 +158,19 @@ def part_plan(args: argparse.Namespace, limit: int) -> dict:
     }  # fmt: skip
 
 
+def part_moments(args: argparse.Namespace) -> dict:
+    from benchmarks import moment_codes
+
+    return moment_codes.main(["--entries", str(1 << 16 if args.tiny else 1 << 24)])
+
+
 def part_offload(args: argparse.Namespace) -> dict:
     from benchmarks import tpu_offload
 
     return tpu_offload.main(["--tiny"] if args.tiny else ["--layers", "4", "--steps", "3"])
 
 
-PARTS = ("plan", "fit", "pace", "offload")
+PARTS = ("moments", "fit", "pace", "plan", "offload")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -185,6 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         "plan": lambda: part_plan(args, limit),
     }
     run["offload"] = lambda: part_offload(args)
+    run["moments"] = lambda: part_moments(args)
     for name in args.parts.split(","):
         start = time.perf_counter()
         try:

@@ -94,6 +94,7 @@ def train(config: TransformerConfig, form: tuple, batch: int, microbatches: int,
     step = jitted if step is None else step
     state = jax.jit(make)(jax.random.key(0))
     losses, skipped, times = [], [], []
+    print(f"{time.strftime('%X')} training {steps} steps", flush=True)
     for i in range(steps):
         start = time.perf_counter()
         state, metrics = step(state, _batch(i, batch, config.seq_len + 1, config.vocab_size))
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--tiny", action="store_true", help="a CPU dry run: d 64, 2 layers, seq 32, 3 steps, chunks of 8192"
     )
+    parser.add_argument("--attention", default="auto", help="TransformerConfig.attention: auto, xla or splash")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     formats = {name: (m, v, chunk if c == "auto" else c) for name, (m, v, c) in FORMATS.items()}
     config = TransformerConfig(
         vocab_size=256, d_model=args.d_model, n_layers=args.layers, n_heads=max(1, args.d_model // 128),
-        d_ff=4 * args.d_model, seq_len=args.seq,
+        d_ff=4 * args.d_model, seq_len=args.seq, attention=args.attention,
     )  # fmt: skip
     names = [n for n in args.formats.split(",") if n]
     params = sum(
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     report: dict = {"device": jax.devices()[0].device_kind, "params": int(params), "config": vars(args), "formats": {}}
     for name in names:
+        print(f"{time.strftime('%X')} compiling {name}", flush=True)
         report["formats"][name] = peak(config, formats[name], args.batch, args.microbatches)
         print(name, report["formats"][name], flush=True)
     if args.steps:

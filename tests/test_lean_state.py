@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import leanstep
+from leanstep.blocks import moments as moments_module
 from leanstep.blocks.masters import ROUND_TO_NEAREST_CONTROL, stochastic_round
 from leanstep.blocks.moments import QuantizedArray, dequantize, dynamic_map, quantize
 from workers import run_worker
@@ -104,6 +105,18 @@ def test_quantize_and_dequantize_equal_the_float64_reference_per_block(index):
     np.testing.assert_array_equal(np.asarray(q.scales).reshape(scales.shape), scales, err_msg=name)
     np.testing.assert_array_equal(np.asarray(dequantize(q)).reshape(decoded.shape), decoded, err_msg=name)
     assert q.codes.dtype == jnp.uint8 and q.codes.shape == np.shape(x)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_accelerators_search_finds_the_cpus_codes(signed):
+    # quantize searches the midpoints by gathers on a CPU and by compare-and-count elsewhere
+    # (lax.platform_dependent): the accelerator's branch, run here, must find the same codes.
+    _, mids = moments_module._tables(signed)
+    x = np.concatenate([c[1].ravel() for c in _cases(np.random.default_rng(2)) if c[2] == signed])
+    normalized = jnp.asarray(np.concatenate([x / np.max(np.abs(x)), mids, np.nextafter(mids, 2.0), [0.0, 1.0]]))
+    codes = {m: moments_module._search(m)(jnp.asarray(mids), normalized) for m in ("scan", "compare_all")}
+    np.testing.assert_array_equal(codes["compare_all"], codes["scan"])
+    np.testing.assert_array_equal(codes["scan"], [np.sum(mids < v) for v in np.asarray(normalized)])
 
 
 def test_the_blocks_error_is_small_where_it_matters():

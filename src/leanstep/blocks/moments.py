@@ -161,6 +161,19 @@ def _blocks(x: jax.Array, block_size: int) -> tuple[jax.Array, int]:
     return padded.reshape(*x.shape[:-1], blocks, block_size), n
 
 
+# How a code is found among the 255 midpoints. On XLA:CPU a binary search ("scan": eight
+# gathers an entry) is the fastest (32 ns an entry against 1,960 for "compare_all", which XLA:CPU
+# does not fuse: `python benchmarks/moment_codes.py`, 2-core EPYC). On a TPU v5e a 1.3B model's
+# int8 step with "scan" did not end in 230 s; an accelerator's scalar gathers are the suspect (not
+# yet timed on the chip: benchmarks/moment_codes.py does), and "compare_all" is one fused
+# compare-and-count with no gather. Both give the same codes (tests/test_lean_state.py).
+_ACCELERATOR_SEARCH = "compare_all"
+
+
+def _search(method: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    return lambda midpoints, normalized: jnp.searchsorted(midpoints, normalized, side="left", method=method)
+
+
 def quantize(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedArray:
     """``x`` in 8-bit blocks (float32 math; see the module doc)."""
     _, midpoints = _tables(signed)
@@ -169,7 +182,9 @@ def quantize(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedA
     scales = jnp.max(jnp.abs(blocks), axis=-1)
     safe = jnp.where(scales > 0, scales, 1.0)[..., None]
     normalized = jnp.where(scales[..., None] > 0, blocks / safe, 0.0)
-    codes = jnp.searchsorted(jnp.asarray(midpoints), normalized, side="left").astype(jnp.uint8)
+    codes = jax.lax.platform_dependent(
+        jnp.asarray(midpoints), normalized, cpu=_search("scan"), default=_search(_ACCELERATOR_SEARCH)
+    ).astype(jnp.uint8)
     codes = codes.reshape(*blocks.shape[:-2], blocks.shape[-2] * block_size)[..., :n].reshape(shape)
     return QuantizedArray(codes, scales, signed, block_size)
 
