@@ -63,6 +63,30 @@ class StepSpec:
     ``sharding`` a :class:`MeshLayout`. :meth:`from_keywords` builds one from
     :func:`leanstep.make_train_step`'s keywords.
 
+    Attributes:
+      precision: a :class:`leanstep.Precision` whose params dtype is float32 (the masters are);
+        with ``strict`` the loss runs under :func:`leanstep.strict_precision`.
+      loss: what the loss takes and returns (:class:`leanstep.LossContract`); with ``uses_rng``
+        microbatch ``j`` of step ``t`` gets ``fold_in(fold_in(state.rng, t), j)``.
+      accumulation: how the batch is walked (:class:`leanstep.Accumulation`): the static number
+        of equal microbatches, the split, and the scan's ``unroll`` (one microbatch never runs in a scan).
+      max_grad_norm: clip the accumulated, unscaled gradient to this global norm; None: no clipping.
+      loss_scale: the scale the state starts from (:class:`LossScaleSpec`).
+      fp8: the recipe of the model's FP8 matmuls (:class:`leanstep.Fp8Recipe`), or None.
+      master: ``"float32"`` masters, or bfloat16 ones with stochastic rounding, ``"bfloat16-sr"``
+        or ``"bfloat16-sr-kahan"`` (round-to-nearest bfloat16 is refused: why, and what works).
+      moments: the optimizer's moments as ``"float32"``, ``"bfloat16"`` or ``"int8"``.
+      update_chunk: apply the optimizer in chunks of at most this many entries (bit-identical to
+        the whole tree, one chunk's float32 widening live at once); ``"auto"``: ``2**22`` for a
+        lean state where the optimizer allows it; None: the whole tree.
+      spike_guard: a :class:`leanstep.SpikeGuard` skipping a finite step whose loss (or norms) leaps
+        past its window, or None; the state carries the window.
+      cast_batch: cast the batch's floating leaves to the compute dtype (integer leaves such as
+        token ids are left alone); without it a float32 input silently promotes a bfloat16 matmul.
+      donate: donate the state's buffers to the jitted step.
+      sharding: a :class:`MeshLayout`, how the step is laid out on the mesh it is given, or None
+        (the layer's defaults).
+
     Raises:
       TypeError: a field of the wrong type, named, with the form expected.
       ValueError: a field outside its form, or two that cannot work together (a presplit batch on
