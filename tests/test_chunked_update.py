@@ -136,6 +136,20 @@ def test_a_leaf_whose_rows_the_optimizer_mixes_is_not_split():
     assert all(unit.start is None for chunk in plan.chunks for unit in chunk)
 
 
+def test_a_per_platform_branch_keeps_rows_and_a_branch_on_a_parameters_value_mixes_them():
+    # lax.platform_dependent is a cond on an index of no parameter: rows stay where both branches
+    # keep them (int8 moments search per platform); a cond on a value of the leaf mixes its rows.
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), _params())
+    by_platform = lambda u: jax.lax.platform_dependent(u, cpu=lambda x: x * 2.0, default=lambda x: x * 3.0)
+    by_value = lambda u: jax.lax.cond(jnp.sum(u) > 0, lambda x: x * 2.0, lambda x: x * 3.0, u)
+    for branch, split in ((by_platform, True), (by_value, False)):
+        tx = optax.GradientTransformation(
+            lambda p: optax.EmptyState(), lambda u, s, p=None, f=branch: (jax.tree.map(f, u), s)
+        )
+        plan, why = chunk_plan(tx, tx.init(params), params, CHUNK)
+        assert why is None and any(unit.start is not None for c in plan.chunks for unit in c) == split
+
+
 def test_rows_bits_are_the_whole_leafs_rows():
     key = jax.random.key(7)
     whole = jax.random.bits(key, (6, 5, 3), jnp.uint32)

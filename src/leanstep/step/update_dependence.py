@@ -37,7 +37,7 @@ __all__ = ["Dep", "Dependence", "update_dependence"]
 #: Primitives computed entry by entry (operands of the output's shape, or scalars): the FLOP
 #: count's list, and those that cost no FLOP (conversions, copies, bit operations, the PRNG).
 _ELEMENTWISE = ELEMENTWISE_PRIMITIVES | {
-    "conj", "convert_element_type", "copy", "copy_p", "digamma", "le_to", "optimization_barrier",
+    "conj", "convert_element_type", "copy", "copy_p", "digamma", "eq_to", "le_to", "lt_to", "optimization_barrier",
     "population_count", "shift_left", "shift_right_arithmetic", "shift_right_logical", "threefry2x32",
 }  # fmt: skip
 _REDUCTIONS = frozenset(
@@ -187,7 +187,10 @@ def _propagate(jaxpr: Any, ins: list[Dep | None], meet: list[str]) -> list[Dep |
             outs = _loop(eqn, deps, meet)
         elif name == "cond":
             branches = [_propagate(b.jaxpr, deps[1:], meet) for b in eqn.params["branches"]]
-            outs = [_join([*column, deps[0]], [()] * (len(column) + 1)) for column in zip(*branches)]
+            if deps[0] is None:  # an index of no parameter (lax.platform_dependent's): rows where the branches agree
+                outs = [_join(list(column)) for column in zip(*branches)]
+            else:
+                outs = [_join([*column, deps[0]], [()] * (len(column) + 1)) for column in zip(*branches)]
         elif name == "optimization_barrier":
             outs = deps
         elif name == "gather":
