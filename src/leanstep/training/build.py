@@ -17,11 +17,12 @@ import optax
 from jax.sharding import Mesh
 
 from leanstep.blocks.loss_scale import LossScale
-from leanstep.blocks.precision import Precision, get_precision
+from leanstep.blocks.precision import Precision
 from leanstep.blocks.rematerialization import check_saved_names
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.models import Model, build_model
 from leanstep.step.sharding_layer import ShardingLayer
+from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import JittedTrainStep, make_train_step
 from leanstep.training.auto_precision import resolve_precision
@@ -112,25 +113,29 @@ class Run:
 
     def _state_of(self, params: Any) -> TrainState:
         # The step's spec: its loss scale, masters, moments and spike guard (the layout is the step's).
-        return TrainState.create(params, self.optimizer, self.config.step_spec(sharded=False), seed=self.config.seed)
+        return TrainState.create(params, self.optimizer, self.step, seed=self.config.seed)
+
+    @property
+    def step(self) -> StepSpec:
+        """The run's :class:`leanstep.StepSpec` (``run.config.step``: the flags parsed once)."""
+        return self.config.step
 
     @property
     def spike_guard(self) -> SpikeGuard | None:
         """The run's :class:`leanstep.SpikeGuard` (``--spike-guard``), or None."""
-        return SpikeGuard.from_string(self.config.spike_guard)
+        return self.step.spike_guard
 
     def abstract_state(self) -> TrainState:
         """Shapes and dtypes of :meth:`init_state`, without computing it."""
         return jax.eval_shape(self.init_state, self.abstract_params())
 
-    def make_step(self, *, mesh: Mesh | None = None, **changes: Any) -> JittedTrainStep:
-        """The run's jitted train step; ``changes`` override ``microbatches``, ``remat``, ``precision``."""
-        config = dataclasses.replace(self.config, **changes)
-        spec = config.step_spec(sharded=mesh is not None)
+    def make_step(self, *, mesh: Mesh | None = None) -> JittedTrainStep:
+        """The run's jitted train step, of :attr:`step` (laid out over ``mesh``, if given)."""
+        spec = self.config.step_spec(sharded=mesh is not None)
         layout, layer = spec.sharding, None
         if mesh is not None and layout is not None:  # the spec's layout, with the model's partition rules
             layer = ShardingLayer(mesh, fsdp=layout.fsdp, rules=self.model.rules, reduce=layout.reduce)
-        return make_train_step(self.loss_fn(config.remat), spec, mesh=layer)
+        return make_train_step(self.loss_fn(), spec, mesh=layer)
 
 
 def build_run(config: RunConfig) -> Run:
@@ -150,12 +155,13 @@ def build_run(config: RunConfig) -> Run:
       >>> run.abstract_state().params["embed"].shape  # shapes only: nothing is computed
       (256, 16)
     """
-    config.validate()
-    chosen, reason = resolve_precision(config.precision)
-    config = dataclasses.replace(config, precision=chosen)
-    model = build_model(config.model, config.size, **model_overrides(config))
+    chosen, reason = resolve_precision(config.validate().precision)
+    config = config.resolved(chosen)  # the step's flags parsed once, by validate()
+    spec = config.step
+    recipe = {} if spec.fp8 is None else {"fp8": spec.fp8}  # the model's FP8 matmuls: the step's recipe
+    model = build_model(config.model, config.size, **recipe, **model_overrides(config))
     optimizer, schedule = build_optimizer(config)
-    run = Run(config, model, optimizer, schedule, get_precision(config.precision), config.make_loss_scale(), reason)
+    run = Run(config, model, optimizer, schedule, spec.precision, spec.loss_scale.make(), reason)
     if "save:" in config.remat:  # every name saved must be one the model tags (one abstract trace)
         microbatch = run.batch_spec(config.batch_size // config.microbatches)
         try:
