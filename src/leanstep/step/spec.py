@@ -156,12 +156,13 @@ class StepSpec:
         """The spec of :func:`leanstep.make_train_step`'s short keywords (and
         :meth:`leanstep.TrainState.create`'s): each setting once, as a value or its short form.
 
+        ``precision`` ... ``donate`` are the fields of the same names; ``num_microbatches``,
+        ``split`` and ``unroll`` make the accumulation (``split`` None: ``"contiguous"``, or
+        ``"strided"`` on a mesh, so that no row moves between devices), ``has_aux``,
+        ``token_weighted``, ``uses_rng`` and ``has_state`` the loss contract; ``loss`` and
+        ``accumulation`` are those values, in place of their short keywords.
+
         Args:
-          precision ... donate: the fields of the same names; ``num_microbatches``, ``split``
-            and ``unroll`` make the accumulation (``split`` None: ``"contiguous"``, or
-            ``"strided"`` on a mesh, so that no row moves between devices), ``has_aux``,
-            ``token_weighted``, ``uses_rng`` and ``has_state`` the loss contract.
-          loss, accumulation: the values, in place of their short keywords.
           mesh: the ``Mesh`` or :class:`leanstep.ShardingLayer` the step will run on: the spec
             takes its layout (in place of ``sharding``).
 
