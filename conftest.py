@@ -88,10 +88,10 @@ _DURATIONS = "LEANSTEP_TEST_DURATIONS"  # a file: each test's seconds appended a
 
 
 def pytest_runtest_logreport(report):
-    """With ``LEANSTEP_TEST_DURATIONS=FILE``: one line a test phase, ``seconds<TAB>phase<TAB>node id``,
+    """With ``LEANSTEP_TEST_DURATIONS=FILE``: one line a test phase, ``seconds<TAB>phase<TAB>outcome<TAB>node id``,
     appended where the report arrives (xdist's controller), so a profile survives a run that is stopped
     before pytest's own ``--durations`` table prints. ``python tests/durations.py FILE`` sums it by file."""
     path = os.environ.get(_DURATIONS)
     if path:
         with open(path, "a") as f:
-            f.write(f"{report.duration:.3f}\t{report.when}\t{report.nodeid}\n")
+            f.write(f"{report.duration:.3f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")

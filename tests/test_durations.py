@@ -6,7 +6,7 @@ import importlib.util
 import types
 from pathlib import Path
 
-from durations import by_file
+from durations import by_file, failed
 
 
 def test_each_phase_is_appended_and_summed_by_file(tmp_path, monkeypatch):
@@ -22,8 +22,12 @@ def test_each_phase_is_appended_and_summed_by_file(tmp_path, monkeypatch):
         (4.25, "call", "tests/test_b.py::test_y[1]"),
         (0.5, "call", "tests/test_a.py::test_z"),
     ]:
-        root.pytest_runtest_logreport(types.SimpleNamespace(duration=duration, when=when, nodeid=node))
+        outcome = "failed" if node.endswith("test_z") else "passed"
+        root.pytest_runtest_logreport(types.SimpleNamespace(duration=duration, when=when, outcome=outcome, nodeid=node))
     assert by_file(path.read_text().splitlines()) == [("tests/test_a.py", 4.0, 2), ("tests/test_b.py", 4.25, 1)][::-1]
+    assert failed(path.read_text().splitlines()) == ["tests/test_a.py::test_z"]
     monkeypatch.delenv("LEANSTEP_TEST_DURATIONS")
-    root.pytest_runtest_logreport(types.SimpleNamespace(duration=9.0, when="call", nodeid="tests/test_c.py::t"))
+    root.pytest_runtest_logreport(
+        types.SimpleNamespace(duration=9.0, when="call", outcome="passed", nodeid="tests/test_c.py::t")
+    )
     assert len(path.read_text().splitlines()) == 4  # unset: nothing written
