@@ -425,11 +425,11 @@ def test_a_run_stuck_at_the_minimum_loss_scale_stops_and_keeps_its_last_good_che
     that are the loss scale doing its job), then sits at 1 for steps 9, 10, 11: stop after 3."""
     real_make_train_step = build.make_train_step
 
-    def make_poisoned_step(loss_fn, **kwargs):
+    def make_poisoned_step(loss_fn, *args, **kwargs):
         def loss(params, batch):
             return loss_fn(params, {"tokens": batch["tokens"]}) * (1 + jnp.mean(batch["poison"]))
 
-        return real_make_train_step(loss, **kwargs)
+        return real_make_train_step(loss, *args, **kwargs)
 
     class PoisonedSampler(trainer.BatchSampler):
         def batch_at(self, step: int) -> dict:
