@@ -46,6 +46,19 @@ def _time(fn, x, repeats: int) -> float:
     return best
 
 
+def _measure(into: dict, fns: dict, x: jax.Array, args: argparse.Namespace) -> jax.Array:
+    """Times each of ``fns`` on ``x`` into ``into[name]``, checked equal to the first's output; returns that."""
+    reference = None
+    for name, fn in fns.items():
+        out = fn(x)
+        reference = out if reference is None else reference
+        seconds = _time(fn, x, args.repeats)
+        into[name] = {"ns_an_entry": round(seconds * 1e9 / args.entries, 3), "same": bool(jnp.all(out == reference))}
+        print(name, into[name], flush=True)
+    assert reference is not None
+    return reference
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--entries", type=int, default=1 << 24)
@@ -58,24 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     _, midpoints = moments._tables(True)
     mids = jnp.asarray(midpoints)
     report: dict = {"device": jax.devices()[0].device_kind, "entries": args.entries, "search": {}, "decode": {}}
-    reference = None
-    for method in args.searches.split(","):
-        fn = jax.jit(lambda v, m=method: moments._search(m)(mids, v).astype(jnp.uint8))
-        codes = fn(x)
-        reference = codes if reference is None else reference
-        seconds = _time(fn, x, args.repeats)
-        same = bool(jnp.all(codes == reference))
-        report["search"][method] = {"ns_an_entry": round(seconds * 1e9 / args.entries, 3), "same_codes": same}
-        print("search", method, report["search"][method], flush=True)
-    decoded = None
-    for form in ("take", "select"):
-        fn = jax.jit(_decode(form))
-        out = fn(reference)
-        decoded = out if decoded is None else decoded
-        seconds = _time(fn, reference, args.repeats)
-        same = bool(jnp.all(out == decoded))
-        report["decode"][form] = {"ns_an_entry": round(seconds * 1e9 / args.entries, 3), "same_values": same}
-        print("decode", form, report["decode"][form], flush=True)
+    searches = {
+        m: jax.jit(lambda v, m=m: moments._search(m)(mids, v).astype(jnp.uint8)) for m in args.searches.split(",")
+    }
+    reference = _measure(report["search"], searches, x, args)
+    _measure(report["decode"], {form: jax.jit(_decode(form)) for form in ("take", "select")}, reference, args)
     print(json.dumps(report))
     return report
 

@@ -274,11 +274,11 @@ def _checked(spec: StepSpec) -> dict[str, Any]:
         "accumulation": spec.accumulation,
         "max_grad_norm": check_positive("max_grad_norm", spec.max_grad_norm, optional=True),
         "loss_scale": LossScaleSpec.of(spec.loss_scale),
-        "fp8": _recipe(spec.fp8),
+        "fp8": _parsed(spec.fp8, Fp8Recipe, "fp8", "delayed"),
         "master": check_master(spec.master),
         "moments": spec.moments,
         "update_chunk": check_update_chunk(spec.update_chunk),
-        "spike_guard": _guard(spec.spike_guard),
+        "spike_guard": _parsed(spec.spike_guard, SpikeGuard, "spike_guard", "on"),
         "cast_batch": check_bool("cast_batch", spec.cast_batch),
         "donate": check_bool("donate", spec.donate),
         "sharding": spec.sharding,
@@ -313,23 +313,15 @@ def _checked(spec: StepSpec) -> dict[str, Any]:
     return fields
 
 
-def _recipe(fp8: Any) -> Fp8Recipe | None:
-    if fp8 is None or isinstance(fp8, Fp8Recipe):
-        return fp8
-    if isinstance(fp8, str):
+def _parsed(value: Any, kind: type, field: str, example: str) -> Any:
+    """``value`` as an instance of ``kind`` (an Fp8Recipe or SpikeGuard), its string form, or None."""
+    if value is None or isinstance(value, kind):
+        return value
+    if isinstance(value, str):
         try:
-            return Fp8Recipe.from_string(fp8)
+            return kind.from_string(value)  # type: ignore[attr-defined]
         except ValueError as error:
-            raise ValueError(f"fp8: {error}") from None
-    raise TypeError(f"fp8 must be a leanstep.Fp8Recipe, its string form (e.g. 'delayed') or None, got {fp8!r}")
-
-
-def _guard(guard: Any) -> SpikeGuard | None:
-    if guard is None or isinstance(guard, SpikeGuard):
-        return guard
-    if isinstance(guard, str):
-        try:
-            return SpikeGuard.from_string(guard)
-        except ValueError as error:
-            raise ValueError(f"spike_guard: {error}") from None
-    raise TypeError(f"spike_guard must be a leanstep.SpikeGuard, its string form (e.g. 'on') or None, got {guard!r}")
+            raise ValueError(f"{field}: {error}") from None
+    raise TypeError(
+        f"{field} must be a leanstep.{kind.__name__}, its string form (e.g. {example!r}) or None, got {value!r}"
+    )
