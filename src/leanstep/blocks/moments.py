@@ -161,11 +161,13 @@ def _blocks(x: jax.Array, block_size: int) -> tuple[jax.Array, int]:
     return padded.reshape(*x.shape[:-1], blocks, block_size), n
 
 
-# How a code is found among the 255 midpoints. On XLA:CPU a binary search ("scan": eight
-# gathers an entry) is the fastest (32 ns an entry against 1,960 for "compare_all", which XLA:CPU
-# does not fuse: `python benchmarks/moment_codes.py`, 2-core EPYC). On a TPU v5e a 1.3B model's
-# int8 step with "scan" did not end in 230 s; an accelerator's scalar gathers are the suspect (not
-# yet timed on the chip: benchmarks/moment_codes.py does), and "compare_all" is one fused
+# How a code is found among the 255 midpoints. A CPU keeps the binary search of
+# gathers ("scan", eight an entry; leanstep's search before 0.12): 32-39 ns an entry against
+# 585-1,960 for "compare_all", which XLA:CPU does not fuse (2-core EPYC, 4M entries, two loaded
+# runs; "scan_unrolled" measured 16 and 47 there, so it was not switched to:
+# `python benchmarks/moment_codes.py --entries 4194304`). On a TPU v5e a 1.3B model's int8 step
+# with "scan" did not end in 230 s; an accelerator's scalar gathers are the suspect (not yet
+# timed on the chip: benchmarks/moment_codes.py does), and "compare_all" is one fused
 # compare-and-count with no gather. Both give the same codes (tests/test_lean_state.py).
 _ACCELERATOR_SEARCH = "compare_all"
 
