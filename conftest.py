@@ -26,6 +26,12 @@ if not os.environ.get("LEANSTEP_TEST_XLA_DEFAULTS") and "xla_backend_optimizatio
 ):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
+# Processes the suite starts with simulated devices through XLA_FLAGS (not configure_devices,
+# which sizes the pool itself) get XLA:CPU's pool of four threads a device for up to 8 devices:
+# at its default, max(cores, devices), devices blocked in collectives can starve one still
+# working (see leanstep.sharding.distributed; a CI run aborted on it).
+os.environ.setdefault("PJRT_NPROC", "32")
+
 import jax
 import pytest
 

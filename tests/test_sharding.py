@@ -489,5 +489,27 @@ def test_simulated_devices_run_on_the_cpu_platform_whatever_the_parent_names(mon
     assert child.stdout.split() == ["cpu", "4"]
 
 
+_POOL_THREADS = (
+    "from leanstep.sharding.distributed import configure_devices; configure_devices(4); "
+    "import os, jax, jax.numpy as jnp; jax.jit(lambda a: a + 1)(jnp.ones(4)).block_until_ready(); "
+    "print(sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen' for t in os.listdir('/proc/self/task')))"
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
+@pytest.mark.parametrize(("preset", "threads"), [(None, 16), ("6", 6)])
+def test_simulated_devices_get_four_pool_threads_each_unless_pjrt_nproc_is_set(monkeypatch, preset, threads):
+    # XLA:CPU's pool defaults to max(cores, devices) threads; devices blocked in collectives
+    # then starved a 4-device run on 2 cores (XLA aborted: "only 3 of them arrived on time").
+    from leanstep.sharding.distributed import run_on_simulated_cpus
+
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    if preset is not None:
+        monkeypatch.setenv("PJRT_NPROC", preset)
+    child = run_on_simulated_cpus(_POOL_THREADS)
+    assert child.returncode == 0, child.stderr
+    assert int(child.stdout.split()[-1]) == max(threads, os.cpu_count() if preset is None else 0)
+
+
 if __name__ == "__main__":
     {"worker8": worker8, "worker4": worker4}[sys.argv[1]](Path(sys.argv[2]))

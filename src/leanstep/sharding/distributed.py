@@ -66,6 +66,16 @@ def run_on_simulated_cpus(code: str) -> subprocess.CompletedProcess[str]:
 _ADDRESS = re.compile(r"^(?P<host>[^\s:]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})$")
 
 
+#: Threads XLA:CPU's device pool gets per simulated device (``PJRT_NPROC``). Its default is
+#: max(cores, devices): each device blocks a pool thread in a collective until every device
+#: joins it, and XLA runs a device's independent collectives concurrently, so every thread can
+#: be waiting while a device whose part is still queued has none: a deadlock XLA ends by
+#: aborting after 40 s ("only 3 of them arrived on time"). On 2 cores, 4 devices (fsdp=2,
+#: tensor=2), 4 runs at once: 1 abort in 12 runs at the default pool (in it, and in a CI run's,
+#: all 4 pool threads were waiting), 0 in 16 at 4 threads a device. A waiting thread sleeps.
+_POOL_THREADS_PER_DEVICE = 4
+
+
 def _check_count(name: str, value: object, minimum: int) -> int:
     if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -83,7 +93,9 @@ def configure_devices(
     """Sets the device count and joins a multi-process run; call it before JAX touches a device.
 
     ``num_devices`` sets ``jax_num_cpu_devices``: on CPU each process then has that many
-    (simulated) devices; on GPU/TPU it has no effect here and :func:`device_mesh` takes the
+    (simulated) devices, and XLA:CPU's thread pool gets four threads a device
+    (``PJRT_NPROC``, unless set) so that devices waiting in collectives cannot starve one
+    still working; on GPU/TPU it has no effect here and :func:`device_mesh` takes the
     first ``num_devices`` local accelerators. With ``coordinator`` it calls
     ``jax.distributed.initialize`` with the gloo CPU collectives (ignored off CPU), so
     ``jax.devices()`` lists the devices of every process.
@@ -130,6 +142,8 @@ def configure_devices(
             raise ValueError(f"process_id must be < num_processes={num_processes}, got {process_id}")
     initialization_timeout = _check_count("initialization_timeout", initialization_timeout, 1)
     if num_devices is not None:
+        if num_devices > 1:  # read when the CPU backend starts; a value the user set is kept
+            os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, _POOL_THREADS_PER_DEVICE * num_devices)))
         try:
             jax.config.update("jax_num_cpu_devices", num_devices)
         except RuntimeError as error:
