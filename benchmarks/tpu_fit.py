@@ -92,15 +92,18 @@ def train(config: TransformerConfig, form: tuple, batch: int, microbatches: int,
     """
     make, jitted, _ = _setup(config, form, batch, microbatches)
     step = jitted if step is None else step
+    start = time.perf_counter()
     state = jax.jit(make)(jax.random.key(0))
+    jax.block_until_ready(state)
+    print(f"{time.strftime('%X')} state made in {time.perf_counter() - start:.1f} s; training {steps} steps", flush=True)
     losses, skipped, times = [], [], []
-    print(f"{time.strftime('%X')} training {steps} steps", flush=True)
     for i in range(steps):
         start = time.perf_counter()
         state, metrics = step(state, _batch(i, batch, config.seq_len + 1, config.vocab_size))
         losses.append(float(metrics.loss))
         skipped.append(bool(metrics.skipped))
         times.append(time.perf_counter() - start)
+        print(f"{time.strftime('%X')} step {i}: loss {losses[-1]:.4f} {times[-1]:.2f} s", flush=True)
     return {"losses": losses, "skipped": skipped, "step_s": round(float(np.median(times[2:] or times)), 4)}
 
 
