@@ -98,6 +98,6 @@ def pytest_runtest_logreport(report):
     appended where the report arrives (xdist's controller), so a profile survives a run that is stopped
     before pytest's own ``--durations`` table prints. ``python tests/durations.py FILE`` sums it by file."""
     path = os.environ.get(_DURATIONS)
-    if path:
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the hook runs in the worker and again in the controller
         with open(path, "a") as f:
             f.write(f"{report.duration:.3f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +41,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 import leanstep
 from leanstep.blocks.moments import MOMENT_FIELDS, QuantizedArray, dequantize, quantize
 from leanstep.step.state_sharding import scales_sharding
-from workers import run_worker
+from workers import child_env, run_worker
 
 # --- item 7: only moments are compressed ----------------------------------------------------------
 
@@ -414,8 +413,7 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_cli_trains_8_bit_moments_on_each_fsdp_layout(tmp_path, corpus, layout):
     out = tmp_path / "run"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     flags = ["--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--microbatches", "2", "--no-progress"]
     proc = subprocess.run(
         [sys.executable, "-m", "leanstep.cli.main", "train", *flags, "--moments", "int8", *layout.split()]

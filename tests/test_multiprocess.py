@@ -10,7 +10,6 @@ process 1 holds, and writes its final parameters (gathered from every process) a
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from workers import child_env
 
 pytestmark = pytest.mark.slow  # two JAX processes with gloo collectives: the processes are the point
 
@@ -119,8 +120,7 @@ def _load(out: Path) -> tuple[dict, dict]:
 
 
 def test_two_processes_train_like_one(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     port = _free_port()
     outs = {name: tmp_path / name for name in ("p0", "p1", "single")}
     for out in outs.values():

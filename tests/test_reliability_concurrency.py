@@ -23,6 +23,7 @@ import pytest
 from leanstep.checkpoints.layout import committed_steps, unfinished_saves
 from leanstep.training import RunConfig, train
 from leanstep.training.run_lock import LOCK_NAME, RunDirectoryInUse, RunLock
+from workers import child_env
 
 WORKER = Path(__file__).with_name("concurrency_worker.py")
 TRIALS = 20
@@ -38,9 +39,7 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # the suite's compilation cache included (conftest.py)
-    env.pop("XLA_FLAGS", None)
-    return env
+    return child_env()  # the suite's compilation cache included (conftest.py)
 
 
 @pytest.fixture(scope="module")

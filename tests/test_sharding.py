@@ -36,6 +36,7 @@ from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
 from leanstep.step.state_sharding import shard_train_state, state_shardings
 from leanstep.step.train_step import make_train_step
+from workers import child_env
 
 SIZES = (3, 24, 5)  # d_in, hidden, d_out: no parameter shape (or shard of one) looks like a batch slice
 BATCH = 64  # 8 devices x 4 microbatches x 2 rows
@@ -257,8 +258,7 @@ def worker4(out: Path) -> None:
 
 
 def _run_worker(name: str, out: Path, timeout: float = 240) -> tuple[dict, dict]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, __file__, name, str(out)], env=env, capture_output=True, text=True, timeout=timeout
     )

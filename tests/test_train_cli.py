@@ -16,6 +16,7 @@ import pytest
 from leanstep import Checkpointer, TrainState
 from leanstep.models import build_model
 from leanstep.training import RunConfig, build_optimizer
+from workers import child_env
 
 
 def _final_params(run: Path, steps: int):
@@ -125,13 +126,11 @@ def test_budget_picks_a_setting_or_says_nothing_fits(tmp_path, cli, tiny_flags, 
 @pytest.mark.slow  # 8 simulated devices: a child process, whose devices are set before JAX starts
 def test_mesh_of_three_axes_trains_like_one_device(tmp_path, tiny_flags, tiny_corpus, tiny_run):
     """``--mesh data=2,fsdp=2,tensor=2`` on 8 simulated devices (a fresh process): the same losses."""
-    import os
     import subprocess
     import sys
 
     out = tmp_path / "mesh"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env()
     argv = ["train", *tiny_flags, "--data", str(tiny_corpus), "--out", str(out), "--steps", "30"]
     proc = subprocess.run(
         [sys.executable, "-m", "leanstep.cli.main", *argv, "--mesh", "data=2,fsdp=2,tensor=2"],

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 
-def run_worker(script: str, out: Path, result: str, timeout: float = 600) -> dict:
-    """``python script worker OUT`` with the CPU platform and no inherited XLA flags; returns ``OUT/result``."""
+def child_env() -> dict[str, str]:
+    """The environment of a child process the suite starts: the CPU platform, the suite's XLA flags
+    (its fast compiles, conftest.py) but no simulated device count a parent's XLA_FLAGS may name
+    (the child makes its own devices), and the suite's compilation cache."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env
+
+
+def run_worker(script: str, out: Path, result: str, timeout: float = 600) -> dict:
+    """``python script worker OUT`` in :func:`child_env`; returns ``OUT/result``."""
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, script, "worker", str(out)],
         env=env,
