@@ -199,4 +199,6 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from leanstep.cli.launch import main as launch  # its handlers, and its end after a signal
+
+    sys.exit(launch())
