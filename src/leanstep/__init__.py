@@ -11,6 +11,9 @@ used (``leanstep.make_train_step`` imports :mod:`leanstep.step`, and JAX with it
 their sub-packages are written twice, as the imports under ``TYPE_CHECKING`` below (read by type
 checkers and the API reference) and as ``_EXPORTS`` (read by the lazy imports); a test checks that
 they, and ``__all__``, agree.
+
+Size: the public API's table (_EXPORTS) and its TYPE_CHECKING imports, one line a name, and the
+docstring that introduces them.
 """
 
 from __future__ import annotations

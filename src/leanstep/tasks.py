@@ -4,6 +4,8 @@ Each function is meant to be called under ``jax.jit``; ``growth_interval`` and
 ``num_microbatches`` are static (pass them by keyword with ``static_argnames``).
 Shapes and keys are checked at trace time and bad input raises ``ValueError``
 or ``TypeError`` naming the argument.
+
+Size: the four seed contracts, exact, each with the input checks its contract names.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""``run_benchmark``: every measurement of ``leanstep bench`` in one interleaved run."""
+"""``run_benchmark``: every measurement of ``leanstep bench`` in one interleaved run.
+
+Size: one interleaved run: every contender's rows, ratios, limits and notes come from the same
+measurements and are put together here; the machine, the timing, the matmul and each contender
+are modules of their own.
+"""
 
 from __future__ import annotations
 

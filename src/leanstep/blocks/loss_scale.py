@@ -12,6 +12,9 @@ Every loss scale here is an immutable pytree with the same interface
 ``adjust(grads_finite)``. Settings that never change during training are static
 pytree metadata, so they survive ``jax.jit``, ``lax.scan`` and ``jax.tree.map``.
 :func:`leanstep.blocks.loss_scale_registry.get_loss_scale` builds one from its name.
+
+Size: three loss scales (dynamic, static, none) and the finiteness test they share, each with
+the doctests that pin its behaviour.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ restored (:meth:`Checkpointer.restore` falls back to the newest step that passes
 are deleted only after the newer step is committed, and are renamed away before they are removed.
 Zero-size leaves hold no data; orbax refuses them, so they are saved as a placeholder and
 restored from the template's shape and dtype (the manifest records their true shape).
+
+Size: one class; a step's states (staging, committed, failed, pruned) are read and changed
+together. The layout, the manifest and the tree helpers are modules of their own.
 """
 
 from __future__ import annotations

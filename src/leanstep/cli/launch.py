@@ -9,11 +9,8 @@ once, with one line on stderr and the exit code of the signal, 130 or 143: nothi
 written yet, so there is nothing to finish. Once loaded, :func:`leanstep.cli.main.main` sets its
 own handlers (``train`` turns a signal into a stop after the current step, or a save).
 
-A command a signal stopped (exit code 130 or 143) ends with ``os._exit`` once its output is
-flushed: it has saved what it keeps, but JAX may still be compiling on its own threads (a
-compile the signal interrupted the wait for goes on), and the interpreter's shutdown destroys
-the client under that compile: a segmentation fault (exit 139) after the clean message, seen in
-5 of 6 runs signalled one second into a first compile.
+A command a signal stopped ends without the interpreter's shutdown
+(:func:`leanstep.cli.main.finish`).
 """
 
 from __future__ import annotations
@@ -40,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, _exit_now)
     except ValueError:  # not the main thread: the signals are not ours to handle
         pass
+    from leanstep.cli.main import finish
     from leanstep.cli.main import main as run
     from leanstep.training import stop_signals  # noqa: F401 - the heavy imports, under _exit_now
 
@@ -52,25 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)
     except ValueError:
         pass
-    if code in _STOPPED:
-        _end_now(code)
-    return code
-
-
-_STOPPED = {128 + sig for sig in _WHAT}
-
-
-def _end_now(code: int) -> None:
-    """Ends the process with ``code`` without the interpreter's shutdown (see the module doc)."""
-    import logging
-
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken pipe: nothing more can reach it
-            pass
-    os._exit(code)
+    return finish(code)
 
 
 if __name__ == "__main__":

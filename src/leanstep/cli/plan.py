@@ -1,4 +1,8 @@
-"""``leanstep plan`` and ``leanstep audit``: flags in, :mod:`leanstep.training.analysis` called, tables out."""
+"""``leanstep plan`` and ``leanstep audit``: flags in, :mod:`leanstep.training.analysis` called, tables out.
+
+Size: two commands, plan and audit, that share their flags and tables; what they compute is
+leanstep.training.analysis.
+"""
 
 from __future__ import annotations
 

@@ -26,6 +26,9 @@ model's own :func:`leanstep.gathered` and :func:`leanstep.constrain` calls.
 Microbatches under sharding are *strided* (:func:`leanstep.split_strided_microbatches`):
 microbatch ``j`` takes rows ``j, j+M, j+2M, ...``, so each device's share of every
 microbatch is made of its own rows and no row moves between devices.
+
+Size: one class, where each value of the step lives and where its gradients reduce, with the
+reasons beside each choice; the state's shardings are state_sharding.
 """
 
 from __future__ import annotations

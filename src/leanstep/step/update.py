@@ -24,6 +24,10 @@ state's key folded with the step: the same step of a resumed run rounds the same
 :func:`guarded_update_transform` offers the same as an optax transformation wrapping any
 optimizer, in the spirit of ``optax.apply_if_finite`` (which neither unscales nor clips, and
 counts but keeps no loss scale).
+
+Size: the guarded update's order (unscale once, decide once, clip, apply only if finite) is the
+contract, read top to bottom in one file; chunked application is update_chunks, its checks
+update_checks.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ it keeps them apart, both read from the optimizer's jaxpr (:mod:`leanstep.step.u
 scalar state (counts, schedules) is shared by the chunks and taken from the first. Stochastic
 rounding of bfloat16 masters draws, for a slice, the bits its rows take in the whole leaf
 (:func:`leanstep.blocks.masters.rows_bits`).
+
+Size: the loop that applies a chunk plan and the row slicing it needs share one vocabulary
+(Unit, ChunkPlan, ChunkInputs); the plan's cutting is update_chunk_plan, which leaves may be
+split update_dependence, host offload update_offload.
 """
 
 from __future__ import annotations

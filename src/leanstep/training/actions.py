@@ -20,6 +20,9 @@ Example:
   >>> evaluate = Evaluate(every=4, evaluate=lambda params: 2.0)
   >>> [step for step in range(1, 11) if evaluate.when(Tick(state=None, step=step, steps=10))]
   [4, 8, 10]
+
+Size: the loop's actions, each a small class with the same two methods (when, do); one file
+keeps the order they run in readable as a list.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Plots use :class:`matplotlib.figure.Figure` with the Agg canvas, never pyplot, s
 changes no global state (no backend switch, no open figures). The PNG is drawn in memory and
 written atomically (:func:`leanstep.common.outputs.write_bytes_atomic`): a full disk or a read-only
 folder leaves the old chart (or none), never half a file, and is an ``OSError`` naming the path.
+
+Size: one figure of four panels and the report that redraws it.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ Example:
   >>> skips = merge_skips((), (5, 7))    # the batches at positions 5, 6 and 7 never come again
   >>> [data_position(i, skips) for i in range(3, 8)]
   [3, 4, 8, 9, 10]
+
+Size: the rollback's decisions and the records that keep them (rollbacks.json, the metrics
+lines) go together: a decision holds exactly when it is written.
 """
 
 from __future__ import annotations

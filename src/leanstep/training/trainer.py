@@ -29,6 +29,9 @@ What a run does when something goes wrong::
     damaged newest checkpoint               --resume falls back to an older one, with a warning
     no good checkpoint                      RunStopped(1) naming each checkpoint's fault
     a checkpoint or metrics write fails     RunStopped(1); the checkpoints before it are intact
+
+Size: a run's life from start to end (setup, lock, resume, loop, summary) in order; the loop's
+periodic work is actions, the loop step_loop, the stops stops.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ A sum kept in bfloat16 misses that bound by about :math:`2^{5}`; a microbatch gi
 weight by the weight's error. On a failure the report fits the weights the step did use (least
 squares, :math:`\hat w = \arg\min \|G - \sum_j \hat w_j g_j\|`) and names the microbatch whose
 weight is furthest from :math:`w_j`, or, every weight right, the sum's precision.
+
+Size: three checks (accumulation, full batch, token weighting) that share one float64
+reference, its fitted weights and its tolerances.
 """
 
 from __future__ import annotations
