@@ -29,6 +29,7 @@ MAX_PARAMETERS = 12
 #: Functions allowed more parameters, with the reason.
 MANY_PARAMETERS = {
     "leanstep.step.spec.StepSpec.from_keywords": "the short keyword form for the common case (the issue's exception)",
+    "leanstep.planning.one_device.plan": "spec= beside loss_scale= and **step_kwargs, the keyword form it replaces",
 }
 #: The sub-packages, each with the sub-packages it may import: the architecture, bottom up.
 #: ``leanstep`` is the package itself (its ``__init__``: the public API) and ``tasks`` the seeds.

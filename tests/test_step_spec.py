@@ -323,3 +323,45 @@ def test_a_mesh_that_differs_from_the_spec_s_layout_is_named():
         make_train_step(_loss, StepSpec(sharding=MeshLayout(reduce="step")), mesh=ShardingLayer(mesh))
     layer = ShardingLayer(mesh, reduce="step")
     assert callable(make_train_step(_loss, StepSpec(sharding=MeshLayout(reduce="step")), mesh=layer))
+
+
+# --- the planner takes the spec ------------------------------------------------------------------
+
+
+def _plan(spec=None, **keywords):
+    def make_loss_fn(policy):
+        return lambda p, b: jnp.mean(jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] ** 2)
+
+    params = {"w1": jax.ShapeDtypeStruct((32, 64), jnp.float32), "w2": jax.ShapeDtypeStruct((64, 8), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((8, 32), jnp.float32)}
+    candidates = leanstep.SearchSpace(remat_policies=("none", "full"), microbatches=(1, 2))
+    return leanstep.plan(
+        make_loss_fn, params, batch, optax.adamw(1e-3), spec, budget_bytes="64MiB", candidates=candidates,
+        search=leanstep.SearchOptions(exhaustive=True), **keywords,
+    )  # fmt: skip
+
+
+def test_a_plan_of_a_spec_is_the_plan_of_its_keywords():
+    spec = StepSpec(
+        "compute=bfloat16", max_grad_norm=1.0, loss_scale="dynamic", master="bfloat16-sr", moments="int8",
+        accumulation=Accumulation(4, "strided"),
+    )  # fmt: skip
+    by_spec = _plan(spec)
+    by_keywords = _plan(
+        precision="compute=bfloat16", max_grad_norm=1.0, loss_scale="dynamic", master="bfloat16-sr", moments="int8",
+        split="strided",
+    )  # fmt: skip
+    settings = lambda p: [(c.setting[:2], StepSpec(c.setting.precision), c.peak_bytes, c.flops) for c in p.candidates]
+    assert settings(by_spec) == settings(by_keywords) and len(by_spec.candidates) == 4
+    assert by_spec.chosen.setting[:2] == by_keywords.chosen.setting[:2]
+    assert {StepSpec(c.setting.precision).precision for c in by_spec.candidates} == {spec.precision}
+    # and the spec's formats reached the state: the plan's note on the state's bytes a parameter
+    assert by_spec.notes == by_keywords.notes and any("4.30 bytes a parameter" in n for n in by_spec.notes)
+    assert not any("bytes a parameter" in n for n in _plan(StepSpec("compute=bfloat16")).notes)
+
+
+def test_a_plan_given_a_spec_and_keywords_is_refused_naming_them():
+    with pytest.raises(TypeError, match="plan got a spec and the keywords loss_scale, max_grad_norm: give each"):
+        _plan(StepSpec(), max_grad_norm=1.0, loss_scale="dynamic")
+    with pytest.raises(TypeError, match="spec must be a leanstep.StepSpec or None, got dict"):
+        _plan({"precision": "float32"})

@@ -63,12 +63,14 @@ from leanstep.planning.plan_inputs import (
     batch_size_of,
     batch_statistics_notes,
     params_for,
+    spec_keywords,
     state_format,
     state_format_notes,
     structure_error,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace
+from leanstep.step.spec import StepSpec
 from leanstep.step.train_step import make_train_step
 
 __all__ = [
@@ -91,6 +93,7 @@ def plan(
     params: Any,
     batch: Any,
     optimizer: optax.GradientTransformation,
+    spec: StepSpec | None = None,
     *,
     budget_bytes: int | str,
     candidates: Sequence[tuple[int, str, str]] | SearchSpace | None = None,
@@ -119,6 +122,9 @@ def plan(
         fails on its structure is refused with a ``ValueError`` naming it.
       batch: one full batch, arrays or ``ShapeDtypeStruct``; leaves share the leading batch axis.
       optimizer: the ``optax.GradientTransformation`` of the run.
+      spec: the run's :class:`leanstep.StepSpec`, in place of ``loss_scale`` and ``step_kwargs``
+        (:func:`leanstep.planning.plan_inputs.spec_keywords`): the plan searches its microbatch
+        count, remat and (for the default candidates, at its precision) keeps the rest.
       budget_bytes: bytes, or a size string such as ``"512MiB"`` (see :func:`leanstep.common.memory_sizes.parse_bytes`).
       candidates: what to try: ``(num_microbatches, remat, precision)`` settings, or a
         :class:`SearchSpace` (its policies times its microbatch counts, every divisor of the
@@ -167,6 +173,7 @@ def plan(
       ((1, 'none', 'float32'), True)
     """
     search = SearchOptions() if search is None else search
+    step_kwargs, loss_scale = spec_keywords(spec, step_kwargs, loss_scale)
     if num_devices is not None:
         from leanstep.planning.cluster import plan_cluster
 

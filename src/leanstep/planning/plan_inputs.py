@@ -19,6 +19,7 @@ is callable too, and is taken as a tree).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -26,6 +27,7 @@ import numpy as np
 
 from leanstep.blocks.fp8_state import split_fp8
 from leanstep.planning.candidates import abstract_tree
+from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 
 __all__ = [
@@ -57,6 +59,57 @@ _STRUCTURE_WORDS = (
 
 #: The state-format keywords a plan takes among its step keywords (``TrainState.create``'s).
 STATE_FORMAT_KEYWORDS = ("master", "moments")
+
+
+#: The fields of a spec a plan searches (the microbatch count is its accumulation's) or takes
+#: apart (its loss contract and accumulation, as their short keywords).
+_SEARCHED = ("precision", "accumulation", "loss", "loss_scale")
+
+
+def spec_keywords(spec: Any, step_kwargs: dict[str, Any], loss_scale: Any) -> tuple[dict[str, Any], Any]:
+    """A plan's step keywords and loss scale: those given, or ``spec``'s (a :class:`leanstep.StepSpec`).
+
+    The spec's fields that differ from ``StepSpec()``'s become :func:`leanstep.make_train_step`
+    keywords: its precision (that of the default candidates), its loss contract's flags, its
+    accumulation's split and unroll (the microbatch count is searched), and the rest by name.
+
+    Raises:
+      TypeError: ``spec`` is not a StepSpec, or comes with step keywords or a loss scale.
+      ValueError: its accumulation does not divide the loss by the microbatch count (no keyword says so).
+
+    Example:
+      >>> spec = StepSpec("compute=bfloat16", max_grad_norm=1.0, loss_scale="dynamic", moments="int8")
+      >>> keywords, scale = spec_keywords(spec, {}, "none")
+      >>> sorted(keywords), type(scale).__name__
+      (['max_grad_norm', 'moments', 'precision'], 'DynamicLossScale')
+    """
+    if spec is None:
+        return step_kwargs, loss_scale
+    if not isinstance(spec, StepSpec):
+        raise TypeError(f"spec must be a leanstep.StepSpec or None, got {type(spec).__name__}")
+    given = sorted([*step_kwargs, *([] if isinstance(loss_scale, str) and loss_scale == "none" else ["loss_scale"])])
+    if given:
+        raise TypeError(
+            f"plan got a spec and the keywords {', '.join(given)}: give each setting once, in the spec "
+            "(spec.replace(...)) or as keywords"
+        )
+    if not spec.accumulation.divide:
+        raise ValueError(
+            "plan searches the microbatch count of a loss divided by it: spec.accumulation.divide must be True"
+        )
+    default = StepSpec()
+    keywords = {
+        f.name: getattr(spec, f.name)
+        for f in dataclasses.fields(StepSpec)
+        if f.name not in _SEARCHED and getattr(spec, f.name) != getattr(default, f.name)
+    }
+    if spec.precision != default.precision:
+        keywords["precision"] = str(spec.precision)
+    keywords |= {f.name: True for f in dataclasses.fields(spec.loss) if getattr(spec.loss, f.name)}
+    for name in ("split", "unroll"):
+        if getattr(spec.accumulation, name) != getattr(default.accumulation, name):
+            keywords[name] = getattr(spec.accumulation, name)
+    return keywords, spec.loss_scale.make()
 
 
 def state_format(step_kwargs: dict[str, Any]) -> dict[str, Any]:

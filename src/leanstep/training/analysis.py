@@ -103,7 +103,9 @@ def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options:
     if budget_bytes is None:
         raise ValueError("a one-device plan needs a budget (bytes or a size such as 2GiB)")
     space, search, rest = split_options(options)
-    rest.setdefault("precision", config.precision)
+    spec = config.step_spec(sharded=False)  # the flags' one parse (RunConfig.step)
+    if "precision" in rest:
+        spec = spec.replace(precision=rest.pop("precision"))
     candidates = rest.pop("candidates", None)
     if space and candidates is not None:
         raise ValueError(f"give candidates= or {', '.join(f'{name}=' for name in space)}, not both")
@@ -112,13 +114,10 @@ def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options:
         run.abstract_params(),
         run.batch_spec(),
         run.optimizer,
+        spec,
         budget_bytes=budget_bytes,
         candidates=SearchSpace(**space) if space else candidates,
         search=SearchOptions(**search),
-        loss_scale=run.loss_scale,
-        max_grad_norm=config.max_grad_norm,
-        master=config.master,
-        moments=config.moments,
         **rest,
     )
 
