@@ -95,7 +95,9 @@ def train(config: TransformerConfig, form: tuple, batch: int, microbatches: int,
     start = time.perf_counter()
     state = jax.jit(make)(jax.random.key(0))
     jax.block_until_ready(state)
-    print(f"{time.strftime('%X')} state made in {time.perf_counter() - start:.1f} s; training {steps} steps", flush=True)
+    print(
+        f"{time.strftime('%X')} state made in {time.perf_counter() - start:.1f} s; training {steps} steps", flush=True
+    )
     losses, skipped, times = [], [], []
     for i in range(steps):
         start = time.perf_counter()
