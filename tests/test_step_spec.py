@@ -360,6 +360,18 @@ def test_a_plan_of_a_spec_is_the_plan_of_its_keywords():
     assert not any("bytes a parameter" in n for n in _plan(StepSpec("compute=bfloat16")).notes)
 
 
+def test_a_plan_of_a_guarded_spec_gives_the_state_its_window():
+    # The guard goes to the step and to the state (its window), as TrainState.create(spec) gives it.
+    guarded = _plan(StepSpec(spike_guard="on"))
+    assert guarded.chosen.fits and guarded.chosen.peak_bytes > _plan(StepSpec()).chosen.peak_bytes
+
+
+def test_leanstep_plan_of_a_guarded_run_plans_from_its_spec(cli):
+    result = cli("plan", "--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--budget", "64MiB",
+                 "--spike-guard", "on", "--microbatch-counts", "1")  # fmt: skip
+    assert result.code == 0 and "chosen: --microbatches 1" in result.out, result.err
+
+
 def test_a_plan_given_a_spec_and_keywords_is_refused_naming_them():
     with pytest.raises(TypeError, match="plan got a spec and the keywords loss_scale, max_grad_norm: give each"):
         _plan(StepSpec(), max_grad_norm=1.0, loss_scale="dynamic")

@@ -71,7 +71,7 @@ from leanstep.planning.cluster_grid import Family, families_of, mesh_shapes
 from leanstep.planning.cluster_search import Limits, SearchState, final_row, rank, run_search, start, strip
 from leanstep.planning.cost_model import Accelerator, get_accelerator
 from leanstep.planning.fp8_sizes import fp8_notes
-from leanstep.planning.plan_inputs import is_params_builder, state_format, state_format_notes
+from leanstep.planning.plan_inputs import is_params_builder, state_format, state_format_notes, state_guard
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace
 from leanstep.step.state import TrainState
@@ -179,7 +179,8 @@ def plan_cluster(
     compute_dtype = get_precision(precision).compute_dtype
     scale = get_loss_scale(loss_scale)
     params, batch = abstract_tree(params), abstract_tree(batch)
-    state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, loss_scale=scale, **formats), params)
+    guard = state_guard(step_kwargs)
+    state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, loss_scale=scale, **formats, **guard), params)
     loss_fns = {policy: make_loss_fn(policy) for policy in space.remat_policies}
     # The whole step's dot FLOPs, once per policy, on one device: the compute part of every bound.
     flops = step_flops(loss_fns, state, batch, precision, step_kwargs)

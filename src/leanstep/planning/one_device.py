@@ -66,6 +66,7 @@ from leanstep.planning.plan_inputs import (
     spec_keywords,
     state_format,
     state_format_notes,
+    state_guard,
     structure_error,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
@@ -206,7 +207,10 @@ def plan(
     space = SearchSpace() if candidates is None else candidates
     rows = space.min_rows(model_state is not None) if isinstance(space, SearchSpace) else None
     settings = checked_settings(space, batch_size, precision if isinstance(precision, str) else str(precision), rows)
-    state_for = lambda p: abstract_state(params_for(params, p), optimizer, scale, params_for(model_state, p), **formats)
+    guard = state_guard(step_kwargs)
+    state_for = lambda p: abstract_state(
+        params_for(params, p), optimizer, scale, params_for(model_state, p), **formats, **guard
+    )
     steps = _Steps(make_loss_fn, state_for, abstract_tree(batch), step_kwargs, TreesGiven.of(params, model_state))
     options = compiler_options_for(search.compiler_options, jax.default_backend())
     compile_at = lambda i, c: compile_candidate(steps.trace(c), steps.traced[c.setting], budget, options)

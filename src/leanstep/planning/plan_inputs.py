@@ -124,6 +124,13 @@ def state_format(step_kwargs: dict[str, Any]) -> dict[str, Any]:
     return {name: step_kwargs.pop(name) for name in STATE_FORMAT_KEYWORDS if name in step_kwargs}
 
 
+def state_guard(step_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``spike_guard=`` of a plan's step keywords, left there, for the state too: a guarded step
+    needs the guard's window in the state (:meth:`leanstep.TrainState.create`)."""
+    guard = step_kwargs.get("spike_guard")
+    return {} if guard is None else {"spike_guard": guard}
+
+
 def abstract_state(params: Any, optimizer: Any, loss_scale: Any, model_state: Any, **formats: Any) -> Any:
     """The abstract :class:`leanstep.TrainState` of ``params`` (a tree) and ``model_state``, its
     masters and moments kept as ``formats`` say (:func:`state_format`)."""
