@@ -16,6 +16,7 @@ def test_each_phase_is_appended_and_summed_by_file(tmp_path, monkeypatch):
     spec.loader.exec_module(root)
     path = tmp_path / "d.tsv"
     monkeypatch.setenv("LEANSTEP_TEST_DURATIONS", str(path))
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # as in xdist's controller, or without xdist
     for duration, when, node in [
         (1.5, "setup", "tests/test_a.py::test_x"),
         (2.0, "call", "tests/test_a.py::test_x"),
@@ -26,6 +27,12 @@ def test_each_phase_is_appended_and_summed_by_file(tmp_path, monkeypatch):
         root.pytest_runtest_logreport(types.SimpleNamespace(duration=duration, when=when, outcome=outcome, nodeid=node))
     assert by_file(path.read_text().splitlines()) == [("tests/test_a.py", 4.0, 2), ("tests/test_b.py", 4.25, 1)][::-1]
     assert failed(path.read_text().splitlines()) == ["tests/test_a.py::test_z"]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")  # a worker: its controller writes the line
+    root.pytest_runtest_logreport(
+        types.SimpleNamespace(duration=9.0, when="call", outcome="passed", nodeid="tests/test_c.py::t")
+    )
+    assert len(path.read_text().splitlines()) == 4
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
     monkeypatch.delenv("LEANSTEP_TEST_DURATIONS")
     root.pytest_runtest_logreport(
         types.SimpleNamespace(duration=9.0, when="call", outcome="passed", nodeid="tests/test_c.py::t")
