@@ -492,7 +492,8 @@ def test_simulated_devices_run_on_the_cpu_platform_whatever_the_parent_names(mon
 _POOL_THREADS = (
     "from leanstep.sharding.distributed import configure_devices; configure_devices(4); "
     "import os, jax, jax.numpy as jnp; jax.jit(lambda a: a + 1)(jnp.ones(4)).block_until_ready(); "
-    "print(sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen' for t in os.listdir('/proc/self/task')))"
+    "print(os.environ['PJRT_NPROC'], "
+    "sum(open(f'/proc/self/task/{t}/comm').read().strip() == 'tf_XLAEigen' for t in os.listdir('/proc/self/task')))"
 )
 
 
@@ -508,7 +509,9 @@ def test_simulated_devices_get_four_pool_threads_each_unless_pjrt_nproc_is_set(m
         monkeypatch.setenv("PJRT_NPROC", preset)
     child = run_on_simulated_cpus(_POOL_THREADS)
     assert child.returncode == 0, child.stderr
-    assert int(child.stdout.split()[-1]) == max(threads, os.cpu_count() if preset is None else 0)
+    nproc, pool = child.stdout.split()[-2:]
+    assert nproc == (preset or str(max(16, os.cpu_count() or 1)))  # the setting, whatever the cores
+    assert int(pool) == max(threads, os.cpu_count() if preset is None else 0)  # and the pool XLA made
 
 
 if __name__ == "__main__":

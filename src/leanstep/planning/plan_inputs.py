@@ -61,8 +61,9 @@ _STRUCTURE_WORDS = (
 STATE_FORMAT_KEYWORDS = ("master", "moments")
 
 
-#: The fields of a spec a plan searches (the microbatch count is its accumulation's) or takes
-#: apart (its loss contract and accumulation, as their short keywords).
+#: The fields of a spec that do not become a step keyword by name: the precision (as a string),
+#: the loss contract and the accumulation (as their short keywords; the microbatch count is
+#: searched) and the loss scale (the state's, returned beside the keywords).
 _SEARCHED = ("precision", "accumulation", "loss", "loss_scale")
 
 

@@ -142,8 +142,6 @@ def configure_devices(
             raise ValueError(f"process_id must be < num_processes={num_processes}, got {process_id}")
     initialization_timeout = _check_count("initialization_timeout", initialization_timeout, 1)
     if num_devices is not None:
-        if num_devices > 1:  # read when the CPU backend starts; a value the user set is kept
-            os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, _POOL_THREADS_PER_DEVICE * num_devices)))
         try:
             jax.config.update("jax_num_cpu_devices", num_devices)
         except RuntimeError as error:
@@ -151,6 +149,8 @@ def configure_devices(
                 f"cannot set {num_devices} devices: JAX's backend is already running ({error}); "
                 "call configure_devices before any JAX array or computation is made"
             ) from None
+        if num_devices > 1:  # read when the CPU backend starts (not yet: above); a value the user set is kept
+            os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, _POOL_THREADS_PER_DEVICE * num_devices)))
     if coordinator is not None:
         # gloo is jaxlib 0.10's CPU default; naming it keeps a run from silently getting the
         # "none" implementation (no cross-process CPU collectives) if the default changes.
