@@ -3,7 +3,8 @@
 ``quantize`` finds each entry's code among the map's 255 midpoints: by a binary search
 (``jnp.searchsorted`` "scan", "scan_unrolled": gathers), by sorting ("sort"), or by one fused
 compare-and-count ("compare_all"). ``dequantize`` looks the code up in the 256 values: a gather
-("take"), or a compare-and-select over the 256 codes ("select"). Each is timed on ``--entries``
+("take"), a compare-and-select over the 256 codes ("select"), or arithmetic ("arithmetic",
+``leanstep.blocks.moments.decode``, leanstep's on every platform). Each is timed on ``--entries``
 normal entries with a heavy tail, checked equal to "scan" / "take", and its nanoseconds an entry
 reported; leanstep's choice per platform is ``leanstep.blocks.moments._ACCELERATOR_SEARCH``.
 
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from leanstep.blocks import moments
 
 SEARCHES = ("scan", "scan_unrolled", "sort", "compare_all")
+DECODES = ("take", "select", "arithmetic")
 
 
 def _decode(form: str):
@@ -30,6 +32,8 @@ def _decode(form: str):
     table = jnp.asarray(values)
     if form == "take":
         return lambda codes: table[codes.astype(jnp.int32)]
+    if form == "arithmetic":
+        return lambda codes: moments.decode(codes, signed=True)
     # one compare-and-select per code, summed: no gather
     return lambda codes: jnp.sum(
         jnp.where(codes[:, None].astype(jnp.int32) == jnp.arange(256)[None, :], table[None, :], 0.0), axis=-1
@@ -68,14 +72,17 @@ def main(argv: list[str] | None = None) -> dict:
     keys = jax.random.split(jax.random.key(0))
     x = jax.random.normal(keys[0], (args.entries,)) * jnp.exp(3.0 * jax.random.normal(keys[1], (args.entries,)))
     x = x / jnp.max(jnp.abs(x))
-    _, midpoints = moments._tables(True)
+    values, midpoints = moments._tables(True)
     mids = jnp.asarray(midpoints)
     report: dict = {"device": jax.devices()[0].device_kind, "entries": args.entries, "search": {}, "decode": {}}
     searches = {
         m: jax.jit(lambda v, m=m: moments._search(m)(mids, v).astype(jnp.uint8)) for m in args.searches.split(",")
     }
     reference = _measure(report["search"], searches, x, args)
-    _measure(report["decode"], {form: jax.jit(_decode(form)) for form in ("take", "select")}, reference, args)
+    _measure(report["decode"], {form: jax.jit(_decode(form)) for form in DECODES}, reference, args)
+    every = jnp.arange(256, dtype=jnp.uint8)  # each code, not only those the data hit
+    report["decode_every_code_exact"] = bool(jnp.all(jax.jit(_decode("arithmetic"))(every) == jnp.asarray(values)))
+    print("decode_every_code_exact", report["decode_every_code_exact"], flush=True)
     print(json.dumps(report))
     return report
 

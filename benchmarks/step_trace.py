@@ -102,7 +102,8 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
       ``matmul_s`` and ``other_s`` (events of matmul kernels and of the rest), ``kernels``
       and ``matmul_kernels`` (counts); ``overlap``; ``groups`` (``{"phase", "primitive",
       "seconds", "kernels"}``, slowest first) and ``top`` (``{"name", "op", "phase",
-      "primitive", "seconds", "kernels"}``).
+      "primitive", "seconds", "kernels"}``); ``lines``: each profiler line's events over all
+      traced calls (``{"events", "seconds", "top"}``).
 
     Example:
       >>> import jax.numpy as jnp
@@ -121,7 +122,7 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
         called = re.findall(r"%([^\s,{}]+)", inst.attribute("calls") or "")
         return inst.op in ("dot", "convolution") or (inst.op == "fusion" and bool(with_matmul.intersection(called)))
 
-    windows, events = _kernel_events(call, calls, instructions, module.group(1) if module else None)
+    windows, events, lines = _kernel_events(call, calls, instructions, module.group(1) if module else None)
     # The fastest call is the one least disturbed (by other processes, by the profiler's buffers).
     first, last = min(windows, key=lambda window: window[1] - window[0])
     chosen = [event for event in events if first <= event[0] <= last]
@@ -149,15 +150,16 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
             key=lambda g: -g["seconds"],
         ),
         "top": sorted(rows, key=lambda row: -row["seconds"])[:top],
+        "lines": lines,
     }
 
 
 def _kernel_events(
     call: Callable[[], Any], calls: int, instructions: dict[str, Instruction], module: str | None
-) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]]]:
+) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]], dict[str, dict[str, Any]]]:
     """``(windows, events)``: ``(start_ns, end_ns)`` of each of ``calls`` traced calls (after one untraced
-    warm-up call), and ``(start_ns, end_ns, name)`` of every kernel event of an instruction of ``module``
-    (loops and calls left out)."""
+    warm-up call), ``(start_ns, end_ns, name)`` of every kernel event of an instruction of ``module``
+    (loops and calls left out), and each profiler line's events (``_line_summary``)."""
     call()
     with tempfile.TemporaryDirectory() as directory:
         jax.profiler.start_trace(directory)
@@ -172,12 +174,45 @@ def _kernel_events(
             data = jax.profiler.ProfileData.from_serialized_xspace(file.read())
     windows: list[tuple[int, int]] = []
     events: list[tuple[int, int, str]] = []
+    lines: dict[str, dict[str, Any]] = {}
     with warnings.catch_warnings():
         # JAX 0.11's event stats warn (DeprecationWarning, "builtin type event_stats has no
         # __module__") from inside C++: a warning turned into an error there aborts the process.
         warnings.simplefilter("ignore", DeprecationWarning)
         _collect(data, instructions, module, windows, events)
-    return windows, events
+        lines = _line_summary(data)
+    return windows, events, lines
+
+
+def _line_summary(data: Any, top: int = 8) -> dict[str, dict[str, Any]]:
+    """Per profiler line (``plane / line``, of all traced calls): events, their summed seconds, and
+    the ``top`` names by time. On an accelerator the device's lines ("XLA Ops", "XLA Modules")
+    are where a step's time is, whatever its event names are."""
+    out: dict[str, dict[str, Any]] = {}
+    for plane in data.planes:
+        for line in plane.lines:
+            spent: collections.Counter[str] = collections.Counter()
+            for event in line.events:
+                spent[event.name] += event.end_ns - event.start_ns
+            if spent:
+                out[f"{plane.name} / {line.name}"] = {
+                    "events": sum(1 for _ in line.events),
+                    "seconds": sum(spent.values()) / 1e9,
+                    "top": [[name, ns / 1e9] for name, ns in spent.most_common(top)],
+                }
+    return out
+
+
+def _instruction_name(event_name: str) -> str:
+    """The HLO instruction an event is of: XLA:CPU names it (``fusion.5``); a TPU's "XLA Ops" line
+    gives its whole text (``%fusion.5 = bf16[8]{0} fusion(...)``).
+
+    Example:
+      >>> _instruction_name("%while.265 = (s32[], f32[8,2048]{1,0:T(8,128)}) while(...)"), _instruction_name("dot.57")
+      ('while.265', 'dot.57')
+    """
+    match = re.match(r"%?([^\s=%]+)\s*=", event_name)
+    return match.group(1) if match else event_name
 
 
 def _collect(
@@ -192,12 +227,12 @@ def _collect(
             for event in line.events:
                 if event.name.startswith(_MARKER):
                     windows.append((event.start_ns, event.end_ns))
-                inst = instructions.get(event.name)
+                inst = instructions.get(_instruction_name(event.name))
                 if inst is None or inst.op in _CONTAINERS:
                     continue
                 if module and dict(event.stats).get("hlo_module", module) != module:
                     continue
-                events.append((event.start_ns, event.end_ns, event.name))
+                events.append((event.start_ns, event.end_ns, inst.name))
 
 
 def _kernel_rows(

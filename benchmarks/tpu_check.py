@@ -2,15 +2,16 @@
 
 Four parts, each written to ``<out>/check.json`` as it ends (a part that fails records its error):
 
-* ``fit``: the fit ladder of the built-in transformer (d 2048, seq 1024, full remat, bf16
-  compute, AdamW, dynamic loss scale, clip 1.0) per state format (float32; bf16-sr masters with
-  bfloat16 moments; bf16-sr with int8 moments and the chunked update). Compiled peaks at two
+* ``fit``: the fit ladder of the built-in transformer (d 2048, seq 1024, batch 8 x 1024 in 4
+  microbatches, full remat, bf16 compute, AdamW, dynamic loss scale, clip 1.0) per state format
+  (float32; bf16-sr masters with int8 moments and the chunked update). Compiled peaks at two
   depths give bytes a layer; the deepest model under the chip's memory is compiled (one layer
   less while it does not fit) and, for int8, trains ``--fit-steps`` steps from that
-  compiled program: losses, skips, seconds a step. The bf16-moment format is compiled at the
-  int8 format's depth too, so the two peaks compare at equal model and batch.
+  compiled program: losses, skips, seconds a step. bf16-sr masters with bfloat16 moments are
+  compiled at the int8 format's depth, so the two peaks compare at equal model and batch.
 * ``pace``: leanstep's step and the hand-written one (``benchmarks/tpu_step.py``) at 405M and
-  152M parameters: seconds a step, MFU by the model's formula and XLA's count.
+  152M parameters (JAX's splash attention): seconds a step, MFU by the model's formula and
+  XLA's count; the 405M step profiled kernel by kernel (``benchmarks/step_trace.py``).
 * ``plan``: :func:`leanstep.plan` for the 405M model under the chip's memory; its chosen
   setting's compiled peak against the chip's measured peak (``memory_stats()``) over 3 steps.
 * ``offload``: the optimizer state in host memory (``benchmarks/tpu_offload.py``).
@@ -41,9 +42,9 @@ from leanstep.models.transformer import TransformerConfig, init_transformer, tra
 
 LADDER = {  # name -> (master, moments, update_chunk)
     "float32": ("float32", "float32", None),
-    "bf16-sr + bfloat16": ("bfloat16-sr", "bfloat16", "auto"),
     "bf16-sr + int8 (chunked)": ("bfloat16-sr", "int8", "auto"),
 }
+BF16_MOMENTS = ("bfloat16-sr", "bfloat16", "auto")  # compiled at the int8 format's depth, to compare peaks
 _USABLE = 0.97  # of the chip's bytes_limit: the allocator's own blocks and fragmentation
 
 
@@ -115,9 +116,7 @@ def part_fit(args: argparse.Namespace, limit: int) -> dict:
         steps = args.fit_steps if name == "bf16-sr + int8 (chunked)" else 0  # the leanest trains; the others compile
         result["formats"][name] = ladder(name, size, limit, train_steps=steps, lo=lo, hi=hi)
     layers = result["formats"]["bf16-sr + int8 (chunked)"]["layers"]
-    _, result["bf16_moments_at_int8_depth_peak_bytes"] = _compile(
-        _config(size, layers), LADDER["bf16-sr + bfloat16"], size
-    )
+    _, result["bf16_moments_at_int8_depth_peak_bytes"] = _compile(_config(size, layers), BF16_MOMENTS, size)
     return result
 
 
@@ -125,7 +124,16 @@ def part_pace(args: argparse.Namespace) -> dict:
     if args.tiny:
         return tpu_step.main(["--tiny"])
     return tpu_step.main(
-        ["--configs", "base,splash,small-splash", "--handwritten", "splash,small-splash", "--steps", "6"]
+        [
+            "--configs",
+            "splash,small-splash",
+            "--handwritten",
+            "splash,small-splash",
+            "--trace",
+            "splash",
+            "--steps",
+            "6",
+        ]
     )
 
 
@@ -161,7 +169,7 @@ def part_plan(args: argparse.Namespace, limit: int) -> dict:
 def part_moments(args: argparse.Namespace) -> dict:
     from benchmarks import moment_codes
 
-    return moment_codes.main(["--entries", str(1 << 16 if args.tiny else 1 << 24)])
+    return moment_codes.main(["--entries", str(1 << 16 if args.tiny else 1 << 22)])
 
 
 def part_offload(args: argparse.Namespace) -> dict:
@@ -180,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--d-model", type=int, default=2048)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--fit-steps", type=int, default=20)
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run: tiny shapes, a 24 MiB 'chip'")
     args = parser.parse_args(argv)

@@ -106,9 +106,17 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [name for name in names if name not in FORMATS]
     if unknown:
         parser.error(f"--formats: unknown {unknown}; known: {list(FORMATS)}")
-    formats = {name: measure(config, FORMATS[name], args) for name in names}
+    formats: dict = {}
+    for name in names:
+        try:
+            formats[name] = measure(config, FORMATS[name], args)
+        except Exception as error:  # noqa: BLE001 (a format that leanstep refuses or XLA fails is a result)
+            formats[name] = {"error": f"{type(error).__name__}: {str(error)[:600]}"}
+            print(f"{name}: {formats[name]['error']}", flush=True)
     result = {"device": str(jax.devices()[0]), "config": vars(args), "formats": formats}
     for name, entry in formats.items():
+        if "error" in entry:
+            continue
         print(f"{name}: {entry['parameters']:,} parameters; bit-identical {entry['bit_identical']}; "
               f"{entry['seconds_a_step']}; {entry['check_offload']}")  # fmt: skip
         print("  state on the device:\n" + entry["plain"]["str"] + "\n  offloaded:\n" + entry["offloaded"]["str"])

@@ -6,7 +6,9 @@ two steps are compiled and timed one after the other (both states do not fit tog
 the median of ``--steps`` calls after two warm-up calls. MFU is the model's training FLOPs a
 second (``transformer_flops_per_token`` x tokens, the PaLM formula) over the chip's peak;
 XLA's own count of the compiled step (``cost_analysis()["flops"]``) is printed beside it, with
-the compiled peak (arguments + outputs - aliased + temporaries).
+the compiled peak (arguments + outputs - aliased + temporaries). ``--trace`` profiles leanstep's
+step of the named configurations kernel by kernel (``benchmarks.step_trace``: time by phase and
+primitive, the slowest instructions, and each profiler line's busy time).
 
     python benchmarks/tpu_step.py --configs base,splash --out step.json   # on a TPU v5e
     python benchmarks/tpu_step.py --tiny --out step.json                  # CPU dry run
@@ -26,7 +28,7 @@ import numpy as np
 import optax
 
 import leanstep
-from benchmarks import tpu_fit
+from benchmarks import step_trace, tpu_fit
 from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
 from leanstep.models.transformer import (
     TransformerConfig,
@@ -56,11 +58,25 @@ def _batch(step: int, rows: int, length: int) -> dict:
     return tpu_fit._batch(step, rows, length, 256)
 
 
-def _compiled_figures(step: Any, state: Any, batch: dict) -> dict:
+def _compiled_figures(step: Any, state: Any, batch: dict) -> tuple[dict, Any]:
     compiled = step.lower(state, batch).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    return {"peak_bytes": tpu_fit.compiled_peak(compiled), "xla_flops": float(cost.get("flops", float("nan")))}
+    figures = {"peak_bytes": tpu_fit.compiled_peak(compiled), "xla_flops": float(cost.get("flops", float("nan")))}
+    return figures, compiled
+
+
+def _trace(step: Any, state: Any, compiled: Any, rows: int, length: int) -> tuple[dict, Any]:
+    """The profile of ``calls`` steps (``benchmarks.step_trace``): each kernel's time, by phase and primitive."""
+    batch = _batch(0, rows, length)
+
+    def one_step() -> None:
+        nonlocal state  # each traced call takes the state the last one returned (the step donates it)
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+
+    trace = step_trace.trace_kernels(one_step, compiled.as_text(), calls=2, top=20)
+    return trace, state
 
 
 def _time(step: Any, state: Any, rows: int, length: int, steps: int) -> tuple[list[float], Any, Any]:
@@ -75,7 +91,7 @@ def _time(step: Any, state: Any, rows: int, length: int, steps: int) -> tuple[li
     return times[2:], state, metrics
 
 
-def measure(name: str, spec: tuple, *, seq: int, steps: int, handwritten: bool) -> dict:
+def measure(name: str, spec: tuple, *, seq: int, steps: int, handwritten: bool, trace: bool = False) -> dict:
     d, layers, head_dim, attention, remat, microbatches, rows = spec
     config = TransformerConfig(
         vocab_size=256, d_model=d, n_layers=layers, n_heads=d // head_dim, d_ff=4 * d, seq_len=seq,
@@ -92,14 +108,17 @@ def measure(name: str, spec: tuple, *, seq: int, steps: int, handwritten: bool) 
     )  # fmt: skip
     state = leanstep.TrainState.create(params, optax.adamw(3e-4), loss_scale="dynamic")
     del params
-    out["leanstep"] = _compiled_figures(step, state, _batch(0, rows, seq + 1))
+    out["leanstep"], compiled = _compiled_figures(step, state, _batch(0, rows, seq + 1))
     times, state, metrics = _time(step, state, rows, seq + 1, steps)
     out["leanstep"].update(step_s=float(np.median(times)), loss=float(metrics.loss))
+    if trace:
+        out["trace"], state = _trace(step, state, compiled, rows, seq + 1)
+    del compiled
     del state
     if handwritten:
         hand = make_handwritten_step(loss, optax.adamw(3e-4), compute_dtype=jnp.bfloat16, num_microbatches=microbatches)
         hand_state = init_handwritten_state(init_transformer(jax.random.key(0), config), optax.adamw(3e-4))
-        out["handwritten"] = _compiled_figures(hand, hand_state, _batch(0, rows, seq + 1))
+        out["handwritten"], _ = _compiled_figures(hand, hand_state, _batch(0, rows, seq + 1))
         times, hand_state, _ = _time(hand, hand_state, rows, seq + 1, steps)
         out["handwritten"]["step_s"] = float(np.median(times))
         out["ratio"] = out["leanstep"]["step_s"] / out["handwritten"]["step_s"]
@@ -116,19 +135,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--handwritten", default="base,splash", help="configs that also time the hand-written step")
-    parser.add_argument("--tiny", action="store_true", help="a CPU dry run: d 64, 2 layers, seq 32, 2 steps")
+    parser.add_argument("--trace", default="", help="configs whose leanstep step is also profiled, kernel by kernel")
+    parser.add_argument("--tiny", action="store_true", help="a CPU dry run: d 64, 2 layers, seq 32, 2 steps, profiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     configs = {name: CONFIGS[name] for name in args.configs.split(",") if name}
     if args.tiny:
         configs = {"tiny": (64, 2, 32, "xla", "dots", 2, 4)}
-        args.seq, args.steps, args.handwritten = 32, 2, "tiny"
+        args.seq, args.steps, args.handwritten, args.trace = 32, 2, "tiny", "tiny"
     report: dict = {"device": jax.devices()[0].device_kind, "seq": args.seq, "results": {}}
     for name, spec in configs.items():
         try:
             report["results"][name] = measure(
-                name, spec, seq=args.seq, steps=args.steps, handwritten=name in args.handwritten.split(",")
-            )
+                name, spec, seq=args.seq, steps=args.steps, handwritten=name in args.handwritten.split(","),
+                trace=name in args.trace.split(","),
+            )  # fmt: skip
         except Exception as error:  # noqa: BLE001 (an out-of-memory configuration is a result)
             report["results"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
         print(name, json.dumps(report["results"][name]), flush=True)

@@ -48,9 +48,26 @@ def ref_map(signed: bool) -> np.ndarray:
     return np.asarray(ordered, np.float64)
 
 
+def ref_map_float32(signed: bool) -> np.ndarray:
+    """The map as float32 holds it: each exact ratio ``k / d`` of ``ref_map`` (``k = 2n + 18i + 9``
+    over ``d = 2n * 10**(7 - e)``, the same midpoints) as the float32 product ``k * fl32(1 / d)``."""
+    values = {0.0, 1.0}
+    for e in range(7):
+        parts = 2**e if signed else 2 ** (e + 1)
+        d = 2 * parts * 10 ** (7 - e)
+        for i in range(parts):
+            v = float(np.float32(2 * parts + 18 * i + 9) * np.float32(1.0 / d))
+            values.update({v, -v} if signed else {v})
+    ordered = sorted(values)
+    if signed:
+        ordered.remove(max(v for v in ordered if v < 0))
+        ordered = sorted([*ordered, -1.0])
+    return np.asarray(ordered, np.float32)
+
+
 def ref_quantize(x: np.ndarray, signed: bool, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(codes, scales, decoded) of ``x`` (float32), block by block along the last axis, in float64."""
-    values = ref_map(signed).astype(np.float32).astype(np.float64)
+    values = ref_map_float32(signed).astype(np.float64)
     mids = ((values[:-1] + values[1:]) / 2).astype(np.float32).astype(np.float64)
     x = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1] if np.ndim(x) else 1)
     n = x.shape[1]
@@ -71,7 +88,11 @@ def ref_quantize(x: np.ndarray, signed: bool, block: int) -> tuple[np.ndarray, n
 
 def test_the_map_equals_the_papers_construction():
     for signed in (True, False):
-        np.testing.assert_array_equal(dynamic_map(signed), ref_map(signed).astype(np.float32))
+        np.testing.assert_array_equal(dynamic_map(signed), ref_map_float32(signed))
+        # within 1.5 units in the last place of the float64 construction (the product rounds twice)
+        exact = ref_map(signed)
+        ulp = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
+        np.testing.assert_array_less(np.abs(dynamic_map(signed) - exact), 1.5 * ulp)
     assert dynamic_map(True)[0] == -1.0 and dynamic_map(True)[-1] == 1.0 and 0.0 in dynamic_map(True)
 
 
@@ -117,6 +138,15 @@ def test_the_accelerators_search_finds_the_cpus_codes(signed):
     codes = {m: moments_module._search(m)(jnp.asarray(mids), normalized) for m in ("scan", "compare_all")}
     np.testing.assert_array_equal(codes["compare_all"], codes["scan"])
     np.testing.assert_array_equal(codes["scan"], [np.sum(mids < v) for v in np.asarray(normalized)])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_decode_is_the_map_for_every_code(signed):
+    # dequantize decodes by arithmetic (no gather): each of the 256 codes must give the map's value,
+    # bit for bit (the reference's loop over the paper's parts, an independent form).
+    codes = jnp.arange(256, dtype=jnp.uint8)
+    got = np.asarray(jax.jit(lambda c: moments_module.decode(c, signed=signed))(codes))
+    np.testing.assert_array_equal(got.view(np.uint32), ref_map_float32(signed).view(np.uint32))
 
 
 def test_the_blocks_error_is_small_where_it_matters():

@@ -80,6 +80,18 @@ def test_offload_opt_state_refuses_what_is_not_a_state_of_arrays():
         leanstep.offload_opt_state(abstract)
 
 
+def test_offload_opt_state_refuses_8_bit_moments_on_a_tpu_with_one_line():
+    from leanstep.step import update_offload
+
+    state = leanstep.TrainState.create(_params(), optax.adam(1e-3), master="bfloat16-sr", moments="int8")
+    why = update_offload._refused_on_platform(state.opt_state, "tpu")
+    assert why.startswith("offload_opt_state: 8-bit moments") and "moments='bfloat16'" in why and "\n" not in why
+    assert update_offload._refused_on_platform(state.opt_state, "gpu") == ""
+    assert update_offload._refused_on_platform(state.opt_state) == ""  # this CPU: offloaded as before
+    float32 = leanstep.TrainState.create(_params(), optax.adam(1e-3))
+    assert update_offload._refused_on_platform(float32.opt_state, "tpu") == ""
+
+
 # --- what the program keeps on the device -------------------------------------------------------------
 
 

@@ -24,6 +24,9 @@ def test_tpu_step_dry_run_times_both_steps_and_counts_the_models_flops(tmp_path)
     assert result["leanstep"]["step_s"] > 0 and result["handwritten"]["step_s"] > 0
     assert result["leanstep"]["peak_bytes"] > 0 and math.isfinite(result["leanstep"]["loss"])
     assert math.isnan(result["mfu"])  # no chip, no peak: not a number rather than a made-up one
+    trace = result["trace"]  # the profile of leanstep's step (--trace): its kernels add up inside the step
+    assert trace["kernels"] > 0 and 0 < trace["busy_s"] <= trace["wall_s"] * 1.01
+    assert trace["matmul_kernels"] > 0 and {g["phase"] for g in trace["groups"]} >= {"forward", "backward"}
 
 
 def test_tpu_check_dry_run_fits_a_ladder_per_format_and_compares_the_planner_with_the_compiled_peak(tmp_path):
@@ -57,9 +60,10 @@ def test_tpu_check_sh_runs_the_module(tmp_path):
 
 
 def test_moment_codes_dry_run_times_every_search_and_decode_and_finds_the_same_codes():
-    from benchmarks.moment_codes import SEARCHES, main
+    from benchmarks.moment_codes import DECODES, SEARCHES, main
 
     report = main(["--entries", "4096", "--repeats", "1"])
-    assert report["search"].keys() == set(SEARCHES) and report["decode"].keys() == {"take", "select"}
+    assert report["search"].keys() == set(SEARCHES) and report["decode"].keys() == set(DECODES)
+    assert report["decode_every_code_exact"] is True
     for result in [*report["search"].values(), *report["decode"].values()]:
         assert result["ns_an_entry"] > 0 and result["same"] is True

@@ -28,11 +28,15 @@ keeps whole blocks on each device; split along its last axis, each device's bloc
 where its part is a multiple of ``B``, and otherwise a block straddles devices and the scales are
 kept whole along that axis (:func:`leanstep.step.state_sharding.scales_sharding`).
 
+Size: one concern, the 8-bit form of a moment from its map to the optimizer's state: the map and
+its arithmetic decoding (no lookup: an accelerator's gathers are slow), the blocks, and the
+wrapper that finds the moments in optax's states and keeps them compressed.
+
 Example:
   >>> import jax.numpy as jnp
   >>> q = quantize(jnp.array([0.0, 0.5, -1.0, 3e-4]), signed=True, block_size=4)
   >>> q.codes.dtype, dequantize(q)
-  (dtype('uint8'), Array([ 0.0000000e+00,  5.0078124e-01, -1.0000000e+00,  2.6875001e-04], dtype=float32))
+  (dtype('uint8'), Array([ 0.0000000e+00,  5.0078124e-01, -1.0000000e+00,  2.6874998e-04], dtype=float32))
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ __all__ = [
     "MOMENT_FIELDS",
     "QuantizedArray",
     "compress_moments",
+    "decode",
     "dequantize",
     "dynamic_map",
     "quantize",
@@ -94,26 +99,44 @@ MOMENT_FIELDS: dict[str, dict[str, bool]] = {
 def dynamic_map(signed: bool) -> np.ndarray:
     """The 256 sorted float32 values of the dynamic quantization map (see the module doc).
 
-    Exponent ``e`` of six decades carries ``2**e`` (signed; ``2**(e+1)`` unsigned) values, the
-    midpoints of an even split of ``[0.1, 1]`` scaled by ``10**(e - 6)``; then 0 and 1.
+    Exponent ``e`` of six decades carries ``n = 2**e`` (signed; ``2**(e+1)`` unsigned) values,
+    the midpoints of an even split of ``[0.1, 1]`` scaled by ``10**(e - 6)``; then 0 and 1. The
+    ``i``-th is ``(2n + 18i + 9) / (2n * 10**(7 - e))``, kept as the float32 product of the
+    integer and the float32 reciprocal of the divisor (within 1.2 units in the last place of
+    the exact ratio; 72 and 67 of the 256 values are one unit off its float32 rounding), so :func:`decode` gives it bit for bit on any platform whose float32 product
+    is IEEE's; a TPU's division is not correctly rounded.
 
     Example:
       >>> signed, unsigned = dynamic_map(True), dynamic_map(False)
       >>> signed.shape, float(signed[0]), float(signed[-1]), float(unsigned[0]), float(unsigned[-1])
       ((256,), -1.0, 1.0, 0.0, 1.0)
     """
-    values = [0.0, 1.0]
-    for exponent in range(7):
-        count = 2**exponent if signed else 2 ** (exponent + 1)
-        bounds = np.linspace(0.1, 1.0, count + 1)
-        means = (bounds[:-1] + bounds[1:]) / 2.0 * 10.0 ** (exponent - 6)
-        values += list(means) + (list(-means) if signed else [])
-    assert len(values) == 256, len(values)
-    ordered = np.sort(np.asarray(values, np.float64))
-    if signed:  # -1 exact, in place of the smallest negative value (the module doc)
-        smallest_negative = int(np.searchsorted(ordered, 0.0)) - 1
-        ordered = np.sort(np.concatenate([np.delete(ordered, smallest_negative), [-1.0]]))
-    return ordered.astype(np.float32)
+    values = _decode_with(np, np.arange(256, dtype=np.int32), signed)
+    assert np.all(np.diff(values) > 0), "the map is sorted"
+    return values
+
+
+def _decode_with(xp: Any, c: Any, signed: bool) -> Any:
+    """``dynamic_map(signed)[c]`` for int32 codes ``c``, in ``xp`` (NumPy or jax.numpy): integer
+    math, then one float32 product per entry (no lookup, no division)."""
+    if signed:  # codes 0..126 negative (0 is -1), 127 zero, 128..255 positive (255 is 1)
+        position = xp.where(c >= 128, c - 128, 127 - c)
+        j = position + 1
+    else:  # code 0 is zero, 255 is 1
+        j = c + 1
+    group = sum(((j >= 2**t).astype(np.int32) for t in range(1, 8)), xp.zeros_like(j))  # floor(log2(j))
+    n = xp.left_shift(xp.ones_like(j), group)
+    numerator = (2 * n + 18 * (j - n) + 9).astype(np.float32)
+    decades = 7 if signed else 8  # 10**(7 - e), e = group (signed) or group - 1
+    reciprocal = xp.zeros(j.shape, np.float32)
+    for g in range(8):  # a chain of selects: an accelerator's gathers are slow
+        reciprocal = xp.where(group == g, np.float32(1.0 / (2.0 ** (g + 1) * 10.0 ** (decades - g))), reciprocal)
+    magnitude = numerator * reciprocal
+    one, zero = np.float32(1.0), np.float32(0.0)
+    if signed:
+        magnitude = xp.where(position == 127, one, magnitude)
+        return xp.where(c == 127, zero, xp.where(c < 127, -magnitude, magnitude)).astype(np.float32)
+    return xp.where(c == 0, zero, xp.where(c == 255, one, magnitude)).astype(np.float32)
 
 
 @functools.lru_cache(maxsize=2)
@@ -165,10 +188,9 @@ def _blocks(x: jax.Array, block_size: int) -> tuple[jax.Array, int]:
 # gathers ("scan", eight an entry; leanstep's search before 0.12): 32-39 ns an entry against
 # 585-1,960 for "compare_all", which XLA:CPU does not fuse (2-core EPYC, 4M entries, two loaded
 # runs; "scan_unrolled" measured 16 and 47 there, so it was not switched to:
-# `python benchmarks/moment_codes.py --entries 4194304`). On a TPU v5e a 1.3B model's int8 step
-# with "scan" did not end in 230 s; an accelerator's scalar gathers are the suspect (not yet
-# timed on the chip: benchmarks/moment_codes.py does), and "compare_all" is one fused
-# compare-and-count with no gather. Both give the same codes (tests/test_lean_state.py).
+# `python benchmarks/moment_codes.py --entries 4194304`). On a TPU v5e the gathers are slow:
+# "scan" 77 ns an entry, "sort" 21, "compare_all" (one fused compare-and-count, no gather) 0.27
+# (16M entries, JAX 0.10.2, 2026-12-06). Both give the same codes (tests/test_lean_state.py).
 _ACCELERATOR_SEARCH = "compare_all"
 
 
@@ -191,10 +213,18 @@ def quantize(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedA
     return QuantizedArray(codes, scales, signed, block_size)
 
 
+def decode(codes: jax.Array, *, signed: bool) -> jax.Array:
+    """``dynamic_map(signed)[codes]``, by arithmetic rather than a lookup: bit for bit the map
+    (each value an integer times a float32 reciprocal, ``dynamic_map``), with no gather. On a
+    TPU v5e a 256-entry lookup costs 9.6 ns an entry, 25 s a step for a 1.3B model's two
+    moments; this, 0.045 (``python benchmarks/moment_codes.py`` on the chip, 2026-12-06).
+    """
+    return _decode_with(jnp, codes.astype(jnp.int32), signed)
+
+
 def dequantize(q: QuantizedArray) -> jax.Array:
     """The float32 array ``q`` stands for: ``map[code] * scale`` of its block."""
-    values, _ = _tables(q.signed)
-    decoded, n = _blocks(jnp.asarray(values)[q.codes.astype(jnp.int32)], q.block_size)
+    decoded, n = _blocks(decode(q.codes, signed=q.signed), q.block_size)
     whole = (decoded * q.scales[..., None]).reshape(*decoded.shape[:-2], decoded.shape[-2] * q.block_size)
     return whole[..., :n].reshape(q.shape)  # explicit sizes: a zero-size array has no -1 to infer
 

@@ -123,7 +123,8 @@ def offload_opt_state(state: Any) -> Any:
 
     Raises:
       TypeError: ``state`` is not a TrainState, or holds ``jax.ShapeDtypeStruct`` s.
-      ValueError: the device has no ``pinned_host`` memory.
+      ValueError: the device has no ``pinned_host`` memory; or 8-bit moments on a TPU
+        (:func:`_refused_on_platform`).
 
     Example:
       >>> import jax.numpy as jnp, optax, leanstep
@@ -144,6 +145,10 @@ def offload_opt_state(state: Any) -> Any:
             "without a copy on the host)"
         )
 
+    refusal = _refused_on_platform(state.opt_state)
+    if refusal:
+        raise ValueError(refusal)
+
     def place(x: Any) -> Any:
         return x if jnp.ndim(x) == 0 else jax.device_put(x, _host_sharding(x))
 
@@ -151,3 +156,36 @@ def offload_opt_state(state: Any) -> Any:
     # device arrays beside committed host ones compiles the step a second time on its second call.
     state = jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state)
     return state.replace(opt_state=jax.tree.map(place, state.opt_state))
+
+
+def _refused_on_platform(opt_state: Any, platform: str | None = None) -> str:
+    """Why an offloaded ``opt_state`` would not compile on ``platform`` (default: that of its
+    arrays' devices); ``""`` where nothing is known to stop it.
+
+    8-bit moments (``uint8`` codes) in host memory do not compile on a TPU: XLA:TPU tiles a
+    ``uint8`` array ``(32, 128)`` on the device and ``(8, 128)`` in host memory, and its copy
+    between them fails ("Source and destination buffers in CopyDone arguments need to be the same
+    shape"; a v5e, JAX 0.10.2, 2026-12-06, ``benchmarks/tpu_offload.py``).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> _refused_on_platform({"codes": jnp.zeros((4, 256), jnp.uint8)}, "tpu")[:40]
+      'offload_opt_state: 8-bit moments (uint8 '
+      >>> _refused_on_platform({"codes": jnp.zeros((4, 256), jnp.uint8)}, "cpu")
+      ''
+    """
+    leaves = [x for x in jax.tree.leaves(opt_state) if jnp.ndim(x) > 0]
+    if not any(jnp.result_type(x) == jnp.uint8 for x in leaves):
+        return ""
+    if platform is None:
+        devices: set[Any] = {d for x in leaves if isinstance(x, jax.Array) for d in x.sharding.device_set}
+        platforms = {d.platform for d in devices} or {jax.default_backend()}
+    else:
+        platforms = {platform}
+    if "tpu" not in platforms:
+        return ""
+    return (
+        "offload_opt_state: 8-bit moments (uint8 codes) in host memory do not compile on a TPU (XLA:TPU tiles "
+        "uint8 differently on the device and in host memory, and its copy between them fails); on a TPU "
+        "offload a state with moments='bfloat16' or 'float32', or keep 8-bit moments on the device"
+    )
