@@ -157,7 +157,7 @@ def trace_kernels(call: Callable[[], Any], hlo: str, *, calls: int = 3, top: int
 def _kernel_events(
     call: Callable[[], Any], calls: int, instructions: dict[str, Instruction], module: str | None
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int, str]], dict[str, dict[str, Any]]]:
-    """``(windows, events)``: ``(start_ns, end_ns)`` of each of ``calls`` traced calls (after one untraced
+    """``(windows, events, lines)``: ``(start_ns, end_ns)`` of each of ``calls`` traced calls (after one untraced
     warm-up call), ``(start_ns, end_ns, name)`` of every kernel event of an instruction of ``module``
     (loops and calls left out), and each profiler line's events (``_line_summary``)."""
     call()
@@ -174,7 +174,6 @@ def _kernel_events(
             data = jax.profiler.ProfileData.from_serialized_xspace(file.read())
     windows: list[tuple[int, int]] = []
     events: list[tuple[int, int, str]] = []
-    lines: dict[str, dict[str, Any]] = {}
     with warnings.catch_warnings():
         # JAX 0.11's event stats warn (DeprecationWarning, "builtin type event_stats has no
         # __module__") from inside C++: a warning turned into an error there aborts the process.

@@ -1,6 +1,6 @@
 """leanstep on one accelerator chip, in one command: what fits, how fast, what the planner predicts.
 
-Four parts, each written to ``<out>/check.json`` as it ends (a part that fails records its error):
+Five parts, each written to ``<out>/check.json`` as it ends (a part that fails records its error):
 
 * ``fit``: the fit ladder of the built-in transformer (d 2048, seq 1024, batch 8 x 1024 in 4
   microbatches, full remat, bf16 compute, AdamW, dynamic loss scale, clip 1.0) per state format
@@ -18,7 +18,7 @@ Four parts, each written to ``<out>/check.json`` as it ends (a part that fails r
 * ``moments``: nanoseconds an entry to code and decode 8-bit moments, per search
   (``benchmarks/moment_codes.py``).
 
-    bash benchmarks/tpu_check.sh --out check          # on a TPU VM after pip install -e . (about 9 min)
+    bash benchmarks/tpu_check.sh --out check          # on a TPU VM after pip install -e . (9-10 min)
     python benchmarks/tpu_check.py --tiny --out check # the CPU dry run the suite runs
 """
 

@@ -102,9 +102,10 @@ def dynamic_map(signed: bool) -> np.ndarray:
     Exponent ``e`` of six decades carries ``n = 2**e`` (signed; ``2**(e+1)`` unsigned) values,
     the midpoints of an even split of ``[0.1, 1]`` scaled by ``10**(e - 6)``; then 0 and 1. The
     ``i``-th is ``(2n + 18i + 9) / (2n * 10**(7 - e))``, kept as the float32 product of the
-    integer and the float32 reciprocal of the divisor (within 1.2 units in the last place of
-    the exact ratio; 72 and 67 of the 256 values are one unit off its float32 rounding), so :func:`decode` gives it bit for bit on any platform whose float32 product
-    is IEEE's; a TPU's division is not correctly rounded.
+    integer and the float32 reciprocal of the divisor: within 1.2 units in the last place of the
+    exact ratio (72 signed and 67 unsigned values are one unit off its float32 rounding), and
+    :func:`decode` gives it bit for bit on any platform whose float32 product is IEEE's (a
+    TPU's division is not correctly rounded; its product is: checked on a v5e).
 
     Example:
       >>> signed, unsigned = dynamic_map(True), dynamic_map(False)
