@@ -6,7 +6,7 @@ tanh layers under ``lax.scan`` (Adam, float32, batch 64) and the built-in transf
 d_model 1024, 8 layers, d_ff 4096 (101M parameters, full remat, batch 32), for data
 parallelism (``data=8``), FSDP (``fsdp=8``) and hybrid sharding (``data=2, fsdp=4``) at 1
 and 4 microbatches, and prints per-device temporaries and arguments (``memory_analysis``)
-and bytes communicated per step (:func:`leanstep.collectives_report`) beside the minimum:
+and bytes communicated per step (:func:`leanstep.inspection.collectives_report`) beside the minimum:
 
 * memory: a hand-written FSDP step (:func:`reference_fsdp_step`: jit, a microbatch scan,
   ``value_and_grad``, optax; no leanstep stage) with the same model gathering each layer;
@@ -124,7 +124,7 @@ def compile_leanstep(
 def reference_fsdp_step(work: Workload, mesh: Any, num_microbatches: int) -> Any:
     """A hand-written FSDP step, compiled: params and Adam state split by the rules and kept
     split, strided microbatches in a ``lax.scan``, ``value_and_grad`` with the model
-    gathering each layer (:func:`leanstep.sharding_context`), a float32 accumulator, optax."""
+    gathering each layer (:func:`leanstep.sharding.sharding_context`), a float32 accumulator, optax."""
     import jax
     import jax.numpy as jnp
     import optax

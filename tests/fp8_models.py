@@ -30,13 +30,13 @@ def jax_params(recipe: leanstep.Fp8Recipe = RECIPE) -> dict:
     return {
         "w1": np.asarray(jax.random.normal(k1, (D_IN, D_HIDDEN)) * 0.3),
         "w2": np.asarray(jax.random.normal(k2, (D_HIDDEN, D_OUT)) * 0.3),
-        "fp8": {"l1": leanstep.Fp8Meta.create(recipe), "l2": leanstep.Fp8Meta.create(recipe)},
+        "fp8": {"l1": leanstep.blocks.Fp8Meta.create(recipe), "l2": leanstep.blocks.Fp8Meta.create(recipe)},
     }
 
 
 def jax_loss(params, batch, recipe: leanstep.Fp8Recipe = RECIPE):
-    h = jnp.tanh(leanstep.fp8_matmul(batch["x"], params["w1"], params["fp8"]["l1"], recipe))
-    out = leanstep.fp8_matmul(h, params["w2"], params["fp8"]["l2"], recipe)
+    h = jnp.tanh(leanstep.blocks.fp8_matmul(batch["x"], params["w1"], params["fp8"]["l1"], recipe))
+    out = leanstep.blocks.fp8_matmul(h, params["w2"], params["fp8"]["l2"], recipe)
     return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
 
 

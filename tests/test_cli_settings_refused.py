@@ -239,26 +239,26 @@ def _aux_step(aux: Any) -> Any:
 API = [
     Case(
         "collectives/not_hlo",
-        lambda p: leanstep.collectives_report("hello world"),
+        lambda p: leanstep.inspection.collectives_report("hello world"),
         ValueError,
         "compiled must be a jax.stages.Compiled or HLO text with an ENTRY computation",
     ),
     Case(
         "collectives/empty_text",
-        lambda p: leanstep.collectives_report(""),
+        lambda p: leanstep.inspection.collectives_report(""),
         ValueError,
         "HLO text with an ENTRY computation",
     ),
     Case(
         "collectives/an_int",
-        lambda p: leanstep.collectives_report(5),
+        lambda p: leanstep.inspection.collectives_report(5),
         TypeError,
         "compiled must be a jax.stages.Compiled (jitted.lower(...).compile()) or HLO text (str), got int",
     ),
-    Case("collectives/none", lambda p: leanstep.collectives_report(None), TypeError, "got NoneType"),
+    Case("collectives/none", lambda p: leanstep.inspection.collectives_report(None), TypeError, "got NoneType"),
     Case(
         "collectives/wrong_mesh",
-        lambda p: leanstep.collectives_report(_FOUR_DEVICE_HLO, _one_device_mesh()),
+        lambda p: leanstep.inspection.collectives_report(_FOUR_DEVICE_HLO, _one_device_mesh()),
         ValueError,
         "mesh has 1 devices but the HLO's collectives span 4",
     ),

@@ -61,7 +61,7 @@ def test_a_conv_net_s_flops_are_its_convolutions_and_the_audit_lists_them():
     head = 2 * 4 * 8 * 10
     assert count_flops(jax.make_jaxpr(loss)(params, x), dots_only=True) == convs + head
     state = leanstep.TrainState.create(params, optax.sgd(0.1))
-    report = leanstep.audit(leanstep.make_train_step(loss, num_microbatches=2), state, x)
+    report = leanstep.inspection.audit(leanstep.make_train_step(loss, num_microbatches=2), state, x)
     kinds = [m.kind for m in report.matmuls]
     assert kinds.count("conv_general_dilated") >= 2 * 3 - 1  # forward, weight and input gradients (not of x)
     share = sum(m.flops for m in report.matmuls if m.kind == "conv_general_dilated") / sum(
@@ -103,7 +103,9 @@ def test_the_step_warns_once_for_a_partly_float32_model():
     step = leanstep.make_train_step(loss, precision="compute=bfloat16", num_microbatches=2)
     batch = {"x": jnp.ones((4, 8, 8, 3))}
     state = leanstep.TrainState.create(params, optax.sgd(0.1))
-    with pytest.warns(leanstep.PrecisionWarning, match="1 of the loss's 2 matmuls and convolutions do not run in it"):
+    with pytest.warns(
+        leanstep.blocks.PrecisionWarning, match="1 of the loss's 2 matmuls and convolutions do not run in it"
+    ):
         state, _ = step(state, batch)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -76,10 +76,10 @@ def worker(out: Path) -> None:
                     precision=PRECISION,
                     num_microbatches=num_mb,
                     max_grad_norm=1.0,
-                    mesh=leanstep.ShardingLayer(mesh, reduce=reduce),
+                    mesh=leanstep.step.ShardingLayer(mesh, reduce=reduce),
                 )
-                sharded = [leanstep.shard_batch(b, mesh) for b in batches]
-                state, _ = _steps(step, leanstep.shard_train_state(new_state(), mesh), sharded)
+                sharded = [leanstep.sharding.shard_batch(b, mesh) for b in batches]
+                state, _ = _steps(step, leanstep.step.shard_train_state(new_state(), mesh), sharded)
                 replicated = all(x.sharding.is_fully_replicated for x in fp8_leaves(state.params))
                 results[f"{name}/{layout}-{reduce}/{num_mb}"] = {
                     "fp8": [x.tolist() for x in fp8_of(state.params)],
@@ -88,10 +88,10 @@ def worker(out: Path) -> None:
         # A one-device checkpoint restored onto the fsdp=8 layout: FP8 state replicated, bit for bit.
         one = leanstep.make_train_step(loss, precision=PRECISION, num_microbatches=2)
         state, _ = _steps(one, new_state(), batches)
-        with leanstep.Checkpointer(out / f"ckpt-{name}") as checkpointer:
+        with leanstep.checkpoints.Checkpointer(out / f"ckpt-{name}") as checkpointer:
             checkpointer.save(STEPS, state)
             mesh = device_mesh(shape={"fsdp": 8})
-            restored = checkpointer.restore(leanstep.shard_train_state(new_state(), mesh)).state
+            restored = checkpointer.restore(leanstep.step.shard_train_state(new_state(), mesh)).state
         results[f"{name}/restored-fsdp8"] = {
             "same": all(
                 np.array_equal(np.asarray(a), np.asarray(b))
@@ -191,7 +191,7 @@ def test_the_fp8_state_is_checkpointed_and_restored_bit_for_bit(tmp_path, model)
     loss, params = _models()[model]
     step = leanstep.make_train_step(loss, precision=PRECISION, num_microbatches=2)
     state, _ = step(_state(params), batch(0))
-    with leanstep.Checkpointer(tmp_path / "ckpt") as checkpointer:
+    with leanstep.checkpoints.Checkpointer(tmp_path / "ckpt") as checkpointer:
         checkpointer.save(1, state)
         restored = checkpointer.restore(_state(params)).state
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
@@ -201,8 +201,8 @@ def test_the_fp8_state_is_checkpointed_and_restored_bit_for_bit(tmp_path, model)
 
 def test_an_fp8_meta_used_by_two_matmuls_is_refused():
     def loss(params, batch):
-        h = leanstep.fp8_matmul(batch["x"], params["w1"], params["fp8"]["l1"], RECIPE)
-        return jnp.mean(leanstep.fp8_matmul(h, params["w2"], params["fp8"]["l1"], RECIPE) ** 2)  # l1 again
+        h = leanstep.blocks.fp8_matmul(batch["x"], params["w1"], params["fp8"]["l1"], RECIPE)
+        return jnp.mean(leanstep.blocks.fp8_matmul(h, params["w2"], params["fp8"]["l1"], RECIPE) ** 2)  # l1 again
 
     with pytest.raises(ValueError, match="used by a second matmul"):
         leanstep.make_train_step(loss)(_state(jax_params()), batch(0))

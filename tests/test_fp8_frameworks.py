@@ -139,7 +139,7 @@ def test_the_fp8_state_moved_stays_out_of_the_optimizer_and_comes_back_with_the_
     trainable = len(jax.tree.leaves(state.params)) - len(fp8_of(state.params))
     assert len(jax.tree.leaves(state.opt_state[0].mu)) == trainable  # Adam's moments: no FP8 state
     meta = back(state.params, state.model_state)
-    assert isinstance(meta, leanstep.Fp8Meta)
+    assert isinstance(meta, leanstep.blocks.Fp8Meta)
     x_amax = float(np.max(np.abs(np.asarray(jnp.asarray(batch(1)["x"], jnp.bfloat16), np.float32))))
     assert float(meta.input_history[0]) == x_amax  # the second step's batch, the newest entry
     assert float(meta.input_scale[0]) != 1.0  # the second step's scale, from the first one's amax

@@ -33,8 +33,8 @@ def _params(scaling: str | None) -> dict:
     params = {"w1": jax.random.normal(k1, (16, 32)) * 0.3, "w2": jax.random.normal(k2, (32, 4)) * 0.3}
     if scaling == "delayed":
         params["fp8"] = {
-            "l1": leanstep.Fp8Meta.create(_recipe(scaling)),
-            "l2": leanstep.Fp8Meta.create(_recipe(scaling)),
+            "l1": leanstep.blocks.Fp8Meta.create(_recipe(scaling)),
+            "l2": leanstep.blocks.Fp8Meta.create(_recipe(scaling)),
         }
     return params
 
@@ -45,8 +45,8 @@ def _loss(scaling: str | None):
             out = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
         else:
             metas = params.get("fp8", {"l1": None, "l2": None})
-            h = jnp.tanh(leanstep.fp8_matmul(batch["x"], params["w1"], metas["l1"], _recipe(scaling)))
-            out = leanstep.fp8_matmul(h, params["w2"], metas["l2"], _recipe(scaling))
+            h = jnp.tanh(leanstep.blocks.fp8_matmul(batch["x"], params["w1"], metas["l1"], _recipe(scaling)))
+            out = leanstep.blocks.fp8_matmul(h, params["w2"], metas["l2"], _recipe(scaling))
         return jnp.mean((out.astype(jnp.float32) - batch["y"]) ** 2)
 
     return loss
@@ -130,9 +130,9 @@ def test_the_fp8_matmul_of_a_non_finite_operand_is_not_finite():
     x = jnp.ones((4, 8)).at[1, 2].set(jnp.inf)
     w = jnp.full((8, 3), 0.5)
     recipe = _recipe("current")
-    out, vjp = jax.vjp(lambda x, w: leanstep.fp8_matmul(x, w, None, recipe), x, w)
+    out, vjp = jax.vjp(lambda x, w: leanstep.blocks.fp8_matmul(x, w, None, recipe), x, w)
     assert not np.all(np.isfinite(np.asarray(out)))
-    _, vjp = jax.vjp(lambda x, w: leanstep.fp8_matmul(x, w, None, recipe), jnp.ones((4, 8)), w)
+    _, vjp = jax.vjp(lambda x, w: leanstep.blocks.fp8_matmul(x, w, None, recipe), jnp.ones((4, 8)), w)
     dx, dw = vjp(jnp.ones((4, 3)).at[0, 0].set(jnp.inf))
     assert not np.all(np.isfinite(np.asarray(dx))) and not np.all(np.isfinite(np.asarray(dw)))
     # finite operands: finite results (the factor is 1, not NaN)

@@ -63,7 +63,7 @@ def test_plan_notes_say_both_and_the_cli_prints_them(capsys):
 
 def test_audit_lists_the_fp8_matmuls_with_their_formats_and_scaling(traced):
     run, state, _ = traced
-    report = leanstep.audit(run.make_step(), state, run.batch_spec())
+    report = leanstep.inspection.audit(run.make_step(), state, run.batch_spec())
     fp8 = [m for m in report.matmuls if m.scale]
     assert len(fp8) == 12 and {m.scale for m in fp8} == {"delayed"}
     kinds = sorted({(m.lhs[1], m.rhs[1]) for m in fp8})
@@ -75,7 +75,7 @@ def test_audit_lists_the_fp8_matmuls_with_their_formats_and_scaling(traced):
 
 def test_the_cost_model_prices_fp8_flops_at_the_fp8_rate():
     report = _no_collectives()
-    h100, a100 = leanstep.get_accelerator("h100"), leanstep.get_accelerator("a100")
+    h100, a100 = leanstep.planning.get_accelerator("h100"), leanstep.planning.get_accelerator("a100")
     flops = 1e15
     plain = step_cost(flops, report, {"data": 1}, h100, np.dtype("bfloat16"))
     half = step_cost(flops, report, {"data": 1}, h100, np.dtype("bfloat16"), fp8_fraction=0.5)

@@ -133,7 +133,7 @@ def _matmul_case(recipe, meta):
     g = (rng.normal(size=(6, 3)) * 1e3).astype(ml_dtypes.bfloat16)
 
     def f(x, w, meta):
-        y = leanstep.fp8_matmul(x, w, meta, recipe)
+        y = leanstep.blocks.fp8_matmul(x, w, meta, recipe)
         return jnp.sum(y.astype(jnp.float32) * jnp.asarray(g, jnp.float32)), y
 
     (_, y), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(jnp.asarray(x), jnp.asarray(w), meta)
@@ -144,7 +144,7 @@ def _matmul_case(recipe, meta):
 def test_delayed_scaling_quantizes_with_the_histories_scales_and_records_the_new_amaxes(margin):
     recipe = leanstep.Fp8Recipe(history=4, margin=margin)
     history = jnp.array([7.0, 30.0, 0.0, 2.0], jnp.float32)  # its max (30) sets the scale
-    meta = leanstep.Fp8Meta(*(jnp.ones(1) * 0.5, history) * 3)
+    meta = leanstep.blocks.Fp8Meta(*(jnp.ones(1) * 0.5, history) * 3)
     x, w, g, y, (dx, dw, new) = _matmul_case(recipe, meta)
     s_x = ref_scale(np.float32(30.0), np.float32(0.5), "e4m3", margin)
     s_g = ref_scale(np.float32(30.0), np.float32(0.5), "e5m2", margin)
@@ -194,9 +194,9 @@ def test_a_bad_recipe_is_refused_naming_the_field(kwargs, match):
 def test_delayed_scaling_without_a_meta_and_current_scaling_with_one_are_refused():
     x = jnp.ones((2, 2), jnp.bfloat16)
     with pytest.raises(TypeError, match="Fp8Meta.create"):
-        leanstep.fp8_matmul(x, x)
+        leanstep.blocks.fp8_matmul(x, x)
     with pytest.raises(TypeError, match="meta=None"):
-        leanstep.fp8_matmul(x, x, leanstep.Fp8Meta.create(), leanstep.Fp8Recipe("current"))
+        leanstep.blocks.fp8_matmul(x, x, leanstep.blocks.Fp8Meta.create(), leanstep.Fp8Recipe("current"))
 
 
 # --- FP8 operands reach the dot itself -------------------------------------------------------------
@@ -206,9 +206,9 @@ def test_the_forward_and_both_transposes_are_dots_of_fp8_operands():
     # XLA's GPU compiler strips a quantize-dequantize pair around a bf16 dot (no FP8 GEMM, and no
     # FP8 rounding left: benchmarks/fp8_gemm_forms.py on an H200); FP8 operands into the dot stay.
     recipe = leanstep.Fp8Recipe(history=4)
-    meta = leanstep.Fp8Meta.create(recipe)
+    meta = leanstep.blocks.Fp8Meta.create(recipe)
     x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 2), jnp.bfloat16)
-    loss = lambda x, w, m: leanstep.fp8_matmul(x, w, m, recipe).astype(jnp.float32).sum()
+    loss = lambda x, w, m: leanstep.blocks.fp8_matmul(x, w, m, recipe).astype(jnp.float32).sum()
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(x, w, meta)
     dots = [e for e in equations(jaxpr) if e.primitive.name == "dot_general"]
     operands = sorted(tuple(str(v.aval.dtype) for v in e.invars) for e in dots)
@@ -241,7 +241,7 @@ def test_fp8_dot_general_transposes_as_jax_transposes_dot_general(lhs, rhs, dims
 
     x, w = exact(lhs), exact(rhs)
     recipe = leanstep.Fp8Recipe("current")
-    y, vjp = jax.vjp(lambda a, b: leanstep.fp8_dot_general(a, b, dims, recipe=recipe), x, w)
+    y, vjp = jax.vjp(lambda a, b: leanstep.blocks.fp8_dot_general(a, b, dims, recipe=recipe), x, w)
     want, want_vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dims, precision="highest"), x, w)
     g = exact(y.shape)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))

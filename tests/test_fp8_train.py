@@ -58,7 +58,7 @@ def _final_state(run: Path):
         }
     )
     template = build_run(config).init_state()
-    with leanstep.Checkpointer(run / "checkpoints") as checkpointer:
+    with leanstep.checkpoints.Checkpointer(run / "checkpoints") as checkpointer:
         restored = checkpointer.restore(template)
     return restored.step, restored.state
 

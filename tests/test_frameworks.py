@@ -75,7 +75,11 @@ class CNN(nnx.Module):
         return self.dropout(nnx.relu(self.bn(self.conv(x))))
 
     def __call__(self, x):
-        x = leanstep.remat(self.features, self.remat, prevent_cse=True)(x) if self.remat != "none" else self.features(x)
+        x = (
+            leanstep.blocks.remat(self.features, self.remat, prevent_cse=True)(x)
+            if self.remat != "none"
+            else self.features(x)
+        )
         return self.head(x.reshape(x.shape[0], -1))
 
 
@@ -118,7 +122,9 @@ def nnx_runs():
     graphdef, params, model_state = lnnx.split(CNN(remat="dots", rngs=nnx.Rngs(0)))
     state = leanstep.TrainState.create(params, TX, model_state=model_state, loss_scale="dynamic")
     # nnx.BatchNorm's float32 statistics promote what follows them (the head) to float32: said once.
-    with pytest.warns(leanstep.PrecisionWarning, match=r"1 of the loss's 2 matmuls and convolutions do not run in it"):
+    with pytest.warns(
+        leanstep.blocks.PrecisionWarning, match=r"1 of the loss's 2 matmuls and convolutions do not run in it"
+    ):
         _, losses = run(
             leanstep.make_train_step(lnnx.loss(graphdef, cnn_loss), has_state=True, **EVERYTHING), state, batches
         )
@@ -164,7 +170,7 @@ class LM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, train: bool = False):
-        block = leanstep.remat(Block, self.remat, static_argnums=(2,))  # train is static
+        block = leanstep.blocks.remat(Block, self.remat, static_argnums=(2,))  # train is static
         x = nn.Embed(32, self.width, dtype=self.dtype)(tokens)
         for i in range(self.layers):  # named, so the params are the same under every policy
             x = block(self.width, self.dtype, name=f"block_{i}")(x, train)
@@ -243,7 +249,7 @@ def test_a_linen_model_built_in_float32_under_bf16_warns_once(linen_runs):
     )
     state = leanstep.TrainState.create(linen_runs["params"], TX)
     with pytest.warns(
-        leanstep.PrecisionWarning,
+        leanstep.blocks.PrecisionWarning,
         match=r"compute dtype bfloat16, but none of the loss's \d+ matmuls and convolutions "
         r"runs in it \(float32 x float32: \d+, 100.0% of their FLOPs\).*dtype=",
     ):
@@ -377,16 +383,16 @@ def test_remat_of_modules_is_exact_and_saves_less():
     def loss(block_cls):
         return lambda p, x: jnp.sum(block_cls().apply(p, x, True) ** 2)
 
-    remat_block = leanstep.remat(Mlp, "full", static_argnums=(2,))  # train is static
+    remat_block = leanstep.blocks.remat(Mlp, "full", static_argnums=(2,))  # train is static
     assert_trees_close(jax.grad(loss(remat_block))(variables, x), jax.grad(loss(Mlp))(variables, x), rtol=1e-5)
-    full = leanstep.saved_residuals_report(loss(remat_block), variables, x)
-    none = leanstep.saved_residuals_report(loss(Mlp), variables, x)
+    full = leanstep.inspection.saved_residuals_report(loss(remat_block), variables, x)
+    none = leanstep.inspection.saved_residuals_report(loss(Mlp), variables, x)
     assert full.activation_bytes < none.activation_bytes
     linear = eqx.nn.Linear(3, 2, key=jax.random.key(0))
-    checkpointed = leanstep.remat(linear, "full")
+    checkpointed = leanstep.blocks.remat(linear, "full")
     np.testing.assert_allclose(checkpointed(jnp.ones(3)), linear(jnp.ones(3)))
     with pytest.raises(TypeError, match="static_argnums does not apply to an Equinox module"):
-        leanstep.remat(linear, "full", static_argnums=1)
+        leanstep.blocks.remat(linear, "full", static_argnums=1)
 
 
 def test_plan_takes_a_framework_model_whose_remat_policy_is_its_own_parameter():
@@ -397,7 +403,7 @@ def test_plan_takes_a_framework_model_whose_remat_policy_is_its_own_parameter():
         return lnnx.loss(graphdef, cnn_loss)
 
     _, params, model_state = lnnx.split(CNN(rngs=nnx.Rngs(0)))
-    result = leanstep.plan(
+    result = leanstep.planning.plan(
         make_loss_fn, params, image_batches(1)[0], TX, budget_bytes="1GiB", model_state=model_state, has_state=True
     )
     assert result.chosen.setting[:2] == (1, "none") and result.compiles == 1

@@ -306,7 +306,7 @@ def test_a_resumed_bf16_sr_run_rounds_as_the_uninterrupted_one(tmp_path):
     resumed = new()
     for _ in range(2):
         resumed, _ = STEP(resumed, batch)
-    with leanstep.Checkpointer(tmp_path / "ckpt") as checkpointer:
+    with leanstep.checkpoints.Checkpointer(tmp_path / "ckpt") as checkpointer:
         checkpointer.save(2, resumed)
         resumed = checkpointer.restore(new()).state
     for _ in range(2):
@@ -329,7 +329,7 @@ def test_the_plan_sizes_the_state_in_its_format_and_says_what_it_saves():
     blocks = 4 + 1024 * 4 + 512 * 2
     lean = (2 * count + 2 * (count + 4 * blocks)) / count
     assert f"{lean:.2f} bytes a parameter" in note and "against 12.00 in float32" in note
-    plan = leanstep.plan(
+    plan = leanstep.planning.plan(
         lambda policy: _loss, _problem()[0], {"x": jnp.zeros((32, 16)), "y": jnp.zeros((32, 4))}, TX,
         budget_bytes="64MiB", candidates=[(1, "none", "float32")], moments="int8",
     )  # fmt: skip
@@ -373,16 +373,18 @@ def worker(out: Path) -> None:
         ("bfloat16-sr", "int8"),
     ):
         state = leanstep.TrainState.create(params, optax.adamw(1e-3), master=master, moments=moments)
-        state = leanstep.shard_train_state(state, mesh)
-        report = leanstep.collectives_report(step.lower(state, leanstep.shard_batch(batch, mesh)).compile(), mesh)
+        state = leanstep.step.shard_train_state(state, mesh)
+        report = leanstep.inspection.collectives_report(
+            step.lower(state, leanstep.sharding.shard_batch(batch, mesh)).compile(), mesh
+        )
         rows[f"{master}/{moments}"] = sorted([c.kind, list(c.axes), c.payload, c.trips] for c in report.collectives)
     # A one-device checkpoint of the compressed state restored onto fsdp=8: bit for bit, split.
     one = leanstep.TrainState.create(params, optax.adamw(1e-3), master="bfloat16-sr-kahan", moments="int8")
     one, _ = leanstep.make_train_step(loss, precision="compute=bfloat16")(one, batch)
-    with leanstep.Checkpointer(out / "ckpt") as checkpointer:
+    with leanstep.checkpoints.Checkpointer(out / "ckpt") as checkpointer:
         checkpointer.save(1, one)
         template = leanstep.TrainState.create(params, optax.adamw(1e-3), master="bfloat16-sr-kahan", moments="int8")
-        restored = checkpointer.restore(leanstep.shard_train_state(template, mesh)).state
+        restored = checkpointer.restore(leanstep.step.shard_train_state(template, mesh)).state
     rows["restored"] = {
         "same": all(
             np.asarray(a).tobytes() == np.asarray(b).tobytes()

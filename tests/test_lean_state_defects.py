@@ -135,7 +135,7 @@ def test_8_bit_moments_equal_float32_with_only_its_moments_through_8_bits(name):
     params = _params(name)
     gradients = _gradients(params, 12)
     reference, reference_state = _run(tx, params, gradients, _through_8_bits(moments))
-    lean, lean_state = _run(leanstep.compress_moments(tx, "int8"), params, gradients)
+    lean, lean_state = _run(leanstep.blocks.compress_moments(tx, "int8"), params, gradients)
     for key in params:
         assert np.asarray(lean[key]).tobytes() == np.asarray(reference[key]).tobytes(), (name, key)
     widened = jax.tree.map(
@@ -182,7 +182,7 @@ def test_an_optimizer_whose_only_params_shaped_state_is_weights_is_refused_namin
     tx, params = optax.contrib.schedule_free_sgd(1e-2), _params()
     with pytest.raises(ValueError, match=r"^moments 'int8': .*ScheduleFreeState\.z.*no moment.*moments='float32'$"):
         if build == "compress_moments":
-            leanstep.compress_moments(tx, "int8").init(params)
+            leanstep.blocks.compress_moments(tx, "int8").init(params)
         else:
             leanstep.TrainState.create(params, tx, moments="int8")
 
@@ -307,7 +307,7 @@ def worker(out: Path) -> None:
         layer = (
             None
             if shape is None
-            else leanstep.ShardingLayer(
+            else leanstep.step.ShardingLayer(
                 device_mesh(math.prod(shape.values()), shape=shape), rules=model.rules, **options
             )
         )
@@ -315,8 +315,8 @@ def worker(out: Path) -> None:
         state = leanstep.TrainState.create(params, OPTIMIZER, loss_scale="dynamic", moments="int8")
         feed = batch
         if layer is not None:
-            state = leanstep.shard_train_state(state, layer.mesh, fsdp=layer.fsdp, rules=model.rules)
-            feed = leanstep.shard_batch(batch, layer.mesh)
+            state = leanstep.step.shard_train_state(state, layer.mesh, fsdp=layer.fsdp, rules=model.rules)
+            feed = leanstep.sharding.shard_batch(batch, layer.mesh)
         run = {"losses": [], "norms": [], "params": []}
         for _ in range(STEPS):
             run["params"].append({k: np.asarray(v).tolist() for k, v in _flat(state.params).items()})

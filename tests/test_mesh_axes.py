@@ -73,7 +73,7 @@ def _row(state, metrics) -> dict:
 
 def _all_reduce_bytes(step, state, batch, mesh) -> int:
     compiled = step.lower(state, batch).compile()
-    return leanstep.collectives_report(compiled, mesh, params=state.params).bytes_per_step("all-reduce")
+    return leanstep.inspection.collectives_report(compiled, mesh, params=state.params).bytes_per_step("all-reduce")
 
 
 def worker(out: Path) -> None:
@@ -90,12 +90,12 @@ def worker(out: Path) -> None:
             mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
             batch_axes = tuple(a for a in names if a != "tensor")
             for reduce in REDUCTIONS:
-                step = leanstep.make_train_step(_loss, mesh=leanstep.ShardingLayer(mesh, reduce=reduce), **kw)
-                state = lambda: leanstep.shard_train_state(new_state(), mesh)  # noqa: B023  # each step donates it
-                batch = leanstep.shard_batch(_batch(), mesh)
+                step = leanstep.make_train_step(_loss, mesh=leanstep.step.ShardingLayer(mesh, reduce=reduce), **kw)
+                state = lambda: leanstep.step.shard_train_state(new_state(), mesh)  # noqa: B023  # each step donates it
+                batch = leanstep.sharding.shard_batch(_batch(), mesh)
                 results[f"{name}-{reduce}/{num_mb}"] = _row(*step(state(), batch))
                 constrained = leanstep.make_train_step(
-                    _constrained_loss(mesh, batch_axes), mesh=leanstep.ShardingLayer(mesh, reduce=reduce), **kw
+                    _constrained_loss(mesh, batch_axes), mesh=leanstep.step.ShardingLayer(mesh, reduce=reduce), **kw
                 )
                 try:
                     results[f"{name}-{reduce}/{num_mb}/constrained"] = _row(*constrained(state(), batch))
@@ -138,7 +138,7 @@ def test_a_model_s_own_sharding_constraint_trains_or_is_refused_naming_both_fixe
         _assert_same(got, results[f"one/{num_mb}"])
         return
     assert "error" in got, got
-    assert "leanstep.constrain" in got["error"] and "reduce='microbatch'" in got["error"]
+    assert "leanstep.sharding.constrain" in got["error"] and "reduce='microbatch'" in got["error"]
 
 
 # Pure data-parallel meshes: over an fsdp axis XLA reduces tiny gradients by all-reduce where
@@ -162,11 +162,11 @@ def _explicit_mesh():
     "call",
     [
         lambda mesh: leanstep.make_train_step(_loss, mesh=mesh),
-        lambda mesh: leanstep.ShardingLayer(mesh),
-        lambda mesh: leanstep.shard_batch(_batch(), mesh),
-        lambda mesh: leanstep.shard_train_state(leanstep.TrainState.create(_params(), optax.sgd(0.1)), mesh),
-        lambda mesh: leanstep.batch_sharding(mesh),
-        lambda mesh: leanstep.mesh_axes(mesh),
+        lambda mesh: leanstep.step.ShardingLayer(mesh),
+        lambda mesh: leanstep.sharding.shard_batch(_batch(), mesh),
+        lambda mesh: leanstep.step.shard_train_state(leanstep.TrainState.create(_params(), optax.sgd(0.1)), mesh),
+        lambda mesh: leanstep.sharding.batch_sharding(mesh),
+        lambda mesh: leanstep.sharding.mesh_axes(mesh),
     ],
     ids=["make_train_step", "ShardingLayer", "shard_batch", "shard_train_state", "batch_sharding", "mesh_axes"],
 )
@@ -177,7 +177,7 @@ def test_explicit_axes_are_refused_naming_axis_types(call):
 
 def test_an_auto_mesh_from_make_mesh_is_taken():
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    assert leanstep.ShardingLayer(mesh).num_shards == 1
+    assert leanstep.step.ShardingLayer(mesh).num_shards == 1
 
 
 @pytest.mark.parametrize(
@@ -192,7 +192,7 @@ def test_a_data_axis_the_caller_needs_must_be_an_axis(kwargs, match):
 
     mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
     with pytest.raises(ValueError, match=match):
-        leanstep.ShardingLayer(mesh, **kwargs)
+        leanstep.step.ShardingLayer(mesh, **kwargs)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def train(loss_fn, params, model_state, precision=BF16, microbatches=1):
     step = leanstep.make_train_step(loss_fn, has_state=True, precision=precision, num_microbatches=microbatches)
     state = leanstep.TrainState.create(params, optax.sgd(LR), model_state=model_state)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", leanstep.PrecisionWarning)  # the float32 head under bf16
+        warnings.simplefilter("ignore", leanstep.blocks.PrecisionWarning)  # the float32 head under bf16
         for batch in batches():
             state, _ = step(state, batch)
     return state
@@ -281,7 +281,7 @@ def test_a_framework_loss_changing_a_statistic_dtype_is_refused(microbatches):
         step(state, batches(1)[0])
 
 
-# --- leanstep.remat of an NNX module kept as an attribute -----------------------------------------
+# --- leanstep.blocks.remat of an NNX module kept as an attribute ----------------------------------
 
 
 class RematNet(nnx.Module):
@@ -289,7 +289,7 @@ class RematNet(nnx.Module):
         rngs = nnx.Rngs(0)
         self.first = nnx.Linear(2, 2, rngs=rngs) if others else None
         block = nnx.Linear(2, 2, rngs=rngs)
-        self.block = leanstep.remat(block, "dots") if remat else block
+        self.block = leanstep.blocks.remat(block, "dots") if remat else block
 
     def __call__(self, x):
         return self.block(jnp.tanh(self.first(x)) if self.first is not None else x)

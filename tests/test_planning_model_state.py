@@ -1,4 +1,4 @@
-"""leanstep.plan with a model state (batch statistics change with microbatching; the microbatch bound)
+"""leanstep.planning.plan with a model state (batch statistics change with microbatching; the microbatch bound)
 and with remat policies that change the params' structure (a params builder, or a clear refusal)."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class _Model(eqx.Module):
 def _model(policy):
     k1, k2 = jax.random.split(jax.random.key(0))
     model = _Model(_Block(eqx.nn.Linear(D, D, key=k1)), eqx.nn.Linear(D, 1, key=k2))
-    return eqx.tree_at(lambda m: m.block, model, leanstep.remat(model.block, policy))
+    return eqx.tree_at(lambda m: m.block, model, leanstep.blocks.remat(model.block, policy))
 
 
 def _make_eqx_loss(policy):
@@ -155,7 +155,7 @@ def test_a_linen_model_whose_unnamed_blocks_are_renamed_under_remat_is_refused()
 
         @nn.compact
         def __call__(self, x):
-            return leanstep.remat(Block, self.policy)()(x)  # unnamed: Block_0, or CheckpointBlock_0 under remat
+            return leanstep.blocks.remat(Block, self.policy)()(x)  # unnamed: Block_0, or CheckpointBlock_0 under remat
 
     def make_loss(policy):
         return lambda p, b: jnp.mean(Net(policy).apply(p, b["x"]) ** 2)

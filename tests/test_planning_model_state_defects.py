@@ -1,4 +1,4 @@
-"""leanstep.plan with a BatchNorm CNN (issue 41, item 17): a model state renamed under remat, and
+"""leanstep.planning.plan with a BatchNorm CNN (issue 41, item 17): a model state renamed under remat, and
 microbatches too small for batch statistics.
 
 * The Linen ResNet that docs/planning.md names (unnamed blocks, renamed ``ResNetBlock_0`` ->
@@ -51,7 +51,8 @@ class ResNet(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = True):
         x = nn.Conv(4, (3, 3))(x)
-        x = leanstep.remat(ResNetBlock, self.remat, static_argnums=(2,))()(x, train)  # unnamed: renamed under remat
+        block = leanstep.blocks.remat(ResNetBlock, self.remat, static_argnums=(2,))
+        x = block()(x, train)  # unnamed: renamed under remat
         return nn.Dense(3)(jnp.mean(x, axis=(1, 2)))
 
 

@@ -28,12 +28,15 @@ import optax
 import pytest
 
 import leanstep
-from leanstep import LossContract, audit, checkpoint_name, gradient_stage, remat
+from leanstep import LossContract
+from leanstep.blocks import checkpoint_name, remat
 from leanstep.blocks.clipping import clip_by_global_norm, clip_by_global_norm_transform
 from leanstep.blocks.loss_scale import DynamicLossScale, StaticLossScale
 from leanstep.blocks.precision import Precision, check_train_precision, get_precision
 from leanstep.blocks.rematerialization import check_saved_names
+from leanstep.inspection import audit
 from leanstep.models import build_model
+from leanstep.step import gradient_stage
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 from leanstep.step.update import check_opt_state, guarded_update, guarded_update_transform
@@ -94,7 +97,7 @@ def _token_step(count: Callable[[dict], Any]) -> Any:
 
 
 def _accumulate(loss_fn: Callable, **kwargs: Any) -> Any:
-    return leanstep.microbatched_value_and_grad(loss_fn, 2, **kwargs)({"w": jnp.ones(2)}, _batch())
+    return leanstep.blocks.microbatched_value_and_grad(loss_fn, 2, **kwargs)({"w": jnp.ones(2)}, _batch())
 
 
 _STEP = make_train_step(_loss)  # jitted, donating: shared by the cases that run it
@@ -262,7 +265,7 @@ CASES = [
     ),
     Case(
         "threshold/static_scale_denormal",
-        lambda p: leanstep.get_loss_scale("static", 1e-45),
+        lambda p: leanstep.blocks.get_loss_scale("static", 1e-45),
         ValueError,
         "loss_scale must be finite and > 0 in float32, got 1e-45; expected a normal float32 in "
         "[1.1754944e-38, 3.4028235e+38]",

@@ -12,9 +12,10 @@ import optax
 import pytest
 
 import leanstep
-from leanstep import Accumulation, LossContract, ShardingLayer, TrainState, gradient_stage, make_train_step
+from leanstep import Accumulation, LossContract, TrainState, make_train_step
 from leanstep.blocks.loss_contract import LossOutput
 from leanstep.blocks.microbatches import split_microbatches, split_strided_microbatches
+from leanstep.step import ShardingLayer, gradient_stage
 
 CONTRACTS = [LossContract(*flags) for flags in itertools.product((False, True), repeat=4)]
 
@@ -180,7 +181,7 @@ def test_presplit_on_one_device_is_taken():
 
 
 def test_presplit_on_a_mesh_is_refused_for_either_form():
-    layer = ShardingLayer(leanstep.data_mesh(jax.devices()[:1]))
+    layer = ShardingLayer(leanstep.sharding.data_mesh(jax.devices()[:1]))
     for kwargs in (dict(split="presplit"), dict(accumulation=Accumulation(1, split="presplit"))):
         with pytest.raises(ValueError, match="split='presplit' is not supported with a mesh"):
             make_train_step(_aux_loss, mesh=layer, **kwargs)
@@ -254,7 +255,7 @@ def test_a_framework_object_given_as_params_is_named_with_its_fix(make, pattern)
 def test_a_plain_mesh_becomes_a_layer_reducing_per_microbatch_with_a_model_state():
     from leanstep.step.settings import step_settings
 
-    mesh = leanstep.data_mesh(jax.devices()[:1])
+    mesh = leanstep.sharding.data_mesh(jax.devices()[:1])
     short = dict(num_microbatches=2, mesh=mesh)
     stateful = leanstep.StepSpec.from_keywords(**short, has_state=True)
     plain = leanstep.StepSpec.from_keywords(**short)

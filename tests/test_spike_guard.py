@@ -201,4 +201,4 @@ def test_the_guard_needs_no_host_sync():
     guard = SpikeGuard(window=16, k=6.0, warmup=8)
     state = leanstep.TrainState.create({"w": jnp.zeros((4, 1))}, optax.sgd(0.1), spike_guard=guard)
     step = leanstep.make_train_step(_linear_loss, spike_guard=guard)
-    assert not leanstep.audit(step, state, next(_batches(1, ()))).host_syncs
+    assert not leanstep.inspection.audit(step, state, next(_batches(1, ()))).host_syncs

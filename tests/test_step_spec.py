@@ -16,19 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import leanstep
-from leanstep import (
-    Accumulation,
-    Fp8Recipe,
-    LossContract,
-    ShardingLayer,
-    SpikeGuard,
-    StepSpec,
-    TrainState,
-    make_train_step,
-)
+from leanstep import Accumulation, Fp8Recipe, LossContract, SpikeGuard, StepSpec, TrainState, make_train_step
 from leanstep.blocks.masters import MASTERS
 from leanstep.blocks.moments import MOMENT_DTYPES
-from leanstep.step import REDUCTIONS, LossScaleSpec, MeshLayout
+from leanstep.step import REDUCTIONS, LossScaleSpec, MeshLayout, ShardingLayer
 
 
 def _loss(params, batch):
@@ -269,7 +260,7 @@ SHORT_AND_SPEC = {
 @pytest.mark.parametrize("case", SHORT_AND_SPEC)
 def test_the_spec_form_compiles_the_step_the_short_form_compiles(case):
     step_keywords, state_keywords, spec = SHORT_AND_SPEC[case]
-    mesh = leanstep.data_mesh(jax.devices()[:1]) if case == "mesh" else None
+    mesh = leanstep.sharding.data_mesh(jax.devices()[:1]) if case == "mesh" else None
     loss = _aux_loss if spec.loss.has_aux else _loss
     optimizer = optax.adam(0.1)
     short_state = TrainState.create(_params(), optimizer, **state_keywords)
@@ -316,7 +307,7 @@ def test_the_state_takes_the_spike_guard_from_the_spec_the_step_is_built_from():
 
 
 def test_a_mesh_that_differs_from_the_spec_s_layout_is_named():
-    mesh = leanstep.data_mesh(jax.devices()[:1])
+    mesh = leanstep.sharding.data_mesh(jax.devices()[:1])
     with pytest.raises(ValueError, match="sharding.axes is data=2 but the mesh given has data=1"):
         make_train_step(_loss, StepSpec(sharding=MeshLayout("data=2")), mesh=mesh)
     with pytest.raises(ValueError, match="give the layout once"):
@@ -334,10 +325,10 @@ def _plan(spec=None, **keywords):
 
     params = {"w1": jax.ShapeDtypeStruct((32, 64), jnp.float32), "w2": jax.ShapeDtypeStruct((64, 8), jnp.float32)}
     batch = {"x": jax.ShapeDtypeStruct((8, 32), jnp.float32)}
-    candidates = leanstep.SearchSpace(remat_policies=("none", "full"), microbatches=(1, 2))
-    return leanstep.plan(
+    candidates = leanstep.planning.SearchSpace(remat_policies=("none", "full"), microbatches=(1, 2))
+    return leanstep.planning.plan(
         make_loss_fn, params, batch, optax.adamw(1e-3), spec, budget_bytes="64MiB", candidates=candidates,
-        search=leanstep.SearchOptions(exhaustive=True), **keywords,
+        search=leanstep.planning.SearchOptions(exhaustive=True), **keywords,
     )  # fmt: skip
 
 

@@ -72,13 +72,13 @@ def worker(out: Path) -> None:
         for layout, shape in LAYOUTS.items():
             mesh = device_mesh(shape=shape)
             for reduce in REDUCTIONS:
-                layer = leanstep.ShardingLayer(mesh, reduce=reduce)
+                layer = leanstep.step.ShardingLayer(mesh, reduce=reduce)
                 step = leanstep.make_train_step(
                     _loss, token_weighted=True, num_microbatches=num_mb, max_grad_norm=1.0, mesh=layer
                 )
                 for name, mask in MASKS.items():
-                    state = leanstep.shard_train_state(new_state(), mesh)
-                    state, metrics = step(state, leanstep.shard_batch(_batch(mask), mesh))
+                    state = leanstep.step.shard_train_state(new_state(), mesh)
+                    state, metrics = step(state, leanstep.sharding.shard_batch(_batch(mask), mesh))
                     results[f"{layout}-{reduce}/{num_mb}/{name}"] = _row(state, metrics)
     (out / "token_weighted.json").write_text(json.dumps(results))
 

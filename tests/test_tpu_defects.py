@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leanstep import audit
 from leanstep.blocks.compute_dtype_check import unused_compute_dtype
 from leanstep.blocks.fp8_agreement import fp8_state_agreement
+from leanstep.inspection import audit
 from leanstep.training.budget import calibrate, plan_steps
 from workers import run_worker
 

@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from leanstep import Checkpointer, TrainState
+from leanstep import TrainState
+from leanstep.checkpoints import Checkpointer
 from leanstep.models import build_model
 from leanstep.training import RunConfig, build_optimizer
 from workers import child_env

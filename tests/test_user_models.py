@@ -12,7 +12,7 @@
   ``astype`` reads as float32), leanstep warns once, with the advice for code that casts so
   (before, the advice said ``dtype=None``, under which such a model still computes in float32).
 * **Equinox's stateful example**: ``eqx.nn.BatchNorm`` (mode "ema") with ``eqx.nn.State`` and no
-  casts in the model, a submodule wrapped by ``leanstep.remat``: trains under bf16 with every
+  casts in the model, a submodule wrapped by ``leanstep.blocks.remat``: trains under bf16 with every
   technique (before 0.8.1: JAX's dtype TypeError from the layer's ``lax.select``), its running
   statistics float32 and near its own float32 loop's, every matmul in bf16.
 
@@ -71,7 +71,7 @@ class ResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = True):
-        block = leanstep.remat(ResNetBlock, self.remat, static_argnums=(2,))
+        block = leanstep.blocks.remat(ResNetBlock, self.remat, static_argnums=(2,))
         x = block(4, self.dtype, name="block_0")(x.astype(self.dtype), train)  # named: one tree for every policy
         return nn.Dense(3, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
 
@@ -217,7 +217,7 @@ class CastingLM(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(32, 16)(tokens).astype(self.dtype)
-        x = leanstep.remat(CastingMlp, self.remat)(self.dtype, name="mlp")(x)  # named: one tree for every policy
+        x = leanstep.blocks.remat(CastingMlp, self.remat)(self.dtype, name="mlp")(x)  # named: one tree for every policy
         return nn.Dense(32, dtype=self.dtype)(x.astype(self.dtype))
 
 
@@ -243,9 +243,9 @@ def test_an_lm1b_style_model_built_in_bf16_runs_every_matmul_in_bf16():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, None], ids=["float32", "None"])
 def test_an_lm1b_style_model_left_in_float32_warns_once_with_advice_that_fits_it(dtype):
-    with pytest.warns(leanstep.PrecisionWarning) as record:
+    with pytest.warns(leanstep.blocks.PrecisionWarning) as record:
         _lm1b_jaxpr(dtype)
-    messages = [str(w.message) for w in record if issubclass(w.category, leanstep.PrecisionWarning)]
+    messages = [str(w.message) for w in record if issubclass(w.category, leanstep.blocks.PrecisionWarning)]
     assert len(messages) == 1, messages
     assert "none of the loss's" in messages[0] and "100.0% of their FLOPs" in messages[0]
     assert "x.astype(dtype)" in messages[0] and "None means float32" in messages[0]
@@ -265,7 +265,7 @@ class StatefulNet(eqx.Module):
     def __init__(self, key, remat: str = "none"):
         k1, k2 = jax.random.split(key)
         hidden = eqx.nn.Linear(36, 16, key=k1)
-        self.hidden = hidden if remat == "none" else leanstep.remat(hidden, remat)
+        self.hidden = hidden if remat == "none" else leanstep.blocks.remat(hidden, remat)
         self.norm = eqx.nn.BatchNorm(16, axis_name="batch", momentum=0.9, mode="ema")  # the default, named
         self.head = eqx.nn.Linear(16, 3, key=k2)
 

@@ -1,4 +1,4 @@
-"""leanstep.verify and ``leanstep verify``: each check passes on correct steps and names the bug it exists for.
+"""leanstep.verification.verify and ``leanstep verify``: each check passes on correct steps and names the bug it exists for.
 
 The bugs are re-created in :mod:`handwritten_steps`, an optax step written by hand (no leanstep
 inside); the correct version of that step, leanstep's own steps for the built-in transformer and
@@ -103,11 +103,11 @@ def test_report_json_and_lookup():
 
 def test_verify_step_refuses_bad_arguments():
     with pytest.raises(ValueError, match="num_microbatches: expected an int >= 2 that divides the batch's 16 rows"):
-        leanstep.verify_step(HandwrittenStep(), num_microbatches=3)
+        leanstep.verification.verify_step(HandwrittenStep(), num_microbatches=3)
     with pytest.raises(ValueError, match=r"checks: unknown \['clipping'\]"):
-        leanstep.verify_step(HandwrittenStep(), num_microbatches=4, checks=("clipping",))
+        leanstep.verification.verify_step(HandwrittenStep(), num_microbatches=4, checks=("clipping",))
     with pytest.raises(TypeError, match="checks: expected a sequence of check names, got the string 'clip'"):
-        leanstep.verify_step(HandwrittenStep(), num_microbatches=4, checks="clip")
+        leanstep.verification.verify_step(HandwrittenStep(), num_microbatches=4, checks="clip")
 
 
 # --- the hand-written step and the peers' bugs ------------------------------------------------------
@@ -115,7 +115,7 @@ def test_verify_step_refuses_bad_arguments():
 
 @pytest.fixture(scope="module")
 def correct_report():
-    return leanstep.verify_step(HandwrittenStep(), num_microbatches=4, name="hand-written optax step")
+    return leanstep.verification.verify_step(HandwrittenStep(), num_microbatches=4, name="hand-written optax step")
 
 
 def test_the_correct_handwritten_step_passes_every_check(correct_report):
@@ -131,20 +131,22 @@ def test_the_correct_handwritten_step_passes_every_check(correct_report):
 def test_each_peer_bug_is_flagged_by_name_where_it_is(bug, correct_report):
     check, named, where = FLAGGED_BY[bug]
     assert correct_report[check].status == "pass"
-    report = leanstep.verify_step(HandwrittenStep(bug), num_microbatches=4, checks=(check,))
+    report = leanstep.verification.verify_step(HandwrittenStep(bug), num_microbatches=4, checks=(check,))
     result = report[check]
     assert result.status == "fail", str(report)
     assert named in result.diagnosis and where in result.where, str(report)
 
 
 def test_a_dropped_microbatch_fails_the_weights_and_the_full_batch():
-    report = leanstep.verify_step(
+    report = leanstep.verification.verify_step(
         HandwrittenStep(DROPPED, batch_stat=False), num_microbatches=4, checks=("accumulation", "full_batch")
     )
     assert report["accumulation"].diagnosis == "microbatch(es) [3] left out of the accumulated gradient"
     assert "microbatch 3 weighs" in report["accumulation"].where
     assert report["full_batch"].status == "fail" and "left out or weighed wrong" in report["full_batch"].diagnosis
-    clean = leanstep.verify_step(HandwrittenStep(batch_stat=False), num_microbatches=4, checks=("full_batch",))
+    clean = leanstep.verification.verify_step(
+        HandwrittenStep(batch_stat=False), num_microbatches=4, checks=("full_batch",)
+    )
     assert clean["full_batch"].status == "pass"
 
 
@@ -155,12 +157,12 @@ def worker(out: Path) -> None:
 
     results = {}
     for bug in (None, "batch_stat_per_device"):
-        report = leanstep.verify_step(
+        report = leanstep.verification.verify_step(
             HandwrittenStep(bug), num_microbatches=4, checks=("meshes",), meshes=("data=2", "data=4")
         )
         results[str(bug)] = report["meshes"].to_dict()
     config = RunConfig(size="tiny", batch_size=8, seq_len=16, microbatches=2, precision=BF16, fp8="delayed")
-    report = leanstep.verify_step(
+    report = leanstep.verification.verify_step(
         verify_setup(config), num_microbatches=2, checks=("meshes",), meshes=("data=4", "fsdp=4", "data=2,tensor=2")
     )
     results["transformer"] = report["meshes"].to_dict()
@@ -205,7 +207,7 @@ def test_a_loss_that_ignores_the_remat_policy_fails_the_remat_check():
 
     params = {"w1": jnp.ones((3, 4)), "w2": jnp.ones((4, 2))}
     batch = {"x": np.ones((4, 3), np.float32)}
-    report = leanstep.verify(make_loss, params, batch, num_microbatches=2, remat="dots", checks=("remat",))
+    report = leanstep.verification.verify(make_loss, params, batch, num_microbatches=2, remat="dots", checks=("remat",))
     assert report["remat"].status == "fail" and "no jax.checkpoint" in report["remat"].diagnosis
 
 
@@ -253,11 +255,11 @@ def test_framework_models_pass_and_the_nnx_cnn_head_runs_in_float32_under_bf16()
 
     batch = {k: np.asarray(v) for k, v in image_batches(1)[0].items()}
     common = dict(num_microbatches=4, remat="dots", model_state=model_state, has_state=True, loss_scale="dynamic")
-    report = leanstep.verify(make_loss, params, batch, **common)
+    report = leanstep.verification.verify(make_loss, params, batch, **common)
     assert report.passed, str(report)
     assert report["keys"].status == "pass"  # its dropout draws per microbatch from the Rngs counter
     # under bf16 its head takes nnx.BatchNorm's float32 output: the finding leanstep's PrecisionWarning makes too
-    report = leanstep.verify(make_loss, params, batch, precision=BF16, checks=("compute_dtype",), **common)
+    report = leanstep.verification.verify(make_loss, params, batch, precision=BF16, checks=("compute_dtype",), **common)
     assert report["compute_dtype"].status == "fail" and "float32[2, 288]" in report["compute_dtype"].where
 
 
@@ -271,7 +273,7 @@ def test_equinox_and_linen_models_pass_every_check_under_bf16():
     model, model_state = eqx.nn.make_with_state(Net)(16, jax.random.key(0))
     params, static = leqx.split(model)
     batch = {k: np.asarray(v) for k, v in image_batches(1)[0].items()}
-    report = leanstep.verify(
+    report = leanstep.verification.verify(
         lambda policy: leqx.stateful_loss(static, net_loss), params, batch, precision=BF16, num_microbatches=4,
         model_state=model_state, has_state=True, loss_scale="dynamic",
     )  # fmt: skip
@@ -290,7 +292,7 @@ def test_equinox_and_linen_models_pass_every_check_under_bf16():
 
         return loss_fn
 
-    report = leanstep.verify(
+    report = leanstep.verification.verify(
         make_lm, params, tokens, precision=BF16, num_microbatches=2, remat="dots", uses_rng=True, loss_scale="dynamic"
     )
     assert report.passed, str(report)

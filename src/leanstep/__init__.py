@@ -5,15 +5,20 @@ accumulation over microbatches inside one jitted step, clipping by the global
 gradient norm, and rematerialization, composed in the right order by
 :func:`make_train_step`. The seed contracts live in :mod:`leanstep.tasks`.
 
-Importing ``leanstep`` is light: each public name is imported from its sub-package when first
-used (``leanstep.make_train_step`` imports :mod:`leanstep.step`, and JAX with it), so that the
-``leanstep`` command handles signals and prints ``--help`` before JAX loads. The names and
-their sub-packages are written twice, as the imports under ``TYPE_CHECKING`` below (read by type
-checkers and the API reference) and as ``_EXPORTS`` (read by the lazy imports); a test checks that
-they, and ``__all__``, agree.
+The top level holds the step and its value: :func:`make_train_step`, :class:`StepSpec` and the
+parts a spec is built from, :class:`TrainState` and what a step returns. Everything else lives in
+its sub-package, reached as an attribute (``leanstep.planning.plan``, ``leanstep.sharding.data_mesh``):
+``blocks``, ``step``, ``sharding``, ``inspection``, ``verification``, ``planning``,
+``checkpoints``, ``compilation``, ``frameworks``, ``models``, ``training``. A name that 0.12 moved
+off the top (``leanstep.plan``) still works in 0.12, with one ``DeprecationWarning`` naming its
+new spelling (:data:`leanstep.common.removed.MOVED_NAMES`); it goes in 0.13.
 
-Size: the public API's table (_EXPORTS) and its TYPE_CHECKING imports, one line a name, and the
-docstring that introduces them.
+Importing ``leanstep`` is light: each name and sub-package is imported when first used
+(``leanstep.make_train_step`` imports :mod:`leanstep.step`, and JAX with it), so that the
+``leanstep`` command handles signals and prints ``--help`` before JAX loads. The names and their
+sub-packages are written twice, as the imports under ``TYPE_CHECKING`` below (read by type
+checkers and the API reference) and as ``_EXPORTS`` and ``_SUBPACKAGES`` (read by the lazy
+imports); a test checks that they, and ``__all__``, agree.
 """
 
 from __future__ import annotations
@@ -22,333 +27,136 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from leanstep import (
+        blocks,
+        checkpoints,
+        compilation,
+        frameworks,
+        inspection,
+        models,
+        planning,
+        sharding,
+        step,
+        training,
+        verification,
+    )
     from leanstep.blocks import (
-        MASTERS,
-        MOMENT_DTYPES,
-        REMAT_POLICIES,
-        SPLITS,
         Accumulation,
         DynamicLossScale,
-        Fp8Collection,
-        Fp8Meta,
         Fp8Recipe,
         LossContract,
         LossScale,
         NoOpLossScale,
         Precision,
-        PrecisionWarning,
-        QuantizedArray,
         SpikeGuard,
-        SpikeState,
         StaticLossScale,
-        all_finite,
-        checkpoint_name,
-        clip_by_global_norm,
-        clip_by_global_norm_transform,
-        compress_moments,
-        fp8_dot_general,
-        fp8_matmul,
-        get_loss_scale,
-        get_precision,
-        get_remat_policy,
-        get_splitter,
-        global_norm,
-        microbatched_value_and_grad,
-        presplit_microbatches,
-        remat,
-        split_microbatches,
-        split_strided_microbatches,
-        strict_precision,
-    )
-    from leanstep.checkpoints import Checkpointer, CheckpointError, RestoreResult
-    from leanstep.compilation import CompileCount, disable_compile_cache, enable_compile_cache
-    from leanstep.inspection import (
-        AuditReport,
-        Collective,
-        CollectivesReport,
-        MemorySpaceReport,
-        ResidualReport,
-        audit,
-        check_offload,
-        collectives_report,
-        memory_space_report,
-        saved_residuals_report,
-    )
-    from leanstep.planning import (
-        ACCELERATORS,
-        Accelerator,
-        BudgetError,
-        Plan,
-        SearchOptions,
-        SearchSpace,
-        get_accelerator,
-        plan,
-    )
-    from leanstep.sharding import (
-        MeshAxes,
-        batch_sharding,
-        constrain,
-        data_mesh,
-        fsdp_partition_spec,
-        gathered,
-        mesh_axes,
-        param_specs,
-        shard_batch,
-        sharding_context,
     )
     from leanstep.step import (
-        REDUCTIONS,
-        Gradients,
-        GuardedState,
-        ShardingLayer,
+        LossScaleSpec,
+        MeshLayout,
         StepMetrics,
         StepSpec,
         TrainState,
         UpdateInfo,
-        gradient_stage,
-        guarded_update,
-        guarded_update_transform,
         make_train_step,
-        offload_opt_state,
-        shard_train_state,
-        state_shardings,
-    )
-    from leanstep.verification import (
-        CheckResult,
-        LeanstepStep,
-        VerifiableStep,
-        VerifyReport,
-        probe_optimizer,
-        verify,
-        verify_step,
     )
 
 
-#: Each public name -> the sub-package it is imported from when first used: the imports under
-#: ``TYPE_CHECKING`` above, as a value (``tests/test_public_api.py`` checks that the two and
-#: ``__all__`` hold the same names).
+#: Each top-level name -> the sub-package it is imported from when first used: the imports from
+#: sub-packages under ``TYPE_CHECKING`` above, as a value (``tests/test_public_api.py`` checks
+#: that the two and ``__all__`` hold the same names).
 _EXPORTS: dict[str, str] = {
     name: module
     for module, names in {
         "leanstep.blocks": (
-            "MASTERS",
-            "MOMENT_DTYPES",
-            "REMAT_POLICIES",
-            "SPLITS",
             "Accumulation",
             "DynamicLossScale",
-            "Fp8Collection",
-            "Fp8Meta",
             "Fp8Recipe",
             "LossContract",
             "LossScale",
             "NoOpLossScale",
             "Precision",
-            "PrecisionWarning",
-            "QuantizedArray",
             "SpikeGuard",
-            "SpikeState",
             "StaticLossScale",
-            "all_finite",
-            "checkpoint_name",
-            "clip_by_global_norm",
-            "clip_by_global_norm_transform",
-            "compress_moments",
-            "fp8_dot_general",
-            "fp8_matmul",
-            "get_loss_scale",
-            "get_precision",
-            "get_remat_policy",
-            "get_splitter",
-            "global_norm",
-            "microbatched_value_and_grad",
-            "presplit_microbatches",
-            "remat",
-            "split_microbatches",
-            "split_strided_microbatches",
-            "strict_precision",
-        ),
-        "leanstep.checkpoints": (
-            "Checkpointer",
-            "CheckpointError",
-            "RestoreResult",
-        ),
-        "leanstep.compilation": (
-            "CompileCount",
-            "disable_compile_cache",
-            "enable_compile_cache",
-        ),
-        "leanstep.inspection": (
-            "AuditReport",
-            "Collective",
-            "CollectivesReport",
-            "MemorySpaceReport",
-            "ResidualReport",
-            "audit",
-            "check_offload",
-            "collectives_report",
-            "memory_space_report",
-            "saved_residuals_report",
-        ),
-        "leanstep.planning": (
-            "ACCELERATORS",
-            "Accelerator",
-            "BudgetError",
-            "Plan",
-            "SearchOptions",
-            "SearchSpace",
-            "get_accelerator",
-            "plan",
-        ),
-        "leanstep.sharding": (
-            "MeshAxes",
-            "batch_sharding",
-            "constrain",
-            "data_mesh",
-            "fsdp_partition_spec",
-            "gathered",
-            "mesh_axes",
-            "param_specs",
-            "shard_batch",
-            "sharding_context",
         ),
         "leanstep.step": (
-            "REDUCTIONS",
-            "Gradients",
-            "GuardedState",
-            "ShardingLayer",
+            "LossScaleSpec",
+            "MeshLayout",
             "StepMetrics",
             "StepSpec",
             "TrainState",
             "UpdateInfo",
-            "gradient_stage",
-            "guarded_update",
-            "guarded_update_transform",
             "make_train_step",
-            "offload_opt_state",
-            "shard_train_state",
-            "state_shardings",
-        ),
-        "leanstep.verification": (
-            "CheckResult",
-            "LeanstepStep",
-            "VerifiableStep",
-            "VerifyReport",
-            "probe_optimizer",
-            "verify",
-            "verify_step",
         ),
     }.items()
     for name in names
 }
 
+#: The sub-packages reached as attributes of ``leanstep`` (``leanstep.planning``), imported when first used.
+_SUBPACKAGES = (
+    "blocks",
+    "checkpoints",
+    "compilation",
+    "frameworks",
+    "inspection",
+    "models",
+    "planning",
+    "sharding",
+    "step",
+    "training",
+    "verification",
+)
+
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'leanstep' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        from leanstep.common.removed import warn_moved
+
+        moved = warn_moved(name)  # one DeprecationWarning naming the new spelling; not kept here, so each use warns
+        if moved is None:
+            raise AttributeError(f"module 'leanstep' has no attribute {name!r}")
+        return getattr(importlib.import_module(moved), name)
     globals()[name] = value  # once: later lookups find it without this function
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(__all__))
 
 
 __version__ = "0.11.0"
 
 __all__ = [
-    "ACCELERATORS",
-    "MASTERS",
-    "MOMENT_DTYPES",
-    "REDUCTIONS",
-    "REMAT_POLICIES",
-    "SPLITS",
-    "Accelerator",
     "Accumulation",
-    "AuditReport",
-    "BudgetError",
-    "CheckResult",
-    "CheckpointError",
-    "Checkpointer",
-    "Collective",
-    "CollectivesReport",
-    "CompileCount",
     "DynamicLossScale",
-    "Fp8Collection",
-    "Fp8Meta",
     "Fp8Recipe",
-    "Gradients",
-    "GuardedState",
-    "LeanstepStep",
     "LossContract",
     "LossScale",
-    "MemorySpaceReport",
-    "MeshAxes",
+    "LossScaleSpec",
+    "MeshLayout",
     "NoOpLossScale",
-    "Plan",
     "Precision",
-    "PrecisionWarning",
-    "QuantizedArray",
-    "ResidualReport",
-    "RestoreResult",
-    "SearchOptions",
-    "SearchSpace",
-    "ShardingLayer",
     "SpikeGuard",
-    "SpikeState",
     "StaticLossScale",
     "StepMetrics",
     "StepSpec",
     "TrainState",
     "UpdateInfo",
-    "VerifiableStep",
-    "VerifyReport",
-    "all_finite",
-    "audit",
-    "batch_sharding",
-    "check_offload",
-    "checkpoint_name",
-    "clip_by_global_norm",
-    "clip_by_global_norm_transform",
-    "collectives_report",
-    "compress_moments",
-    "constrain",
-    "data_mesh",
-    "disable_compile_cache",
-    "enable_compile_cache",
-    "fp8_dot_general",
-    "fp8_matmul",
-    "fsdp_partition_spec",
-    "gathered",
-    "get_accelerator",
-    "get_loss_scale",
-    "get_precision",
-    "get_remat_policy",
-    "get_splitter",
-    "global_norm",
-    "gradient_stage",
-    "guarded_update",
-    "guarded_update_transform",
+    "blocks",
+    "checkpoints",
+    "compilation",
+    "frameworks",
+    "inspection",
     "make_train_step",
-    "memory_space_report",
-    "mesh_axes",
-    "microbatched_value_and_grad",
-    "offload_opt_state",
-    "param_specs",
-    "plan",
-    "presplit_microbatches",
-    "probe_optimizer",
-    "remat",
-    "saved_residuals_report",
-    "shard_batch",
-    "shard_train_state",
-    "sharding_context",
-    "split_microbatches",
-    "split_strided_microbatches",
-    "state_shardings",
-    "strict_precision",
-    "verify",
-    "verify_step",
+    "models",
+    "planning",
+    "sharding",
+    "step",
+    "training",
+    "verification",
 ]

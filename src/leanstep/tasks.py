@@ -109,7 +109,7 @@ def mixed_precision_step(
        g = \nabla_p (S L) / S
 
     Every bf16 op result is rounded to bf16, forward and backward
-    (:func:`leanstep.strict_precision`), so the numbers are a bf16 device's
+    (:func:`leanstep.blocks.strict_precision`), so the numbers are a bf16 device's
     whatever XLA's excess-precision setting. A finite step applies
     :math:`p \leftarrow p - \mathrm{lr}\, g`; a non-finite one keeps ``params``.
     The loss scale then moves by :class:`leanstep.DynamicLossScale`'s seed rule
@@ -213,7 +213,7 @@ def accumulate_gradients(
 
     The batch is split into ``num_microbatches`` equal, contiguous microbatches
     and walked with one ``lax.scan`` whose body runs ``value_and_grad`` on its
-    own rows (:func:`leanstep.microbatched_value_and_grad`); the mean of the
+    own rows (:func:`leanstep.blocks.microbatched_value_and_grad`); the mean of the
     equal-size microbatch means is the full-batch value.
 
     Args:
@@ -286,7 +286,7 @@ def checkpointed_residual_block(params: dict[str, ArrayLike], x: ArrayLike, y: A
        L = \frac{1}{BD} \sum (\mathrm{out} - y)^2
 
     The block runs under ``jax.checkpoint`` with ``dots_saveable``
-    (:func:`leanstep.remat` policy ``"dots"``): both matmul results are saved,
+    (:func:`leanstep.blocks.remat` policy ``"dots"``): both matmul results are saved,
     the tanh is recomputed from the saved pre-activation.
 
     Args:

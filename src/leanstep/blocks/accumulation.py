@@ -74,7 +74,7 @@ class Accumulation:
         scheduled together).
       divide: divide the summed loss and gradient by ``M`` (or by the total token count);
         ``False`` leaves the sums, for a caller that adds them up across devices first and
-        divides by the global count (:class:`leanstep.ShardingLayer` does, token-weighted: a
+        divides by the global count (:class:`leanstep.step.ShardingLayer` does, token-weighted: a
         device whose rows hold no token then adds 0, not 0/0).
 
     Raises:
@@ -94,7 +94,7 @@ class Accumulation:
     split: str | Splitter = "contiguous"
     unroll: int | bool = 1
     divide: bool = True
-    #: The resolved ``split`` (:func:`leanstep.get_splitter`), once.
+    #: The resolved ``split`` (:func:`leanstep.blocks.get_splitter`), once.
     splitter: Splitter = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

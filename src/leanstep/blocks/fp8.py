@@ -272,7 +272,7 @@ def quantize(x: jax.Array, fmt: str, scale: jax.Array) -> jax.Array:
 def qdq(x: jax.Array, fmt: str, scale: jax.Array, dtype: DTypeLike | None = None) -> jax.Array:
     """``x`` quantized to ``fmt`` with the dequantization ``scale`` and dequantized, in ``dtype``
     (default: ``x``'s); the quotient, clip and product in float32. The reference an FP8 matmul's
-    operands are measured against (:func:`leanstep.fp8_dot_general` hands the FP8 arrays of
+    operands are measured against (:func:`leanstep.blocks.fp8_dot_general` hands the FP8 arrays of
     :func:`quantize` to the matmul itself).
 
     Example:

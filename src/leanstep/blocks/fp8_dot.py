@@ -16,7 +16,7 @@ the pair, leaving a bf16 GEMM and no FP8 rounding at all. XLA:CPU computes the s
 exactly (the products of FP8 values are exact in float32). The quantization is straight-through:
 ``x`` and ``w`` receive the gradient of their quantized copies. The name scope
 ``leanstep_fp8_<scaling>_<forward>_<backward>`` marks the matmul and its transposes for
-:func:`leanstep.audit` (:func:`fp8_scope`).
+:func:`leanstep.inspection.audit` (:func:`fp8_scope`).
 
 Delayed scaling (:class:`leanstep.blocks.fp8.Fp8Recipe`) keeps one :class:`Fp8Meta` per matmul,
 in the params tree: scales ``s_x, s_w, s_g`` from the amax histories of earlier steps, and the

@@ -3,7 +3,7 @@ r"""FP8 state in the params tree: recognised, set apart, max-reduced, overwritte
 The scales and amax histories of delayed scaling ride the gradient channel, as in Flax's
 ``fp8_ops`` (its ``_overwrite_with_gradient`` collection) and Transformer Engine: a matmul's
 backward pass returns, as the "gradient" of its FP8 state, that state's **new value**. They sit
-in the params tree, under an :class:`Fp8State` node (leanstep's own :class:`leanstep.Fp8Meta`, or
+in the params tree, under an :class:`Fp8State` node (leanstep's own :class:`leanstep.blocks.Fp8Meta`, or
 any subtree wrapped in :class:`Fp8Collection`, as the Linen adapter wraps Flax's collection),
 so that a model's code reads them where it reads its weights. But they are not parameters:
 
@@ -57,7 +57,7 @@ __all__ = [
 class Fp8State:
     """A node of the params tree whose leaves are FP8 state (see the module doc).
 
-    Subclasses: :class:`leanstep.Fp8Meta` (one matmul's scales and histories) and
+    Subclasses: :class:`leanstep.blocks.Fp8Meta` (one matmul's scales and histories) and
     :class:`Fp8Collection` (any subtree, e.g. a Flax ``_overwrite_with_gradient`` collection).
     """
 

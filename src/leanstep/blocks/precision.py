@@ -254,7 +254,7 @@ def get_precision(spec: str | Precision) -> Precision:
 def check_train_precision(spec: str | Precision, name: str = "precision") -> Precision:
     """:func:`get_precision` for a train step, whose master weights are float32.
 
-    A train step (:func:`leanstep.make_train_step`, :func:`leanstep.gradient_stage`) keeps
+    A train step (:func:`leanstep.make_train_step`, :func:`leanstep.step.gradient_stage`) keeps
     float32 masters: :meth:`leanstep.TrainState.create` stores the parameters in float32, the
     gradient is accumulated, unscaled and clipped in float32 and the optimizer updates float32
     values. A bfloat16 or float16 master would lose every update smaller than its 8- or 11-bit

@@ -28,7 +28,7 @@ recomputed; the report (and the gradient jaxpr) can.
 
 A ``"save:NAME"`` policy whose name the function never tags would save nothing, silently;
 :func:`check_saved_names` finds that in a traced program, and the train step and
-:func:`leanstep.audit` run it.
+:func:`leanstep.inspection.audit` run it.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def _nnx_remat_type(nnx: Any) -> type:
     """
 
     class Remat(nnx.Module):
-        """``module.<method>(*args, **kwargs)`` under ``nnx.remat`` with a named policy (``leanstep.remat``).
+        """``module.<method>(*args, **kwargs)`` under ``nnx.remat`` with a named policy (``leanstep.blocks.remat``).
 
         Attributes:
           module: the rematerialized NNX module (its variables are this module's).
@@ -343,5 +343,5 @@ def check_saved_names(jaxpr: Any, what: str = "loss_fn") -> None:
             f"remat policy {policy!r} saves checkpoint_name tag{'s' if plural else ''} {tags}, which "
             f"{what} never sets{'' if differentiated else ' inside that jax.checkpoint region'}, so "
             f"nothing is saved for {'them' if plural else 'it'}; {defined} (tag a value with "
-            "leanstep.checkpoint_name(x, NAME) inside the remat'd function)"
+            "leanstep.blocks.checkpoint_name(x, NAME) inside the remat'd function)"
         )

@@ -145,7 +145,7 @@ def _add_scale_out_flags(group: Any, d: Any) -> None:
         "--reduce",
         choices=("auto", "step", "microbatch"),
         default=d.reduce,
-        help="where gradients are reduced over the mesh (see leanstep.ShardingLayer)",
+        help="where gradients are reduced over the mesh (see leanstep.step.ShardingLayer)",
     )
     group.add_argument(
         "--accelerator",

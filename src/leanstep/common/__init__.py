@@ -6,7 +6,7 @@
     files.py         files a user names: bounded reads, atomic writes, output paths
     memory_sizes.py  "512MiB", "1.5GB": parsed and shown
     jaxprs.py        where the sub-programs of a jaxpr equation live
-    removed.py       the keywords removed in 0.12, and the TypeError naming their new spelling
+    removed.py       the keywords removed in 0.12 and the names moved off the top, with their new spelling
 
 Nothing here is public API; the modules import nothing else of leanstep's.
 """

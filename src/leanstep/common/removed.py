@@ -1,4 +1,4 @@
-"""The keywords leanstep removed, in one list, and the one line a caller of an old spelling gets.
+"""What leanstep removed or moved, each in one list, and the one line a caller of an old spelling gets.
 
 A spelling deprecated with the release it goes in is removed then (0.12 removed those announced for
 0.9). A caller upgrading gets leanstep's own ``TypeError`` naming the new spelling, not Python's
@@ -6,19 +6,32 @@ generic "unexpected keyword argument":
 
 .. code-block:: text
 
-    make_train_step(fsdp=) was removed in leanstep 0.12 (deprecated in 0.8): pass mesh=leanstep.ShardingLayer(mesh, fsdp=...)
+    make_train_step(fsdp=) was removed in leanstep 0.12 (deprecated in 0.8): pass mesh=leanstep.step.ShardingLayer(mesh, fsdp=...)
 
 :func:`refuses_removed_keywords` wraps a function so that its removed keywords get that line; the
 function itself no longer takes them (its signature, and a type checker, say so).
+
+0.12 moved every top-level name but the step and its value into its sub-package
+(:data:`MOVED_NAMES`): ``leanstep.plan`` is ``leanstep.planning.plan``. The old spelling still
+works in 0.12, with one ``DeprecationWarning`` naming the new one (:func:`warn_moved`, called by
+``leanstep.__getattr__``), and goes in 0.13.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["REMOVED_KEYWORDS", "refuses_removed_keywords", "removed_keyword_error"]
+__all__ = [
+    "MOVED_NAMES",
+    "REMOVED_KEYWORDS",
+    "moved_name_message",
+    "refuses_removed_keywords",
+    "removed_keyword_error",
+    "warn_moved",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -29,18 +42,20 @@ _LOSS = {
     name: f"loss=leanstep.LossContract({name}=...)" for name in ("has_aux", "token_weighted", "uses_rng", "has_state")
 }
 _SPACE = ("remat_policies", "microbatches", "meshes", "reductions", "max_microbatches", "min_microbatch_rows")
-_SEARCH = {name: f"search=leanstep.SearchOptions({name}=...)" for name in ("rtol", "exhaustive", "compiler_options")}
-_SEARCH |= {name: f"search=leanstep.SearchOptions({name}=...)" for name in ("keep_executables", "progress")}
-_SEARCH["flops_rtol"] = "search=leanstep.SearchOptions(rtol=...)"
+_SEARCH = {
+    name: f"search=leanstep.planning.SearchOptions({name}=...)" for name in ("rtol", "exhaustive", "compiler_options")
+}
+_SEARCH |= {name: f"search=leanstep.planning.SearchOptions({name}=...)" for name in ("keep_executables", "progress")}
+_SEARCH["flops_rtol"] = "search=leanstep.planning.SearchOptions(rtol=...)"
 
 #: function -> {removed keyword: its new spelling}, each deprecated in 0.8 and removed in 0.12.
 REMOVED_KEYWORDS: dict[str, dict[str, str]] = {
     "make_train_step": {
-        name: f"mesh=leanstep.ShardingLayer(mesh, {name}=...)" for name in ("data_axis", "fsdp", "rules", "reduce")
+        name: f"mesh=leanstep.step.ShardingLayer(mesh, {name}=...)" for name in ("data_axis", "fsdp", "rules", "reduce")
     },
     "gradient_stage": {**_ACCUMULATION, **_LOSS},
-    "plan": {**{name: f"candidates=leanstep.SearchSpace({name}=...)" for name in _SPACE}, **_SEARCH},
-    "plan_cluster": {**{name: f"space=leanstep.SearchSpace({name}=...)" for name in _SPACE}, **_SEARCH},
+    "plan": {**{name: f"candidates=leanstep.planning.SearchSpace({name}=...)" for name in _SPACE}, **_SEARCH},
+    "plan_cluster": {**{name: f"space=leanstep.planning.SearchSpace({name}=...)" for name in _SPACE}, **_SEARCH},
 }
 
 
@@ -78,3 +93,119 @@ def refuses_removed_keywords(where: str) -> Callable[[_F], _F]:
         return refusing  # type: ignore[return-value]  # the same signature: functools.wraps
 
     return wrap
+
+
+#: Each name moved from the top of ``leanstep`` into its sub-package in 0.12 -> that sub-package.
+#: The top-level spelling warns in 0.12 (:func:`warn_moved`) and is removed in 0.13.
+MOVED_NAMES: dict[str, str] = {
+    name: f"leanstep.{package}"
+    for package, names in {
+        "blocks": (
+            "MASTERS",
+            "MOMENT_DTYPES",
+            "REMAT_POLICIES",
+            "SPLITS",
+            "Fp8Collection",
+            "Fp8Meta",
+            "PrecisionWarning",
+            "QuantizedArray",
+            "SpikeState",
+            "all_finite",
+            "checkpoint_name",
+            "clip_by_global_norm",
+            "clip_by_global_norm_transform",
+            "compress_moments",
+            "fp8_dot_general",
+            "fp8_matmul",
+            "get_loss_scale",
+            "get_precision",
+            "get_remat_policy",
+            "get_splitter",
+            "global_norm",
+            "microbatched_value_and_grad",
+            "presplit_microbatches",
+            "remat",
+            "split_microbatches",
+            "split_strided_microbatches",
+            "strict_precision",
+        ),
+        "checkpoints": ("Checkpointer", "CheckpointError", "RestoreResult"),
+        "compilation": ("CompileCount", "disable_compile_cache", "enable_compile_cache"),
+        "inspection": (
+            "AuditReport",
+            "Collective",
+            "CollectivesReport",
+            "MemorySpaceReport",
+            "ResidualReport",
+            "audit",
+            "check_offload",
+            "collectives_report",
+            "memory_space_report",
+            "saved_residuals_report",
+        ),
+        "planning": (
+            "ACCELERATORS",
+            "Accelerator",
+            "BudgetError",
+            "Plan",
+            "SearchOptions",
+            "SearchSpace",
+            "get_accelerator",
+            "plan",
+        ),
+        "sharding": (
+            "MeshAxes",
+            "batch_sharding",
+            "constrain",
+            "data_mesh",
+            "fsdp_partition_spec",
+            "gathered",
+            "mesh_axes",
+            "param_specs",
+            "shard_batch",
+            "sharding_context",
+        ),
+        "step": (
+            "REDUCTIONS",
+            "Gradients",
+            "GuardedState",
+            "ShardingLayer",
+            "gradient_stage",
+            "guarded_update",
+            "guarded_update_transform",
+            "offload_opt_state",
+            "shard_train_state",
+            "state_shardings",
+        ),
+        "verification": (
+            "CheckResult",
+            "LeanstepStep",
+            "VerifiableStep",
+            "VerifyReport",
+            "probe_optimizer",
+            "verify",
+            "verify_step",
+        ),
+    }.items()
+    for name in names
+}
+
+
+def moved_name_message(name: str) -> str:
+    """The one line a caller of the moved top-level ``leanstep.<name>`` gets, naming the new spelling.
+
+    Example:
+      >>> moved_name_message("plan")
+      'leanstep.plan moved to leanstep.planning.plan in 0.12; the top-level name is removed in 0.13'
+    """
+    return f"leanstep.{name} moved to {MOVED_NAMES[name]}.{name} in 0.12; the top-level name is removed in 0.13"
+
+
+def warn_moved(name: str) -> str | None:
+    """The sub-package ``name`` moved to, after one ``DeprecationWarning`` saying so (attributed to
+    the line that read ``leanstep.<name>``); None, and no warning, for a name that never moved."""
+    package = MOVED_NAMES.get(name)
+    if package is not None:
+        # stacklevel 3: this function, then leanstep.__getattr__, then the line that read the name
+        warnings.warn(moved_name_message(name), DeprecationWarning, stacklevel=3)
+    return package

@@ -28,7 +28,7 @@ The command line enables it for ``train``, ``bench``, ``plan`` and ``audit`` (``
 or ``LEANSTEP_COMPILE_CACHE=off`` turn it off; ``LEANSTEP_COMPILE_CACHE=DIR`` picks the folder).
 The library leaves the choice to its caller; the one line is::
 
-    leanstep.enable_compile_cache()   # before the first jit call
+    leanstep.compilation.enable_compile_cache()   # before the first jit call
 
 A folder that cannot be written is a warning and the cache stays off; an entry that cannot be
 read (damaged on disk) or written (a full disk) is one warning line, the program is compiled as

@@ -14,7 +14,7 @@ float32 (its input cast up, its output cast back): the batch statistics and thei
 average are computed in float32 and kept in float32, as Flax's BatchNorm does, and the rest of
 the model stays in the compute dtype.
 
-FP8: a module field holding an :class:`leanstep.Fp8Meta` (as :class:`Fp8Linear` does) is a
+FP8: a module field holding an :class:`leanstep.blocks.Fp8Meta` (as :class:`Fp8Linear` does) is a
 floating array tree, so :func:`split` puts it among the params, where the step finds it as FP8
 state (max-combined over microbatches, out of the optimizer, written once per step).
 """
@@ -139,7 +139,7 @@ def _batch_norms_in_float32(model: Any) -> Any:
 
 
 class Fp8Linear(eqx.Module):
-    """``eqx.nn.Linear`` with FP8 operands (:func:`leanstep.fp8_matmul`), on a whole batch.
+    """``eqx.nn.Linear`` with FP8 operands (:func:`leanstep.blocks.fp8_matmul`), on a whole batch.
 
     Unlike Equinox's per-example layers, call it on ``(..., in_features)`` arrays, not under a
     ``jax.vmap`` over the batch: an FP8 scale is per tensor, and under ``vmap`` each example
@@ -147,7 +147,7 @@ class Fp8Linear(eqx.Module):
 
     Attributes:
       linear: the ``eqx.nn.Linear`` (its weight ``(out, in)``, bias ``(out,)``).
-      fp8: its :class:`leanstep.Fp8Meta` (delayed scaling), or None (current scaling).
+      fp8: its :class:`leanstep.blocks.Fp8Meta` (delayed scaling), or None (current scaling).
       recipe: the :class:`leanstep.Fp8Recipe` (static).
 
     Example:

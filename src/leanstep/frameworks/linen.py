@@ -140,8 +140,8 @@ def _apply(
 
 
 class Fp8DotGeneral(nn.Module):
-    """leanstep's FP8 matmul (:func:`leanstep.fp8_dot_general`) as a Linen ``dot_general_cls``:
-    ``nn.Dense(features, dot_general_cls=Fp8DotGeneral)``, its :class:`leanstep.Fp8Meta` in the
+    """leanstep's FP8 matmul (:func:`leanstep.blocks.fp8_dot_general`) as a Linen ``dot_general_cls``:
+    ``nn.Dense(features, dot_general_cls=Fp8DotGeneral)``, its :class:`leanstep.blocks.Fp8Meta` in the
     ``_overwrite_with_gradient`` collection (delayed scaling), as Flax's ``Fp8DirectDotGeneralOp``.
 
     Attributes:

@@ -13,7 +13,7 @@ writes for ``nnx.value_and_grad``. BatchNorm statistics and the counters of a mo
 ``nnx.Rngs`` (Dropout) are model state: each microbatch sees what the one before it left,
 exactly as one call after another of the model would.
 
-FP8: a model keeps each FP8 matmul's :class:`leanstep.Fp8Meta` in an :class:`Fp8` variable (as
+FP8: a model keeps each FP8 matmul's :class:`leanstep.blocks.Fp8Meta` in an :class:`Fp8` variable (as
 :class:`Fp8Linear` does); a Linen module with Flax's ``fp8_ops`` wrapped by ``nnx.bridge.ToNNX``
 keeps its state in the variables of Flax's ``_overwrite_with_gradient`` collection. :func:`split`
 puts both beside the ``nnx.Param`` s, where the step finds them as FP8 state (max-combined over
@@ -38,7 +38,7 @@ __all__ = ["Fp8", "Fp8Linear", "OverwriteWithGradient", "loss", "merge", "split"
 
 
 class Fp8(nnx.Variable):
-    """A variable holding FP8 state (an :class:`leanstep.Fp8Meta`): trained by the step as FP8
+    """A variable holding FP8 state (an :class:`leanstep.blocks.Fp8Meta`): trained by the step as FP8
     state, not by the optimizer; read it with ``variable.get_value()``."""
 
 
@@ -103,7 +103,7 @@ def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., tuple[Any, nnx.
 
 
 class Fp8Linear(nnx.Module):
-    """``nnx.Linear`` with FP8 operands (:func:`leanstep.fp8_matmul`), its state in an :class:`Fp8`.
+    """``nnx.Linear`` with FP8 operands (:func:`leanstep.blocks.fp8_matmul`), its state in an :class:`Fp8`.
 
     Example:
       >>> import jax.numpy as jnp

@@ -1,8 +1,8 @@
 """The records an audit is made of: one per scan, remat region, matmul and host sync.
 
 Plain frozen dataclasses that import nothing of the package, so that every module can use them:
-:func:`leanstep.audit` fills them in while it walks a traced program, and
-:class:`leanstep.AuditReport` holds and checks them.
+:func:`leanstep.inspection.audit` fills them in while it walks a traced program, and
+:class:`leanstep.inspection.AuditReport` holds and checks them.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Matmul:
       flops: ``2 * prod(out shape) * prod(contracted sizes)`` (a convolution: its kernel
         window times its input features), times the trip counts around it.
       kind: the primitive, ``"dot_general"`` or ``"conv_general_dilated"``.
-      scale: for an FP8 matmul (:func:`leanstep.fp8_dot_general`), the scaling that quantized
+      scale: for an FP8 matmul (:func:`leanstep.blocks.fp8_dot_general`), the scaling that quantized
         its operands, ``"delayed"`` or ``"current"`` (their dtypes are then the FP8 formats they
         carry, ``float8_e4m3fn`` and ``float8_e5m2``); else ``""``.
 

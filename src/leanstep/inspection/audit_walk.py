@@ -2,7 +2,7 @@
 
 :func:`walk_jaxpr` visits a program and its sub-programs (scan bodies counted times their trip
 counts) and records what it finds into :class:`Findings`, which :mod:`leanstep.inspection.auditing`
-turns into an :class:`leanstep.AuditReport`.
+turns into an :class:`leanstep.inspection.AuditReport`.
 """
 
 from __future__ import annotations

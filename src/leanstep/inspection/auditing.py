@@ -12,7 +12,7 @@ program and every sub-program in it (``jit``, ``scan``, ``while``, ``cond``,
     matmuls         every dot_general and convolution: operand dtypes, accumulation dtype, scans,
                     its FLOPs times the trip counts of the scans around it
     host syncs      pure_callback / io_callback / debug_callback / debug_print / infeed / outfeed
-    residuals       leanstep.saved_residuals_report of the loss, when one is given
+    residuals       leanstep.inspection.saved_residuals_report of the loss, when one is given
     flops           leanstep.inspection.flops.count_flops of the program (loop bodies x trip count)
 
 and returns them as an :class:`AuditReport` of the records in :mod:`leanstep.inspection.audit_records`,
@@ -213,7 +213,7 @@ def audit_jaxpr(closed_jaxpr: Any, *, residuals: ResidualReport | None = None) -
 
     Args:
       closed_jaxpr: a ``ClosedJaxpr`` or ``Jaxpr``, e.g. ``jax.jit(f).trace(*args).jaxpr``.
-      residuals: a :func:`leanstep.saved_residuals_report` to include, or None.
+      residuals: a :func:`leanstep.inspection.saved_residuals_report` to include, or None.
 
     Returns:
       The report.
@@ -261,7 +261,7 @@ def audit(
         step included; donation does not matter, nothing runs).
       *args: its arguments: arrays, or ``jax.ShapeDtypeStruct`` stand-ins.
       loss_fn: the loss whose backward-pass residuals to report (un-jitted; see
-        :func:`leanstep.saved_residuals_report`), or None.
+        :func:`leanstep.inspection.saved_residuals_report`), or None.
       loss_args: the arguments of ``loss_fn``.
       **kwargs: keyword arguments of ``step_or_fn`` (static ones bound by ``make_jaxpr``).
 

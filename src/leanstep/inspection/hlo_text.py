@@ -9,7 +9,7 @@ matrix-multiply FLOPs of one device's program:
 
     dot   2 * prod(result shape) * prod(contracted sizes of the left operand)   x trips
 
-Used by :func:`leanstep.collectives_report` (collectives) and :func:`leanstep.planning.one_device`
+Used by :func:`leanstep.inspection.collectives_report` (collectives) and :func:`leanstep.planning.one_device`
 (per-device FLOPs of a sharded step, which the traced program cannot give: it is global).
 """
 

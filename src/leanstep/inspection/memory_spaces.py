@@ -216,7 +216,7 @@ def check_offload(offloaded: MemorySpaceReport, plain: MemorySpaceReport) -> Non
     if offloaded.host_bytes == 0 and offloaded.to_host.bytes == 0 and offloaded.asked_to_host.bytes == 0:
         raise ValueError(
             "the offload policy moves nothing: the compiled step keeps no bytes in host memory and moves none "
-            "there; place the state with leanstep.offload_opt_state(state) (or do not offload)"
+            "there; place the state with leanstep.step.offload_opt_state(state) (or do not offload)"
         )
     if offloaded.device_peak_bytes >= plain.device_peak_bytes:
         raise ValueError(

@@ -42,7 +42,7 @@ class ResidualEntry(NamedTuple):
       nbytes: ``prod(shape) * dtype.itemsize``.
       kind: one of :data:`RESIDUAL_KINDS`: ``"argument"`` (an input of the function),
         ``"constant"`` (a closed-over array or literal), ``"named"`` (a value tagged
-        with :func:`leanstep.checkpoint_name`), ``"dot_general"`` (a matmul result) or
+        with :func:`leanstep.blocks.checkpoint_name`), ``"dot_general"`` (a matmul result) or
         ``"other"`` (any other computed value, e.g. a ``tanh`` or a ``scan`` output).
       source: JAX's own description, e.g. ``"from the argument x"``,
         ``"output of dot_general from model.py:12:8 (block)"``, ``"named 'h' from ..."``.
@@ -214,7 +214,7 @@ def saved_residuals_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
     on the memory the residuals occupy, and compare them across policies.
 
     Args:
-      fn: the function, typically :func:`leanstep.remat` ``(block, policy)`` or ``block`` itself.
+      fn: the function, typically :func:`leanstep.blocks.remat` ``(block, policy)`` or ``block`` itself.
       *args: positional arguments for ``fn``.
       **kwargs: keyword arguments for ``fn``.
 

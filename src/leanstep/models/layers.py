@@ -129,7 +129,7 @@ _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows ``table[ids]``; sharded (:func:`leanstep.sharding_context`), a one-hot matmul.
+    """Rows ``table[ids]``; sharded (:func:`leanstep.sharding.sharding_context`), a one-hot matmul.
 
     The gradient of a gather is a scatter-add, which XLA's SPMD partitioner serves by
     gathering every device's token ids and activations (batch rows); the gradient of a

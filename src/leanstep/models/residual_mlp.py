@@ -130,9 +130,9 @@ def residual_mlp_loss_sum(
 
     Raises:
       TypeError, ValueError: malformed ``batch``.
-    Sharded (:class:`leanstep.ShardingLayer`), each block's parameters are gathered inside
-    the rematerialized block (:func:`leanstep.gathered`) and the residual stream's rows stay
-    on their devices (:func:`leanstep.constrain`).
+    Sharded (:class:`leanstep.step.ShardingLayer`), each block's parameters are gathered inside
+    the rematerialized block (:func:`leanstep.sharding.gathered`) and the residual stream's rows stay
+    on their devices (:func:`leanstep.sharding.constrain`).
     """
     inputs, targets = split_tokens(batch)
     params = cast_floating(params, compute_dtype)

@@ -4,11 +4,11 @@ Pre-norm GPT-2 blocks: LayerNorm (with bias), causal multi-head self-attention, 
 gelu MLP; learned positional embeddings; a final LayerNorm; and an output head tied to the
 token embedding (``logits = h @ embed.T``). Per-layer parameters are stacked along a leading
 ``n_layers`` axis and the blocks run under ``jax.lax.scan``, so compile time does not grow with
-depth, and every block is wrapped in ``leanstep.remat`` with the caller's policy.
+depth, and every block is wrapped in ``leanstep.blocks.remat`` with the caller's policy.
 
 With an FP8 recipe (``TransformerConfig(fp8=leanstep.Fp8Recipe(...))``) the four matmuls of
 each block (QKV, attention output, MLP in and out) take FP8 operands
-(:func:`leanstep.fp8_matmul`; delayed scaling keeps one :class:`leanstep.Fp8Meta` per matmul and
+(:func:`leanstep.blocks.fp8_matmul`; delayed scaling keeps one :class:`leanstep.blocks.Fp8Meta` per matmul and
 layer under ``params["blocks"]["fp8"]``); the attention score and value products and the tied
 output head stay in the compute dtype, as Transformer Engine's recipes keep them.
 """
@@ -215,7 +215,7 @@ def transformer_logits(
       params: from :func:`init_transformer`, in any float dtype.
       tokens: integer ids of shape ``(B, T)`` with ``T <= config.seq_len``.
       config: the model sizes.
-      remat_policy: a policy accepted by ``leanstep.remat`` for each block.
+      remat_policy: a policy accepted by ``leanstep.blocks.remat`` for each block.
       compute_dtype: dtype to cast floating params to, or ``None``.
 
     Returns:

@@ -3,14 +3,14 @@ r"""Plan a cluster before running: mesh, microbatches, remat and gradient reduct
 For ``N`` devices the candidates are every mesh ``data x fsdp x tensor = N`` (the tensor axis
 at most one node, :attr:`Accelerator.node_size`, and only where the model's partition rules
 fit it), every microbatch count that divides each device's rows, every remat policy and the
-reductions ``"auto"`` and ``"step"`` (:class:`leanstep.ShardingLayer`). A candidate is traced
+reductions ``"auto"`` and ``"step"`` (:class:`leanstep.step.ShardingLayer`). A candidate is traced
 and compiled for ``N`` devices (simulated CPU devices; nothing runs) and read three ways:
 
 .. code-block:: text
 
     peak       = arguments + outputs - aliased + temporaries    (memory_analysis(), per device)
     flops      = dot FLOPs of the compiled per-device program   (leanstep.inspection.hlo_text.dot_flops)
-    bytes      = every collective, with its trips per step      (leanstep.collectives_report)
+    bytes      = every collective, with its trips per step      (leanstep.inspection.collectives_report)
     predicted  = compute + communication seconds                (leanstep.planning.cost_model)
 
 and the chosen setting is the one predicted fastest among those that fit the budget.
@@ -129,7 +129,7 @@ def plan_cluster(
 
     Args:
       make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn(params, batch)``; the model may call
-        :func:`leanstep.gathered` and :func:`leanstep.constrain` (ZeRO-3 per-layer gathers).
+        :func:`leanstep.sharding.gathered` and :func:`leanstep.sharding.constrain` (ZeRO-3 per-layer gathers).
       params: arrays or ``jax.ShapeDtypeStruct`` (shapes only).
       batch: arrays or ``jax.ShapeDtypeStruct`` (shapes only): the global batch.
       optimizer: the run's optimizer.
@@ -151,7 +151,7 @@ def plan_cluster(
         names their place in ``space=`` or ``search=``.
 
     Returns:
-      A :class:`leanstep.Plan` with ``num_devices`` and ``accelerator`` set.
+      A :class:`leanstep.planning.Plan` with ``num_devices`` and ``accelerator`` set.
 
     Raises:
       BudgetError: nothing fits (names the smallest per-device peak found and its setting).

@@ -2,7 +2,7 @@ r"""How long a compiled step would take on an accelerator it was not compiled fo
 
 A step's predicted time on one device of an ``N``-device cluster, from what the compiled
 executable does per device (its matrix-multiply FLOPs, :func:`leanstep.inspection.hlo_text.dot_flops`,
-and its collectives, :func:`leanstep.collectives_report`):
+and its collectives, :func:`leanstep.inspection.collectives_report`):
 
 .. code-block:: text
 
@@ -238,7 +238,7 @@ def step_cost(
     promoted_to_float32: bool = False,
     fp8_fraction: float = 0.0,
 ) -> StepCost:
-    """Prices a compiled step: its per-device dot FLOPs and its :class:`leanstep.CollectivesReport`.
+    """Prices a compiled step: its per-device dot FLOPs and its :class:`leanstep.inspection.CollectivesReport`.
 
     Args:
       flops: dot FLOPs per device (:func:`leanstep.inspection.hlo_text.dot_flops`).
@@ -248,7 +248,7 @@ def step_cost(
       compute_dtype: the step's compute dtype (picks the FLOP rate).
       promoted_to_float32: the compiler ran bf16 collectives in float32 (XLA:CPU); count the
         ones that are not gradient reductions at 2 bytes an element.
-      fp8_fraction: the share of ``flops`` in FP8 matmuls (:func:`leanstep.fp8_dot_general`),
+      fp8_fraction: the share of ``flops`` in FP8 matmuls (:func:`leanstep.blocks.fp8_dot_general`),
         priced at the accelerator's ``"float8"`` rate where it has one.
     """
     rate = accelerator.peak_flops(compute_dtype) * accelerator.efficiency

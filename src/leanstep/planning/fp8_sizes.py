@@ -6,7 +6,7 @@ the optimizer. Its matmul operands are FP8 arrays, one byte an element, in the p
 (the forward dot and both transposes take them: an FP8 GEMM on an FP8 device, H100, H200, MI300;
 XLA:CPU, where leanstep plans, computes the same products in wider registers), so the compiled
 peak counts the operands kept for the backward pass at one byte. The plan says both, in
-:attr:`leanstep.Plan.notes`:
+:attr:`leanstep.planning.Plan.notes`:
 
 .. code-block:: text
 
@@ -15,7 +15,7 @@ peak counts the operands kept for the backward pass at one byte. The plan says b
               of their two operands' elements, at the bytes the program holds them in
 
 The cluster cost model prices the FP8 matmuls' share of the FLOPs at the accelerator's FP8
-rate (:func:`fp8_flops`, :class:`leanstep.Accelerator`).
+rate (:func:`fp8_flops`, :class:`leanstep.planning.Accelerator`).
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def fp8_sizes(state: Any, jaxpr: Any) -> Fp8Sizes | None:
     Example:
       >>> import jax.numpy as jnp, optax, leanstep
       >>> recipe = leanstep.Fp8Recipe(history=16)
-      >>> params = {"w": jnp.ones((8, 4)), "fp8": leanstep.Fp8Meta.create(recipe)}
-      >>> loss = lambda p, b: jnp.sum(leanstep.fp8_matmul(b["x"], p["w"], p["fp8"], recipe))
+      >>> params = {"w": jnp.ones((8, 4)), "fp8": leanstep.blocks.Fp8Meta.create(recipe)}
+      >>> loss = lambda p, b: jnp.sum(leanstep.blocks.fp8_matmul(b["x"], p["w"], p["fp8"], recipe))
       >>> state = leanstep.TrainState.create(params, optax.sgd(0.1))
       >>> traced = leanstep.make_train_step(loss, precision="compute=bfloat16").trace(state, {"x": jnp.ones((2, 8))})
       >>> sizes = fp8_sizes(state, traced.jaxpr)

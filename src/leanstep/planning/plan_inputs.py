@@ -1,10 +1,10 @@
-"""What :func:`leanstep.plan` is given beside the loss: params and model state per policy, and what a model state implies.
+"""What :func:`leanstep.planning.plan` is given beside the loss: params and model state per policy, and what a model state implies.
 
 .. code-block:: text
 
     params             a tree (the same for every remat policy), or a params builder:
                        policy -> params, for a remat policy that changes the params' structure
-                       (an Equinox submodule wrapped by leanstep.remat via eqx.tree_at; a Linen
+                       (an Equinox submodule wrapped by leanstep.blocks.remat via eqx.tree_at; a Linen
                        model whose unnamed blocks are renamed, ResNetBlock_0 -> CheckpointResNetBlock_0)
     model_state        a tree, or a builder policy -> model state, as params: the Linen model's
                        renamed blocks rename their batch_stats too

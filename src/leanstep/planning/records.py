@@ -1,6 +1,6 @@
 """What planning finds: the candidate settings, what each one costs, the plan, and the error when nothing fits.
 
-Plain records, filled in by :func:`leanstep.plan` (:mod:`leanstep.planning.one_device`).
+Plain records, filled in by :func:`leanstep.planning.plan` (:mod:`leanstep.planning.one_device`).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class Plan:
       seconds: wall time of planning.
       num_devices, accelerator: a cluster plan's devices and the accelerator it is priced on.
       notes: what the caller should know about the choice, e.g. that microbatching changes a
-        model state's batch statistics (:func:`leanstep.plan` with ``model_state=``).
+        model state's batch statistics (:func:`leanstep.planning.plan` with ``model_state=``).
     """
 
     budget_bytes: int

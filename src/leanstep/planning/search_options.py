@@ -1,4 +1,4 @@
-"""What a plan tries and how it searches: the two settings values of :func:`leanstep.plan`.
+"""What a plan tries and how it searches: the two settings values of :func:`leanstep.planning.plan`.
 
 .. code-block:: text
 
@@ -44,11 +44,11 @@ class SearchSpace:
     """The settings a plan tries: every combination of the axes below.
 
     Attributes:
-      remat_policies: the remat policies (:data:`leanstep.REMAT_POLICIES` by default).
+      remat_policies: the remat policies (:data:`leanstep.blocks.REMAT_POLICIES` by default).
       microbatches: the microbatch counts; None: every count that divides the rows per device.
       meshes: a cluster's mesh shapes (``{"data": 2, "fsdp": 4}``); None: every mesh of the
         devices, the tensor axis at most one node (:func:`leanstep.planning.cluster_grid.mesh_shapes`).
-      reductions: a cluster's gradient reductions (:class:`leanstep.ShardingLayer`); None:
+      reductions: a cluster's gradient reductions (:class:`leanstep.step.ShardingLayer`); None:
         ``("auto", "step")``.
       max_microbatches: the most microbatches to try (counts above it are left out); None: no
         bound. Bound it for a model with batch statistics (BatchNorm): each microbatch

@@ -21,7 +21,7 @@ from leanstep.common.checks import is_int
 
 __all__ = ["configure_devices", "device_mesh", "parse_mesh", "run_on_simulated_cpus"]
 
-#: Mesh axis names ``parse_mesh`` accepts (roles by name: see ``leanstep.mesh_axes``).
+#: Mesh axis names ``parse_mesh`` accepts (roles by name: see ``leanstep.sharding.mesh_axes``).
 MESH_AXES = ("data", "fsdp", "tensor")
 
 

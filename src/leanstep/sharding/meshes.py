@@ -62,7 +62,7 @@ def check_auto_axes(mesh: Mesh) -> None:
             f"mesh axes {other} are not Auto axes (jax.make_mesh makes Explicit ones): leanstep lays the "
             f"step out with sharding constraints, which need Auto axes; build the mesh with "
             f"axis_types=(jax.sharding.AxisType.Auto,) * {n}, e.g. jax.make_mesh(shape, names, "
-            f"axis_types=(jax.sharding.AxisType.Auto,) * {n}), or use leanstep.data_mesh()"
+            f"axis_types=(jax.sharding.AxisType.Auto,) * {n}), or use leanstep.sharding.data_mesh()"
         )
 
 

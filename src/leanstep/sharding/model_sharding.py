@@ -14,7 +14,7 @@ model that makes them runs unchanged everywhere:
   ``None``. Without it XLA may split a matmul by weight columns and move batch rows instead
   of gathering weights.
 
-The sharding layer (:class:`leanstep.ShardingLayer`) sets the context these read while it
+The sharding layer (:class:`leanstep.step.ShardingLayer`) sets the context these read while it
 traces the step; a hand-written step can set it with :func:`sharding_context`.
 """
 
@@ -50,8 +50,8 @@ def sharding_context(axes: MeshAxes, specs: Any, params: Any, *, manual: Any = (
     """Makes :func:`gathered` and :func:`constrain` act while a step is traced inside it.
 
     Args:
-      axes: the mesh's roles (:class:`leanstep.MeshAxes`).
-      specs: the ``PartitionSpec`` of every parameter (:func:`leanstep.param_specs`).
+      axes: the mesh's roles (:class:`leanstep.sharding.MeshAxes`).
+      specs: the ``PartitionSpec`` of every parameter (:func:`leanstep.sharding.param_specs`).
       params: the parameters (or their shapes), for the ranks.
       manual: mesh axes that are manual here (inside a ``shard_map`` over them).
 

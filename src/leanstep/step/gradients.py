@@ -11,7 +11,7 @@ r"""The gradient stage: from float32 masters and a batch to the scaled, accumula
 
 It returns :class:`Gradients`: the whole batch's loss (unscaled), the gradient of the
 *scaled* loss (unscaling, the finiteness check and clipping are the guarded update's job,
-:func:`leanstep.guarded_update`), the aux outputs stacked over microbatches (in the policy's
+:func:`leanstep.step.guarded_update`), the aux outputs stacked over microbatches (in the policy's
 output dtype) and, with ``has_state``, the model state ``s`` after the last microbatch (its
 own dtypes: never cast to the compute dtype, never differentiated).
 
@@ -24,7 +24,7 @@ Every cotangent inside the model is then the one-microbatch, one-device step's (
 
 On the first trace the loss is traced once more, on abstract values (nothing runs): a
 ``"save:NAME"`` remat policy naming a tag the loss never sets is refused, and, with a compute
-dtype below float32, a :class:`leanstep.PrecisionWarning` says so when none of its matmuls runs
+dtype below float32, a :class:`leanstep.blocks.PrecisionWarning` says so when none of its matmuls runs
 in that dtype.
 """
 
@@ -123,7 +123,7 @@ def gradient_stage(
         such as token ids stay): a float32 input would otherwise promote a bf16 matmul
         back to float32.
       params_layout: ``params_layout(params_c, probe)`` lays out the compute-dtype params
-        before the loss sees them (the sharding layer, :class:`leanstep.ShardingLayer`);
+        before the loss sees them (the sharding layer, :class:`leanstep.step.ShardingLayer`);
         ``probe(params_c)`` traces the loss once on abstract values. None: nothing.
 
     Returns:

@@ -113,7 +113,7 @@ def check_params(params: Any) -> None:
             raise TypeError(
                 f"params{jax.tree_util.keystr(path)} is a jax.ShapeDtypeStruct (a shape without values); "
                 "TrainState.create needs concrete arrays (e.g. model.init(key)); for shapes only, trace it: "
-                "jax.eval_shape(lambda p: TrainState.create(p, optimizer), params), as leanstep.plan does"
+                "jax.eval_shape(lambda p: TrainState.create(p, optimizer), params), as leanstep.planning.plan does"
             )
     _check_nnx(params)
     _check_linen(params)

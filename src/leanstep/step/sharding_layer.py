@@ -1,6 +1,6 @@
 r"""The sharding layer around a composed train step: where each value lives, and where gradients reduce.
 
-The mesh's axes have roles (:func:`leanstep.mesh_axes`): **replica** (data-parallel) axes
+The mesh's axes have roles (:func:`leanstep.sharding.mesh_axes`): **replica** (data-parallel) axes
 and an **fsdp** axis split the batch rows; the fsdp axis and a **tensor** axis split the
 parameters by partition rules (:mod:`leanstep.sharding.partition_rules`). Where the gradient is
 reduced is the named option ``reduce``:
@@ -21,9 +21,9 @@ statistics) is per device; ``"microbatch"`` keeps the whole-microbatch semantics
 model state (``has_state``) always runs that way under ``"auto"``. Every other axis is left
 to XLA's SPMD partitioner, which inserts collectives from the constraints set here at the
 step's inputs and outputs, the microbatches and the compute-dtype parameters, and from the
-model's own :func:`leanstep.gathered` and :func:`leanstep.constrain` calls.
+model's own :func:`leanstep.sharding.gathered` and :func:`leanstep.sharding.constrain` calls.
 
-Microbatches under sharding are *strided* (:func:`leanstep.split_strided_microbatches`):
+Microbatches under sharding are *strided* (:func:`leanstep.blocks.split_strided_microbatches`):
 microbatch ``j`` takes rows ``j, j+M, j+2M, ...``, so each device's share of every
 microbatch is made of its own rows and no row moves between devices.
 
@@ -83,9 +83,9 @@ def manual_constraint_error(error: Exception) -> ValueError | None:
         "the loss calls jax.lax.with_sharding_constraint with a spec naming a mesh axis the step "
         "reduces once per step (reduce='auto' or 'step' runs the gradient stage under jax.shard_map "
         "over the data axes, and each device sees only its own rows there). Either use "
-        "leanstep.constrain(x, 'batch', None, ...) (one role per dimension) in the model, which lays x out "
+        "leanstep.sharding.constrain(x, 'batch', None, ...) (one role per dimension) in the model, which lays x out "
         "over the mesh's batch axes under every reduction and is the identity outside a step, or pass "
-        "mesh=leanstep.ShardingLayer(mesh, reduce='microbatch') to leave the reduction to XLA (once per "
+        "mesh=leanstep.step.ShardingLayer(mesh, reduce='microbatch') to leave the reduction to XLA (once per "
         f"microbatch; with num_microbatches=1, once per step). JAX said: {text.splitlines()[0]}"
     )
 
@@ -136,7 +136,7 @@ class ShardingLayer:
     reduce: str = "auto"
     fsdp_axis: str = "fsdp"
     tensor_axis: str = "tensor"
-    #: The roles of the mesh's axes (:func:`leanstep.mesh_axes`), derived from the fields above.
+    #: The roles of the mesh's axes (:func:`leanstep.sharding.mesh_axes`), derived from the fields above.
     axes: MeshAxes = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -168,7 +168,7 @@ class ShardingLayer:
         return tuple(a for a in self.mesh.axis_names if a in manual and self.mesh.shape[a] > 1)
 
     def state_shardings(self, state: Any) -> Any:
-        """:func:`leanstep.state_shardings` for this mesh and these rules."""
+        """:func:`leanstep.step.state_shardings` for this mesh and these rules."""
         return state_shardings(
             state,
             self.mesh,
@@ -180,7 +180,7 @@ class ShardingLayer:
         )
 
     def param_specs(self, params: Any) -> Any:
-        """The :class:`PartitionSpec` of every parameter (:func:`leanstep.param_specs`); ``P()``
+        """The :class:`PartitionSpec` of every parameter (:func:`leanstep.sharding.param_specs`); ``P()``
         for FP8 state."""
         return params_specs(params, self.axes, self.rules)
 
@@ -198,7 +198,7 @@ class ShardingLayer:
 
         Over a manual FSDP axis (``reduce="step"``) they are all-gathered here, once per
         step. Otherwise they keep their partition specs, and leaves the model does not
-        gather itself (:func:`leanstep.gathered`, found by tracing ``probe``, the loss on
+        gather itself (:func:`leanstep.sharding.gathered`, found by tracing ``probe``, the loss on
         abstract values) are gathered whole over the FSDP axis here, once per step.
         """
         axes, manual = self.axes, self.manual_axes
@@ -225,7 +225,7 @@ class ShardingLayer:
         return _map_specs(layout, params, specs)
 
     def gradients(self, stage: Callable[..., Gradients], *, token_weighted: bool) -> Callable[..., Gradients]:
-        """``stage`` (a :func:`leanstep.gradient_stage`) with the model's sharding context and,
+        """``stage`` (a :func:`leanstep.step.gradient_stage`) with the model's sharding context and,
         over the manual axes, local accumulation and one reduction after it.
 
         Token-weighted over manual axes, ``stage`` must hand on its sums (its accumulation
@@ -298,7 +298,7 @@ class ShardingLayer:
         """One device's gradient stage output, reduced over the manual axes (inside ``shard_map``):
         ``psum`` (``psum_scatter`` over a manual FSDP axis), token-weighted by the devices' counts.
         FP8 state takes the ``pmax`` of its new values; with it, a mean loss's gradient comes
-        already divided (the stage seeded each device's share, :func:`leanstep.gradient_stage`)."""
+        already divided (the stage seeded each device's share, :func:`leanstep.step.gradient_stage`)."""
         manual, axes = self.manual_axes, self.axes
         seeded = has_fp8(out.grads) and not token_weighted
         # Token-weighted, the stage hands on sums (make_train_step builds it so: Accumulation.divide

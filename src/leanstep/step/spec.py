@@ -19,7 +19,7 @@ write the same value.
     donate         the state's buffers donated to the step           make_train_step
     sharding       a MeshLayout (None: the mesh's defaults)          make_train_step, given a mesh
 
-Remat is not here: it is the model's (the loss takes the policy; :func:`leanstep.remat` wraps a
+Remat is not here: it is the model's (the loss takes the policy; :func:`leanstep.blocks.remat` wraps a
 block), and so are the partition rules (``ShardingLayer(mesh, rules=model.rules)``). The FP8
 recipe is here because it is part of what a run's step computes; the step itself reads the FP8
 state from the parameters, so it is the model's builder that takes ``spec.fp8``.
@@ -65,7 +65,7 @@ class StepSpec:
 
     Attributes:
       precision: a :class:`leanstep.Precision` whose params dtype is float32 (the masters are);
-        with ``strict`` the loss runs under :func:`leanstep.strict_precision`.
+        with ``strict`` the loss runs under :func:`leanstep.blocks.strict_precision`.
       loss: what the loss takes and returns (:class:`leanstep.LossContract`); with ``uses_rng``
         microbatch ``j`` of step ``t`` gets ``fold_in(fold_in(state.rng, t), j)``.
       accumulation: how the batch is walked (:class:`leanstep.Accumulation`): the static number
@@ -163,7 +163,7 @@ class StepSpec:
         ``accumulation`` are those values, in place of their short keywords.
 
         Args:
-          mesh: the ``Mesh`` or :class:`leanstep.ShardingLayer` the step will run on: the spec
+          mesh: the ``Mesh`` or :class:`leanstep.step.ShardingLayer` the step will run on: the spec
             takes its layout (in place of ``sharding``).
 
         Raises:

@@ -23,7 +23,7 @@ from leanstep.sharding.distributed import parse_mesh
 
 __all__ = ["REDUCTIONS", "LossScaleSpec", "MeshLayout"]
 
-#: Where gradients are reduced over a mesh (:class:`leanstep.ShardingLayer`'s ``reduce``).
+#: Where gradients are reduced over a mesh (:class:`leanstep.step.ShardingLayer`'s ``reduce``).
 REDUCTIONS = ("auto", "step", "microbatch")
 
 #: :meth:`DynamicLossScale.create`'s settings and their defaults (a spec keeps only those that differ).
@@ -146,7 +146,7 @@ class MeshLayout:
       axes: the mesh's ``(name, size)`` pairs, in order, e.g. ``(("data", 2), ("fsdp", 2))``
         (also given as ``leanstep train --mesh``'s ``"data=2,fsdp=2"`` or a dict), checked
         against the mesh given; None: any mesh.
-      data_axis, fsdp, reduce: as :class:`leanstep.ShardingLayer`'s.
+      data_axis, fsdp, reduce: as :class:`leanstep.step.ShardingLayer`'s.
 
     Example:
       >>> MeshLayout("data=2,fsdp=2").to_json()
@@ -168,7 +168,7 @@ class MeshLayout:
 
     @classmethod
     def of(cls, mesh: Any, *, has_state: bool = False) -> MeshLayout:
-        """The layout of a :class:`leanstep.ShardingLayer`, or of a plain ``Mesh`` under the layer's
+        """The layout of a :class:`leanstep.step.ShardingLayer`, or of a plain ``Mesh`` under the layer's
         defaults (once per microbatch with a model state, whose batch statistics must see whole microbatches).
 
         Raises:
@@ -177,7 +177,9 @@ class MeshLayout:
         if isinstance(mesh, Mesh):
             return cls(tuple(mesh.shape.items()), reduce="microbatch" if has_state else "auto")
         if not isinstance(getattr(mesh, "mesh", None), Mesh):  # a ShardingLayer, read without importing it
-            raise TypeError(f"mesh must be a jax.sharding.Mesh or a leanstep.ShardingLayer, got {type(mesh).__name__}")
+            raise TypeError(
+                f"mesh must be a jax.sharding.Mesh or a leanstep.step.ShardingLayer, got {type(mesh).__name__}"
+            )
         return cls(tuple(mesh.mesh.shape.items()), mesh.data_axis, mesh.fsdp, mesh.reduce)
 
     def to_json(self) -> dict[str, Any]:

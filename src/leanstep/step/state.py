@@ -52,7 +52,7 @@ class TrainState:
     Attributes:
       step: int32 count of steps taken, skipped ones included (it indexes the data).
       params: the float32 master parameters, and the model's FP8 state if it has any
-        (:mod:`leanstep.blocks.fp8_state`: under :class:`leanstep.Fp8Meta` or ``Fp8Collection``
+        (:mod:`leanstep.blocks.fp8_state`: under :class:`leanstep.blocks.Fp8Meta` or ``Fp8Collection``
         nodes; written by the step, never by the optimizer).
       opt_state: the optax optimizer's state, of the trainable parameters (FP8 state left
         out); it does not advance on a skipped step.
@@ -65,7 +65,7 @@ class TrainState:
         RNG state), or None. The optimizer never sees it, it is never cast to the compute
         dtype, and a skipped step leaves it unchanged (``make_train_step(has_state=True)``).
       optimizer: the ``optax.GradientTransformation`` (static); with compressed moments, wrapped
-        by :func:`leanstep.compress_moments`.
+        by :func:`leanstep.blocks.compress_moments`.
       master: how the masters are kept (static): ``"float32"``, or bfloat16 with stochastic
         rounding, ``"bfloat16-sr"`` or ``"bfloat16-sr-kahan"`` (:mod:`leanstep.blocks.masters`).
       master_error: the compensated-summation buffer of ``"bfloat16-sr-kahan"`` (bfloat16, shaped
@@ -120,7 +120,7 @@ class TrainState:
             is), ``master`` (``"float32"``, or bfloat16 with stochastic rounding,
             ``"bfloat16-sr"`` or ``"bfloat16-sr-kahan"``; round-to-nearest bfloat16 is refused),
             ``moments`` (``"float32"``, ``"bfloat16"`` or ``"int8"``:
-            :func:`leanstep.compress_moments` wraps ``optimizer``) and ``spike_guard`` (a
+            :func:`leanstep.blocks.compress_moments` wraps ``optimizer``) and ``spike_guard`` (a
             :class:`leanstep.SpikeGuard`, whose empty window the state carries).
 
         Raises:

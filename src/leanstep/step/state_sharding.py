@@ -27,13 +27,13 @@ Tree = TypeVar("Tree")
 
 
 def params_specs(params: Any, axes: Any, rules: Any = None) -> Any:
-    """:func:`leanstep.param_specs` of the parameters, and ``P()`` for their FP8 state
+    """:func:`leanstep.sharding.param_specs` of the parameters, and ``P()`` for their FP8 state
     (:mod:`leanstep.blocks.fp8_state`: scales and amax histories are replicated, never split).
 
     Example:
       >>> import jax.numpy as jnp, leanstep
       >>> from leanstep.blocks.fp8_state import Fp8Collection
-      >>> axes = leanstep.mesh_axes(leanstep.data_mesh(jax.devices()[:1]), fsdp=True)
+      >>> axes = leanstep.sharding.mesh_axes(leanstep.sharding.data_mesh(jax.devices()[:1]), fsdp=True)
       >>> params_specs({"w": jnp.zeros((4, 8)), "fp8": Fp8Collection(jnp.zeros(8))}, axes)["fp8"]
       Fp8Collection(tree=P())
     """
@@ -55,8 +55,8 @@ def state_shardings(
     """The :class:`NamedSharding` of every leaf of a train state (concrete or abstract).
 
     The leaves of ``state.params`` and ``state.opt_state`` (every leaf, for a state that is
-    not a :class:`leanstep.TrainState`) follow :func:`leanstep.param_specs` for the mesh's
-    roles (:func:`leanstep.mesh_axes`): split over the FSDP and tensor axes by ``rules``, the
+    not a :class:`leanstep.TrainState`) follow :func:`leanstep.sharding.param_specs` for the mesh's
+    roles (:func:`leanstep.sharding.mesh_axes`): split over the FSDP and tensor axes by ``rules``, the
     largest divisible dimension over the FSDP axis otherwise, replicated over data-parallel
     axes. The step counter, loss scale, PRNG key and model state are replicated. An
     optimizer-state leaf shaped like no parameter (a count, a scalar) is replicated too.
@@ -80,7 +80,7 @@ def state_shardings(
     Example:
       >>> import jax.numpy as jnp, optax, leanstep
       >>> state = TrainState.create({"w": jnp.zeros((4, 8))}, optax.adam(1e-3))
-      >>> mesh = leanstep.data_mesh(jax.devices()[:1])
+      >>> mesh = leanstep.sharding.data_mesh(jax.devices()[:1])
       >>> state_shardings(state, mesh, fsdp=True).params["w"].spec
       P()
     """
@@ -105,7 +105,7 @@ def state_shardings(
 
 def _like_params(opt_state: Any, params: Any, shardings: Any, fallback: Callable[[Any], NamedSharding]) -> Any:
     """Optimizer-state subtrees shaped like the params (Adam's mu, nu) laid out like them, and so
-    are compressed ones (:func:`leanstep.compress_moments`: codes like the parameter, block scales
+    are compressed ones (:func:`leanstep.blocks.compress_moments`: codes like the parameter, block scales
     by :func:`scales_sharding`); other leaves (counts, factored statistics) by the fallback."""
     structure, shapes = jax.tree.structure(params), [np.shape(p) for p in jax.tree.leaves(params)]
     quantized = lambda x: isinstance(x, QuantizedArray)
@@ -133,7 +133,7 @@ def scales_sharding(sharding: NamedSharding, shape: tuple[int, ...], block_size:
     """The layout of the block scales of a parameter of ``shape`` laid out by ``sharding``.
 
     The scales have the parameter's dimensions, the last in blocks of ``block_size``
-    (:class:`leanstep.QuantizedArray`). Each dimension but the last is split as the parameter's.
+    (:class:`leanstep.blocks.QuantizedArray`). Each dimension but the last is split as the parameter's.
     The last is split as the parameter's where each device's part of it is whole blocks (then
     each device's scales are those of its own blocks); otherwise a block straddles devices, the
     number of blocks need not divide over them, and the scales are kept whole along it.
@@ -173,7 +173,7 @@ def shard_train_state(
     Example:
       >>> import jax.numpy as jnp, optax, leanstep
       >>> state = TrainState.create({"w": jnp.zeros((4, 8))}, optax.sgd(0.1))
-      >>> shard_train_state(state, leanstep.data_mesh()).params["w"].sharding.is_fully_replicated
+      >>> shard_train_state(state, leanstep.sharding.data_mesh()).params["w"].sharding.is_fully_replicated
       True
     """
     shardings = state_shardings(

@@ -82,9 +82,9 @@ def make_train_step(
         params, opt = finite ? (params', opt') : (params, opt)   # bit-identical on a skip
         S = adjust(S, finite)
 
-    It is a composition of public stages: :func:`leanstep.gradient_stage` (the first four
-    lines), :func:`leanstep.guarded_update` (the rest) and, with a ``mesh``,
-    :class:`leanstep.ShardingLayer` around both. The optimizer is the state's
+    It is a composition of public stages: :func:`leanstep.step.gradient_stage` (the first four
+    lines), :func:`leanstep.step.guarded_update` (the rest) and, with a ``mesh``,
+    :class:`leanstep.step.ShardingLayer` around both. The optimizer is the state's
     (:meth:`TrainState.create`).
 
     Its settings are one value, a :class:`leanstep.StepSpec` (checked once, with a JSON form);
@@ -103,13 +103,13 @@ def make_train_step(
       spec: the step's settings (:class:`leanstep.StepSpec`: precision, loss contract,
         accumulation, clipping, spike guard, update chunks, donation, layout); None: built from
         ``short``. The optimizer is not taken (a TypeError says so): it is the state's.
-      mesh: run sharded on this device mesh through :class:`leanstep.ShardingLayer` (or
+      mesh: run sharded on this device mesh through :class:`leanstep.step.ShardingLayer` (or
         through the layer given): the axes have roles by name (an ``"fsdp"`` axis splits
         the parameters, a ``"tensor"`` axis is tensor parallel, every other axis is data
-        parallel; see :func:`leanstep.mesh_axes`); the batch's rows are split over the
-        batch axes, the state is laid out by :func:`leanstep.state_shardings` (inputs laid
+        parallel; see :func:`leanstep.sharding.mesh_axes`); the batch's rows are split over the
+        batch axes, the state is laid out by :func:`leanstep.step.state_shardings` (inputs laid
         out differently are resharded; lay them out once with
-        :func:`leanstep.shard_train_state` and :func:`leanstep.shard_batch`); finiteness is
+        :func:`leanstep.step.shard_train_state` and :func:`leanstep.sharding.shard_batch`); finiteness is
         decided on the reduced gradient, so every device skips the same steps. A plain ``Mesh``
         is laid out by ``spec.sharding`` (its axes checked against the mesh's), or by the
         layer's defaults (with ``has_state``, ``reduce="microbatch"``). The short form's split
@@ -249,7 +249,7 @@ def _input_problem(leaf: Any, name: str, donate: bool) -> tuple[type[Exception],
         return TypeError, (
             "is a jax.ShapeDtypeStruct (a shape without values); the step runs on arrays. To trace it "
             "without data use step.trace(state, batch), jax.eval_shape(step, state, batch) or "
-            "leanstep.audit(step, state, batch)"
+            "leanstep.inspection.audit(step, state, batch)"
         )
     if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
         if name == "state" and donate:

@@ -378,7 +378,7 @@ def guarded_update_transform(
         if has_fp8(params):
             raise ValueError(
                 "the params hold FP8 state, which an optax update cannot overwrite bit-exactly: use "
-                "leanstep.guarded_update or leanstep.make_train_step, which write it once per step"
+                "leanstep.step.guarded_update or leanstep.make_train_step, which write it once per step"
             )
         updates, inner, info = _checked_update(
             scaled_grads, state.inner_state, params, optimizer, state.loss_scale, max_grad_norm, None

@@ -45,7 +45,7 @@ def _lean(state: Any) -> bool:
 
 
 def chunk_plan_for(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -> ChunkPlan | None:
-    """The plan :func:`leanstep.guarded_update` follows for ``state`` (masters widened: ``wide``),
+    """The plan :func:`leanstep.step.guarded_update` follows for ``state`` (masters widened: ``wide``),
     or None: the whole tree at once (``update_chunk`` None; ``"auto"`` for a float32 state, or
     where one chunk holds every parameter, the optimizer mixes parameters or the spike guard
     watches the update's norm).

@@ -1,6 +1,6 @@
 """The planner and the auditor applied to a :class:`RunConfig` (``leanstep plan``, ``audit``, ``train --budget``).
 
-:func:`leanstep.plan` and :func:`leanstep.audit` are pure functions of a loss, parameters, a
+:func:`leanstep.planning.plan` and :func:`leanstep.inspection.audit` are pure functions of a loss, parameters, a
 batch and an optimizer; here a config is built into those parts with :func:`build_run`, the
 same parts ``leanstep train`` trains with.
 """
@@ -37,8 +37,8 @@ def plan_run(
     """Plans ``config`` (its other fields fixed) under a memory budget: on one device, or on a cluster.
 
     One device (no ``num_devices``, ``devices``, ``fsdp`` or ``mesh``): microbatches and remat,
-    every divisor of ``config.batch_size`` times :data:`leanstep.REMAT_POLICIES` at
-    ``config.precision`` (:func:`leanstep.plan`). A cluster of ``num_devices`` (or the devices of
+    every divisor of ``config.batch_size`` times :data:`leanstep.blocks.REMAT_POLICIES` at
+    ``config.precision`` (:func:`leanstep.planning.plan`). A cluster of ``num_devices`` (or the devices of
     ``config.mesh``, whose mesh is then kept): also the mesh and the reduction, per device,
     priced on ``accelerator`` (:func:`leanstep.planning.cluster.plan_cluster`); where this process
     has too few devices, planning runs in a subprocess with ``num_devices`` simulated CPU devices
@@ -250,7 +250,7 @@ def audit_run(config: RunConfig) -> AuditReport:
 
 def offload_audit_run(config: RunConfig) -> tuple[MemorySpaceReport, MemorySpaceReport]:
     """The memory spaces of the step ``config`` trains with, its state on the device and with the
-    optimizer state offloaded (:func:`leanstep.offload_opt_state`): compiled, never run. The state
+    optimizer state offloaded (:func:`leanstep.step.offload_opt_state`): compiled, never run. The state
     is built (JAX traces an abstract array in host memory as one on the device).
 
     Example:

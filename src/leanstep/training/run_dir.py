@@ -4,7 +4,7 @@
 
     <out>/config.json       the run's config, corpus split and model sizes (written first)
     <out>/metrics.jsonl     one record per line (see leanstep.training.metrics_log)
-    <out>/checkpoints/      orbax checkpoints with sha256 manifests (leanstep.Checkpointer)
+    <out>/checkpoints/      orbax checkpoints with sha256 manifests (leanstep.checkpoints.Checkpointer)
     <out>/summary.json      the summary, at the end
     <out>/curves.png        the chart, at the end
     <out>/run.lock          held by the run writing the directory (leanstep.training.run_lock)

@@ -3,7 +3,7 @@
 .. code-block:: text
 
     protocol.py        VerifiableStep: what a step must offer (init, step, parts, poison); the probe
-    leanstep_step.py   LeanstepStep: leanstep's own step, from the inputs leanstep.plan takes
+    leanstep_step.py   LeanstepStep: leanstep's own step, from the inputs leanstep.planning.plan takes
     bounds.py          the tolerances, derived (unit roundoff, gamma_n, probabilistic norm bound)
     trees.py           named leaves, bitwise comparison, the worst element against a bound
     batches.py         the batches the checks build: microbatch rows, uneven token counts, poison

@@ -1,6 +1,6 @@
 """leanstep's own step as a :class:`~leanstep.verification.protocol.VerifiableStep`.
 
-:class:`LeanstepStep` takes what :func:`leanstep.plan` takes (a loss builder per remat policy,
+:class:`LeanstepStep` takes what :func:`leanstep.planning.plan` takes (a loss builder per remat policy,
 params, a batch, the step's settings) and builds :func:`leanstep.make_train_step` steps on
 demand, one compiled program per ``(num_microbatches, max_grad_norm, randomness, mesh)``,
 never donating (a check runs several steps from one state). With ``randomness=False`` a loss
@@ -66,7 +66,7 @@ def _fixed_key(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class LeanstepStep:
-    """leanstep's step for the inputs :func:`leanstep.plan` takes (see the module doc).
+    """leanstep's step for the inputs :func:`leanstep.planning.plan` takes (see the module doc).
 
     Args:
       make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, the loss under a remat policy;
@@ -75,7 +75,7 @@ class LeanstepStep:
       params: the float32 parameters (arrays), FP8 state included if the model has any; or, for a
         model whose remat policy changes the parameters' structure (Flax Linen's ``nn.remat``
         renames its modules), a params builder ``params(remat_policy) -> params``, as
-        :func:`leanstep.plan` takes.
+        :func:`leanstep.planning.plan` takes.
       batch: one global batch (arrays; leaves share the leading row dimension).
       precision: the step's precision (a :class:`leanstep.Precision` or its string form).
       accumulation: the run's microbatch count, or an :class:`leanstep.Accumulation` (its split
@@ -88,7 +88,7 @@ class LeanstepStep:
       mask: the name of the batch's token-weight leaf (floating, rows first), or None; the
         non-finite check makes a row's weights NaN.
       rules: the model's partition rules, for a mesh with a ``"tensor"`` axis
-        (:class:`leanstep.ShardingLayer`; a ``"fsdp"`` axis splits every parameter, other axes
+        (:class:`leanstep.step.ShardingLayer`; a ``"fsdp"`` axis splits every parameter, other axes
         carry rows).
     """
 

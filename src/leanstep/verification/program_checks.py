@@ -1,6 +1,6 @@
 """The program checks: the compute dtype reaches every matmul; the remat policy saves what it says.
 
-Both read the traced step (:func:`leanstep.audit`; nothing runs):
+Both read the traced step (:func:`leanstep.inspection.audit`; nothing runs):
 
 .. code-block:: text
 

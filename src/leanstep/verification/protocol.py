@@ -1,4 +1,4 @@
-r"""What :func:`leanstep.verify_step` asks of a training step: :class:`VerifiableStep`, and the probe.
+r"""What :func:`leanstep.verification.verify_step` asks of a training step: :class:`VerifiableStep`, and the probe.
 
 A step is verified by running it, not by reading it. Every check drives the step through one
 small protocol, the same for leanstep's own steps (:class:`leanstep.verification.LeanstepStep`)
@@ -105,7 +105,7 @@ def seen_gradient(opt_state: Any) -> Any:
 
 @runtime_checkable
 class VerifiableStep(Protocol):
-    """A training step as :func:`leanstep.verify_step` drives it (see the module doc).
+    """A training step as :func:`leanstep.verification.verify_step` drives it (see the module doc).
 
     ``parts(state)`` names the state's parts ``"params"``, ``"opt_state"``, ``"model_state"`` and
     ``"fp8"`` (see :meth:`parts`). A step may also offer ``reference_loss(params, parts, batch)``:

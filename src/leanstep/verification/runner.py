@@ -133,14 +133,14 @@ def verify(
     name: str | None = None,
     **settings: Any,
 ) -> VerifyReport:
-    """Verifies leanstep's step for a model: the inputs :func:`leanstep.plan` takes, and the run's settings.
+    """Verifies leanstep's step for a model: the inputs :func:`leanstep.planning.plan` takes, and the run's settings.
 
     Args:
-      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, as for :func:`leanstep.plan`
+      make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, as for :func:`leanstep.planning.plan`
         (``make_loss_fn(remat_policy, random=False)`` if it takes ``random``: see
         :meth:`LeanstepStep.loss_fn`).
       params: the parameters (arrays), or a params builder ``params(remat_policy) -> params`` for
-        a model whose remat policy renames its parameters (as :func:`leanstep.plan` takes).
+        a model whose remat policy renames its parameters (as :func:`leanstep.planning.plan` takes).
       batch: one global batch (arrays).
       checks: the checks to run (default: all).
       meshes: the mesh layouts to compare with one device (see :func:`verify_step`).
