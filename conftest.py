@@ -1,7 +1,7 @@
 """Strict test setup shared by every test module and doctest, and one compilation cache for the run.
 
 The suite's processes (pytest's own, its xdist workers, every ``leanstep`` command a test
-launches, and worker scripts that call :func:`leanstep.enable_compile_cache`) share one
+launches, and worker scripts that call :func:`leanstep.compilation.enable_compile_cache`) share one
 persistent compilation cache folder, made fresh for the run and removed after it, so that a step
 compiled once is loaded, not compiled, by every later test and process that builds the same
 program. ``LEANSTEP_COMPILE_CACHE=DIR`` keeps the

@@ -12,7 +12,7 @@ Five parts, each written to ``<out>/check.json`` as it ends (a part that fails r
 * ``pace``: leanstep's step and the hand-written one (``benchmarks/tpu_step.py``) at 405M and
   152M parameters (JAX's splash attention): seconds a step, MFU by the model's formula and
   XLA's count; the 405M step profiled kernel by kernel (``benchmarks/step_trace.py``).
-* ``plan``: :func:`leanstep.plan` for the 405M model under the chip's memory; its chosen
+* ``plan``: :func:`leanstep.planning.plan` for the 405M model under the chip's memory; its chosen
   setting's compiled peak against the chip's measured peak (``memory_stats()``) over 3 steps.
 * ``offload``: the optimizer state in host memory (``benchmarks/tpu_offload.py``).
 * ``moments``: nanoseconds an entry to code and decode 8-bit moments, per search
@@ -148,11 +148,11 @@ def part_plan(args: argparse.Namespace, limit: int) -> dict:
     )
     params = init_transformer(jax.random.key(0), config)
     batch, optimizer = tpu_step._batch(0, rows, seq + 1), optax.adamw(3e-4)
-    chosen = leanstep.plan(
+    chosen = leanstep.planning.plan(
         lambda policy: functools.partial(transformer_loss, config=config, remat_policy=policy),
         _shapes(params), _shapes(batch), optimizer,
         budget_bytes=int(limit * _USABLE), loss_scale="dynamic", precision="compute=bfloat16", max_grad_norm=1.0,
-        candidates=leanstep.SearchSpace(remat_policies=("dots", "full"), microbatches=(1, 2, 4)),
+        candidates=leanstep.planning.SearchSpace(remat_policies=("dots", "full"), microbatches=(1, 2, 4)),
     ).chosen  # fmt: skip
     state = leanstep.TrainState.create(params, optimizer, loss_scale="dynamic")
     del params

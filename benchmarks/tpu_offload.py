@@ -1,8 +1,8 @@
 """The optimizer state in host memory on one chip: device and host bytes, transfers, peak and cost.
 
 For the built-in transformer, each state format's step is compiled with the state on the device
-and offloaded (:func:`leanstep.offload_opt_state`, chunked update), and read by
-:func:`leanstep.memory_space_report` (entry layout, HLO transfers, ``memory_analysis()``); then
+and offloaded (:func:`leanstep.step.offload_opt_state`, chunked update), and read by
+:func:`leanstep.inspection.memory_space_report` (entry layout, HLO transfers, ``memory_analysis()``); then
 both train ``--steps`` steps from the same state and batches: the time a step, and whether the
 two runs' states and metrics are bit-identical.
 
@@ -58,11 +58,11 @@ def measure(config: TransformerConfig, form: tuple, args: argparse.Namespace) ->
         update_chunk=update_chunk, donate=False,
     )  # fmt: skip
     batches = [_batch(i, args.batch, config.seq_len + 1, config.vocab_size) for i in range(args.steps)]
-    offloaded = leanstep.offload_opt_state(state)
-    plain_report = leanstep.memory_space_report(step, state, batches[0])
-    offload_report = leanstep.memory_space_report(step, offloaded, batches[0])
+    offloaded = leanstep.step.offload_opt_state(state)
+    plain_report = leanstep.inspection.memory_space_report(step, state, batches[0])
+    offload_report = leanstep.inspection.memory_space_report(step, offloaded, batches[0])
     try:
-        leanstep.check_offload(offload_report, plain_report)
+        leanstep.inspection.check_offload(offload_report, plain_report)
         verdict = "accepted"
     except ValueError as error:
         verdict = f"refused: {error}"

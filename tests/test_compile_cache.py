@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from leanstep import Checkpointer
+from leanstep.checkpoints import Checkpointer
 from leanstep.compilation.cache import ENV, machine_fingerprint
 from leanstep.training import RunConfig
 from leanstep.training.build import build_run

@@ -31,7 +31,7 @@ def _trajectory(optimizer: str, form: str, update_chunk, offload: bool, steps: i
         _params(), _optimizers()[optimizer], loss_scale="dynamic", master=master, moments=moments
     )
     if offload:
-        state = leanstep.offload_opt_state(state)
+        state = leanstep.step.offload_opt_state(state)
     step = leanstep.make_train_step(
         _loss, precision="compute=bfloat16", num_microbatches=2, max_grad_norm=1.0, update_chunk=update_chunk,
         donate=False,
@@ -63,7 +63,7 @@ def test_an_offloaded_state_steps_bit_identically_to_one_on_the_device(optimizer
 
 def test_offload_places_the_moments_on_the_host_and_keeps_scalars_on_the_device():
     state = leanstep.TrainState.create(_params(), optax.adam(1e-3), moments="int8")
-    offloaded = leanstep.offload_opt_state(state)
+    offloaded = leanstep.step.offload_opt_state(state)
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(offloaded.opt_state) if x.ndim}
     assert kinds == {"pinned_host"}
     assert all(x.sharding.memory_kind == "device" for x in jax.tree.leaves(offloaded.opt_state) if not x.ndim)
@@ -74,10 +74,10 @@ def test_offload_places_the_moments_on_the_host_and_keeps_scalars_on_the_device(
 
 def test_offload_opt_state_refuses_what_is_not_a_state_of_arrays():
     with pytest.raises(TypeError, match="offload_opt_state takes a leanstep.TrainState, got dict"):
-        leanstep.offload_opt_state({"w": jnp.zeros(2)})
+        leanstep.step.offload_opt_state({"w": jnp.zeros(2)})
     abstract = jax.eval_shape(lambda: leanstep.TrainState.create(_params(), optax.adam(1e-3)))
     with pytest.raises(TypeError, match="takes a state of arrays, got jax.ShapeDtypeStructs in state.opt_state"):
-        leanstep.offload_opt_state(abstract)
+        leanstep.step.offload_opt_state(abstract)
 
 
 def test_offload_opt_state_refuses_8_bit_moments_on_a_tpu_with_one_line():
@@ -112,8 +112,8 @@ def _transformer_reports(update_chunk: int):
         loss, precision="compute=bfloat16", num_microbatches=2, max_grad_norm=1.0, update_chunk=update_chunk
     )
     batch = {"tokens": jnp.zeros((4, 33), jnp.int32)}
-    plain = leanstep.memory_space_report(step, state, batch)
-    offloaded = leanstep.memory_space_report(step, leanstep.offload_opt_state(state), batch)
+    plain = leanstep.inspection.memory_space_report(step, state, batch)
+    offloaded = leanstep.inspection.memory_space_report(step, leanstep.step.offload_opt_state(state), batch)
     return state, plain, offloaded
 
 
@@ -157,16 +157,16 @@ def test_an_offloaded_state_is_on_the_device_one_chunk_at_a_time():
     if jax.devices()[0].platform == "cpu":
         assert offloaded.to_device.moves == offloaded.reported_host_bytes == 0
     assert offloaded.device_peak_bytes < plain.device_peak_bytes
-    leanstep.check_offload(offloaded, plain)
+    leanstep.inspection.check_offload(offloaded, plain)
 
 
 def test_check_offload_refuses_a_policy_that_moves_nothing_or_keeps_the_peak():
     _, plain, offloaded = _transformer_reports(70_000)
     with pytest.raises(ValueError, match="the offload policy moves nothing"):
-        leanstep.check_offload(plain, plain)
+        leanstep.inspection.check_offload(plain, plain)
     higher = offloaded._replace(temp_bytes=offloaded.temp_bytes + plain.device_peak_bytes)
     with pytest.raises(ValueError, match="does not lower the step's device peak: .* bytes offloaded against"):
-        leanstep.check_offload(higher, plain)
+        leanstep.inspection.check_offload(higher, plain)
 
 
 def test_tpu_offload_dry_run(tmp_path):
@@ -210,7 +210,9 @@ def test_cli_audit_offload_reports_both_steps_and_refuses_an_offload_that_moves_
 def test_an_offloaded_state_compiles_the_step_once():
     from leanstep.compilation.count import CompileCount
 
-    state = leanstep.offload_opt_state(leanstep.TrainState.create(_params(), optax.adamw(1e-2), loss_scale="dynamic"))
+    state = leanstep.step.offload_opt_state(
+        leanstep.TrainState.create(_params(), optax.adamw(1e-2), loss_scale="dynamic")
+    )
     step = leanstep.make_train_step(_loss, update_chunk=CHUNK, donate=False)
     batches = [_batch(i) for i in range(3)]
     state, _ = step(state, batches[0])

@@ -63,7 +63,7 @@ def worker(out: Path) -> None:
     results = []
     for case in configurations():
         config = checked_config(RunConfig(**case["fields"]))
-        report = leanstep.verify_step(
+        report = leanstep.verification.verify_step(
             verify_setup(config), num_microbatches=config.microbatches, meshes=(case["layout"],), name=str(case)
         )
         results.append({"case": case, "passed": report.passed, "report": str(report)})

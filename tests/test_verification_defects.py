@@ -52,7 +52,7 @@ PARAMS = {"w1": jnp.full((3, 5), 0.3), "w2": jnp.linspace(-0.5, 0.5, 10).reshape
 @pytest.mark.parametrize("precision", ["float32", "params=float32,compute=bfloat16,output=float32"])
 def test_leanstep_step_on_a_padded_batch_with_an_empty_microbatch_passes(precision):
     batch = padded_lm_batch()
-    report = leanstep.verify(
+    report = leanstep.verification.verify(
         make_token_loss, PARAMS, batch, num_microbatches=4, token_weighted=True, mask="mask", precision=precision,
         loss_scale="dynamic", checks=(*GRADIENT_CHECKS, "non_finite"),
     )  # fmt: skip
@@ -63,7 +63,7 @@ def test_leanstep_step_on_a_padded_batch_with_an_empty_microbatch_passes(precisi
 @pytest.mark.parametrize("empty", [1, None], ids=["an-empty-microbatch", "none-empty"])
 def test_the_handwritten_step_on_a_padded_batch_passes(empty):
     step = HandwrittenStep(batch=padded_batch(4, empty=empty))
-    report = leanstep.verify_step(step, num_microbatches=4, checks=(*GRADIENT_CHECKS, "non_finite"))
+    report = leanstep.verification.verify_step(step, num_microbatches=4, checks=(*GRADIENT_CHECKS, "non_finite"))
     assert report.passed, str(report)
     assert report["accumulation"].largest < 2.0**-14
 
@@ -71,7 +71,7 @@ def test_the_handwritten_step_on_a_padded_batch_passes(empty):
 def test_the_per_microbatch_mean_is_flagged_by_name_on_a_padded_batch():
     for empty, where in ((None, "microbatch 0 weighs 0.25"), (1, "metrics/skipped")):
         step = HandwrittenStep("loss_per_microbatch", batch=padded_batch(4, empty=empty))
-        report = leanstep.verify_step(step, num_microbatches=4, checks=("accumulation", "reference"))
+        report = leanstep.verification.verify_step(step, num_microbatches=4, checks=("accumulation", "reference"))
         result = report["accumulation"]
         assert result.status == "fail" and "loss normalised per microbatch" in result.diagnosis, str(report)
         assert where in result.where, str(report)
@@ -85,11 +85,13 @@ def test_the_per_microbatch_mean_is_flagged_by_name_on_a_padded_batch():
 
 def test_batch_statistics_shared_by_the_microbatches_pass_accumulation_and_full_batch():
     step = HandwrittenStep(batch=padded_batch(4), batch_stat="shared")
-    report = leanstep.verify_step(step, num_microbatches=4, checks=GRADIENT_CHECKS)
+    report = leanstep.verification.verify_step(step, num_microbatches=4, checks=GRADIENT_CHECKS)
     assert report.passed, str(report)
     assert report["full_batch"].status == "pass" and "shared by the microbatches" in report["accumulation"].tolerance
     # per-microbatch statistics: M microbatches are not one by design, full_batch does not apply
-    own = leanstep.verify_step(HandwrittenStep(batch=padded_batch(4)), num_microbatches=4, checks=("full_batch",))
+    own = leanstep.verification.verify_step(
+        HandwrittenStep(batch=padded_batch(4)), num_microbatches=4, checks=("full_batch",)
+    )
     assert own["full_batch"].status == "n/a" and "its own rows" in own["full_batch"].detail
 
 
@@ -105,7 +107,7 @@ def test_batch_statistics_shared_by_the_microbatches_pass_accumulation_and_full_
 )
 def test_an_error_by_one_factor_everywhere_is_flagged_by_the_reference_alone(bug, named):
     step = HandwrittenStep(bug, batch=padded_batch(4))
-    report = leanstep.verify_step(step, num_microbatches=4, checks=GRADIENT_CHECKS)
+    report = leanstep.verification.verify_step(step, num_microbatches=4, checks=GRADIENT_CHECKS)
     # the checks that compare the step with its own programs cannot see it
     assert all(report[name].status in ("pass", "n/a") for name in GRADIENT_CHECKS if name != "reference"), str(report)
     assert report["reference"].status == "fail" and named in report["reference"].diagnosis, str(report)
@@ -120,7 +122,7 @@ def test_the_reference_names_an_update_that_is_not_the_optimizers():
             arrays["params"] = moved
             return type(after)(arrays, after.settings), metrics
 
-    report = leanstep.verify_step(TwiceApplied(), num_microbatches=4, checks=("reference",))
+    report = leanstep.verification.verify_step(TwiceApplied(), num_microbatches=4, checks=("reference",))
     assert report["reference"].status == "fail" and report["reference"].where == "params (the update)", str(report)
 
 
@@ -128,7 +130,7 @@ def test_a_step_without_a_reference_loss_is_not_applicable():
     class NoReference(HandwrittenStep):
         reference_loss = None
 
-    report = leanstep.verify_step(NoReference(), num_microbatches=4, checks=("reference",))
+    report = leanstep.verification.verify_step(NoReference(), num_microbatches=4, checks=("reference",))
     assert report["reference"].status == "n/a" and "reference_loss" in report["reference"].detail
 
 
@@ -153,7 +155,7 @@ def test_a_state_holding_an_equinox_module_with_a_string_field_is_audited():
             after, metrics = super().step(inner, batch, num_microbatches)
             return type(after)({**after.arrays, "head": head}, after.settings), metrics
 
-    report = leanstep.verify_step(WithModule(), num_microbatches=4, checks=("compute_dtype",))
+    report = leanstep.verification.verify_step(WithModule(), num_microbatches=4, checks=("compute_dtype",))
     assert report["compute_dtype"].status == "pass", str(report)
 
 
@@ -182,8 +184,8 @@ def _renaming_model():
 def test_a_remat_that_renames_the_params_is_refused_in_one_line_and_a_builder_is_taken():
     make_loss, params, batch = _renaming_model()
     with pytest.raises(ValueError, match=r"^params: the loss under remat policy 'full' does not take the params"):
-        leanstep.verify(make_loss, params("none"), batch, num_microbatches=2, remat="full")
-    report = leanstep.verify(
+        leanstep.verification.verify(make_loss, params("none"), batch, num_microbatches=2, remat="full")
+    report = leanstep.verification.verify(
         make_loss, params, batch, num_microbatches=2, remat="full", checks=("accumulation", "remat")
     )
     assert report["accumulation"].status == "pass" and report["remat"].status in ("pass", "fail"), str(report)
@@ -202,7 +204,7 @@ def test_non_finite_names_a_model_state_that_leaks_from_a_skipped_step():
             arrays["model_state"] = {"running_mean": after.arrays["model_state"]["running_mean"] + jnp.sum(x) * 0}
             return type(after)(arrays, after.settings), metrics
 
-    result = leanstep.verify_step(Leaky(), num_microbatches=4, checks=("non_finite",))["non_finite"]
+    result = leanstep.verification.verify_step(Leaky(), num_microbatches=4, checks=("non_finite",))["non_finite"]
     assert result.status == "fail" and result.where.startswith("model_state/running_mean"), result
     assert (
         "model state of a skipped step was kept" in result.diagnosis and "no finiteness guard" not in result.diagnosis
@@ -212,7 +214,9 @@ def test_non_finite_names_a_model_state_that_leaks_from_a_skipped_step():
 def test_token_weighting_says_the_mask_is_missing_when_the_loss_is_token_weighted():
     batch = padded_lm_batch()
     checks = ("token_weighting", "accumulation", "reference")
-    report = leanstep.verify(make_token_loss, PARAMS, batch, num_microbatches=4, token_weighted=True, checks=checks)
+    report = leanstep.verification.verify(
+        make_token_loss, PARAMS, batch, num_microbatches=4, token_weighted=True, checks=checks
+    )
     # without the mask the microbatches are still weighed by the loss's own counts
     assert report["accumulation"].status == "pass" and report["reference"].status == "pass", str(report)
     detail = report["token_weighting"].detail
@@ -234,7 +238,7 @@ def test_a_step_that_returns_only_its_state_is_refused_in_one_line():
             return super().step(state, batch, num_microbatches)[0].arrays
 
     with pytest.raises(TypeError, match=r"^step: VerifiableStep.step\(state, batch, num_microbatches\) must return"):
-        leanstep.verify_step(StateOnly(), num_microbatches=4, checks=("accumulation",))
+        leanstep.verification.verify_step(StateOnly(), num_microbatches=4, checks=("accumulation",))
 
 
 def test_the_cli_refuses_a_device_count_the_microbatches_cannot_split(capsys):
@@ -283,18 +287,18 @@ def padded_configurations(count: int = 20, seed: int = 0) -> list[dict]:
     return out
 
 
-def verify_configuration(case: dict) -> leanstep.VerifyReport:
+def verify_configuration(case: dict) -> leanstep.verification.VerifyReport:
     checks = (*GRADIENT_CHECKS, "non_finite")
     m = case["num_microbatches"]
     if case["step"] == "handwritten":
         batch = padded_batch(m, empty=case["empty"], seed=case["seed"])
         dtype = jnp.float32 if case["precision"] == "float32" else jnp.bfloat16
         step = HandwrittenStep(batch=batch, batch_stat=case["batch_stat"], compute_dtype=dtype)
-        return leanstep.verify_step(step, num_microbatches=m, checks=checks, name=str(case))
+        return leanstep.verification.verify_step(step, num_microbatches=m, checks=checks, name=str(case))
     batch = padded_lm_batch(rows=8, empty=case["empty"] if case["empty"] is not None else m, num_microbatches=m)
     stateful = case["batch_stat"] is True  # leanstep's own microbatches each normalise by their own rows
     extra = dict(model_state={"running_mean": jnp.zeros(5)}, has_state=True) if stateful else {}
-    return leanstep.verify(
+    return leanstep.verification.verify(
         make_batch_norm_loss if stateful else make_token_loss, PARAMS, batch, num_microbatches=m, token_weighted=True,
         mask="mask", precision=case["precision"], loss_scale=case["loss_scale"], checks=checks, name=str(case), **extra,
     )  # fmt: skip
