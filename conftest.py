@@ -10,6 +10,7 @@ cache in ``DIR`` instead (kept between runs: a second run compiles almost nothin
 
 from __future__ import annotations
 
+import collections
 import os
 import shutil
 import tempfile
@@ -92,12 +93,49 @@ def pytest_unconfigure(config):
 
 _DURATIONS = "LEANSTEP_TEST_DURATIONS"  # a file: each test's seconds appended as it ends (a killed run keeps them)
 
+#: JAX's compile-time events -> the column they are summed in: XLA's backend compile, and tracing
+#: with lowering to StableHLO (the Python side). What a test's child processes compile is not seen.
+_JAX_EVENTS = {
+    "/jax/core/compile/backend_compile_duration": "compile",
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "trace",
+}
+_jax_seconds: collections.Counter[str] = collections.Counter()
+
+
+def _count_jax_seconds(event: str, duration: float, **kwargs) -> None:
+    del kwargs
+    column = _JAX_EVENTS.get(event)
+    if column is not None:
+        _jax_seconds[column] += duration
+
+
+if os.environ.get(_DURATIONS):
+    jax.monitoring.register_event_duration_secs_listener(_count_jax_seconds)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With ``LEANSTEP_TEST_DURATIONS``: the phase's seconds in JAX's compiler and tracer ride on the
+    report (``user_properties`` cross from an xdist worker to its controller)."""
+    del item, call
+    report = yield
+    if os.environ.get(_DURATIONS):
+        report.user_properties.append(("jax_seconds", (_jax_seconds["compile"], _jax_seconds["trace"])))
+        _jax_seconds.clear()
+    return report
+
 
 def pytest_runtest_logreport(report):
-    """With ``LEANSTEP_TEST_DURATIONS=FILE``: one line a test phase, ``seconds<TAB>phase<TAB>outcome<TAB>node id``,
-    appended where the report arrives (xdist's controller), so a profile survives a run that is stopped
-    before pytest's own ``--durations`` table prints. ``python tests/durations.py FILE`` sums it by file."""
+    """With ``LEANSTEP_TEST_DURATIONS=FILE``: one line a test phase, ``seconds<TAB>phase<TAB>outcome<TAB>
+    compile seconds<TAB>trace seconds<TAB>node id`` (the middle two: this process's XLA compiles, and
+    its tracing and lowering), appended where the report arrives (xdist's controller), so a profile
+    survives a run that is stopped before pytest's own ``--durations`` table prints.
+    ``python tests/durations.py FILE`` sums it by file."""
     path = os.environ.get(_DURATIONS)
     if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the hook runs in the worker and again in the controller
+        compiled, traced = dict(getattr(report, "user_properties", ())).get("jax_seconds", (0.0, 0.0))
         with open(path, "a") as f:
-            f.write(f"{report.duration:.3f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")
+            f.write(
+                f"{report.duration:.3f}\t{report.when}\t{report.outcome}\t{compiled:.3f}\t{traced:.3f}\t{report.nodeid}\n"
+            )
