@@ -13,7 +13,9 @@ Five parts, each written to ``<out>/check.json`` as it ends (a part that fails r
   152M parameters (JAX's splash attention): seconds a step, MFU by the model's formula and
   XLA's count; the 405M step profiled kernel by kernel (``benchmarks/step_trace.py``).
 * ``plan``: :func:`leanstep.planning.plan` for the 405M model under the chip's memory; its chosen
-  setting's compiled peak against the chip's measured peak (``memory_stats()``) over 3 steps.
+  setting's compiled peak (arguments + outputs - aliased + temporaries) beside XLA's own peak
+  (``peak_memory_in_bytes``) and the allocator's (``memory_stats()``) before and after 3 steps,
+  which on a TPU leaves out the program's temporaries.
 * ``offload``: the optimizer state in host memory (``benchmarks/tpu_offload.py``).
 * ``moments``: nanoseconds an entry to code and decode 8-bit moments, per search
   (``benchmarks/moment_codes.py``).
@@ -156,12 +158,18 @@ def part_plan(args: argparse.Namespace, limit: int) -> dict:
     ).chosen  # fmt: skip
     state = leanstep.TrainState.create(params, optimizer, loss_scale="dynamic")
     del params
+    before = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     for i in range(3):
         state, metrics = chosen.executable(state, tpu_step._batch(i, rows, seq + 1))
     jax.block_until_ready(metrics)
     measured = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    # On a TPU v5e (JAX 0.10.2) the allocator's peak did not move over the 405M step's three runs
+    # (9.74 GB before and after, from building the state): its statistics leave out a program's
+    # temporaries (9.89 GB there), so they measure the arrays between steps, not the step's peak.
+    # XLA's own peak (its buffer assignment's, live ranges counted) is reported beside the plan's.
     return {
         "setting": chosen.setting._asdict(), "predicted_peak_bytes": chosen.peak_bytes,
+        "xla_peak_bytes": chosen.xla_peak_bytes, "allocator_peak_before_steps": before,
         "measured_peak_bytes": measured, "loss": float(metrics.loss),
     }  # fmt: skip
 

@@ -44,7 +44,8 @@ def test_tpu_check_dry_run_fits_a_ladder_per_format_and_compares_the_planner_wit
             assert len(train["losses"]) == 2 and all(math.isfinite(x) for x in train["losses"]), name
     plan = report["parts"]["plan"]
     assert plan["predicted_peak_bytes"] <= 0.97 * limit and math.isfinite(plan["loss"])
-    assert plan["measured_peak_bytes"] is None  # a CPU keeps no allocator statistics
+    assert plan["measured_peak_bytes"] is None and plan["allocator_peak_before_steps"] is None  # a CPU keeps none
+    assert "xla_peak_bytes" in plan
 
 
 def test_tpu_check_sh_runs_the_module(tmp_path):
