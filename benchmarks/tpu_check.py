@@ -183,7 +183,11 @@ def part_moments(args: argparse.Namespace) -> dict:
 def part_offload(args: argparse.Namespace) -> dict:
     from benchmarks import tpu_offload
 
-    return tpu_offload.main(["--tiny"] if args.tiny else ["--layers", "4", "--steps", "3"])
+    # Two formats, as before tpu_offload measured bfloat16 moments too: on a TPU the lean state that
+    # offloads (bfloat16 moments) and int8's one-line refusal; on a CPU float32 and int8, both offloaded.
+    if args.tiny:
+        return tpu_offload.main(["--tiny", "--formats", "float32,bf16-sr + int8"])
+    return tpu_offload.main(["--layers", "4", "--steps", "3", "--formats", "bf16-sr + bfloat16,bf16-sr + int8"])
 
 
 PARTS = ("moments", "fit", "pace", "plan", "offload")
