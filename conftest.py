@@ -13,19 +13,41 @@ from __future__ import annotations
 import collections
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
-# The suite compiles with LLVM's optimizations off: its cost is compiling (a step a test), not
-# running, and XLA keeps IEEE semantics at any level (fast math stays off; the bit-exact tests
-# against op-by-op references hold). On the 2-core Xeon: test_frameworks 28.3 s -> 18.4 s, six
-# step-heavy files 92.4 s -> 76.8 s. (XLA:CPU's fusion emitters off would save a third more, but
-# change numerics: jit and op-by-op results differ then, so the suite keeps them.)
+# The suite's cost is compiling (a few step programs a test), not running them, so it compiles
+# for speed: LLVM's optimizations off, and XLA:CPU's older loop emitters instead of its fusion
+# emitters (a tiny transformer step: 5.0 s at XLA's defaults, 2.5 s with LLVM's optimizations
+# off, 1.0 s with the older emitters too; 20 verify configurations, 348 -> about 135 s). Neither
+# changes an op's semantics (fast math stays off, and the bit-exact tests against op-by-op and
+# float64 references hold), but the older emitters contract multiply-adds into FMA instructions
+# differently in two programs that compute the same sum, which the bit-identity tests between two
+# programs (chunked and whole updates, compiled and op-by-op starts, NNX and its optimizer loop)
+# would see; so the suite also keeps LLVM from emitting FMA (--xla_cpu_max_isa=AVX), as
+# tests/test_chunked_update_meshes.py does for its meshes. The flags are added only where this
+# jaxlib knows them: XLA aborts a process on a flag it does not know, and a later jaxlib may drop
+# the older emitters (then the suite compiles with its fusion emitters, more slowly).
 # LEANSTEP_TEST_XLA_DEFAULTS=1 tests with XLA's defaults instead.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+_LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_max_isa=AVX"
+
+
+def _xla_knows(flags: str) -> bool:
+    """Whether a CPU client starts under ``flags`` (XLA aborts on one it does not know): a child Python."""
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120, check=False).returncode == 0
+
+
 if not os.environ.get("LEANSTEP_TEST_XLA_DEFAULTS") and "xla_backend_optimization_level" not in os.environ.get(
     "XLA_FLAGS", ""
 ):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+    _flags = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
+    if _xla_knows(f"{_flags} {_LOOP_EMITTERS}"):  # once a run: the workers inherit the flags set here
+        _flags = f"{_flags} {_LOOP_EMITTERS}"
+    os.environ["XLA_FLAGS"] = _flags
 
 # Processes the suite starts with simulated devices through XLA_FLAGS (not configure_devices,
 # which sizes the pool itself) get XLA:CPU's pool of four threads a device for up to 8 devices:

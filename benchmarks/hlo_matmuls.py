@@ -107,13 +107,16 @@ class MatmulOp:
 @dataclasses.dataclass(frozen=True)
 class Loop:
     """One ``while`` loop: its name, the computation holding it, its body, its known trip count
-    (None when XLA did not record one) and how often the loop itself runs per call."""
+    (None when XLA did not record one), how often the loop itself runs per call, and the JAX op it
+    came from (the last part of its ``op_name``: ``while`` for a scan or a fori loop,
+    ``scatter-add`` for a scatter that XLA:CPU's older emitters expand into a loop)."""
 
     name: str
     computation: str
     body: str
     trip_count: int | None
     runs: int
+    source: str = ""
 
 
 def _callers(computations: dict[str, list[Instruction]]) -> dict[str, Instruction]:
@@ -199,6 +202,11 @@ def list_matmuls(hlo: str) -> list[MatmulOp]:
     return ops
 
 
+def _op_name(rest: str) -> str:
+    found = re.search(r'op_name="([^"]*)"', rest)
+    return found.group(1) if found else ""
+
+
 def list_loops(hlo: str) -> list[Loop]:
     """Every ``while`` loop that runs, with its known trip count (from its backend config).
 
@@ -222,6 +230,7 @@ def list_loops(hlo: str) -> list[Loop]:
                         (inst.attribute("body") or "").lstrip("%"),
                         int(count.group(1)) if count else None,
                         trips[name],
+                        _op_name(inst.rest).rsplit("/", 1)[-1],
                     )
                 )
     return loops

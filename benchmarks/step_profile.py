@@ -236,7 +236,9 @@ def profile_step(
             "config": _run_settings(config, run),
             "matmuls": matmuls,
             "loops": [
-                {"name": loop.name, "trip_count": loop.trip_count, "runs": loop.runs} for loop in list_loops(hlo)
+                {"name": loop.name, "trip_count": loop.trip_count, "runs": loop.runs}
+                for loop in list_loops(hlo)
+                if not loop.source.startswith("scatter")  # the compiler's, not the program's
             ],
             "executed_ops": executed,
             "other_ops": executed - sum(row["count"] for row in matmuls),

@@ -127,7 +127,7 @@ def test_a_scan_of_unknown_length_has_no_trip_count():
         return jax.lax.fori_loop(0, n, lambda i, c: jnp.sin(c), x)
 
     (loop,) = list_loops(jax.jit(f).lower(jnp.ones(3), 4).compile().as_text())
-    assert loop.trip_count is None and loop.runs == 1
+    assert loop.trip_count is None and loop.runs == 1 and loop.source == "while"
 
 
 def test_the_command_line_builds_a_float32_config():
