@@ -99,6 +99,16 @@ def _state_bytes(tree) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
 
 
+UPDATE_CHUNK = 70_000  # the 4 layers' stack cut in blocks, the embedding and the rest whole
+
+
+@pytest.fixture(scope="module")
+def transformer_reports():
+    """The state and both memory-space reports (on the device, offloaded) of a 4-layer transformer
+    step updated in chunks of UPDATE_CHUNK: built once for the tests that read them (about 10 s)."""
+    return _transformer_reports(UPDATE_CHUNK)
+
+
 def _transformer_reports(update_chunk: int):
     from leanstep.models.transformer import TransformerConfig, init_transformer, transformer_loss
 
@@ -133,9 +143,9 @@ def _chunk_state_bytes(state, update_chunk: int) -> tuple[list[int], int]:
     return chunks, vector_stacks
 
 
-def test_an_offloaded_state_is_on_the_device_one_chunk_at_a_time():
-    update_chunk = 70_000  # the 4 layers' stack cut in blocks, the embedding and the rest whole
-    state, plain, offloaded = _transformer_reports(update_chunk)
+def test_an_offloaded_state_is_on_the_device_one_chunk_at_a_time(transformer_reports):
+    update_chunk = UPDATE_CHUNK
+    state, plain, offloaded = transformer_reports
     moments = _state_bytes(state.opt_state)
     chunks, vector_stacks = _chunk_state_bytes(state, update_chunk)
     assert len(chunks) > 2 and sum(chunks) == moments and vector_stacks >= 1
@@ -160,8 +170,8 @@ def test_an_offloaded_state_is_on_the_device_one_chunk_at_a_time():
     leanstep.inspection.check_offload(offloaded, plain)
 
 
-def test_check_offload_refuses_a_policy_that_moves_nothing_or_keeps_the_peak():
-    _, plain, offloaded = _transformer_reports(70_000)
+def test_check_offload_refuses_a_policy_that_moves_nothing_or_keeps_the_peak(transformer_reports):
+    _, plain, offloaded = transformer_reports
     with pytest.raises(ValueError, match="the offload policy moves nothing"):
         leanstep.inspection.check_offload(plain, plain)
     higher = offloaded._replace(temp_bytes=offloaded.temp_bytes + plain.device_peak_bytes)
