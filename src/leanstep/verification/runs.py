@@ -63,6 +63,7 @@ class Runs:
         self.still = probe_optimizer(0.0)  # records the gradient, moves nothing: for chained references
         self._chains: dict[tuple[Any, ...], list[Outcome]] = {}
         self._reads: bool | None = None
+        self._has_model_state: bool | None = None
         self.layouts: tuple[Any, ...] = ()  # the mesh layouts the meshes check compares with one device
         self.token_counts: list[float] = []  # each microbatch's token count in the "uneven" batch
         self._weights: dict[tuple[str, int], list[float]] = {}
@@ -199,9 +200,9 @@ class Runs:
         """Whether the gradient depends on the model state: microbatch 0 of the batch from the state
         it left against from the first state, bit for bit (False without a model state)."""
         if self._reads is None:
-            state = self.state(still=True)
             self._reads = False
-            if jax.tree.leaves(self.setup.parts(state).get("model_state")):
+            if self.has_model_state():  # else no step need run (the settled state's program is another)
+                state = self.state(still=True)
                 first = self.chain("batch", self.num_microbatches)[0]
                 microbatch = self.microbatches("batch", self.num_microbatches)[0]
                 after, _ = self.call_step(state, microbatch, 1)
@@ -210,8 +211,13 @@ class Runs:
         return self._reads
 
     def has_model_state(self) -> bool:
-        """Whether the setup's state has a model state (batch statistics, a counter)."""
-        return bool(jax.tree.leaves(self.setup.parts(self.state(still=True)).get("model_state")))
+        """Whether the setup's state has a model state (batch statistics, a counter): read from its
+        first state, before any step (a settled state would compile the step with the probe that
+        moves nothing, a program no check without a model state runs)."""
+        if self._has_model_state is None:
+            state = self.setup.init(self.still, max_grad_norm=None, seed=0, randomness=False, mesh=None)
+            self._has_model_state = bool(jax.tree.leaves(self.setup.parts(state).get("model_state")))
+        return self._has_model_state
 
     @property
     def rounding_dtype(self) -> Any:
