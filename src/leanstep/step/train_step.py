@@ -7,7 +7,7 @@ from typing import Any, Literal, Protocol, overload
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from leanstep.blocks.fp8_state import split_fp8
 from leanstep.blocks.masters import master_dtype
@@ -207,7 +207,7 @@ def make_train_step(
 
     if not jit:
         return step
-    return _CheckedStep(jax.jit(step, donate_argnums=(0,) if spec.donate else ()), spec.donate)
+    return _CheckedStep(jax.jit(step, donate_argnums=(0,) if spec.donate else ()), spec.donate, layer)
 
 
 def _spec_of(spec: Any, short: dict[str, Any], mesh: Mesh | ShardingLayer | None) -> StepSpec:
@@ -277,11 +277,24 @@ def _check_inputs(state: Any, batch: Any, donate: bool) -> None:
                 raise error(f"{name}{jax.tree_util.keystr(path)} {message}") from None
 
 
-class _CheckedStep:
-    """The jitted step behind a check of its inputs; everything else (``lower``, ``trace``) is the jitted one's."""
+def _off_the_mesh(counter: Any, mesh: Mesh) -> bool:
+    """Whether the state's step counter is a concrete array not laid out on ``mesh`` (one leaf stands for the state)."""
+    if not isinstance(counter, jax.Array) or isinstance(counter, jax.core.Tracer):
+        return False
+    return not (isinstance(counter.sharding, NamedSharding) and counter.sharding.mesh == mesh)
 
-    def __init__(self, jitted: Callable[..., Any], donate: bool) -> None:
-        self._jitted, self._donate = jitted, donate
+
+class _CheckedStep:
+    """The jitted step behind a check of its inputs; everything else (``lower``, ``trace``) is the jitted one's.
+
+    On a mesh, a state not yet on it (``TrainState.create``'s, on the default device) is first
+    placed as the step leaves it (``layer.state_shardings``): the jitted step would place it too,
+    but as a program of its own, so that the second call, given the step's output, compiled the
+    step again.
+    """
+
+    def __init__(self, jitted: Callable[..., Any], donate: bool, layer: ShardingLayer | None = None) -> None:
+        self._jitted, self._donate, self._layer = jitted, donate, layer
         self.__wrapped__ = jitted
         self.__doc__ = jitted.__doc__
 
@@ -291,6 +304,8 @@ class _CheckedStep:
             isinstance(counter, jax.Array) and not isinstance(counter, jax.core.Tracer) and counter.is_deleted()
         ):
             _check_inputs(state, batch, self._donate)
+        elif self._layer is not None and _off_the_mesh(counter, self._layer.mesh):
+            state = jax.device_put(state, self._layer.state_shardings(state))
         try:
             return self._jitted(state, batch)
         except (TypeError, ValueError, RuntimeError) as error:
