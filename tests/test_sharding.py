@@ -543,5 +543,6 @@ def test_a_state_off_the_mesh_is_placed_as_the_step_leaves_it_and_the_step_compi
     assert runs[False][1] <= 1, runs[False][1]  # the step's program (none where the cache had it)
     np.testing.assert_equal(runs[False][0], runs[True][0])  # the values of a state placed by hand
 
+
 if __name__ == "__main__":
     {"worker8": worker8, "worker4": worker4}[sys.argv[1]](Path(sys.argv[2]))
