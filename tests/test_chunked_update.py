@@ -75,8 +75,6 @@ def _trajectory(
         _params() if params is None else params, _optimizers()[optimizer], loss_scale="dynamic", master=master,
         moments=moments,
     )  # fmt: skip
-    if mesh is not None:  # placed as the step leaves it (as the CLI does): one program, not one more for step 1
-        state = jax.device_put(state, mesh.state_shardings(state))
     step = leanstep.make_train_step(
         _loss, precision="compute=bfloat16", num_microbatches=2, max_grad_norm=1.0, mesh=mesh,
         update_chunk=update_chunk, donate=False,

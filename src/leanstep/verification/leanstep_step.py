@@ -162,8 +162,6 @@ class LeanstepStep:
         )
         if mesh is not None:
             self._meshes[id(mesh)] = mesh
-            # placed as the step leaves it, so that its first call and the next share one program
-            state = jax.device_put(state, ShardingLayer(mesh, rules=self.rules).state_shardings(state))
         randomness = randomness or not (self.loss.uses_rng or self._takes_random)  # one program if nothing is random
         return BoundState(state, (max_grad_norm, randomness, None if mesh is None else id(mesh)))
 
