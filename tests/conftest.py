@@ -79,6 +79,7 @@ TINY_RUN_FLAGS = (
     "--checkpoint-every",
     "10",
     "--no-progress",
+    "--no-chart",
     "--lr",
     "1e-2",
     "--warmup-steps",
@@ -107,7 +108,8 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _tiny_run_trained(tmp_path_factory: pytest.TempPathFactory, tiny_corpus: Path) -> Path:
     """The tiny run, trained once per pytest process; tests get copies (:func:`tiny_run`), never this."""
     out = tmp_path_factory.mktemp("tiny_run") / "run"
-    flags = (*TINY_RUN_FLAGS, "--steps", str(TINY_RUN_STEPS))
+    # It draws its chart (tests/test_train_cli.py reads it); the runs trained again or beside it need none.
+    flags = (*(flag for flag in TINY_RUN_FLAGS if flag != "--no-chart"), "--steps", str(TINY_RUN_STEPS))
     result = run_cli("train", *flags, "--data", tiny_corpus, "--out", out)
     assert result.code == 0, result.err[-4000:]
     return out

@@ -31,7 +31,7 @@ from leanstep.training.build import build_run
 STEPS = 4
 FLAGS = [
     "--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--steps", str(STEPS),
-    "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every", "2", "--no-progress",
+    "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every", "2", "--no-progress", "--no-chart",
 ]  # fmt: skip
 CONFIG = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, steps=STEPS)
 TIMING = ("tokens_per_sec", "elapsed_s")
@@ -259,7 +259,16 @@ def test_a_second_budgeted_run_plans_sooner_and_takes_more_steps(tmp_path, corpu
     for out in outs:  # the default model and flags, a short budget
         # 32 s: under the suite's load a cold start took 8.8 s and a step 138 ms, and 12 s left no step;
         # with two more heavy processes beside the suite (2 cores), 19.9 s went to the start of 20 s.
-        command = [sys.executable, "-m", "leanstep.cli.main", "train", "--time-budget", "32s", "--no-progress"]
+        command = [
+            sys.executable,
+            "-m",
+            "leanstep.cli.main",
+            "train",
+            "--time-budget",
+            "32s",
+            "--no-progress",
+            "--no-chart",
+        ]
         proc = subprocess.run(
             [*command, "--data", str(corpus), "--out", str(out)], env=_env(cache), capture_output=True, check=False
         )

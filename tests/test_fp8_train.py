@@ -26,7 +26,7 @@ from leanstep.blocks.fp8_state import fp8_leaves
 from leanstep.training import RunConfig, build_run
 
 FLAGS = ["--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--eval-every", "100", "--eval-batches", "1"]
-FLAGS += ["--no-progress", "--checkpoint-every", "3", "--keep-checkpoints", "10", "--steps", "12"]
+FLAGS += ["--no-progress", "--no-chart", "--checkpoint-every", "3", "--keep-checkpoints", "10", "--steps", "12"]
 FP8 = "delayed,history=4"
 
 

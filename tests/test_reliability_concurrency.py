@@ -150,6 +150,7 @@ def test_a_second_process_is_refused_at_once_naming_the_holder_and_a_dead_holder
         steps=2,
         eval_batches=1,
         progress=False,
+        chart=False,
         data=str(corpus),
         out=str(out),
     )
@@ -187,6 +188,7 @@ def test_a_save_that_fails_for_lack_of_space_stops_in_one_line_and_leaves_no_hal
             "--steps",
             "2",
             "--no-progress",
+            "--no-chart",
             "--data",
             str(corpus),
             "--out",

@@ -371,6 +371,7 @@ FAST = [
     "--eval-batches",
     "1",
     "--no-progress",
+    "--no-chart",
     "--schedule",
     "constant",
     "--lr",
@@ -807,6 +808,7 @@ KILL_FLAGS = [
     "--checkpoint-every",
     "1",
     "--no-progress",
+    "--no-chart",
     "--steps",
     str(KILL_STEPS),
 ]

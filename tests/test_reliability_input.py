@@ -549,6 +549,7 @@ TINY = (
     "--microbatches",
     "2",
     "--no-progress",
+    "--no-chart",
     "--steps",
     "3",
 )

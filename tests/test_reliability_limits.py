@@ -314,6 +314,7 @@ def test_fuzz_train_command_lines(numbers, words, tmp_path_factory, capsys, monk
         "--out",
         str(root / "fuzz-run"),
         "--no-progress",
+        "--no-chart",
     ]
     for flag, value in [*numbers, *words]:
         argv += [flag, value] if not value.startswith("-") else [f"{flag}={value}"]

@@ -72,6 +72,7 @@ def _t(data_path: str) -> tuple[str, ...]:
         "--steps",
         "1",
         "--no-progress",
+        "--no-chart",
         "--data",
         data_path,
         "--out",

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 TINY = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--eval-batches", "1"]
-TINY += ["--eval-every", "100", "--no-progress"]
+TINY += ["--eval-every", "100", "--no-progress", "--no-chart"]
 
 
 @pytest.fixture(scope="module")

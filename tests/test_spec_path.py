@@ -127,7 +127,7 @@ def _path(edges: list[tuple[str, str, str]]) -> tuple[list[str], list[tuple[str,
 
 
 TINY = ["--model", "transformer", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--microbatches", "2"]
-TINY += ["--steps", "2", "--precision", "float32", "--no-progress"]
+TINY += ["--steps", "2", "--precision", "float32", "--no-progress", "--no-chart"]
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ FAST = dict(
     eval_batches=2,
     checkpoint_every=1000,
     progress=False,
+    chart=False,
 )
 
 
@@ -107,6 +108,7 @@ def test_cli_refuses_bad_budgets(tmp_path, corpus, capsys, flags, message):
             "--out",
             str(tmp_path / "r"),
             "--no-progress",
+            "--no-chart",
             *flags,
         ]
     )

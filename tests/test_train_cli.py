@@ -78,6 +78,17 @@ def test_report_rerenders_chart_and_summary(tiny_run, cli):
     assert "held-out" in result.out
 
 
+def test_no_chart_writes_every_number_but_the_chart_and_report_draws_it_later(tmp_path, cli, tiny_flags, tiny_corpus):
+    assert "--no-chart" in tiny_flags  # the runs beside the tiny run draw none; the tiny run itself does
+    out = tmp_path / "run"
+    result = cli("train", *tiny_flags, "--data", tiny_corpus, "--out", out, "--steps", "2")
+    assert result.code == 0 and result.err.splitlines()[-1] == f"run directory: {out}  (chart: none, --no-chart)"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["curves"] is None and summary["ended_s"] >= summary["total_time_s"] > 0
+    assert not (out / "curves.png").exists() and json.loads((out / "config.json").read_text())["run"]["chart"] is False
+    assert cli("report", out).code == 0 and (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

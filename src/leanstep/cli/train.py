@@ -111,7 +111,7 @@ def _add_memory_budget_flag(group: Any) -> None:
 
 
 def _add_stop_flags(group: Any) -> None:
-    """``--stop-at`` (a preemption on purpose) and ``--no-progress``."""
+    """``--stop-at`` (a preemption on purpose), ``--no-progress`` and ``--no-chart``."""
     group.add_argument(
         "--stop-at",
         type=int,
@@ -119,6 +119,12 @@ def _add_stop_flags(group: Any) -> None:
         help="stop after this step with a checkpoint, as a preemption would (resume with --resume)",
     )
     group.add_argument("--no-progress", dest="progress", action="store_false", help="no live progress bar")
+    group.add_argument(
+        "--no-chart",
+        dest="chart",
+        action="store_false",
+        help="no curves.png at the end (about a second; leanstep report RUN draws it later)",
+    )
 
 
 def _add_scale_out_flags(group: Any, d: Any) -> None:
@@ -318,6 +324,6 @@ def _train_and_report(config: Any, resume: bool, console: Any) -> int:
         return stopped.exit_code
     if "run" in summary:  # process 0 of a multi-process run summarizes it
         console.print(render_summary(summary))
-    chart = summary["curves"] or "not written, see the warning above"
+    chart = summary["curves"] or ("not written, see the warning above" if config.chart else "none, --no-chart")
     console.print(Text(f"run directory: {config.out}  (chart: {chart})"), soft_wrap=True)
     return 0

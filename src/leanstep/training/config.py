@@ -108,6 +108,7 @@ class RunConfig:
     out: str = "runs/train"
     stop_at: int | None = None
     progress: bool = True
+    chart: bool = True
     devices: int | None = None
     fsdp: bool = False
     mesh: str | None = None

@@ -44,6 +44,7 @@ RESUMABLE_FIELDS = frozenset(
         "out",
         "max_consecutive_skips",
         "progress",
+        "chart",
         "devices",
         "fsdp",
         "mesh",
@@ -58,6 +59,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "moments": "float32",
     "spike_guard": "none",
     "spike_rollback": "none",
+    "chart": True,
 }
 
 #: The fields that hold a setting string, and how each is read.

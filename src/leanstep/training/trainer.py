@@ -245,7 +245,9 @@ def _train_locked(setup: _Setup) -> dict[str, Any]:
     out = Path(config.out)
     if not setup.primary:
         return {"process_index": jax.process_index(), "curves": str(out / "curves.png")}  # process 0 draws it
-    return finish_run(out, run_info, max_grad_norm=config.max_grad_norm, emit=setup.emit, origin=setup.origin)
+    return finish_run(
+        out, run_info, max_grad_norm=config.max_grad_norm, emit=setup.emit, origin=setup.origin, chart=config.chart
+    )
 
 
 def _initial_state(setup: _Setup) -> TrainState:
