@@ -62,7 +62,7 @@ def _config(size: dict, layers: int) -> TransformerConfig:
 
 def _memory_limit(tiny: bool) -> int:
     stats = jax.devices()[0].memory_stats() or {}
-    return int(stats.get("bytes_limit", 0)) if not tiny else 24 << 20
+    return int(stats.get("bytes_limit", 0)) if not tiny else 12 << 20
 
 
 def _compile(config: TransformerConfig, form: tuple, size: dict) -> tuple[Any, int]:
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--fit-steps", type=int, default=20)
-    parser.add_argument("--tiny", action="store_true", help="a CPU dry run: tiny shapes, a 24 MiB 'chip'")
+    parser.add_argument("--tiny", action="store_true", help="a CPU dry run: tiny shapes, a 12 MiB 'chip'")
     args = parser.parse_args(argv)
     if args.tiny:
         args.d_model, args.seq, args.batch, args.microbatches, args.fit_steps = 64, 32, 4, 1, 2
