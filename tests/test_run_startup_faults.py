@@ -252,3 +252,22 @@ def test_resume_of_a_directory_holding_only_its_lock_starts_afresh_in_one_line(t
 def test_resume_of_an_empty_directory_is_still_refused(tmp_path, corpus, cli):
     result = cli(*_argv(corpus, tmp_path, "--steps", "2", "--resume"))  # no run ever started there
     assert result.code == 2 and "holds no run" in result.err
+
+
+@pytest.mark.parametrize(("argv", "code"), [(["train", "--help"], 0), (["train", "--steps", "x"], 2)])
+def test_help_and_usage_errors_end_as_a_finished_command_does_with_the_signals_ignored(argv, code, capsys):
+    """argparse ends ``--help`` and a usage error with SystemExit: ``leanstep``'s entry point returns
+    its code as for any other command, with SIGINT and SIGTERM ignored from then on; before, a
+    signal in the interpreter's shutdown (handlers back at Python's defaults) killed it (-2, seen
+    when ``--help`` ended one second after a test's SIGINT was due)."""
+    from leanstep.cli import launch
+
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    try:
+        assert launch.main(argv) == code
+        assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in SIGNALS)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    out, err = capsys.readouterr()
+    assert ("usage: leanstep train" in out) if code == 0 else err.startswith("leanstep train: error: argument --steps")

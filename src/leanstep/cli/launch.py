@@ -41,10 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     from leanstep.cli.main import main as run
     from leanstep.training import stop_signals  # noqa: F401 - the heavy imports, under _exit_now
 
-    code = run(argv)
+    try:
+        code = run(argv)
+    except SystemExit as done:  # argparse's --help and usage errors end the command too: as a return does
+        if isinstance(done.code, str):
+            print(done.code, file=sys.stderr)
+        code = done.code if isinstance(done.code, int) else int(done.code is not None)
     # The command is over and its outcome is the exit code: a signal during the interpreter's
     # shutdown (which puts Python-level handlers back to the default) would replace it with a
-    # death by signal (-2) after a finished run had printed its summary.
+    # death by signal (-2) after a finished run had printed its summary, or ``--help`` its text.
     try:
         for sig in _WHAT:
             signal.signal(sig, signal.SIG_IGN)
