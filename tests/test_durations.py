@@ -14,11 +14,29 @@ from pathlib import Path
 from durations import by_file, failed
 
 
-def test_each_phase_is_appended_and_summed_by_file(tmp_path, monkeypatch):
+def _root_conftest() -> types.ModuleType:
     spec = importlib.util.spec_from_file_location("root_conftest", Path(__file__).parents[1] / "conftest.py")
     assert spec is not None and spec.loader is not None
     root = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(root)
+    return root
+
+
+def test_the_longest_files_are_handed_out_first_and_each_is_a_test_file():
+    root = _root_conftest()
+    first = root.LONGEST_FIRST
+    repo = Path(__file__).parents[1]
+    assert len(set(first)) == len(first) and all(
+        (repo / name).is_file() and Path(name).name.startswith("test_") for name in first
+    ), first
+    nodes = ["tests/test_a.py::x", f"{first[1]}::y", "tests/test_b.py::z", f"{first[0]}::w", f"{first[1]}::v"]
+    items = [types.SimpleNamespace(nodeid=node) for node in nodes]
+    root.pytest_collection_modifyitems(None, items)
+    assert [item.nodeid for item in items] == [nodes[3], nodes[1], nodes[4], nodes[0], nodes[2]]
+
+
+def test_each_phase_is_appended_and_summed_by_file(tmp_path, monkeypatch):
+    root = _root_conftest()
     path = tmp_path / "d.tsv"
     monkeypatch.setenv("LEANSTEP_TEST_DURATIONS", str(path))
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # as in xdist's controller, or without xdist
