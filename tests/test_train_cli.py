@@ -7,6 +7,8 @@ once per pytest process, a copy for each test), not one trained here.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -87,6 +89,14 @@ def test_no_chart_writes_every_number_but_the_chart_and_report_draws_it_later(tm
     assert summary["curves"] is None and summary["ended_s"] >= summary["total_time_s"] > 0
     assert not (out / "curves.png").exists() and json.loads((out / "config.json").read_text())["run"]["chart"] is False
     assert cli("report", out).code == 0 and (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_without_its_chart_never_loads_matplotlib(tmp_path, tiny_flags, tiny_corpus):
+    # A fresh interpreter: matplotlib's import is about half a second of a tiny run's two.
+    argv = ["train", *tiny_flags, "--data", str(tiny_corpus), "--out", str(tmp_path / "run"), "--steps", "2"]
+    script = f"import sys; from leanstep.cli.main import main; main({argv!r}); print('matplotlib' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "False", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -101,17 +101,17 @@ def _import_chart() -> None:
     import leanstep.training.curves  # noqa: F401  (matplotlib)
 
 
-def warming_up(loop: StepLoop, params: Any) -> StepLoop:
+def warming_up(loop: StepLoop, params: Any, *, chart: bool = True) -> StepLoop:
     """``loop``, whose evaluation compiles on a thread from now (:func:`in_background`).
 
     XLA compiles without holding the GIL, so the evaluation compiles beside the train step
     rather than at the first evaluation; the call then finds the executable in ``jit``'s cache.
     The compile works from a shape-only stand-in of ``params`` (the step donates the state),
     placed as the step's params are: uncommitted on one device, else on the mesh. The thread
-    then imports matplotlib for the chart, which would otherwise take a second at the end of
-    the run, inside a time budget.
+    then imports matplotlib for the chart (``chart``), which would otherwise take a second at
+    the end of the run, inside a time budget.
     """
-    calls: list[Callable[[], Any]] = [_import_chart]
+    calls: list[Callable[[], Any]] = [_import_chart] if chart else []
     if loop.eval_data:
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if loop.mesh is None else x.sharding), params

@@ -224,7 +224,8 @@ class _Setup:
 def _train_locked(setup: _Setup) -> dict[str, Any]:
     """:func:`train` from the moment it holds the run directory: compile, plan, open, resume, step, finish."""
     template = _initial_state(setup)
-    loop = warming_up(_make_loop(setup), template.params)  # the evaluation compiles beside the step
+    # The evaluation compiles beside the step (and matplotlib loads, for a run that draws its chart).
+    loop = warming_up(_make_loop(setup), template.params, chart=setup.config.chart)
     step_compile = compile_step(loop, template)
     plan = None
     if setup.config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
