@@ -28,19 +28,8 @@ from leanstep.step.train_step import TrainState, make_train_step
 from leanstep.training import RunConfig
 from test_reliability_input import Case
 
-_TRAIN = (
-    "train",
-    "--model",
-    "mlp",
-    "--size",
-    "tiny",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "16",
-    "--no-progress",
-    "--no-chart",
-)
+_TRAIN = ("train", "--model", "mlp", "--size", "tiny", "--batch-size", "8", "--seq-len", "16")
+_TRAIN += ("--no-progress", "--no-chart")
 _PLAN = ("plan", "--model", "mlp", "--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--budget", "1GiB")
 _CLUSTER = ("plan", "--accelerator", "a100", "--reductions", "step", "--peak-flops", "1e15", "--bandwidth", "1e11")
 

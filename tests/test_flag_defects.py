@@ -217,20 +217,9 @@ def test_a_hash_as_written_is_0_11s(tmp_path):
     assert setting_meaning("fp8", "DELAYED") == "Fp8Recipe()"
 
 
-_RUN = [
-    "train",
-    "--model",
-    "mlp",
-    "--size",
-    "tiny",
-    "--batch-size",
-    "4",
-    "--seq-len",
-    "8",
-    "--no-progress",
-    "--no-chart",
-]
-_RUN += ["--precision", "float32", "--eval-every", "100", "--eval-batches", "1", "--checkpoint-every", "1"]
+_RUN = ["train", "--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8"]
+_RUN += ["--no-progress", "--no-chart", "--precision", "float32", "--eval-every", "100"]
+_RUN += ["--eval-batches", "1", "--checkpoint-every", "1"]
 
 
 @pytest.fixture(scope="module")

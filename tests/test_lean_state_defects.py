@@ -414,18 +414,8 @@ def corpus(tmp_path_factory) -> Path:
 def test_the_cli_trains_8_bit_moments_on_each_fsdp_layout(tmp_path, corpus, layout):
     out = tmp_path / "run"
     env = child_env()
-    flags = [
-        "--size",
-        "tiny",
-        "--batch-size",
-        "8",
-        "--seq-len",
-        "16",
-        "--microbatches",
-        "2",
-        "--no-progress",
-        "--no-chart",
-    ]
+    flags = ["--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--microbatches", "2"]
+    flags += ["--no-progress", "--no-chart"]
     proc = subprocess.run(
         [sys.executable, "-m", "leanstep.cli.main", "train", *flags, "--moments", "int8", *layout.split()]
         + ["--steps", "3", "--data", str(corpus), "--out", str(out), "--no-compile-cache"],
