@@ -42,8 +42,8 @@ def finish_run(
     Returns:
       The summary, with ``"curves"``: the chart's path, or None when it was not written; and,
       given ``origin`` for a run never resumed, ``"ended_s"``: seconds from ``origin`` to the
-      chart drawn, or to the summary without one (the run's end, on the clock ``--time-budget`` counts on; ``total_time_s`` is
-      its last step's).
+      chart drawn, or to the summary without one (the run's end, on the clock
+      ``--time-budget`` counts on; ``total_time_s`` is its last step's).
 
     Raises:
       RunStopped: ``summary.json`` could not be written (the checkpoints are intact).
