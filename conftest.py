@@ -112,7 +112,7 @@ def _float32_matmuls_where_marked(request):
 #: each worker one file at a time in collection order (``--dist loadfile --no-loadscope-reorder``);
 #: by default it orders files by their number of tests, which gave the 133-s file of two tests out
 #: last, to one worker while the other stood idle. Longest first, the workers end together. A name
-#: that is not a test file fails tests/test_house.py; a stale order costs time, never a result.
+#: that is not a test file fails tests/test_durations.py; a stale order costs time, never a result.
 LONGEST_FIRST = (
     "tests/test_verification_configs.py",  # 133 s
     "tests/test_compile_cache.py",  # 96

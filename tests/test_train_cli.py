@@ -91,6 +91,19 @@ def test_no_chart_writes_every_number_but_the_chart_and_report_draws_it_later(tm
     assert cli("report", out).code == 0 and (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_saved_without_the_chart_field_resumes_with_either_setting(tiny_run, cli, tiny_flags, tiny_corpus):
+    path = tiny_run / "config.json"
+    saved = json.loads(path.read_text())
+    del saved["run"]["chart"]  # as 0.11 wrote it
+    path.write_text(json.dumps(saved))
+    (tiny_run / "curves.png").unlink()
+    argv = ("train", *tiny_flags, "--data", tiny_corpus, "--out", tiny_run, "--resume")
+    assert cli(*argv, "--steps", "31").code == 0 and not (tiny_run / "curves.png").exists()  # --no-chart
+    resumed = cli(*[a for a in argv if a != "--no-chart"], "--steps", "32")
+    assert resumed.code == 0 and (tiny_run / "curves.png").is_file(), resumed.err[-2000:]
+    assert [r["step"] for r in map(json.loads, (tiny_run / "metrics.jsonl").read_text().splitlines())][-1] == 32
+
+
 def test_a_run_without_its_chart_never_loads_matplotlib(tmp_path, tiny_flags, tiny_corpus):
     # A fresh interpreter: matplotlib's import is about half a second of a tiny run's two.
     argv = ["train", *tiny_flags, "--data", str(tiny_corpus), "--out", str(tmp_path / "run"), "--steps", "2"]

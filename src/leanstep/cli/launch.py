@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         code = run(argv)
-    except SystemExit as done:  # argparse's --help and usage errors end the command too: as a return does
-        if isinstance(done.code, str):
-            print(done.code, file=sys.stderr)
-        code = done.code if isinstance(done.code, int) else int(done.code is not None)
+    except SystemExit as done:  # argparse ends --help and a usage error so: their code, as a return's
+        if not isinstance(done.code, int):
+            raise  # not argparse's: Python's own exit prints it
+        code = done.code
     # The command is over and its outcome is the exit code: a signal during the interpreter's
     # shutdown (which puts Python-level handlers back to the default) would replace it with a
     # death by signal (-2) after a finished run had printed its summary, or ``--help`` its text.

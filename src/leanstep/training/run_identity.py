@@ -59,7 +59,6 @@ ADDED_FIELDS: dict[str, Any] = {
     "moments": "float32",
     "spike_guard": "none",
     "spike_rollback": "none",
-    "chart": True,
 }
 
 #: The fields that hold a setting string, and how each is read.

@@ -245,7 +245,8 @@ def _train_locked(setup: _Setup) -> dict[str, Any]:
     checkpointer.close()
     out = Path(config.out)
     if not setup.primary:
-        return {"process_index": jax.process_index(), "curves": str(out / "curves.png")}  # process 0 draws it
+        chart = str(out / "curves.png") if config.chart else None  # process 0 draws it
+        return {"process_index": jax.process_index(), "curves": chart}
     return finish_run(
         out, run_info, max_grad_norm=config.max_grad_norm, emit=setup.emit, origin=setup.origin, chart=config.chart
     )
