@@ -161,18 +161,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    try:
+    from leanstep.training.stop_signals import Terminated
+
+    try:  # building the parser imports the commands; --help prints: a signal can come in either
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:
         print("leanstep: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("leanstep: terminated (SIGTERM)", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
     def fail(message: str, code: int) -> int:
         print(f"leanstep {args.command}: error: {_one_line(message)}", file=sys.stderr)
         return code
 
     from leanstep.checkpoints.checkpointer import CheckpointError
-    from leanstep.training.stop_signals import Terminated
 
     try:
         _compile_cache(args)
