@@ -3,8 +3,8 @@
 ``quantize`` finds each entry's code among the map's 255 midpoints: by a binary search
 (``jnp.searchsorted`` "scan", "scan_unrolled": gathers), by sorting ("sort"), or by one fused
 compare-and-count ("compare_all"). ``dequantize`` looks the code up in the 256 values: a gather
-("take"), a compare-and-select over the 256 codes ("select"), or arithmetic ("arithmetic",
-``leanstep.blocks.moments.decode``, leanstep's on every platform). Each is timed on ``--entries``
+("take", leanstep's on a CPU), a compare-and-select over the 256 codes ("select"), or arithmetic
+("arithmetic", leanstep's on an accelerator: ``leanstep.blocks.moments.decode``). Each is timed on ``--entries``
 normal entries with a heavy tail, checked equal to "scan" / "take", and its nanoseconds an entry
 reported; leanstep's choice per platform is ``leanstep.blocks.moments._ACCELERATOR_SEARCH``.
 
@@ -33,7 +33,7 @@ def _decode(form: str):
     if form == "take":
         return lambda codes: table[codes.astype(jnp.int32)]
     if form == "arithmetic":
-        return lambda codes: moments.decode(codes, signed=True)
+        return lambda codes: moments._decode_with(jnp, codes.astype(jnp.int32), True)
     # one compare-and-select per code, summed: no gather
     return lambda codes: jnp.sum(
         jnp.where(codes[:, None].astype(jnp.int32) == jnp.arange(256)[None, :], table[None, :], 0.0), axis=-1
