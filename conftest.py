@@ -31,8 +31,8 @@ import tempfile
 # the older emitters (then the suite compiles with its fusion emitters, more slowly).
 # And it compiles each program as one LLVM module: XLA:CPU splits a program's module in parts to
 # compile on several threads, which on the suite's 2 cores, each busy with a worker, only adds
-# the parts' own set-up (three tiny step programs: 4.6-5.6 CPU-s split, 3.1-4.6 whole, six
-# interleaved pairs under load). LEANSTEP_TEST_XLA_DEFAULTS=1 tests with XLA's defaults instead.
+# the parts' own set-up (three tiny step programs: 3.3-5.6 CPU-s split, 2.8-4.6 whole, medians
+# 4.8 and 3.9, six interleaved pairs under load). LEANSTEP_TEST_XLA_DEFAULTS=1 tests with XLA's defaults instead.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 _LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_max_isa=AVX --xla_cpu_parallel_codegen_split_count=1"
 
