@@ -34,7 +34,8 @@ import tempfile
 # the parts' own set-up (three tiny step programs: 3.3-5.6 CPU-s split, 2.8-4.6 whole, medians
 # 4.8 and 3.9, six interleaved pairs under load). LEANSTEP_TEST_XLA_DEFAULTS=1 tests with XLA's defaults instead.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-_LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_max_isa=AVX --xla_cpu_parallel_codegen_split_count=1"
+_LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false --xla_cpu_max_isa=AVX"
+_ONE_MODULE = "--xla_cpu_parallel_codegen_split_count=1"
 
 
 def _xla_knows(flags: str) -> bool:
@@ -48,8 +49,8 @@ if not os.environ.get("LEANSTEP_TEST_XLA_DEFAULTS") and "xla_backend_optimizatio
     "XLA_FLAGS", ""
 ):
     _flags = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
-    if _xla_knows(f"{_flags} {_LOOP_EMITTERS}"):  # once a run: the workers inherit the flags set here
-        _flags = f"{_flags} {_LOOP_EMITTERS}"
+    if _xla_knows(f"{_flags} {_LOOP_EMITTERS} {_ONE_MODULE}"):  # once a run: the workers inherit the flags set here
+        _flags = f"{_flags} {_LOOP_EMITTERS} {_ONE_MODULE}"
     os.environ["XLA_FLAGS"] = _flags
 
 # Processes the suite starts with simulated devices through XLA_FLAGS (not configure_devices,
@@ -113,27 +114,27 @@ def _float32_matmuls_where_marked(request):
 #: The files that take longest, longest first (seconds of the suite's profile on the 2-core AMD EPYC:
 #: ``LEANSTEP_TEST_DURATIONS=FILE`` then ``python tests/durations.py FILE``). pytest-xdist hands
 #: each worker one file at a time in collection order (``--dist loadfile --no-loadscope-reorder``);
-#: by default it orders files by their number of tests, which gave the 133-s file of two tests out
+#: by default it orders files by their number of tests, which gave a 133-s file of two tests out
 #: last, to one worker while the other stood idle. Longest first, the workers end together. A name
 #: that is not a test file fails tests/test_durations.py; a stale order costs time, never a result.
 LONGEST_FIRST = (
-    "tests/test_verification_configs.py",  # 133 s
-    "tests/test_compile_cache.py",  # 96
-    "tests/test_chunked_update.py",  # 91
-    "tests/test_verification.py",  # 84
-    "tests/test_run_startup_faults.py",  # 83
-    "tests/test_offload.py",  # 74
-    "tests/test_lean_state_defects.py",  # 68
-    "tests/test_reliability_concurrency.py",  # 53
-    "tests/test_chunked_update_meshes.py",  # 44
-    "tests/test_reliability_faults.py",  # 39
-    "tests/test_tpu_scripts.py",  # 31
-    "tests/test_fp8_train.py",  # 31
-    "tests/test_fp8_composition.py",  # 29
-    "tests/test_cluster_planning.py",  # 29
-    "tests/test_verification_defects.py",  # 27
-    "tests/test_time_budget.py",  # 26
-    "tests/test_lean_state.py",  # 26
+    "tests/test_verification_configs.py",  # 126 s
+    "tests/test_chunked_update.py",  # 97
+    "tests/test_run_startup_faults.py",  # 93
+    "tests/test_verification.py",  # 68
+    "tests/test_lean_state_defects.py",  # 62
+    "tests/test_chunked_update_meshes.py",  # 59
+    "tests/test_compile_cache.py",  # 58
+    "tests/test_reliability_concurrency.py",  # 52
+    "tests/test_offload.py",  # 47
+    "tests/test_tpu_scripts.py",  # 45
+    "tests/test_reliability_faults.py",  # 45
+    "tests/test_fp8_composition.py",  # 32
+    "tests/test_fp8_train.py",  # 30
+    "tests/test_time_budget.py",  # 27
+    "tests/test_train_cli.py",  # 24
+    "tests/test_lean_state.py",  # 24
+    "tests/test_verification_defects.py",  # 23
 )
 
 

@@ -274,9 +274,9 @@ def test_help_and_usage_errors_end_as_a_finished_command_does_with_the_signals_i
 
 
 @pytest.mark.parametrize("sig", SIGNALS, ids=["SIGINT", "SIGTERM"])
-def test_a_signal_while_the_parser_is_built_or_prints_is_one_line(sig, monkeypatch, capsys):
-    """The signal comes while ``build_parser`` runs (it imports the commands; ``--help`` then
-    prints): one line and the signal's code. SIGTERM there was a traceback and exit 1 (CI, 6 of
+def test_a_signal_while_the_parser_is_built_is_one_line(sig, monkeypatch, capsys):
+    """The signal comes while ``build_parser`` runs (it imports the commands; ``--help`` prints
+    inside the same guard): one line and the signal's code. SIGTERM there was a traceback and exit 1 (CI, 6 of
     60 trials here with the signal sent 1.0-1.5 s into ``train --help``)."""
     from leanstep.cli import main as cli_main
 

@@ -107,9 +107,9 @@ def test_a_run_saved_without_the_chart_field_resumes_with_either_setting(tiny_ru
 def test_a_run_without_its_chart_never_loads_matplotlib(tmp_path, tiny_flags, tiny_corpus):
     # A fresh interpreter: matplotlib's import is about half a second of a tiny run's two.
     argv = ["train", *tiny_flags, "--data", str(tiny_corpus), "--out", str(tmp_path / "run"), "--steps", "2"]
-    script = f"import sys; from leanstep.cli.main import main; main({argv!r}); print('matplotlib' in sys.modules)"
+    script = f"import sys; from leanstep.cli.main import main; print(main({argv!r}), 'matplotlib' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "False", done.stderr[-2000:]
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "0 False", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -160,17 +160,21 @@ def main(argv: list[str] | None = None) -> int:
         restore()
 
 
+def _stopped(who: str, sig: signal.Signals) -> int:
+    """One line on stderr for a command ``sig`` stopped; returns its exit code (130 or 143)."""
+    print(f"{who}: {'interrupted' if sig == signal.SIGINT else 'terminated (SIGTERM)'}", file=sys.stderr)
+    return 128 + sig
+
+
 def _main(argv: list[str] | None) -> int:
     from leanstep.training.stop_signals import Terminated
 
     try:  # building the parser imports the commands; --help prints: a signal can come in either
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:
-        print("leanstep: interrupted", file=sys.stderr)
-        return 130
+        return _stopped("leanstep", signal.SIGINT)
     except Terminated:
-        print("leanstep: terminated (SIGTERM)", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return _stopped("leanstep", signal.SIGTERM)
 
     def fail(message: str, code: int) -> int:
         print(f"leanstep {args.command}: error: {_one_line(message)}", file=sys.stderr)
@@ -184,11 +188,9 @@ def _main(argv: list[str] | None) -> int:
     except InputError as error:
         return fail(str(error), 2)
     except KeyboardInterrupt:
-        print(f"leanstep {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _stopped(f"leanstep {args.command}", signal.SIGINT)
     except Terminated:
-        print(f"leanstep {args.command}: terminated (SIGTERM)", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return _stopped(f"leanstep {args.command}", signal.SIGTERM)
     except OSError as error:
         return fail(_os_error(error), 1)
     except CheckpointError as error:
