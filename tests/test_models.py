@@ -395,3 +395,29 @@ def test_a_bf16_embeddings_gradient_sums_its_rows_in_float32():
     assert grad.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(grad[0], np.float64), want, rtol=2.0**-8)
     np.testing.assert_array_equal(np.asarray(grad[1:], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("model", ["transformer", "mlp"])
+def test_an_eager_init_compiles_one_program_not_one_per_operation(model):
+    # Eager, each operation would compile a program of its own per shape (22 for this transformer;
+    # on an accelerator each costs tens of milliseconds): the init is one jitted program.
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs)
+
+    # Sizes no other test uses: a program compiled earlier in this process would not be compiled again.
+    if model == "transformer":
+        config = TransformerConfig(vocab_size=37, d_model=12, n_layers=3, n_heads=2, d_ff=20, seq_len=5)
+        init = init_transformer
+    else:
+        config, init = MLPConfig(vocab_size=37, d_model=12, d_hidden=20, n_layers=3), init_residual_mlp
+    key = jax.random.key(3)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        params = init(key, config)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len(compiles) == 1, compiles
+    assert jax.tree.leaves(params)[0].dtype == jnp.float32

@@ -12,6 +12,7 @@ transformer, which makes it a quick end-to-end check of the training step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -61,13 +62,15 @@ class MLPConfig:
         check_positive_ints("MLPConfig", **dataclasses.asdict(self))
 
 
+@functools.partial(jax.jit, static_argnames="config")
 def init_residual_mlp(key: jax.Array, config: MLPConfig) -> Params:
     r"""Float32 parameters; block weights stacked along a leading ``n_layers`` axis.
 
     The embedding is :math:`\mathcal{N}(0, 1)` so that the tanh inputs are of order one;
     ``w1`` is LeCun-normal (:math:`1/\sqrt{D}`), ``w2`` is :math:`1/\sqrt{2 L H}` so the residual
     stream keeps its scale with depth, the head is :math:`\mathcal{N}(0, 0.02^2)` (loss near
-    :math:`\ln V` at init) and all biases are zero.
+    :math:`\ln V` at init) and all biases are zero. Jitted (``config`` static): one compiled program,
+    not one per operation and shape.
 
     Example:
       >>> params = init_residual_mlp(jax.random.key(0), MLPConfig(d_model=4, d_hidden=8, n_layers=3))

@@ -86,13 +86,14 @@ class TransformerConfig:
         check_attention(self.attention, seq_len=self.seq_len)
 
 
+@functools.partial(jax.jit, static_argnames="config")
 def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
     r"""Float32 parameters with GPT-2 initialization.
 
     Weights are :math:`\mathcal{N}(0, 0.02^2)`; the two projections that write into the residual
     stream (``proj_w``, ``out_w``) use standard deviation :math:`0.02 / \sqrt{2 L}`; biases are
     zero and LayerNorm scales one. Block parameters under ``"blocks"`` have a leading ``n_layers``
-    axis.
+    axis. Jitted (``config`` static): one compiled program, not one per operation and shape.
 
     Args:
       key: a PRNG key.
