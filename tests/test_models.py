@@ -420,4 +420,7 @@ def test_an_eager_init_compiles_one_program_not_one_per_operation(model):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert len(compiles) == 1, compiles
-    assert jax.tree.leaves(params)[0].dtype == jnp.float32
+    eager = init.__wrapped__(key, config)  # the function itself, op by op: the same bits
+    assert jax.tree.structure(eager) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(params), strict=True):
+        assert a.dtype == b.dtype == jnp.float32 and np.array_equal(np.asarray(a), np.asarray(b))
