@@ -75,7 +75,7 @@ def init_residual_mlp(key: jax.Array, config: MLPConfig) -> Params:
     Example:
       >>> params = init_residual_mlp(jax.random.key(0), MLPConfig(d_model=4, d_hidden=8, n_layers=3))
       >>> {k: v.shape for k, v in params["blocks"].items()}
-      {'w1': (3, 4, 8), 'b1': (3, 8), 'w2': (3, 8, 4), 'b2': (3, 4)}
+      {'b1': (3, 8), 'b2': (3, 4), 'w1': (3, 4, 8), 'w2': (3, 8, 4)}
     """
     c = config
     n, d, h = c.n_layers, c.d_model, c.d_hidden
