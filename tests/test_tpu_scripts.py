@@ -68,3 +68,15 @@ def test_moment_codes_dry_run_times_every_search_and_decode_and_finds_the_same_c
     assert report["decode_every_code_exact"] is True
     for result in [*report["search"].values(), *report["decode"].values()]:
         assert result["ns_an_entry"] > 0 and result["same"] is True
+
+
+def test_codec_tracing_dry_run_lowers_both_codecs_to_the_same_temporaries(tmp_path):
+    from benchmarks.codec_tracing import main
+    from leanstep.blocks import moments
+
+    report = main(["--tiny", "--out", str(tmp_path / "trace.json")])
+    assert json.loads((tmp_path / "trace.json").read_text()) == json.loads(json.dumps(report))
+    jitted, unjitted = report["jitted"], report["unjitted"]
+    assert jitted["temp_bytes"] == unjitted["temp_bytes"] > 0  # the same program's memory either way
+    assert all(arm[key] > 0 for arm in (jitted, unjitted) for key in ("lower_s", "trace_s", "compile_s"))
+    assert all(hasattr(getattr(moments, name), "__wrapped__") for name in ("quantize", "decode", "dequantize"))
