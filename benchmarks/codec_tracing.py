@@ -17,6 +17,7 @@ import argparse
 import functools
 import json
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -89,10 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
         "unjitted": measure(config, rows, jitted=False, compile_step=True),
         "jitted": measure(config, rows, jitted=True, compile_step=True),
     }
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        Path(args.out).write_text(text)
     return report
 
 
