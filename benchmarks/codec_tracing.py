@@ -35,8 +35,8 @@ def _codec(jitted: bool) -> None:
         setattr(moments, name, fn if jitted else fn.__wrapped__)
 
 
-def measure(config: TransformerConfig, rows: int, *, jitted: bool, compile_step: bool) -> dict:
-    """Seconds to lower the step with the codec jitted or not (and its compiled temporaries)."""
+def measure(config: TransformerConfig, rows: int, *, jitted: bool) -> dict:
+    """Seconds to lower and to compile the step with the codec jitted or not, and its temporaries."""
     traced: dict[str, float] = {}
 
     def listener(event: str, duration_secs: float, **kwargs: str | int) -> None:
@@ -65,12 +65,11 @@ def measure(config: TransformerConfig, rows: int, *, jitted: bool, compile_step:
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         _codec(True)
-    if compile_step:
-        started = time.perf_counter()
-        compiled = lowered.compile()
-        result["compile_s"] = time.perf_counter() - started
-        memory = compiled.memory_analysis()
-        result["temp_bytes"] = int(memory.temp_size_in_bytes) if memory is not None else None
+    started = time.perf_counter()
+    compiled = lowered.compile()
+    result["compile_s"] = time.perf_counter() - started
+    memory = compiled.memory_analysis()
+    result["temp_bytes"] = int(memory.temp_size_in_bytes) if memory is not None else None
     return result
 
 
@@ -87,8 +86,8 @@ def main(argv: list[str] | None = None) -> dict:
         "backend": jax.default_backend(),
         "model": {"d_model": d, "n_layers": layers, "rows": rows, "seq_len": seq},
         # unjitted first: the jitted codec's traces would otherwise be cached from the other arm
-        "unjitted": measure(config, rows, jitted=False, compile_step=True),
-        "jitted": measure(config, rows, jitted=True, compile_step=True),
+        "unjitted": measure(config, rows, jitted=False),
+        "jitted": measure(config, rows, jitted=True),
     }
     text = json.dumps(report, indent=1)
     print(text)

@@ -400,15 +400,15 @@ def test_a_bf16_embeddings_gradient_sums_its_rows_in_float32():
 @pytest.mark.parametrize("model", ["transformer", "mlp"])
 def test_an_eager_init_compiles_one_program_not_one_per_operation(model):
     # Eager, each operation would lower and compile a program of its own per shape (22 for this
-    # transformer; on an accelerator each costs tens of milliseconds): the init is one jitted program.
-    # Counted as it is lowered, which a persistent compilation cache does not skip.
+    # transformer): the init is one jitted program. Counted as it is lowered, which a persistent
+    # compilation cache does not skip.
     lowered = []
 
     def listener(event, duration, **kwargs):
         if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
             lowered.append(kwargs)
 
-    # Sizes no other test uses: a program compiled earlier in this process would not be compiled again.
+    # Sizes no other test uses: a program lowered earlier in this process would not be lowered again.
     if model == "transformer":
         config = TransformerConfig(vocab_size=37, d_model=12, n_layers=3, n_heads=2, d_ff=20, seq_len=5)
         init = init_transformer
