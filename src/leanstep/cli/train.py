@@ -71,10 +71,18 @@ def _add_length_flags(group: Any) -> None:
 def _add_optimizer_flags(group: Any, d: Any) -> None:
     """The step's settings, the optimizer and its schedule, the seed and the data, with ``d``'s defaults."""
     from leanstep.training.config import SCHEDULES
+    from leanstep.training.optimizers import MUON_LEARNING_RATE, OPTIMIZERS
 
     group.add_argument("--microbatches", type=int, default=d.microbatches, help="must divide --batch-size")
     group.add_argument("--initial-loss-scale", type=float, default=d.initial_loss_scale)
     group.add_argument("--remat", default=d.remat, help=remat_help())
+    group.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=d.optimizer,
+        help=f"adamw for every parameter, or muon for the layers' matrices (peak rate {MUON_LEARNING_RATE}, "
+        "following --schedule) with adamw for the rest",
+    )
     group.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
     group.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
     group.add_argument("--warmup-steps", type=int, default=d.warmup_steps)

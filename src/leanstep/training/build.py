@@ -27,18 +27,20 @@ from leanstep.step.state import TrainState
 from leanstep.step.train_step import JittedTrainStep, make_train_step
 from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.config import RunConfig, model_overrides
-from leanstep.training.schedule import Schedule, make_schedule, scale_by_run_schedule
+from leanstep.training.optimizers import run_optimizer
+from leanstep.training.schedule import Schedule, make_schedule
 
 __all__ = ["Run", "build_optimizer", "build_run"]
 
 
 def build_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Schedule]:
-    """AdamW (b1 0.9, b2 0.95) under the configured schedule; returns it and ``schedule(count, total)``.
+    """``config.optimizer`` (AdamW, b1 0.9, b2 0.95; or Muon for the layers' matrices:
+    :mod:`leanstep.training.optimizers`) under the configured schedule; returns it and ``schedule(count, total)``.
 
     The schedule's length, ``total``, is kept in the optimizer state
     (:func:`leanstep.training.schedule.scale_by_run_schedule`): ``config.steps``, or 0 until a
     run sized by ``--time-budget`` has been planned and sets it, so the compiled step does not
-    depend on it. The updates are optax's ``adamw``: Adam's direction plus the decoupled weight
+    depend on it. AdamW's updates are optax's ``adamw``: Adam's direction plus the decoupled weight
     decay, times the scheduled learning rate.
 
     Example:
@@ -47,10 +49,8 @@ def build_optimizer(config: RunConfig) -> tuple[optax.GradientTransformation, Sc
       (0.0, 0.003, 0.0003)
     """
     schedule = make_schedule(config.schedule, config.lr, config.warmup_steps)
-    optimizer = optax.chain(
-        optax.scale_by_adam(b1=0.9, b2=0.95),
-        optax.add_decayed_weights(config.weight_decay),
-        scale_by_run_schedule(schedule, total=config.steps or 0),
+    optimizer = run_optimizer(
+        config.optimizer, schedule, lr=config.lr, weight_decay=config.weight_decay, total=config.steps or 0
     )
     return optimizer, schedule
 
@@ -62,7 +62,7 @@ class Run:
     Attributes:
       config: the validated config.
       model: the model, its config bound.
-      optimizer: AdamW under the schedule.
+      optimizer: the run's optimizer (``--optimizer``) under the schedule.
       schedule: the learning rate, ``schedule(applied_updates, total_steps)``.
       precision: the mixed-precision policy.
       loss_scale: the initial loss scale.

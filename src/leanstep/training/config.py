@@ -23,6 +23,7 @@ from leanstep.training.config_checks import (
     check_layout,
     check_length,
 )
+from leanstep.training.optimizers import check_optimizer_name
 from leanstep.training.rollback import SpikeRollback
 from leanstep.training.run_identity import (
     ADDED_FIELDS,
@@ -95,6 +96,7 @@ class RunConfig:
     remat: str = "dots"
     max_grad_norm: float | None = 1.0
     lr: float = 3e-3
+    optimizer: str = "adamw"
     schedule: str = "warmup-stable-decay"
     warmup_steps: int = 30
     weight_decay: float = 0.01
@@ -233,6 +235,7 @@ def _check_parts(config: RunConfig) -> None:
     :attr:`RunConfig.step`), the model."""
     if config.schedule not in SCHEDULES:
         raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {config.schedule!r}")
+    check_optimizer_name(config.optimizer)
     for flag, value in (("--out", config.out), ("--data", config.data)):
         if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
             raise ValueError(f"{flag} must be a non-empty path, got {value!r}")

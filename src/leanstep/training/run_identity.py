@@ -59,6 +59,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "moments": "float32",
     "spike_guard": "none",
     "spike_rollback": "none",
+    "optimizer": "adamw",
 }
 
 #: The fields that hold a setting string, and how each is read.
