@@ -12,8 +12,8 @@ biases, norms, a head), AdamW as above. Both follow the one schedule's shape: Mu
 
 How it composes with leanstep's step: the optimizer sees the gradient after accumulation,
 unscaling and clipping by the global norm, so the clip bounds what enters Muon's momentum, not its
-orthogonalized update (whose scale Muon sets); a step whose gradient is not finite never reaches
-the optimizer, and leaves Muon's momentum, like every part of the state, bit for bit as it was.
+orthogonalized update (whose scale Muon sets); a step whose gradient is not finite is skipped: the
+update it computed is dropped, and Muon's momentum, like every part of the state, stays bit for bit.
 
 Example:
   >>> import jax.numpy as jnp
