@@ -36,8 +36,8 @@ __all__ = ["MUON_LEARNING_RATE", "OPTIMIZERS", "check_optimizer_name", "muon_lab
 #: ``--optimizer``'s choices.
 OPTIMIZERS = ("adamw", "muon")
 
-#: Muon's peak learning rate for the layers' matrices (their orthogonalized updates have unit
-#: singular values, so the rate is their step's size, not a multiple of the gradient's).
+#: Muon's peak learning rate for the layers' matrices (their orthogonalized updates have singular
+#: values near 1, so the rate is about their step's size, not a multiple of the gradient's).
 MUON_LEARNING_RATE = 0.02
 
 
@@ -81,7 +81,7 @@ def run_optimizer(
         return optax.chain(adam, decay, scheduled)
     muon = optax.chain(
         optax.contrib.scale_by_muon(beta=0.95, weight_dimension_numbers=_layer_matrices),
-        optax.add_decayed_weights(weight_decay),
+        decay,
         optax.scale(MUON_LEARNING_RATE / lr),
     )
     return optax.chain(optax.partition({"muon": muon, "adamw": optax.chain(adam, decay)}, muon_labels), scheduled)
