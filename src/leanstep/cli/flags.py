@@ -117,6 +117,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             return action.help
+        if action.default is None and "default:" in (action.help or ""):  # the help says what the default is
+            return action.help
         return super()._get_help_string(action)
 
 

@@ -3,6 +3,9 @@
 The default corpus is this machine's Python standard library source (``*.py`` under
 ``sysconfig.get_paths()["stdlib"]``), which every Python install carries. Batches are a pure
 function of ``(seed, step)``, so the only data position a checkpoint needs is the step number.
+
+Size: the corpus (what is read, how it is split, how it is described) and the batches cut from
+it are one concern: both define which bytes a run trains and is scored on.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import numpy as np
 
 from leanstep.common.checks import is_int
 from leanstep.common.files import describe_skipped, expand_path, read_regular_file, stat_path, walk_regular_files
+from leanstep.training.installed_corpus import INSTALLED_PYTHON, package_files, package_roots, sha256_hex
 
 #: Cap on the default corpus, so that loading it takes a fraction of a second.
 DEFAULT_CORPUS_BYTES = 8_000_000
@@ -79,6 +83,8 @@ class Corpus:
       train_files, heldout_files: relative names of the files in each part.
       skipped: entries of a ``--data`` folder passed over because they are not regular files
         or cannot be read, by kind (``{"a FIFO (named pipe)": 1}``); empty for a file.
+      file_sha256: ``{"train": {name: sha256}, "heldout": {...}}`` of every file, recorded by
+        ``--data @python`` (:mod:`leanstep.training.installed_corpus`); empty otherwise.
     """
 
     source: str
@@ -89,13 +95,15 @@ class Corpus:
     train_files: tuple[str, ...]
     heldout_files: tuple[str, ...]
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)
+    file_sha256: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict[str, object]:
         """A JSON-ready record of the data and its split, for ``config.json``.
 
         ``files_sha256`` hashes the file list with each file's part; ``data_sha256`` hashes the
         bytes of both parts, so two runs agree on data exactly when both hashes match.
-        ``skipped_entries`` appears only when a folder held entries that were not read.
+        ``skipped_entries`` appears only when a folder held entries that were not read, and
+        ``file_sha256`` (every file's hash) with ``--data @python``.
         """
         listing = "".join(f"train\t{n}\n" for n in self.train_files)
         listing += "".join(f"heldout\t{n}\n" for n in self.heldout_files)
@@ -112,6 +120,7 @@ class Corpus:
             "files_sha256": hashlib.sha256(listing.encode()).hexdigest(),
             "data_sha256": data_hash.hexdigest(),
             **({"skipped_entries": dict(sorted(self.skipped.items()))} if self.skipped else {}),
+            **({"file_sha256": self.file_sha256} if self.file_sha256 else {}),
         }
 
 
@@ -155,6 +164,8 @@ def load_corpus(
     """Loads a byte corpus and splits it deterministically into train and held-out parts.
 
     - ``None``: the standard library corpus of :func:`default_corpus_paths`.
+    - ``"@python"``: the same, plus every installed package's ``.py`` files for training
+      (:mod:`leanstep.training.installed_corpus`); its held-out files are ``None``'s.
     - a folder: every text file under it (see ``_read_text_files``), sorted by relative path.
     - a regular file: its bytes, whatever they are.
 
@@ -185,7 +196,7 @@ def load_corpus(
         raise ValueError(f"heldout_fraction must be in (0, 1); got {heldout_fraction!r}")
     expected = "expected a text file or a folder of text files"
     skipped: dict[str, int] = {}
-    if path is None:
+    if path is None or path == INSTALLED_PYTHON:
         root = Path(sysconfig.get_paths()["stdlib"])
         source = f"stdlib:{root}"
         files = [
@@ -211,7 +222,9 @@ def load_corpus(
         if not files[0][1]:
             raise ValueError(f"--data file {source!r} is empty; {expected}")
 
-    if len(files) == 1:
+    if path == INSTALLED_PYTHON:
+        corpus = _with_packages(files, heldout_fraction, source)
+    elif len(files) == 1:
         name, content = files[0]
         cut = len(content) - int(len(content) * heldout_fraction)
         corpus = Corpus(
@@ -236,6 +249,27 @@ def load_corpus(
                 f"needed for one sequence (seq_len + 1); use more data or a different heldout_fraction"
             )
     return corpus
+
+
+def _with_packages(stdlib: list[tuple[str, bytes]], heldout_fraction: float, source: str) -> Corpus:
+    """``--data @python``: the standard library split as by default, the packages' files added to
+    training (less any whose bytes equal a held-out file's), every file's SHA-256 recorded."""
+    held = _heldout_indices(len(stdlib), heldout_fraction)
+    heldout = [f for i, f in enumerate(stdlib) if i in held]
+    hashes = {"heldout": {name: sha256_hex(content) for name, content in heldout}, "train": {}}
+    heldout_hashes = set(hashes["heldout"].values())
+    train = []
+    for name, content in [f for i, f in enumerate(stdlib) if i not in held] + package_files():
+        digest = sha256_hex(content)
+        if digest not in heldout_hashes:
+            train.append((name, content))
+            hashes["train"][name] = digest
+    roots = ", ".join(str(p) for p in package_roots())
+    return Corpus(
+        f"python:{source} + packages:{roots}", "files", heldout_fraction,
+        _as_array([c for _, c in train]), _as_array([c for _, c in heldout]),
+        tuple(n for n, _ in train), tuple(n for n, _ in heldout), {}, hashes,
+    )  # fmt: skip
 
 
 def _check_positive(name: str, value: object) -> int:
