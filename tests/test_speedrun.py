@@ -158,6 +158,7 @@ def test_peer_trains_on_leanstep_batches_under_its_recipe_and_reports_float64_bi
     # Three steps of warmup-cosine with one warmup step: learning rates 0, lr, 0.55 lr (the cosine's midpoint).
     config = RunConfig(
         **TINY,
+        optimizer="adamw",
         steps=3,
         time_budget=None,
         warmup_steps=1,
@@ -208,6 +209,44 @@ def test_peer_trains_on_leanstep_batches_under_its_recipe_and_reports_float64_bi
     assert result["heldout_curve"][-1] == [3, result["heldout_bits_per_byte"]]
     assert (result["steps"], result["planned_steps"], result["tokens"]) == (3, 3, 3 * 4 * 16)
     assert result["precision"] == "float32" and result["torch_compile"] is False and result["budget_s"] is None
+
+
+def test_peers_muon_takes_leansteps_muon_steps(data, one_thread):
+    pytest.importorskip("torch")
+    import optax
+
+    from leanstep.bench.speedrun_torch import train_torch_peer
+    from leanstep.bench.torch_step import build_torch_model, load_jax_params
+    from leanstep.training.build import build_optimizer, build_run
+
+    config = RunConfig(
+        **TINY, optimizer="muon", steps=3, time_budget=None, warmup_steps=1, lr=1e-2, weight_decay=0.1,
+        schedule="warmup-cosine", max_grad_norm=0.5, seed=3, data=str(data),
+    )  # fmt: skip
+    run = build_run(config)
+    params = initial = jax.device_get(run.init_state().params)
+    peer = train_torch_peer(config, torch_compile=False, initial_params=params)
+    # The reference: leanstep's optax optimizer (Muon for the stacked matrices, AdamW for the rest) on
+    # full-batch JAX gradients, clipped by hand as torch's clip_grad_norm_ clips.
+    optimizer, _ = build_optimizer(config)
+    state = optimizer.init(params)
+    sampler = BatchSampler(load_corpus(data, seq_len=16).train, 4, 16, 3)
+    for step in range(3):
+        grads = jax.grad(run.model.loss)(params, sampler.batch_at(step))
+        norm = math.sqrt(sum(float(np.sum(np.square(g))) for g in jax.tree.leaves(grads)))
+        scale = min(1.0, 0.5 / (norm + 1e-6))
+        grads = jax.tree.map(lambda g, scale=scale: g * scale, grads)
+        updates, state = optimizer.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    expected = build_torch_model(run.model.config, remat=False)
+    load_jax_params(expected, params)
+    trained, reference = _float64(peer.model), _float64(expected)
+    assert peer.result["adamw"].endswith("Muon for the blocks' matrices")
+    for name, w in reference.items():
+        np.testing.assert_allclose(trained[name], w, rtol=1e-4, atol=2e-5, err_msg=name)
+    start = build_torch_model(run.model.config, remat=False)
+    load_jax_params(start, initial)  # Muon moved the matrices: the comparison is not of two no-ops
+    assert not np.allclose(trained["blocks.0.fc.weight"], _float64(start)["blocks.0.fc.weight"], atol=1e-3)
 
 
 def test_peer_started_from_leanstep_initial_params_has_leanstep_first_loss(data, one_thread):

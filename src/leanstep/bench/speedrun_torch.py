@@ -2,8 +2,9 @@ r"""The PyTorch peer of ``leanstep bench --speedrun``: leanstep's run as a PyTor
 
 The same model (:func:`leanstep.bench.torch_step.build_torch_model`: leanstep's transformer as an
 ``nn.Module``, GPT-2 init), the same bytes (the corpus split, :class:`BatchSampler`'s batch of
-every step, the held-out batches), the same recipe from the :class:`RunConfig` (AdamW's betas
-0.9/0.95, weight decay on every parameter as ``optax.add_decayed_weights`` applies it, the peak
+every step, the held-out batches), the same recipe from the :class:`RunConfig` (its optimizer:
+AdamW's betas 0.9/0.95, and with ``--optimizer muon`` leanstep's Muon for the blocks' matrices,
+:mod:`leanstep.bench.torch_muon`; weight decay on every parameter as ``optax.add_decayed_weights`` applies it, the peak
 learning rate and its schedule from :func:`leanstep.training.schedule.make_schedule`,
 microbatches, ``clip_grad_norm_``) and the same wall-clock budget, sized as leanstep sizes its
 run (:mod:`leanstep.training.budget`):

@@ -1,6 +1,7 @@
 """The PyTorch peer's training, as a PyTorch user writes it: its step, its calibration and its loop.
 
-:class:`PeerTrainer` holds the model, AdamW and the ``torch.compile``'d forward;
+:class:`PeerTrainer` holds the model, its optimizer (AdamW, or with ``--optimizer muon`` AdamW and
+:class:`leanstep.bench.torch_muon.TorchMuon`) and the ``torch.compile``'d forward;
 :func:`calibrated_plan` sizes the run in a wall-clock budget as leanstep sizes its own
 (:mod:`leanstep.training.budget`) and :func:`train_loop` runs it, planned again where leanstep's
 loop plans again. :func:`leanstep.bench.speedrun_torch.train_torch_peer` puts them together.
@@ -16,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from leanstep.bench.torch_muon import TorchMuon, muon_matrices
 from leanstep.training.budget import BudgetPlan, plan_steps, replan, replan_step
 from leanstep.training.config import RunConfig
 from leanstep.training.data import BatchSampler
@@ -51,13 +53,19 @@ def torch_heldout_bits_per_byte(model: Any, batches: list[dict[str, np.ndarray]]
     return float(np.mean(losses)) / math.log(2)
 
 
-def _adamw(torch: Any, model: Any, config: RunConfig) -> tuple[Any, str]:
-    """AdamW of ``config`` over every parameter (optax's adamw decays them all); fused where torch has it."""
+def _adamw(torch: Any, model: Any, config: RunConfig) -> tuple[Any, TorchMuon | None, str]:
+    """AdamW of ``config`` over every parameter (optax's adamw decays them all), fused where torch has
+    it; with ``--optimizer muon``, over all but the blocks' matrices, which :class:`TorchMuon` takes."""
     kwargs = {"lr": config.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": config.weight_decay}
+    muon, params = None, list(model.parameters())
+    if config.optimizer == "muon":
+        matrices, params = muon_matrices(model)
+        muon = TorchMuon(torch, matrices, lr=config.lr, weight_decay=config.weight_decay)
+    with_muon = "" if muon is None else " AdamW, and Muon for the blocks' matrices"
     try:
-        return torch.optim.AdamW(model.parameters(), fused=True, **kwargs), "fused"
+        return torch.optim.AdamW(params, fused=True, **kwargs), muon, "fused" + with_muon
     except (RuntimeError, TypeError, ValueError):  # no fused kernel for this device or torch
-        return torch.optim.AdamW(model.parameters(), foreach=True, **kwargs), "foreach"
+        return torch.optim.AdamW(params, foreach=True, **kwargs), muon, "foreach" + with_muon
 
 
 class PeerTrainer:
@@ -82,7 +90,7 @@ class PeerTrainer:
         self.torch, self.config, self.model, self.bfloat16 = torch, config, model, bfloat16
         self.device, self.sampler, self.eval_data = device, sampler, eval_data
         self.initial = {name: value.clone() for name, value in model.state_dict().items()}
-        self.optimizer, self.adamw = _adamw(torch, model, config)
+        self.optimizer, self.muon, self.adamw = _adamw(torch, model, config)
         self.forward, self.compile_reason = model, "off: torch_compile=False"
         if torch_compile:
             try:
@@ -96,7 +104,7 @@ class PeerTrainer:
 
     def _gradients(self, module: Any, tokens: Any) -> Any:
         torch, config = self.torch, self.config
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # every parameter's, Muon's matrices included
         total = torch.zeros((), device=self.device)
         for microbatch in tokens.chunk(config.microbatches):
             with torch.autocast(device_type=self.device, dtype=torch.bfloat16, enabled=self.bfloat16):
@@ -125,6 +133,8 @@ class PeerTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.muon is not None:
+            self.muon.step(lr)
         if self.device == "cuda":
             torch.cuda.synchronize()
         return loss, time.perf_counter() - began
@@ -135,7 +145,7 @@ class PeerTrainer:
     def restart(self) -> None:
         with self.torch.no_grad():
             self.model.load_state_dict(self.initial)  # in place: a compiled graph stays valid
-        self.optimizer, self.adamw = _adamw(self.torch, self.model, self.config)
+        self.optimizer, self.muon, self.adamw = _adamw(self.torch, self.model, self.config)
 
 
 class PeerLoop(NamedTuple):
