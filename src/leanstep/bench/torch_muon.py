@@ -24,7 +24,8 @@ _MATRICES = ("qkv.weight", "proj.weight", "fc.weight", "out.weight")
 
 def muon_matrices(model: Any) -> tuple[list[Any], list[Any]]:
     """``(matrices, rest)``: the blocks' linear weights, which Muon trains, and every other parameter."""
-    matrices, rest = [], []
+    matrices: list[Any] = []
+    rest: list[Any] = []
     for name, param in model.named_parameters():
         (matrices if name.startswith("blocks.") and name.endswith(_MATRICES) else rest).append(param)
     return matrices, rest
