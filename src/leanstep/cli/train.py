@@ -47,11 +47,11 @@ def add_parser(subparsers: Any) -> None:
     _add_stop_flags(output)
     _add_scale_out_flags(p.add_argument_group("scaling out (JAX's mesh sharding and jax.distributed)"), d)
     add_compile_cache_flag(p)
-    _size_for_the_machine_by_default(p, d)
+    _size_for_the_machine_by_default(p)
     p.set_defaults(run=run_train)
 
 
-def _size_for_the_machine_by_default(p: argparse.ArgumentParser, d: Any) -> None:
+def _size_for_the_machine_by_default(p: argparse.ArgumentParser) -> None:
     """The flags that size a run default to None here: none given, an accelerator's run is sized
     for it (:mod:`leanstep.training.machine_size`), a CPU's takes ``RunConfig``'s defaults."""
     from leanstep.training.machine_size import SIZED_FIELDS
@@ -322,7 +322,10 @@ def _sized_for_the_machine(config: Any, args: argparse.Namespace, console: Any) 
     from leanstep.training.machine_size import size_for_machine
 
     device = jax.devices()[0]
-    memory = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+    try:  # a backend without memory statistics: the device kind's preset, or 16 GiB
+        memory = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+    except (AttributeError, RuntimeError, NotImplementedError):
+        memory = None
     budget = DEFAULT_TIME_BUDGET_S if config.time_budget is None else config.time_budget
     sized = size_for_machine(device.platform, device.device_kind, memory, budget)
     if sized is None:

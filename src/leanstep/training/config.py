@@ -87,8 +87,8 @@ class RunConfig:
     d_ff: int | None = None
     steps: int | None = None
     time_budget: float | None = DEFAULT_TIME_BUDGET_S
-    batch_size: int = 64
-    seq_len: int = 32
+    batch_size: int = 32
+    seq_len: int = 128
     microbatches: int = 2
     precision: str = "auto"
     loss_scale: str = "dynamic"
@@ -96,7 +96,7 @@ class RunConfig:
     remat: str = "dots"
     max_grad_norm: float | None = 1.0
     lr: float = 3e-3
-    optimizer: str = "adamw"
+    optimizer: str = "muon"
     schedule: str = "warmup-stable-decay"
     warmup_steps: int = 30
     weight_decay: float = 0.01

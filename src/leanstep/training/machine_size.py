@@ -1,7 +1,7 @@
 r"""What ``leanstep train`` trains on an accelerator when no flag sizes the run: :func:`size_for_machine`.
 
-On a CPU the default run stays the CPU-sized one (``--size mini``, 64 windows of 32 bytes: the
-best of what the recipe table of docs/speedrun-and-benchmarks.md tried on two cores). On an
+On a CPU the default run stays the CPU-sized one (``--size mini``, 32 windows of 128 bytes: the
+best of what the recipe tables of docs/speedrun-and-benchmarks.md tried on two cores). On an
 accelerator that model would leave the chip idle, so the model, the batch and the corpus are
 sized for the device and the budget, by a stated rule:
 
