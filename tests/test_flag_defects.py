@@ -246,4 +246,4 @@ def test_a_run_resumes_with_its_settings_written_another_way(corpus, tmp_path, c
     assert "different config" not in capsys.readouterr().err
     assert main([*base, "--spike-guard", "k=5", "--resume"]) == 2  # the control: another guard
     err = _one_line(capsys)
-    assert "--resume: " in err and "belongs to a different config: spike_guard=" in err
+    assert "--resume: " in err and "belongs to a different config: --spike-guard " in err

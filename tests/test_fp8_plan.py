@@ -16,7 +16,8 @@ from leanstep.planning.cost_model import step_cost
 from leanstep.planning.fp8_sizes import fp8_sizes
 from leanstep.training import RunConfig, build_run
 
-CONFIG = RunConfig(
+CONFIG = RunConfig(  # AdamW: every matmul of the step is then the model's (Muon's update adds float32 ones)
+    optimizer="adamw",
     size="tiny",
     steps=2,
     batch_size=8,

@@ -58,8 +58,9 @@ def _fake_tpu(monkeypatch):
 
 
 def test_the_cli_sizes_only_when_no_flag_does(monkeypatch):
+    from leanstep.cli.machine_defaults import sized_for_the_machine
     from leanstep.cli.main import build_parser
-    from leanstep.cli.train import _config_from, _sized_for_the_machine
+    from leanstep.cli.train import _config_from
 
     parser = build_parser()
     printed = []
@@ -67,7 +68,7 @@ def test_the_cli_sizes_only_when_no_flag_does(monkeypatch):
 
     def config(*argv):
         args = parser.parse_args(["train", *argv])
-        return _sized_for_the_machine(_config_from(args), args, console)
+        return sized_for_the_machine(_config_from(args), args, console)
 
     assert config() == RunConfig()  # the CPU: today's defaults, nothing said
     assert printed == []
@@ -79,6 +80,7 @@ def test_the_cli_sizes_only_when_no_flag_does(monkeypatch):
         kept = config(*flags)
         assert kept.d_model is None and kept.data != "@python", flags
     assert config("--batch-size", "64").batch_size == 64  # given, even at its CPU default: kept
+    assert config("--model", "mlp").d_model is None  # the rule sizes the transformer only
 
 
 def _tree(root: Path, files: dict[str, bytes]) -> None:

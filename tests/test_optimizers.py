@@ -6,6 +6,10 @@ its own, and a hand-written step (full-batch gradient, clip by hand, the optimiz
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +24,7 @@ from leanstep.training.build import build_optimizer
 from leanstep.training.optimizers import MUON_LEARNING_RATE, muon_labels, run_optimizer
 from leanstep.training.run_identity import config_hash
 from leanstep.training.schedule import make_schedule, scale_by_run_schedule
+from workers import run_worker
 
 CONSTANT = make_schedule("constant", 3e-3, 0)
 
@@ -135,13 +140,15 @@ def test_a_skipped_step_leaves_muons_state_bit_identical(moments):
 
 
 def test_the_optimizer_is_part_of_a_runs_identity_and_a_wrong_one_is_one_line(cli, tmp_path):
-    assert config_hash(RunConfig()) != config_hash(RunConfig(optimizer="muon"))
+    adamw = RunConfig(optimizer="adamw")
+    assert RunConfig().optimizer == "muon" and config_hash(adamw) != config_hash(RunConfig())
 
     class Saved:  # a run saved before the field: its config.json has no "optimizer", and it was AdamW
         def to_json(self):
-            return {k: v for k, v in RunConfig().to_json().items() if k != "optimizer"}
+            return {k: v for k, v in adamw.to_json().items() if k != "optimizer"}
 
-    assert config_hash(Saved()) == config_hash(RunConfig())
+    assert config_hash(Saved()) == config_hash(adamw) != config_hash(RunConfig())
+    assert RunConfig().mismatches(Saved().to_json()) == ["optimizer"]  # resumed without the flag: refused
     with pytest.raises(ValueError, match=r"^--optimizer must be one of adamw, muon, got 'sgd'$"):
         RunConfig(optimizer="sgd").validate()
     result = cli("train", "--optimizer", "sgd", "--out", tmp_path / "run")
@@ -155,3 +162,41 @@ def test_muon_on_an_optax_without_it_is_one_line_naming_the_flag(monkeypatch):
     with pytest.raises(ValueError, match=r"^--optimizer muon needs optax\.contrib\.MuonDimensionNumbers, which optax "):
         RunConfig(optimizer="muon").validate()
     RunConfig(optimizer="adamw").validate()  # AdamW needs none of it
+
+
+_MUON_RUN = ["train", "--size", "tiny", "--batch-size", "16", "--seq-len", "16", "--microbatches", "2", "--steps", "4"]
+_MUON_RUN += ["--warmup-steps", "1", "--precision", "float32", "--max-grad-norm", "0.5", "--eval-every", "100"]
+_MUON_RUN += ["--checkpoint-every", "100", "--no-progress", "--no-chart", "--optimizer", "muon"]
+
+
+def worker(out: Path) -> None:
+    """The child of :func:`test_muon_over_fsdp_8_takes_the_one_device_steps`: 8 simulated devices."""
+    jax.config.update("jax_num_cpu_devices", 8)
+    from leanstep.cli.main import main
+
+    for name, layout in (("one", []), ("fsdp8", ["--devices", "8", "--fsdp"])):
+        assert main([*_MUON_RUN, *layout, "--out", str(out / name)]) == 0, name
+    records = {
+        name: [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("one", "fsdp8")
+    }
+    (out / "records.json").write_text(json.dumps(records))
+
+
+@pytest.mark.slow  # one child process with 8 simulated devices, two tiny runs
+def test_muon_over_fsdp_8_takes_the_one_device_steps(tmp_path):
+    """Muon's Newton-Schulz on matrices sharded over 8 devices (GSPMD gathers what it needs) gives
+    the one-device run's losses and gradient norms, step for step: each is a function of the
+    parameters after the updates before it."""
+    records = run_worker(__file__, tmp_path, "records.json", timeout=300)
+    one, fsdp = ([r for r in records[name] if r["kind"] == "train"] for name in ("one", "fsdp8"))
+    assert [r["step"] for r in one] == [r["step"] for r in fsdp] == [1, 2, 3, 4]
+    for a, b in zip(one, fsdp):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-5) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=2e-4
+        )
+    assert one[-1]["loss"] < one[0]["loss"] - 1e-3  # the updates moved the model: not a comparison of no-ops
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[2]))

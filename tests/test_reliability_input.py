@@ -686,7 +686,7 @@ CLI = [
         "train/resume_other_config",
         _t("--resume", "--seed", "1", out="{other_run}"),
         2,
-        "--resume: '{other_run}' belongs to a different config: seed=0 (now 1)",
+        "--resume: '{other_run}' belongs to a different config: --seed 0 (now 1)",
     ),
     Case(
         "train/resume_other_data",

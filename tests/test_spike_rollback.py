@@ -96,7 +96,9 @@ STEPS = 40
 BURST = range(23, 27)  # data positions of the corrupted batches: the batches of steps 24-27
 GUARD = "k=6,window=8,warmup=8,watch=loss"
 ROLLBACK = "after=2,within=10,lr=0.5,for=6,ahead=0"
-FLAGS = [
+FLAGS = [  # AdamW, as the bursts below were tuned with (0.12's default trains Muon)
+    "--optimizer",
+    "adamw",
     "--model",
     "mlp",
     "--size",
@@ -131,6 +133,7 @@ FLAGS = [
     ROLLBACK,
 ]
 CONFIG = RunConfig(
+    optimizer="adamw",
     model="mlp",
     size="tiny",
     batch_size=4,

@@ -16,7 +16,10 @@ from leanstep.training.config import RunConfig
 
 FLOAT32 = "params=float32,compute=float32,output=float32"
 # Three layers and two microbatches, so the layer loops and the microbatch loop differ in trip count.
-CONFIG = RunConfig(size="tiny", batch_size=4, seq_len=16, microbatches=2, steps=10, n_layers=3, precision=FLOAT32)
+# AdamW: the count by hand is the model's matmuls (Muon's update adds its Newton-Schulz products).
+CONFIG = RunConfig(
+    size="tiny", batch_size=4, seq_len=16, microbatches=2, steps=10, n_layers=3, precision=FLOAT32, optimizer="adamw"
+)
 D, LAYERS, HEADS, D_FF, VOCAB = 16, 3, 2, 32, 256  # the tiny preset, with n_layers=3
 
 

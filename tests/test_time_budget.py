@@ -388,7 +388,7 @@ def test_a_run_checkpointed_by_leanstep_0_5_resumes_bit_identically(tmp_path, co
     # schedule); such a checkpoint is made here from a real one, then resumed.
     from leanstep.training.legacy_state import to_legacy
 
-    config = RunConfig(**FAST, data=str(corpus), steps=6)
+    config = RunConfig(**FAST, optimizer="adamw", data=str(corpus), steps=6)  # 0.5 trained AdamW
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     train(dataclasses_replace(config, out=str(straight)))
     with pytest.raises(RunStopped):

@@ -141,7 +141,7 @@ def test_empty_data_and_resume_mismatch(tmp_path, cli, tiny_flags, tiny_corpus, 
     # A run directory that belongs to a different config.
     again = ("train", *tiny_flags, "--data", tiny_corpus, "--out", tiny_run, "--steps", "30")
     result = cli(*again, "--resume", "--seed", "1")
-    assert result.code == 2 and "belongs to a different config: seed=0 (now 1)" in result.err
+    assert result.code == 2 and "belongs to a different config: --seed 0 (now 1)" in result.err
     # An existing run is never overwritten without --resume.
     result = cli(*again)
     assert result.code == 2 and "already holds a run" in result.err

@@ -266,13 +266,12 @@ def run_config(args: argparse.Namespace, **fixed: Any) -> Any:
     Raises:
       InputError: a flag is invalid (the message names it).
     """
-    import dataclasses
 
     from leanstep.cli.jsontree import InputError
+    from leanstep.cli.machine_defaults import given_fields
     from leanstep.training import RunConfig
 
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
     try:
-        return RunConfig(**{**{k: v for k, v in vars(args).items() if k in fields}, **fixed}).validate()
+        return RunConfig(**{**given_fields(args), **fixed}).validate()
     except (TypeError, ValueError) as error:
         raise InputError(str(error)) from None

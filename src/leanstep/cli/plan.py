@@ -358,6 +358,10 @@ def run_audit(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as error:
         raise InputError(str(error)) from None
     print(report)
+    if config.optimizer != "adamw":
+        print(
+            f"(audited with AdamW's update in place of --optimizer {config.optimizer}'s: the rules are the gradient's)"
+        )
     problems = report.accumulation_violations(config.microbatches)
     if config.remat != "none":
         problems += report.remat_violations(config.remat)

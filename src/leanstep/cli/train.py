@@ -17,6 +17,7 @@ from leanstep.cli.flags import (
     remat_help,
 )
 from leanstep.cli.jsontree import InputError
+from leanstep.cli.machine_defaults import given_fields, size_flags_by_default, sized_for_the_machine
 
 
 def _defaults() -> Any:
@@ -47,28 +48,8 @@ def add_parser(subparsers: Any) -> None:
     _add_stop_flags(output)
     _add_scale_out_flags(p.add_argument_group("scaling out (JAX's mesh sharding and jax.distributed)"), d)
     add_compile_cache_flag(p)
-    _size_for_the_machine_by_default(p)
+    size_flags_by_default(p)
     p.set_defaults(run=run_train)
-
-
-def _size_for_the_machine_by_default(p: argparse.ArgumentParser) -> None:
-    """The flags that size a run default to None here: none given, an accelerator's run is sized
-    for it (:mod:`leanstep.training.machine_size`), a CPU's takes ``RunConfig``'s defaults."""
-    from leanstep.training.machine_size import SIZED_FIELDS
-
-    dests = {name for _, name in SIZED_FIELDS}
-    for action in p._actions:
-        if action.dest in dests and action.default is not None:
-            rule = (
-                "sized for the device and the budget when none of --size, --d-model, --layers, --heads, --d-ff, "
-                "--batch-size, --seq-len, --microbatches or --data is given"
-                if action.dest == "size"
-                else "sized (see --size)"
-            )
-            action.help = (action.help + "; " if action.help else "") + (
-                f"default: {action.default} on a CPU; on an accelerator, {rule}"
-            )
-            action.default = None
 
 
 def _add_length_flags(group: Any) -> None:
@@ -225,7 +206,7 @@ def run_train(args: argparse.Namespace) -> int:
         check_same_out(args.out, args.process_id, args.num_processes)
     config = _config_from(args)
     console = Console(stderr=True)
-    config = _sized_for_the_machine(config, args, console)
+    config = sized_for_the_machine(config, args, console)
     try:
         config.validate()
     except ValueError as error:
@@ -287,11 +268,8 @@ def _join(args: argparse.Namespace, configure: Any) -> None:
 def _config_from(args: argparse.Namespace) -> Any:
     """The :class:`~leanstep.training.RunConfig` of the flags (not yet validated)."""
     from leanstep.training import RunConfig
-    from leanstep.training.machine_size import SIZED_FIELDS
 
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
-    unsized = {name for _, name in SIZED_FIELDS if getattr(args, name) is None}  # RunConfig's defaults
-    given = {k: v for k, v in vars(args).items() if k in fields and k not in unsized}
+    given = given_fields(args)
     if args.time_budget is not None and args.steps is not None:
         raise InputError("--steps and --time-budget: give one (--steps fixes the length, --time-budget sizes it)")
     if args.time_budget is not None:
@@ -304,34 +282,6 @@ def _config_from(args: argparse.Namespace) -> Any:
     else:
         given.pop("time_budget")  # RunConfig's default: three minutes unless --steps is given
     return RunConfig(**given)
-
-
-def _sized_for_the_machine(config: Any, args: argparse.Namespace, console: Any) -> Any:
-    """``config`` with the model, batch and data :func:`leanstep.training.machine_size.size_for_machine`
-    chose for an accelerator, when no flag sizes the run and no mesh or memory budget is asked for."""
-    from leanstep.training.machine_size import SIZED_FIELDS
-
-    if any(getattr(args, name) is not None for _, name in SIZED_FIELDS) or (
-        args.mesh is not None or args.devices is not None or args.budget is not None or args.coordinator is not None
-    ):
-        return config
-    import jax
-    from rich.text import Text
-
-    from leanstep.training.config import DEFAULT_TIME_BUDGET_S
-    from leanstep.training.machine_size import size_for_machine
-
-    device = jax.devices()[0]
-    try:  # a backend without memory statistics: the device kind's preset, or 16 GiB
-        memory = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
-    except (AttributeError, RuntimeError, NotImplementedError):
-        memory = None
-    budget = DEFAULT_TIME_BUDGET_S if config.time_budget is None else config.time_budget
-    sized = size_for_machine(device.platform, device.device_kind, memory, budget)
-    if sized is None:
-        return config
-    console.print(Text(f"leanstep train: {sized.reason}"), soft_wrap=True)
-    return dataclasses.replace(config, **sized.fields)
 
 
 def _fit_memory_budget(config: Any, args: argparse.Namespace, auto: bool, console: Any) -> Any:

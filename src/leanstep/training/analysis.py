@@ -226,7 +226,10 @@ def plan_in_child(spec_path: str) -> None:
 def audit_run(config: RunConfig) -> AuditReport:
     """Audits the step ``config`` trains with (abstract inputs, nothing runs).
 
-    The residuals are those of one microbatch's loss, in the compute dtype.
+    The residuals are those of one microbatch's loss, in the compute dtype. The audit's rules are
+    the gradient's (one scan over the microbatches, remat, the matmuls' dtypes), which the optimizer
+    does not touch, so ``--optimizer muon`` is audited with AdamW in its place: Muon's update adds
+    Newton-Schulz loops (top-level scans with float32 matmuls) the rules would take for the step's.
 
     Raises:
       ValueError: an invalid config.
@@ -236,7 +239,7 @@ def audit_run(config: RunConfig) -> AuditReport:
       >>> [s.length for s in report.top_level_scans], report.accumulation_violations(2)
       ([2], [])
     """
-    run = build_run(config)
+    run = build_run(dataclasses.replace(config, optimizer="adamw"))
     rows = config.batch_size // config.microbatches
     params_c = jax.eval_shape(run.precision.cast_to_compute, run.abstract_params())
     return audit(

@@ -103,7 +103,7 @@ class RunConfig:
     seed: int = 0
     data: str | None = None
     eval_every: int = 100
-    eval_batches: int = 16
+    eval_batches: int = 8
     checkpoint_every: int = 250
     keep_checkpoints: int = 3
     max_consecutive_skips: int = 100

@@ -20,8 +20,8 @@ sized for the device and the budget, by a stated rule:
 5. Data: ``--data @python`` (:mod:`leanstep.training.installed_corpus`): every installed
    package's source for training, the standard library's default held-out files for scoring.
 
-The rule runs only when none of the flags it sets is given (:data:`SIZED_FIELDS`) and no mesh
-is asked for; the fields it chose are written to ``config.json`` as if given, so a resumed run
+The rule runs only when none of the flags it sets is given (:data:`SIZED_FIELDS`), the model is
+the transformer and no mesh, memory budget or second process is asked for; the fields it chose are written to ``config.json`` as if given, so a resumed run
 keeps them.
 """
 

@@ -20,6 +20,8 @@ from typing import Any
 from leanstep.common.files import read_regular_file
 from leanstep.common.outputs import write_bytes_atomic
 from leanstep.training.config import RunConfig
+from leanstep.training.config_checks import flag_of
+from leanstep.training.run_identity import ADDED_FIELDS
 
 __all__ = ["check_out", "check_run", "fresh_start", "holds_run", "saved_run", "with_saved_plan", "write_json_atomic"]
 
@@ -101,8 +103,12 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
         )
     different = config.mismatches(run)
     if different:
-        details = ", ".join(f"{k}={run.get(k)!r} (now {getattr(config, k)!r})" for k in different)
-        raise ValueError(f"--resume: {out!r} belongs to a different config: {details}")
+        then = {**ADDED_FIELDS, **run}  # a field newer than the run: the value it ran with
+        details = ", ".join(f"{flag_of(k)} {then.get(k)!r} (now {getattr(config, k)!r})" for k in different)
+        raise ValueError(
+            f"--resume: {out!r} belongs to a different config: {details}; give the run's own values to resume it "
+            "(a default may have changed since it started: 0.12 trains Muon on 32 windows of 128 bytes)"
+        )
     return saved
 
 
