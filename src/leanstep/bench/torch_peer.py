@@ -53,8 +53,8 @@ def torch_heldout_bits_per_byte(model: Any, batches: list[dict[str, np.ndarray]]
     return float(np.mean(losses)) / math.log(2)
 
 
-def _adamw(torch: Any, model: Any, config: RunConfig) -> tuple[Any, TorchMuon | None, str]:
-    """AdamW of ``config`` over every parameter (optax's adamw decays them all), fused where torch has
+def _optimizers(torch: Any, model: Any, config: RunConfig) -> tuple[Any, TorchMuon | None, str]:
+    """``(AdamW, Muon or None, how AdamW runs)``. AdamW of ``config`` over every parameter (optax's adamw decays them all), fused where torch has
     it; with ``--optimizer muon``, over all but the blocks' matrices, which :class:`TorchMuon` takes."""
     kwargs = {"lr": config.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": config.weight_decay}
     muon, params = None, list(model.parameters())
@@ -90,7 +90,7 @@ class PeerTrainer:
         self.torch, self.config, self.model, self.bfloat16 = torch, config, model, bfloat16
         self.device, self.sampler, self.eval_data = device, sampler, eval_data
         self.initial = {name: value.clone() for name, value in model.state_dict().items()}
-        self.optimizer, self.muon, self.adamw = _adamw(torch, model, config)
+        self.optimizer, self.muon, self.adamw = _optimizers(torch, model, config)
         self.forward, self.compile_reason = model, "off: torch_compile=False"
         if torch_compile:
             try:
@@ -145,7 +145,7 @@ class PeerTrainer:
     def restart(self) -> None:
         with self.torch.no_grad():
             self.model.load_state_dict(self.initial)  # in place: a compiled graph stays valid
-        self.optimizer, self.muon, self.adamw = _adamw(self.torch, self.model, self.config)
+        self.optimizer, self.muon, self.adamw = _optimizers(self.torch, self.model, self.config)
 
 
 class PeerLoop(NamedTuple):

@@ -85,7 +85,12 @@ def _add_optimizer_flags(group: Any, d: Any) -> None:
         help=f"adamw for every parameter, or muon for the layers' matrices (peak rate {MUON_LEARNING_RATE}, "
         "following --schedule) with adamw for the rest",
     )
-    group.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (AdamW)")
+    group.add_argument(
+        "--lr",
+        type=float,
+        default=d.lr,
+        help="peak learning rate of AdamW (with --optimizer muon, of the parameters AdamW trains)",
+    )
     group.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
     group.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     group.add_argument("--weight-decay", type=float, default=d.weight_decay)

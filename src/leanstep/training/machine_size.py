@@ -7,8 +7,8 @@ sized for the device and the budget, by a stated rule:
 
 1. Compute: :math:`C = t \cdot P \cdot u`, the budget ``t`` (seconds) times the device's peak
    bfloat16 FLOP/s ``P`` (:data:`leanstep.planning.cost_model.ACCELERATORS`) times the model
-   FLOPs utilization a model this small reaches, :data:`SMALL_MODEL_MFU` (measured: 18% for the
-   10.7 M-parameter model on a TPU v5e).
+   FLOPs utilization a model this small reaches, :data:`SMALL_MODEL_MFU` (measured: 18.4% for the
+   10.9 M-parameter model it picks on a TPU v5e).
 2. Compute-optimal size (Hoffmann et al., 2022: about 20 tokens a parameter, :math:`C = 6ND`):
    :math:`N = \sqrt{C / 120}`.
 3. Shape: width ``d`` the multiple of 128 nearest to :math:`(N / 0.1875)^{1/3}` (a block holds
@@ -42,7 +42,7 @@ SIZED_FIELDS = (
     ("--d-ff", "d_ff"), ("--batch-size", "batch_size"), ("--seq-len", "seq_len"),
     ("--microbatches", "microbatches"), ("--data", "data"),
 )  # fmt: skip
-#: The model FLOPs utilization assumed for the rule's small models (measured 0.18 on a TPU v5e).
+#: The model FLOPs utilization assumed for the rule's small models (measured 0.184 on a TPU v5e).
 SMALL_MODEL_MFU = 0.2
 #: Bytes of context a window holds on an accelerator (a multiple of 128, for the TPU's kernels).
 SEQ_LEN = 512

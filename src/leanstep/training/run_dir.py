@@ -107,7 +107,7 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
         details = ", ".join(f"{flag_of(k)} {then.get(k)!r} (now {getattr(config, k)!r})" for k in different)
         raise ValueError(
             f"--resume: {out!r} belongs to a different config: {details}; give the run's own values to resume it "
-            "(a default may have changed since it started: 0.12 trains Muon on 32 windows of 128 bytes)"
+            "(a default may have changed since it started)"
         )
     return saved
 
