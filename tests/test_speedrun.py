@@ -310,6 +310,26 @@ def test_peer_sizes_its_run_from_the_measured_step_and_stops_within_the_budget(d
     assert math.isfinite(result["heldout_bits_per_byte"])
 
 
+def test_a_peer_stopped_right_after_a_periodic_evaluation_has_one_point_at_its_last_step():
+    # The budget stopped the loop at step 50, just after its evaluation there: the final
+    # evaluation (the same parameters) is the step's one point, as leanstep's loop records it.
+    from types import SimpleNamespace
+
+    from leanstep.bench.torch_peer import PeerLoop
+
+    fake_torch = SimpleNamespace(__version__="0", get_num_threads=lambda: 1)
+    peer = SimpleNamespace(
+        config=RunConfig(**TINY), torch=fake_torch, evaluate=lambda: 2.5, bfloat16=False, forward=None, model=None
+    )
+    peer.compile_reason, peer.adamw, peer.device = "", "", "cpu"
+    loop = PeerLoop([1.0] * 50, [[25, 3.0], [50, 2.6]], 50, 80, True, [0.1] * 50, None, None)
+    result = speedrun_torch._peer_result(peer, loop, start=0.0, budget_s=None, precision_reason="", remat=False, init="")
+    assert result["heldout_curve"] == [[25, 3.0], [50, 2.5]] and result["heldout_bits_per_byte"] == 2.5
+    loop = PeerLoop([1.0] * 49, [[25, 3.0]], 49, 80, True, [0.1] * 49, None, None)
+    result = speedrun_torch._peer_result(peer, loop, start=0.0, budget_s=None, precision_reason="", remat=False, init="")
+    assert result["heldout_curve"] == [[25, 3.0], [49, 2.5]]
+
+
 def test_peer_refuses_a_budget_without_time_for_a_step(data, one_thread):
     pytest.importorskip("torch")
     from leanstep.bench.speedrun_torch import train_torch_peer

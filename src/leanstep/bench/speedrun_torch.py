@@ -132,6 +132,8 @@ def _peer_result(
     began = time.perf_counter()
     bits = peer.evaluate()
     final_eval_s = time.perf_counter() - began
+    if loop.curve and loop.curve[-1][0] == loop.done:  # stopped for time right after a periodic evaluation
+        loop.curve.pop()  # the same parameters: the final evaluation is the step's one point
     loop.curve.append([loop.done, bits])
     train_losses = [float(x) for x in loop.losses[-10:]]
     if loop.budget_plan is None:
