@@ -323,10 +323,14 @@ def test_a_peer_stopped_right_after_a_periodic_evaluation_has_one_point_at_its_l
     )
     peer.compile_reason, peer.adamw, peer.device = "", "", "cpu"
     loop = PeerLoop([1.0] * 50, [[25, 3.0], [50, 2.6]], 50, 80, True, [0.1] * 50, None, None)
-    result = speedrun_torch._peer_result(peer, loop, start=0.0, budget_s=None, precision_reason="", remat=False, init="")
+    result = speedrun_torch._peer_result(
+        peer, loop, start=0.0, budget_s=None, precision_reason="", remat=False, init=""
+    )
     assert result["heldout_curve"] == [[25, 3.0], [50, 2.5]] and result["heldout_bits_per_byte"] == 2.5
     loop = PeerLoop([1.0] * 49, [[25, 3.0]], 49, 80, True, [0.1] * 49, None, None)
-    result = speedrun_torch._peer_result(peer, loop, start=0.0, budget_s=None, precision_reason="", remat=False, init="")
+    result = speedrun_torch._peer_result(
+        peer, loop, start=0.0, budget_s=None, precision_reason="", remat=False, init=""
+    )
     assert result["heldout_curve"] == [[25, 3.0], [49, 2.5]]
 
 
