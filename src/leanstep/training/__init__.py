@@ -13,6 +13,7 @@
     rollback.py     --spike-rollback: settings, decisions (rollbacks.json), data positions
     stops.py        the stop checks: budget, stuck loss scale, signal, --stop-at; EndRun
     step_loop.py    what the loop works with (StepLoop) and compile_step
+    corpus_load.py  --data read on a thread; a slow corpus is read while the step compiles
     finish.py       summary.json and curves.png of a finished run
     budget.py       --time-budget: calibrate, plan, plan again
     stop_signals.py SIGINT/SIGTERM as a stop after the step, never inside a save

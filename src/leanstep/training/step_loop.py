@@ -129,7 +129,12 @@ def compile_step(loop: StepLoop, state: TrainState) -> dict[str, Any]:
     persistent cache, ``"miss"`` when any was compiled and ``"off"`` without a cache, plus
     ``"seconds"``: the whole of it, tracing and lowering included.
     """
+    return compile_program(loop.step_fn, state, step_batch(loop, 0))
+
+
+def compile_program(step_fn: JittedTrainStep, state: TrainState, batch: Any) -> dict[str, Any]:
+    """:func:`compile_step` for ``step_fn``, ``state`` and ``batch`` (any batch of the run's shape and placement)."""
     start = time.perf_counter()
     with CompileCount() as count:
-        loop.step_fn.lower(state, step_batch(loop, 0)).compile()
+        step_fn.lower(state, batch).compile()
     return {**count.to_json(), "seconds": round(time.perf_counter() - start, 4)}

@@ -62,7 +62,8 @@ from leanstep.step.state_sharding import shard_train_state
 from leanstep.training.budget import BudgetPlan, plan_budget
 from leanstep.training.build import Run, build_run
 from leanstep.training.config import RunConfig
-from leanstep.training.data import BatchSampler, Corpus, heldout_batches, load_corpus
+from leanstep.training.corpus_load import QUICK_S, CorpusLoad, EarlyStep, compile_early
+from leanstep.training.data import BatchSampler, Corpus, heldout_batches
 from leanstep.training.finish import finish_run
 from leanstep.training.loop_state import RunStopped
 from leanstep.training.memory_check import check_state_fits
@@ -147,11 +148,11 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
         emit(Note(note))
     if refused is not None and jax.process_count() == 1:
         raise refused
+    compiled: EarlyStep | None = None
     try:
-        corpus = load_corpus(config.data, seq_len=config.seq_len)
-        described = corpus.describe()
-        if refused is None:
-            check_run(config, resume, described)
+        loading = CorpusLoad(config.data, config.seq_len)
+        # A new run's checks do not read the data: a corpus slow to read is read while the step compiles.
+        overlap = not (resume or early or jax.process_count() > 1 or loading.done_within(QUICK_S))
         # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
         sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
         mesh = (
@@ -169,6 +170,11 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
             )
         if config.fsdp and mesh is None:
             raise ValueError("--fsdp shards the state over devices; add --devices N")
+        if overlap:  # nothing is written yet: a corpus that fails still leaves no run directory
+            compiled = compile_early(_initial_state(run, mesh, config.fsdp), run.make_step(mesh=mesh), config, mesh)
+        corpus, described = loading.result()
+        if refused is None:
+            check_run(config, resume, described)
         if lock is not None and not early:
             refused = _take(lock)
             if refused is None:
@@ -184,7 +190,7 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
             lock.release()
         raise
     try:
-        return _train_locked(_Setup(config, run, resume, corpus, described, mesh, emit, lock, origin))
+        return _train_locked(_Setup(config, run, resume, corpus, described, mesh, emit, lock, origin, compiled))
     finally:
         if lock is not None:
             lock.release()
@@ -214,6 +220,7 @@ class _Setup:
     emit: Callable[..., None]
     lock: RunLock | None
     origin: float  # time.perf_counter() when train() began
+    early: EarlyStep | None = None  # the step, compiled while the corpus was read
 
     @property
     def primary(self) -> bool:
@@ -223,10 +230,11 @@ class _Setup:
 
 def _train_locked(setup: _Setup) -> dict[str, Any]:
     """:func:`train` from the moment it holds the run directory: compile, plan, open, resume, step, finish."""
-    template = _initial_state(setup)
+    early = setup.early
+    template = _initial_state(setup.run, setup.mesh, setup.config.fsdp) if early is None else early.template
     # The evaluation compiles beside the step (and matplotlib loads, for a run that draws its chart).
     loop = warming_up(_make_loop(setup), template.params, chart=setup.config.chart)
-    step_compile = compile_step(loop, template)
+    step_compile = compile_step(loop, template) if early is None else early.compiled
     plan = None
     if setup.config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
         plan = _plan(loop, template, step_compile["seconds"])
@@ -252,11 +260,11 @@ def _train_locked(setup: _Setup) -> dict[str, Any]:
     )
 
 
-def _initial_state(setup: _Setup) -> TrainState:
+def _initial_state(run: Run, mesh: Mesh | None, fsdp: bool) -> TrainState:
     """The run's initial state, placed as a restored one is, so that a new run and a resumed one share programs."""
-    template = setup.run.init_state()
-    if setup.mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
-        return shard_train_state(template, setup.mesh, fsdp=setup.config.fsdp, rules=setup.run.model.rules)
+    template = run.init_state()
+    if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
+        return shard_train_state(template, mesh, fsdp=fsdp, rules=run.model.rules)
     return jax.device_put(template, jax.devices()[0])  # committed to its device, as a restored state is
 
 
@@ -268,7 +276,7 @@ def _make_loop(setup: _Setup) -> StepLoop:
         config=config,
         checkpointer=None,
         metrics_path=Path(config.out) / "metrics.jsonl" if setup.primary else None,
-        step_fn=run.make_step(mesh=mesh),
+        step_fn=run.make_step(mesh=mesh) if setup.early is None else setup.early.step_fn,
         # A replicated result: one scalar every process can read.
         eval_fn=jax.jit(
             lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
