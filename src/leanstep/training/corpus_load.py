@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -27,7 +28,7 @@ from leanstep.step.state import TrainState
 from leanstep.step.train_step import JittedTrainStep
 from leanstep.training.config import RunConfig
 from leanstep.training.data import Corpus, load_corpus
-from leanstep.training.step_loop import compile_program
+from leanstep.training.step_loop import compile_program, in_background, place_eval_batch
 
 __all__ = ["QUICK_S", "CorpusLoad", "EarlyStep", "compile_early"]
 
@@ -80,15 +81,27 @@ class EarlyStep(NamedTuple):
 
     template: TrainState  # the initial state, placed (the step was compiled for it)
     step_fn: JittedTrainStep  # the step, its executable in ``jit``'s cache
+    eval_fn: Any  # the evaluation, compiled (on a thread) for a held-out batch of the usual shape
     compiled: dict[str, Any]  # compile_program's record, for config.json and the budget's plan
 
 
-def compile_early(template: TrainState, step_fn: JittedTrainStep, config: RunConfig, mesh: Mesh | None) -> EarlyStep:
-    """``step_fn`` compiled for ``template`` and a batch of the run's shape, placed as the run's batches are.
+def compile_early(
+    template: TrainState, step_fn: JittedTrainStep, eval_fn: Any, config: RunConfig, mesh: Mesh | None
+) -> EarlyStep:
+    """``step_fn`` compiled for ``template`` and a batch of the run's shape, placed as the run's batches
+    are; ``eval_fn`` compiled beside it, on a thread (:func:`leanstep.training.step_loop.in_background`).
 
     The stand-in batch has the shape, dtype and placement of :meth:`BatchSampler.batch_at`'s, so the
-    run's first step finds this executable in ``jit``'s cache.
+    run's first step finds this executable in ``jit``'s cache. The evaluation's stand-in is a full
+    held-out batch (``batch_size`` rows, placed as :func:`leanstep.training.step_loop.place_eval_batch`
+    places one): a held-out part shorter than one batch makes a smaller one, compiled when the
+    evaluation warms up, as it would have been.
     """
     batch = {"tokens": np.zeros((config.batch_size, config.seq_len + 1), np.int32)}
+    held_out = batch if mesh is None else place_eval_batch(batch, mesh)
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if mesh is None else x.sharding), template.params
+    )
+    in_background(lambda: eval_fn.lower(params, held_out).compile())  # joined at exit if still running
     placed = batch if mesh is None else shard_batch(batch, mesh)
-    return EarlyStep(template, step_fn, compile_program(step_fn, template, placed))
+    return EarlyStep(template, step_fn, eval_fn, compile_program(step_fn, template, placed))

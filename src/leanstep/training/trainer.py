@@ -171,7 +171,8 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
         if config.fsdp and mesh is None:
             raise ValueError("--fsdp shards the state over devices; add --devices N")
         if overlap:  # nothing is written yet: a corpus that fails still leaves no run directory
-            compiled = compile_early(_initial_state(run, mesh, config.fsdp), run.make_step(mesh=mesh), config, mesh)
+            template = _initial_state(run, mesh, config.fsdp)
+            compiled = compile_early(template, run.make_step(mesh=mesh), _eval_fn(run, mesh), config, mesh)
         corpus, described = loading.result()
         if refused is None:
             check_run(config, resume, described)
@@ -277,17 +278,21 @@ def _make_loop(setup: _Setup) -> StepLoop:
         checkpointer=None,
         metrics_path=Path(config.out) / "metrics.jsonl" if setup.primary else None,
         step_fn=run.make_step(mesh=mesh) if setup.early is None else setup.early.step_fn,
-        # A replicated result: one scalar every process can read.
-        eval_fn=jax.jit(
-            lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
-            out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()),
-        ),
+        eval_fn=_eval_fn(run, mesh) if setup.early is None else setup.early.eval_fn,
         sampler=BatchSampler(setup.corpus.train, config.batch_size, config.seq_len, config.seed),
         eval_data=eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data],
         schedule=run.schedule,
         emit=setup.emit if setup.primary else _ignore,
         mesh=mesh,
         origin=setup.origin,
+    )
+
+
+def _eval_fn(run: Run, mesh: Mesh | None) -> Any:
+    """The held-out loss of params on a batch, jitted; a replicated result: one scalar every process can read."""
+    return jax.jit(
+        lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
+        out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()),
     )
 
 
