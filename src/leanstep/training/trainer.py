@@ -221,7 +221,7 @@ class _Setup:
     emit: Callable[..., None]
     lock: RunLock | None
     origin: float  # time.perf_counter() when train() began
-    early: EarlyStep | None = None  # the step, compiled while the corpus was read
+    precompiled: EarlyStep | None = None  # the step and evaluation, compiled while the corpus was read
 
     @property
     def primary(self) -> bool:
@@ -231,11 +231,11 @@ class _Setup:
 
 def _train_locked(setup: _Setup) -> dict[str, Any]:
     """:func:`train` from the moment it holds the run directory: compile, plan, open, resume, step, finish."""
-    early = setup.early
-    template = _initial_state(setup.run, setup.mesh, setup.config.fsdp) if early is None else early.template
+    precompiled = setup.precompiled
+    template = _initial_state(setup.run, setup.mesh, setup.config.fsdp) if precompiled is None else precompiled.template
     # The evaluation compiles beside the step (and matplotlib loads, for a run that draws its chart).
     loop = warming_up(_make_loop(setup), template.params, chart=setup.config.chart)
-    step_compile = compile_step(loop, template) if early is None else early.compiled
+    step_compile = compile_step(loop, template) if precompiled is None else precompiled.compiled
     plan = None
     if setup.config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
         plan = _plan(loop, template, step_compile["seconds"])
@@ -277,8 +277,8 @@ def _make_loop(setup: _Setup) -> StepLoop:
         config=config,
         checkpointer=None,
         metrics_path=Path(config.out) / "metrics.jsonl" if setup.primary else None,
-        step_fn=run.make_step(mesh=mesh) if setup.early is None else setup.early.step_fn,
-        eval_fn=_eval_fn(run, mesh) if setup.early is None else setup.early.eval_fn,
+        step_fn=run.make_step(mesh=mesh) if setup.precompiled is None else setup.precompiled.step_fn,
+        eval_fn=_eval_fn(run, mesh) if setup.precompiled is None else setup.precompiled.eval_fn,
         sampler=BatchSampler(setup.corpus.train, config.batch_size, config.seq_len, config.seed),
         eval_data=eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data],
         schedule=run.schedule,
