@@ -8,10 +8,13 @@ compiles without holding the GIL and reading files is mostly system calls, so th
 :func:`leanstep.training.train` starts a :class:`CorpusLoad` where it used to read the corpus, and
 waits up to :data:`QUICK_S` for it. A corpus read by then (the standard library's default corpus
 takes 0.04 s on the 2-core CPU) starts the run exactly as before. A slower one, for a new run of
-one process into a directory that does not exist yet, lets the step compile first
-(:func:`compile_early`); only then is the corpus waited for, its errors raised, and the run
+one process into a directory that does not exist yet, lets the step and the evaluation compile
+first (:func:`compile_early`); only then is the corpus waited for, its errors raised, and the run
 directory made, so a run refused for its data still writes nothing. A resumed run compares its
 data with the saved run's before anything else, so it waits for the corpus as before.
+
+Measured on that TPU v5e, one machine, the compile cache off and the files in the page cache for
+both: the run planned its steps at 37.9 s instead of 45.2 and took 943 steps instead of 890.
 """
 
 from __future__ import annotations
