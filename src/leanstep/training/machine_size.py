@@ -21,8 +21,10 @@ sized for the device and the budget, by a stated rule:
    package's source for training, the standard library's default held-out files for scoring.
 
 The rule runs only when none of the flags it sets is given (:data:`SIZED_FIELDS`), the model is
-the transformer and no mesh, memory budget or second process is asked for; the fields it chose are written to ``config.json`` as if given, so a resumed run
-keeps them.
+the transformer and no mesh, memory budget or second process is asked for. The fields it chose are
+written to ``config.json`` as the run's. ``--resume`` sizes again: the rule is a function of the
+device kind, its memory and the budget, so the same machine gives the same fields, and a run
+resumed on another is refused, naming the flags that differ (``run_dir.saved_run``).
 """
 
 from __future__ import annotations

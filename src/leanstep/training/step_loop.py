@@ -113,11 +113,17 @@ def warming_up(loop: StepLoop, params: Any, *, chart: bool = True) -> StepLoop:
     """
     calls: list[Callable[[], Any]] = [_import_chart] if chart else []
     if loop.eval_data:
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if loop.mesh is None else x.sharding), params
-        )
-        calls.insert(0, lambda: loop.eval_fn.lower(abstract, loop.eval_data[0]).compile())
+        calls.insert(0, functools.partial(compile_eval, loop.eval_fn, params, loop.eval_data[0], loop.mesh))
     return dataclasses.replace(loop, eval_ready=in_background(*calls))
+
+
+def compile_eval(eval_fn: Any, params: Any, batch: Any, mesh: Mesh | None) -> None:
+    """``eval_fn`` compiled for ``batch`` and a shape-only stand-in of ``params`` (the step donates
+    the state), placed as the step's params are: uncommitted on one device, else on ``mesh``."""
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=None if mesh is None else x.sharding), params
+    )
+    eval_fn.lower(abstract, batch).compile()
 
 
 def compile_step(loop: StepLoop, state: TrainState) -> dict[str, Any]:
