@@ -20,7 +20,7 @@ import tempfile
 # The suite's cost is compiling (a few step programs a test), not running them, so it compiles
 # for speed: LLVM's optimizations off, and XLA:CPU's older loop emitters instead of its fusion
 # emitters (a tiny transformer step: 5.0 s at XLA's defaults, 2.5 s with LLVM's optimizations
-# off, 1.0 s with the older emitters too; 20 verify configurations in the suite, 348 -> 181 s). Neither
+# off, 1.0 s with the older emitters too; the suite's then 20 verify configurations, 348 -> 181 s). Neither
 # changes an op's semantics (fast math stays off, and the bit-exact tests against op-by-op and
 # float64 references hold), but the older emitters contract multiply-adds into FMA instructions
 # differently in two programs that compute the same sum, which the bit-identity tests between two

@@ -26,7 +26,7 @@ from leanstep.training.run_lock import LOCK_NAME, RunDirectoryInUse, RunLock
 from workers import child_env
 
 WORKER = Path(__file__).with_name("concurrency_worker.py")
-TRIALS = 20
+TRIALS = 10
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def trials(tmp_path_factory, corpus) -> dict[str, list[dict]]:
     return results
 
 
-@pytest.mark.slow  # a 20-trial campaign
+@pytest.mark.slow  # a 10-trial campaign
 def test_two_writers_at_random_offsets_never_mix_and_always_resume_bit_identical(trials):
     results = trials["writers"]
     assert len(results) == TRIALS
@@ -79,7 +79,7 @@ def test_two_writers_at_random_offsets_never_mix_and_always_resume_bit_identical
     assert sum("in use" in r["outcomes"] for r in results) >= TRIALS // 4, results
 
 
-@pytest.mark.slow  # a 20-trial campaign
+@pytest.mark.slow  # a 10-trial campaign
 def test_double_and_triple_signals_during_a_save_commit_it_then_stop(trials):
     results = trials["signals"]
     assert len(results) == TRIALS
