@@ -80,6 +80,8 @@ def test_two_processes_join_and_train(tmp_path):
     for i in range(2):
         command = [*LEANSTEP, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
         flags = ["--devices", "1", "--steps", "3", "--eval-every", "3", "--out", str(tmp_path / "run")]  # one folder
+        # The tiny model: what is tested is that the processes join and train, not what they train.
+        flags += ["--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--eval-batches", "1"]
         logs.append(tmp_path / f"stderr{i}.txt")
         with logs[-1].open("w") as log:  # files, not pipes: a full pipe would stall its process's collectives
             procs.append(subprocess.Popen([*command, *flags], stdout=subprocess.DEVNULL, stderr=log, env=_env()))
