@@ -12,7 +12,6 @@ check, the mesh layout among them, in one subprocess with 4 simulated devices. S
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import sys
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from covering import Pair, covering
+from covering import pairs as _pairs
 from workers import run_worker
 
 COUNT = 10
@@ -60,23 +61,17 @@ def draws(count: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def pairs(case: dict) -> set[tuple[str, str, str, str]]:
+def pairs(case: dict) -> set[Pair]:
     """The pairs of settings ``case`` holds: ``(factor, value, other factor, its value)``."""
     values = {**case["fields"], "layout": case["layout"]}
     if values["model"] != "transformer":  # an MLP has no FP8 recipe: its "none" covers nothing of FP8's
         values["fp8"] = "n/a"
-    return {(a, str(values[a]), b, str(values[b])) for a, b in itertools.combinations(FACTORS, 2)}
+    return _pairs(values, FACTORS)
 
 
 def configurations(count: int = COUNT) -> list[dict]:
-    """``count`` draws of :func:`draws`, each adding the most pairs not yet covered (the first such draw)."""
-    pool = [(case, pairs(case)) for case in draws(POOL, seed=1)]
-    chosen, covered = [], set()
-    for _ in range(count):
-        case, held = max(pool, key=lambda entry: len(entry[1] - covered))
-        chosen.append(case)
-        covered |= held
-    return chosen
+    """``count`` draws of :func:`draws`, each adding the most pairs not yet covered (tests/covering.py)."""
+    return covering(draws(POOL, seed=1), pairs, count)
 
 
 def worker(out: Path) -> None:
