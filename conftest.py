@@ -127,8 +127,8 @@ def _float32_matmuls_where_marked(request):
         yield
 
 
-#: The files that take longest, longest first (seconds of the suite's profile on the 2-core Xeon,
-#: 2026-12-07: ``LEANSTEP_TEST_DURATIONS=FILE`` then ``python tests/durations.py FILE``). pytest-xdist hands
+#: The files that take longest, longest first (seconds of the suite's profile on the 2-core Xeon at
+#: 16a4542, 2026-12-07: ``LEANSTEP_TEST_DURATIONS=FILE`` then ``python tests/durations.py FILE``). pytest-xdist hands
 #: each worker one file at a time in collection order (``--dist loadfile --no-loadscope-reorder``);
 #: by default it orders files by their number of tests, which gave a 133-s file of two tests out
 #: last, to one worker while the other stood idle. Longest first, the workers end together. A name
@@ -138,7 +138,7 @@ LONGEST_FIRST = (
     "tests/test_verification.py",  # 59
     "tests/test_compile_cache.py",  # 57
     "tests/test_chunked_update.py",  # 50
-    "tests/test_run_startup_faults.py",  # 40
+    "tests/test_run_startup_faults.py",  # 48 (less since: 4 of its trials went)
     "tests/test_offload.py",  # 39
     "tests/test_lean_state_defects.py",  # 35
     "tests/test_reliability_faults.py",  # 32
@@ -147,11 +147,11 @@ LONGEST_FIRST = (
     "tests/test_reliability_concurrency.py",  # 28
     "tests/test_fp8_composition.py",  # 22
     "tests/test_time_budget.py",  # 21
+    "tests/test_verification_defects.py",  # 20 (less since: 10 padded setups of 20)
     "tests/test_train_cli.py",  # 19
     "tests/test_cluster_planning.py",  # 16
     "tests/test_speedrun.py",  # 16
     "tests/test_fp8_train.py",  # 16
-    "tests/test_verification_defects.py",  # 14
 )
 
 
