@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from leanstep.common.checks import is_int, same_treedef
+from leanstep.common.checks import is_int
 
 __all__ = [
     "MOMENT_DTYPES",
@@ -252,19 +252,29 @@ class _Form(NamedTuple):
 
 
 def _params_shaped(node: Any, template: Any) -> bool:
-    """Whether ``node`` (a state subtree, maybe compressed) is floating and has the params' structure and shapes."""
-    quantized = lambda x: isinstance(x, QuantizedArray)
-    leaves = jax.tree.leaves(node, is_leaf=quantized)
-    if not jax.tree.leaves(template) or not same_treedef(
-        jax.tree.structure(node, is_leaf=quantized), jax.tree.structure(template)
-    ):
+    """Whether ``node`` (a state subtree, maybe compressed) holds a floating array of each parameter's
+    shape at its place, or an ``optax.MaskedNode`` where a ``masked`` (``partition``, Muon) optimizer
+    leaves it to another part; at least one array."""
+    template_leaves, template_def = jax.tree.flatten(template)
+    if not template_leaves:
         return False
-    floating = lambda x: quantized(x) or jnp.issubdtype(jnp.result_type(x), jnp.floating)
-    if not all(floating(x) for x in leaves):  # a step count is no moment, even beside a scalar parameter
+    try:
+        subs = template_def.flatten_up_to(node)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef
+    except (ValueError, TypeError):  # another structure
         return False
-    return [x.shape if quantized(x) else tuple(jnp.shape(x)) for x in leaves] == [
-        tuple(jnp.shape(p)) for p in jax.tree.leaves(template)
-    ]
+    arrays = [(sub, param) for sub, param in zip(subs, template_leaves) if not isinstance(sub, optax.MaskedNode)]
+    for sub, param in arrays:
+        if isinstance(sub, QuantizedArray):
+            shape = sub.shape
+        elif sub is not None and jax.tree_util.treedef_is_leaf(jax.tree.structure(sub)):
+            if not jnp.issubdtype(jnp.result_type(sub), jnp.floating):  # a count is no moment, even beside a scalar
+                return False
+            shape = tuple(jnp.shape(sub))
+        else:
+            return False
+        if shape != tuple(jnp.shape(param)):
+            return False
+    return bool(arrays)
 
 
 def _moment_fields(node: Any) -> dict[str, bool]:
