@@ -10,7 +10,8 @@ norm, have a finite gradient at zero, let NaN show in the norm, and validate ``m
 from __future__ import annotations
 
 import math
-from typing import TypeVar
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +22,12 @@ from jax.typing import ArrayLike
 from leanstep.common.checks import FLOAT32_RANGE, is_normal_float32
 
 __all__ = [
+    "NormParts",
     "clip_by_global_norm",
     "clip_by_global_norm_transform",
+    "clip_leaves",
     "global_norm",
+    "norm_parts",
 ]
 
 Tree = TypeVar("Tree")
@@ -67,6 +71,85 @@ def _safe_sqrt(sum_sq: jax.Array) -> jax.Array:
     return jnp.where(is_zero, jnp.zeros_like(sum_sq), jnp.sqrt(safe))
 
 
+def _times_power_of_two(x: jax.Array, exponent: jax.Array) -> jax.Array:
+    """``x * 2**exponent``, exactly, as two products by powers of two within ``2**±75``: neither
+    factor is a denormal (a TPU flushes ``2**-128`` to 0) nor overflows (``2**128``)."""
+    half = exponent // 2
+    return x * _power_of_two(half, x.dtype) * _power_of_two(exponent - half, x.dtype)
+
+
+def _power_of_two(k: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """``2**k`` for an int ``k`` in the dtype's normal range, from its bits (``exp2`` may round)."""
+    info = jnp.finfo(dtype)
+    bits = jnp.int64 if info.bits == 64 else jnp.int32
+    biased = (k.astype(bits) - info.minexp + 1) << (info.nmant)
+    return jax.lax.bitcast_convert_type(biased.astype(bits), dtype)
+
+
+class NormParts(NamedTuple):
+    r"""A global norm as ``2**exponent * sqrt(total)``, exact where its squares would overflow.
+
+    .. code-block:: text
+
+        e     = the exponent of max |g_i|: 2**(e-1) <= max |g_i| < 2**e (0 for zeros, inf or NaN)
+        total = sum of (g_i * 2**-e)**2, each term at most 1
+
+    Scaling by a power of two is exact, and so is a square root's of ``4**-e``: the norm is the
+    unscaled sum's root to the bit wherever that sum neither overflows nor underflows, and finite
+    wherever it is at most the dtype's largest value (entries of 1e20 square past float32's).
+
+    Attributes:
+      exponent: int32, ``e``.
+      total: the sum of the squares of the scaled entries (float32, float64 under x64).
+      finite: bool, whether every entry is finite.
+    """
+
+    exponent: jax.Array
+    total: jax.Array
+    finite: jax.Array
+
+    @property
+    def norm(self) -> jax.Array:
+        """``2**exponent * sqrt(total)``: the norm, ``inf`` only where it exceeds the dtype's largest value."""
+        return _times_power_of_two(_safe_sqrt(self.total), self.exponent)
+
+    def clip_factors(self, max_norm: ArrayLike) -> tuple[jax.Array, jax.Array]:
+        """``(k, f)``: an entry ``g`` clipped to ``max_norm`` is ``g * 2**k * f``. ``(0, 1)`` where
+        the norm is at most ``max_norm``; ``(-exponent, max_norm / sqrt(total))`` otherwise, so
+        that a finite gradient whose norm exceeds the dtype is clipped right (``max_norm / norm``
+        would be a denormal, flushed to 0); NaN for a NaN entry, 0 (and NaN at the inf) for an inf."""
+        limit = jnp.asarray(max_norm).astype(self.total.dtype)
+        # ``norm <= limit`` is False for NaN, so a NaN norm gives f = NaN (visible), and
+        # the inner where keeps the division away from a zero norm, whose gradient would be NaN.
+        within = self.norm <= limit
+        one = jnp.ones_like(self.total)
+        factor = jnp.where(within, one, limit / jnp.where(within, one, _safe_sqrt(self.total)))
+        return jnp.where(within, 0, -self.exponent), factor
+
+
+def norm_parts(tree: object, prepare: Callable[[list[jax.Array]], list[jax.Array]] = list) -> NormParts:
+    """The global norm of ``prepare(leaves of tree)`` as :class:`NormParts`, squared and summed in
+    at least float32.
+
+    Two reductions over the leaves: the largest magnitude, then the sum of squares scaled by its
+    power of two. ``prepare`` (the loss scale's unscaling, say) is applied to the leaves inside
+    each, so that XLA fuses it into both and never keeps its result whole.
+
+    Raises:
+      TypeError: a leaf does not have a floating dtype.
+    """
+    leaves = _float_leaves(tree, "tree")
+    if not leaves:
+        return NormParts(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32), jnp.ones((), bool))
+    wide = [x.astype(_compute_dtype(x.dtype)) for x in prepare(leaves)]
+    dtype = jnp.result_type(*wide)
+    peak = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0).astype(dtype) for x in wide]))
+    usable = jnp.isfinite(peak) & (peak > 0)  # max propagates NaN
+    exponent = jnp.where(usable, jnp.frexp(jnp.where(usable, peak, 1))[1], 0).astype(jnp.int32)
+    total = _sum_of_squares([_times_power_of_two(x, -exponent) for x in wide])
+    return NormParts(exponent, total, jnp.isfinite(peak) & jnp.isfinite(total))
+
+
 def global_norm(tree: object) -> jax.Array:
     r"""Return the L2 norm of all leaves of ``tree`` taken together, as float32.
 
@@ -80,9 +163,13 @@ def global_norm(tree: object) -> jax.Array:
     float64. The result is always a float32 scalar; for float64 trees that is one final
     rounding of an exact-as-possible float64 norm.
 
+    The squares are summed with every entry scaled by the power of two above the largest
+    magnitude, and the root scaled back (:func:`norm_parts`), so squares past float32's range
+    (entries above about 1.8e19) do not overflow it: the norm is ``inf`` only where it exceeds
+    float32's largest value itself.
     The value and the gradient are safe at zero: ``jax.grad(global_norm)`` at an all-zero
     tree is all zeros, not NaN. A NaN anywhere in the tree gives a NaN norm, an ``inf``
-    gives ``inf``; so does a float32 sum of squares that overflows (norm above ~1.8e19).
+    gives ``inf``.
 
     Args:
       tree: a pytree of floating-point arrays (any shapes, including empty arrays).
@@ -100,10 +187,12 @@ def global_norm(tree: object) -> jax.Array:
       Array(5., dtype=float32)
       >>> global_norm([jnp.full((9000,), 100.0, jnp.bfloat16)])  # optax says 9472
       Array(9486.833, dtype=float32)
+      >>> global_norm({"w": jnp.array([3e20, 4e20])})  # its squares overflow float32
+      Array(5.e+20, dtype=float32)
       >>> jax.grad(global_norm)(jnp.zeros(3))
       Array([0., 0., 0.], dtype=float32)
     """
-    return _safe_sqrt(_sum_of_squares(_float_leaves(tree, "tree"))).astype(jnp.float32)
+    return norm_parts(tree).norm.astype(jnp.float32)
 
 
 def _check_max_norm(max_norm: ArrayLike) -> None:
@@ -151,8 +240,12 @@ def clip_by_global_norm(tree: Tree, max_norm: ArrayLike) -> tuple[Tree, jax.Arra
       clipped output with respect to the input is finite there;
     * a NaN in the tree gives a NaN norm and ``s = NaN``, so **every** clipped leaf is
       NaN (never a silently half-clipped update; check ``jnp.isfinite(norm)``);
-    * an ``inf`` (or a norm overflowing float32) gives norm ``inf`` and ``s = 0``:
-      finite entries become 0 and infinite ones NaN.
+    * an ``inf`` gives norm ``inf`` and ``s = 0``: finite entries become 0 and infinite
+      ones NaN;
+    * a finite tree whose squares overflow float32 is clipped as any other: its squares are
+      summed scaled by a power of two (:func:`norm_parts`), and ``s`` is taken from those parts
+      (:meth:`NormParts.clip_factors`), so it is right even where the norm itself exceeds
+      float32 (the returned norm is then ``inf``).
 
     Args:
       tree: a pytree of floating-point arrays.
@@ -186,18 +279,20 @@ def clip_by_global_norm(tree: Tree, max_norm: ArrayLike) -> tuple[Tree, jax.Arra
     arrays = _float_leaves(tree, "tree")
     treedef = jax.tree.structure(tree)
     # float32 unless a leaf is float64; then s is float64 too, not rounded to float32.
-    wide_norm = _safe_sqrt(_sum_of_squares(arrays))
-    limit = jnp.asarray(max_norm).astype(wide_norm.dtype)
-    # ``norm <= limit`` is False for NaN, so a NaN norm gives s = NaN (visible), and
-    # the inner where keeps c / norm away from norm = 0, whose gradient would be NaN.
-    within = wide_norm <= limit
-    safe_norm = jnp.where(within, jnp.ones_like(wide_norm), wide_norm)
-    scale = jnp.where(within, jnp.ones_like(wide_norm), limit / safe_norm)
-    clipped = []
-    for leaf in arrays:
-        compute = _compute_dtype(leaf.dtype)
-        clipped.append((leaf.astype(compute) * scale.astype(compute)).astype(leaf.dtype))
-    return jax.tree.unflatten(treedef, clipped), wide_norm.astype(jnp.float32)
+    parts = norm_parts(arrays)
+    return jax.tree.unflatten(treedef, clip_leaves(arrays, parts, max_norm)), parts.norm.astype(jnp.float32)
+
+
+def clip_leaves(leaves: list[jax.Array], parts: NormParts, max_norm: ArrayLike) -> list[jax.Array]:
+    """``leaves`` clipped by ``parts.clip_factors(max_norm)``, each in ``promote_types(dtype, float32)``
+    and cast back to its dtype (the clip of :func:`clip_by_global_norm`, from norm parts already had)."""
+    exponent, factor = parts.clip_factors(max_norm)
+
+    def clip(x: jax.Array) -> jax.Array:
+        compute = _compute_dtype(x.dtype)
+        return (_times_power_of_two(x.astype(compute), exponent) * factor.astype(compute)).astype(x.dtype)
+
+    return [clip(x) for x in leaves]
 
 
 def clip_by_global_norm_transform(max_norm: ArrayLike) -> optax.GradientTransformation:

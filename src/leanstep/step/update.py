@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from leanstep.blocks.clipping import clip_by_global_norm, global_norm
+from leanstep.blocks.clipping import NormParts, clip_leaves, global_norm, norm_parts
 from leanstep.blocks.fp8_state import has_fp8, merge_fp8, overwrite_fp8, split_fp8
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
@@ -94,8 +94,8 @@ def _saturating_increment(count: jax.Array) -> jax.Array:
 
 def _decide(
     scaled_grads: Any, params: Any, loss_scale: LossScale, max_grad_norm: float | None, loss: Any, new_fp8: Any
-) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
-    """The unscaled, clipped gradient, whether it is finite, its norm before clipping, and whether it was clipped."""
+) -> tuple[Any, jax.Array, NormParts, jax.Array]:
+    """The unscaled, clipped gradient, whether it is finite, its norm before clipping (in parts), and whether it was clipped."""
     check_grads(scaled_grads, params)
     grads = loss_scale.unscale(scaled_grads)
     # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
@@ -104,14 +104,17 @@ def _decide(
     # would freeze that scale until the inf leaves the history.
     finite = all_finite(new_fp8)
     finite = finite if loss is None else finite & jnp.isfinite(loss)
+    # The norm's two reductions (the largest magnitude, then the squares scaled by its power of two,
+    # so that entries of 1e20 do not overflow them) decide finiteness too. They read the scaled
+    # gradient, unscaling inside each: XLA:CPU kept every leaf's unscaled copy live for a second
+    # pass, 4 bytes a parameter at the step's peak (docs/lean-state.md).
+    parts = norm_parts(scaled_grads, loss_scale.unscale)
+    finite = finite & parts.finite
     if max_grad_norm is None:
-        return grads, finite & all_finite(grads), global_norm(grads), jnp.zeros((), bool)
-    grads, grad_norm = clip_by_global_norm(grads, max_grad_norm)
-    # A non-finite entry makes the norm non-finite (its square is inf or NaN), and a finite
-    # gradient whose float32 norm overflows would be clipped to zero, not applied: the norm's
-    # test covers both, and reads the gradient once (XLA:CPU kept every leaf's unscaled copy
-    # live for a second pass, 4 bytes a parameter at the step's peak; docs/lean-state.md).
-    return grads, finite & jnp.isfinite(grad_norm), grad_norm, grad_norm > max_grad_norm
+        return grads, finite, parts, jnp.zeros((), bool)
+    leaves, treedef = jax.tree.flatten(grads)
+    clipped = jax.tree.unflatten(treedef, clip_leaves(leaves, parts, max_grad_norm))
+    return clipped, finite, parts, parts.norm > max_grad_norm
 
 
 def _checked_update(
@@ -128,7 +131,8 @@ def _checked_update(
     """The optimizer's updates and next state (that state kept as it was unless applied);
     ``spike(finite, grad_norm, updates)`` says whether a finite step is skipped for a spike;
     ``new_fp8``, the FP8 state the step would write, must be finite too."""
-    grads, finite, grad_norm, clipped = _decide(scaled_grads, params, loss_scale, max_grad_norm, loss, new_fp8)
+    grads, finite, parts, clipped = _decide(scaled_grads, params, loss_scale, max_grad_norm, loss, new_fp8)
+    grad_norm = parts.norm.astype(jnp.float32)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     spiked = jnp.zeros((), bool) if spike is None else spike(finite, grad_norm, updates)
@@ -163,8 +167,8 @@ def guarded_update(
       spike_guard: a :class:`leanstep.SpikeGuard` (the state built with it) that skips a finite
         step whose loss or gradient norm leaps past its window; None: none.
       update_chunk: apply the optimizer in chunks of at most this many entries, one after
-        another, so that one chunk's float32 widening is live at a time (bit-identical;
-        :mod:`leanstep.step.update_chunks`); ``"auto"``: chunks of ``DEFAULT_UPDATE_CHUNK``
+        another, so that one chunk's float32 widening is live at a time (the whole tree's
+        operations, rounded as XLA compiles them: :mod:`leanstep.step.update_chunks`); ``"auto"``: chunks of ``DEFAULT_UPDATE_CHUNK``
         where the optimizer allows it, else the whole tree; None: the whole tree at once.
 
     Returns:
@@ -208,12 +212,13 @@ def guarded_update(
 
     plan = update_plan(state, wide, update_chunk, spike_guard)  # an offloaded state: update_offload_plan
     if plan is not None:
-        _, finite, grad_norm, clipped = _decide(scaled_grads, wide, state.loss_scale, max_grad_norm, loss, new_fp8)
+        _, finite, parts, clipped = _decide(scaled_grads, wide, state.loss_scale, max_grad_norm, loss, new_fp8)
+        grad_norm = parts.norm.astype(jnp.float32)
         spiked = jnp.zeros((), bool) if spike_guard is None else spike(finite, grad_norm, None)
         info = UpdateInfo(grad_norm, finite, clipped & finite & ~spiked, spiked)
         scale = None if spike_guard is None else state.spike.update_scale
         new_params, opt_state, master_error = chunked_update(
-            state, params, scaled_grads, plan, info.applied, grad_norm, max_grad_norm, _rounding_key(state), scale
+            state, params, scaled_grads, plan, info.applied, parts, max_grad_norm, _rounding_key(state), scale
         )
     else:
         updates, opt_state, info = _checked_update(

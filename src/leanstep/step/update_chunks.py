@@ -17,9 +17,10 @@ peak rises above float32 state's. Here the parameters are cut into chunks of at 
 
 Each chunk calls ``optimizer.update`` on the whole trees with its own leaves (or slices) in
 place, so masks and schedules see the structure they expect; what the other leaves would get is
-dead code, removed by XLA. The result is bit-identical to the unchunked update: the update of
-parameter ``i`` must depend on nothing of another parameter, and be split along its rows only if
-it keeps them apart, both read from the optimizer's jaxpr (:mod:`leanstep.step.update_dependence`);
+dead code, removed by XLA. Each entry is computed with the unchunked update's operations: the
+update of parameter ``i`` must depend on nothing of another parameter, and be split along its rows
+only if it keeps them apart (no value of an entry's position, as noise drawn for a shape), both
+read from the optimizer's jaxpr (:mod:`leanstep.step.update_dependence`);
 scalar state (counts, schedules) is shared by the chunks and taken from the first. Stochastic
 rounding of bfloat16 masters draws, for a slice, the bits its rows take in the whole leaf
 (:func:`leanstep.blocks.masters.rows_bits`).
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from leanstep.blocks.clipping import NormParts, clip_leaves
 from leanstep.blocks.masters import apply_to_master, rows_can_split
 from leanstep.blocks.moments import QuantizedArray
 from leanstep.step.update_dependence import update_dependence
@@ -339,26 +341,19 @@ def _assemble(
     return new_params, jax.tree.unflatten(inputs.state_def, parts), errors
 
 
-def _prepare(loss_scale: Any, grad_norm: jax.Array, max_grad_norm: float | None) -> Callable[[list[Any]], list[Any]]:
+def _prepare(loss_scale: Any, norm: NormParts, max_grad_norm: float | None) -> Callable[[list[Any]], list[Any]]:
     """Scaled gradient leaves -> unscaled and clipped, entry by entry as the whole tree is
-    (:func:`leanstep.blocks.clipping.clip_by_global_norm`'s scale, from the same norm)."""
+    (:func:`leanstep.blocks.clipping.clip_leaves`, from the same norm)."""
 
     def prepare(leaves: list[Any]) -> list[Any]:
-        grads = loss_scale.unscale(leaves)
-        if max_grad_norm is None:
-            return list(grads)
-        limit = jnp.asarray(max_grad_norm).astype(grad_norm.dtype)
-        within = grad_norm <= limit
-        scale = jnp.where(
-            within, jnp.ones_like(grad_norm), limit / jnp.where(within, jnp.ones_like(grad_norm), grad_norm)
-        )
-        return [(g.astype(jnp.promote_types(g.dtype, jnp.float32)) * scale).astype(g.dtype) for g in grads]
+        grads = list(loss_scale.unscale(leaves))
+        return grads if max_grad_norm is None else clip_leaves(grads, norm, max_grad_norm)
 
     return prepare
 
 
 def chunked_update(
-    state: Any, params: Any, scaled_grads: Any, plan: ChunkPlan, applied: jax.Array, grad_norm: jax.Array,
+    state: Any, params: Any, scaled_grads: Any, plan: ChunkPlan, applied: jax.Array, norm: NormParts,
     max_grad_norm: float | None, key: jax.Array, update_scale: Any,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
     """``(params, opt_state, master_error)`` after the update of the trainable ``params`` (as
@@ -383,7 +378,7 @@ def chunked_update(
         state_def=state_def,
         nodes=tuple(nodes),
         errors=None if state.master_error is None else params_def.flatten_up_to(state.master_error),  # type: ignore[attr-defined]  # jaxlib's PyTreeDef
-        prepare=_prepare(state.loss_scale, grad_norm, max_grad_norm),
+        prepare=_prepare(state.loss_scale, norm, max_grad_norm),
         finish=finish,
         update_scale=update_scale,
         applied=applied,
