@@ -76,9 +76,14 @@ class StepSpec:
       master: ``"float32"`` masters, or bfloat16 ones with stochastic rounding, ``"bfloat16-sr"``
         or ``"bfloat16-sr-kahan"`` (round-to-nearest bfloat16 is refused: why, and what works).
       moments: the optimizer's moments as ``"float32"``, ``"bfloat16"`` or ``"int8"``.
-      update_chunk: apply the optimizer in chunks of at most this many entries (bit-identical to
-        the whole tree, one chunk's float32 widening live at once); ``"auto"``: ``2**22`` for a
-        lean state where the optimizer allows it; None: the whole tree.
+      update_chunk: apply the optimizer in chunks of at most this many entries, one chunk's
+        float32 widening live at once; ``"auto"``: ``2**22`` for a lean state where the optimizer
+        allows it; None: the whole tree. Each entry is computed with the whole tree's operations
+        (a transformation that mixes parameters is refused, one that draws noise or reads an
+        entry's position keeps its leaves whole), but XLA compiles the two programs apart and may
+        round an entry otherwise in its last bits: a division by a scalar taken as a product with
+        its reciprocal in one, a product and a sum fused into one multiply-add in the other (on a
+        mesh too). Bit for bit where neither happens (docs/lean-state.md says where that was tested).
       spike_guard: a :class:`leanstep.SpikeGuard` skipping a finite step whose loss (or norms) leaps
         past its window, or None; the state carries the window.
       cast_batch: cast the batch's floating leaves to the compute dtype (integer leaves such as

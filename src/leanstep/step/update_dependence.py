@@ -13,6 +13,8 @@ every value, the parameters it depends on and the axis that carries their rows:
     input  scalar state (counts, schedules)  {} (shared by every chunk)
     elementwise / broadcast / reshape / ...  union of the operands' sets; the row axis followed
     a reduction, a dot, a sort over rows     rows mixed
+    iota, random bits (of any shape)         {}, rows mixed: a value of its position, which a slice
+                                             of rows would draw anew (optax.add_noise's noise)
     an unknown primitive                     union of the sets; rows mixed (conservative)
 
 An output of parameter ``i`` that depends on another parameter, or a scalar (shared) output that
@@ -44,6 +46,9 @@ _REDUCTIONS = frozenset(
     ["reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"]
 )
 _CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+#: Primitives whose output is a function of each entry's position in it: computed for a slice of
+#: rows, they give other values than the whole leaf's rows (noise drawn for ``g.shape``).
+_POSITIONAL = frozenset(["iota", "random_bits", "rng_bit_generator", "rng_uniform"])
 
 
 class Dep(NamedTuple):
@@ -193,6 +198,8 @@ def _propagate(jaxpr: Any, ins: list[Dep | None], meet: list[str]) -> list[Dep |
                 outs = [_join([*column, deps[0]], [()] * (len(column) + 1)) for column in zip(*branches)]
         elif name == "optimization_barrier":
             outs = deps
+        elif name in _POSITIONAL:
+            outs = [Dep(frozenset(), None) if getattr(v.aval, "shape", ()) else None for v in eqn.outvars]
         elif name == "gather":
             outs = [_gather_axis(eqn, deps[0], deps[1])]
         elif name in _ELEMENTWISE:
@@ -223,7 +230,7 @@ def update_dependence(update: Any, args: tuple[Any, ...], in_owners: list[Any], 
     rows = [True] * count
     cross = None
     for dep, owner in zip(outs, out_owners):
-        if dep is None:
+        if dep is None or owner is None and not dep.leaves:  # a shared output of no parameter
             continue
         if owner is None or not dep.leaves <= {owner[0]}:
             cross = cross or (meet[0] if meet else "an output shared by all parameters depends on one of them")
