@@ -34,6 +34,7 @@ A ``"save:NAME"`` policy whose name the function never tags would save nothing, 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -171,7 +172,9 @@ def remat(
         remat(LinenModuleClass, p)  == flax.linen.remat(LinenModuleClass, policy=..., prevent_cse=...)
         remat(nnx_module, p)        == an nnx.Module holding nnx_module, whose __call__ runs it under
                                        nnx.remat (a bound method of an NNX module likewise): kept as an
-                                       attribute of a model, its params stay the model's
+                                       attribute of a model, its params stay the model's; a keyword
+                                       argument is bound to its parameter's position (static_argnums
+                                       counts it there)
         remat(equinox_module, p)    == equinox.filter_checkpoint(equinox_module, policy=..., prevent_cse=...)
 
     Use it as a decorator with ``functools.partial(remat, policy="dots")``. For the
@@ -271,14 +274,21 @@ def _nnx_remat_type(nnx: Any) -> type:
         ) -> None:
             self.module, self.method = module, method
             self.checkpointed = nnx.remat(
-                lambda module, *args, **kwargs: getattr(module, method)(*args, **kwargs),
+                lambda module, *args: getattr(module, method)(*args[:-1], **args[-1]),
                 policy=policy,
                 prevent_cse=prevent_cse,
                 static_argnums=tuple(i + 1 for i in static_argnums),
             )
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return self.checkpointed(self.module, *args, **kwargs)
+            # nnx.remat cannot put keywords of a function of (*args, **kwargs) in positions (flax's
+            # Gemma calls each layer with rngs=): they are bound to the method's own parameters, so
+            # static_argnums counts them where they stand, and what stays a keyword (keyword-only
+            # parameters) goes in as one dict, the last positional argument.
+            if kwargs:
+                bound = inspect.signature(getattr(self.module, self.method)).bind(*args, **kwargs)
+                args, kwargs = bound.args, bound.kwargs
+            return self.checkpointed(self.module, *args, kwargs)
 
     Remat.__qualname__ = Remat.__name__ = "Remat"
     Remat.__module__ = __name__
