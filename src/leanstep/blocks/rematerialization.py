@@ -172,9 +172,7 @@ def remat(
         remat(LinenModuleClass, p)  == flax.linen.remat(LinenModuleClass, policy=..., prevent_cse=...)
         remat(nnx_module, p)        == an nnx.Module holding nnx_module, whose __call__ runs it under
                                        nnx.remat (a bound method of an NNX module likewise): kept as an
-                                       attribute of a model, its params stay the model's; a keyword
-                                       argument is bound to its parameter's position (static_argnums
-                                       counts it there)
+                                       attribute of a model, its params stay the model's
         remat(equinox_module, p)    == equinox.filter_checkpoint(equinox_module, policy=..., prevent_cse=...)
 
     Use it as a decorator with ``functools.partial(remat, policy="dots")``. For the
@@ -281,14 +279,9 @@ def _nnx_remat_type(nnx: Any) -> type:
             )
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            # nnx.remat cannot put keywords of a function of (*args, **kwargs) in positions (flax's
-            # Gemma calls each layer with rngs=): they are bound to the method's own parameters, so
-            # static_argnums counts them where they stand, and what stays a keyword (keyword-only
-            # parameters) goes in as one dict, the last positional argument.
-            if kwargs:
-                bound = inspect.signature(getattr(self.module, self.method)).bind(*args, **kwargs)
-                args, kwargs = bound.args, bound.kwargs
-            return self.checkpointed(self.module, *args, kwargs)
+            # Keywords to positions here: nnx.remat cannot for (*args, **kwargs), and flax's Gemma passes rngs=.
+            bound = inspect.signature(getattr(self.module, self.method)).bind(*args, **kwargs)
+            return self.checkpointed(self.module, *bound.args, bound.kwargs)
 
     Remat.__qualname__ = Remat.__name__ = "Remat"
     Remat.__module__ = __name__

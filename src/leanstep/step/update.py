@@ -137,6 +137,9 @@ def _checked_update(
     return updates, _where_tree(info.applied, new_opt_state, opt_state), info
 
 
+# The audit tells the optimizer's own loops (8-bit codecs, chunks, Newton-Schulz) from the
+# microbatch loop by this scope (leanstep.inspection.auditing).
+@jax.named_scope(OPTIMIZER_UPDATE_SCOPE)
 def guarded_update(
     state: TrainState,
     scaled_grads: Any,
@@ -192,22 +195,6 @@ def guarded_update(
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     check_grads(scaled_grads, state.params)
     _check_spike_guard(state, spike_guard, loss)
-    # The audit tells the optimizer's own loops (8-bit codecs, chunks, Newton-Schulz) from the
-    # microbatch loop by this scope (leanstep.inspection.auditing).
-    with jax.named_scope(OPTIMIZER_UPDATE_SCOPE):
-        return _update(state, scaled_grads, loss, max_grad_norm, model_state, spike_guard, update_chunk)
-
-
-def _update(
-    state: TrainState,
-    scaled_grads: Any,
-    loss: jax.Array | None,
-    max_grad_norm: float | None,
-    model_state: Any,
-    spike_guard: SpikeGuard | None,
-    update_chunk: int | str | None,
-) -> tuple[TrainState, UpdateInfo]:
-    """:func:`guarded_update` on checked arguments."""
     params, fp8 = split_fp8(state.params)
     scaled_grads, new_fp8 = split_fp8(scaled_grads) if has_fp8(state.params) else (scaled_grads, None)
     wide = _float32(params)  # the optimizer sees float32 masters, whatever they are kept in
