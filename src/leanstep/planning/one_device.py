@@ -67,7 +67,7 @@ from leanstep.planning.plan_inputs import (
     state_format,
     state_format_notes,
     state_guard,
-    structure_error,
+    trace_refusing_structure_errors,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace
@@ -232,7 +232,7 @@ class _Steps:
     """Traces a setting's step once (its loss and state made once per policy); keeps the traced steps.
 
     ``given``: whether the policies share one params tree, one model state: a loss failing on the
-    structure of one is refused, naming the builder to pass (:func:`structure_error`).
+    structure of one is refused, naming the builder to pass (:func:`trace_refusing_structure_errors`).
     """
 
     def __init__(
@@ -260,13 +260,8 @@ class _Steps:
         step = make_train_step(
             self.loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches, **self.step_kwargs
         )
-        try:
-            self.traced[s] = step.trace(self.states[s.remat], self.batch)
-        except Exception as error:  # jax's, Equinox's, Flax's or the contract's error on a tree's structure
-            refused = structure_error(error, s.remat, self.given)
-            if refused is None:
-                raise
-            raise refused from error
+        state = self.states[s.remat]
+        self.traced[s] = trace_refusing_structure_errors(lambda: step.trace(state, self.batch), s.remat, self.given)
         flops = count_flops(self.traced[s].jaxpr)
         return dataclasses.replace(candidate, flops=flops, trace_seconds=time.perf_counter() - t0)
 

@@ -20,7 +20,8 @@ is callable too, and is taken as a tree).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -30,6 +31,7 @@ from leanstep.planning.candidates import abstract_tree
 from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 
+T = TypeVar("T")
 __all__ = [
     "STATE_FORMAT_KEYWORDS",
     "TreesGiven",
@@ -41,6 +43,7 @@ __all__ = [
     "state_format",
     "state_format_notes",
     "structure_error",
+    "trace_refusing_structure_errors",
 ]
 
 #: Words of the errors a loss raises when its params have another structure than it expects
@@ -257,6 +260,29 @@ def structure_error(error: BaseException, policy: str, given: TreesGiven | None 
         f"pass {' and '.join(trees)} as {kind}, {builders} (a callable policy -> tree), instead of one tree "
         "for every policy"
     )
+
+
+def trace_refusing_structure_errors(trace: Callable[[], T], policy: str, given: TreesGiven | None = None) -> T:
+    """``trace()`` (a loss or step traced under remat ``policy``), an error on the structure of a tree given
+    once for every policy raised as :func:`structure_error`'s one line: what plan and verify both refuse.
+
+    Example:
+      >>> trace_refusing_structure_errors(lambda: 1, "full")
+      1
+      >>> def renamed():
+      ...     raise ValueError("pytree structure error: different types at key path")
+      >>> trace_refusing_structure_errors(renamed, "full")
+      Traceback (most recent call last):
+      ...
+      ValueError: the loss under remat policy 'full' does not take the params given (ValueError: pytree structure error: different types at key path): this policy changes the params' structure, so pass params as a params builder, params=lambda policy: <the params of the model built under that policy> (a callable policy -> tree), instead of one tree for every policy
+    """
+    try:
+        return trace()
+    except Exception as error:  # jax's, Equinox's, Flax's or the contract's error on a tree's structure
+        refused = structure_error(error, policy, given)
+        if refused is None:
+            raise
+        raise refused from error
 
 
 #: What each builder builds, in the refusal's words.
