@@ -496,3 +496,43 @@ def test_an_nnx_remat_binds_keywords_to_their_positions_and_static_argnums_count
         np.testing.assert_array_equal(got, plain(x, train, scale=jnp.float32(2.0)))
     with pytest.raises(TypeError, match="unexpected keyword argument 'trian'"):
         checkpointed(x, True, trian=True)
+
+
+# --- a stateless NNX model needs no has_state=True and no empty model state (issue 57, item 9) -------
+
+
+class StatelessMlp(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden, self.out = nnx.Linear(3, 8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def mlp_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def test_a_stateless_nnx_model_trains_without_a_model_state_and_as_before_with_an_empty_one():
+    rng = np.random.default_rng(4)
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32), "y": jnp.asarray(rng.normal(size=(8, 2)))}
+    graphdef, params, model_state = lnnx.split(StatelessMlp(nnx.Rngs(0)))
+    assert jax.tree.leaves(model_state) == []
+    # The reference: flax's own gradient of the model.
+    want = nnx.grad(mlp_loss)(StatelessMlp(nnx.Rngs(0)), batch)
+    loss_fn = lnnx.loss(graphdef, mlp_loss)
+    new = leanstep.make_train_step(loss_fn, num_microbatches=2)(
+        leanstep.TrainState.create(snapshot(params), optax.sgd(0.1)), batch
+    )[0]
+    assert new.model_state is None
+    assert_trees_close(jax.tree.map(lambda a, b: (a - b) / 0.1, params, new.params), want, rtol=1e-5, atol=1e-6)
+    # The old spelling, has_state=True and the empty model state, trains to the same params.
+    old = leanstep.make_train_step(loss_fn, has_state=True, num_microbatches=2)(
+        leanstep.TrainState.create(snapshot(params), optax.sgd(0.1), model_state=model_state), batch
+    )[0]
+    assert jax.tree.leaves(old.model_state) == []
+    assert_trees_close(old.params, new.params, rtol=0, atol=0)
+    # A model with state (BatchNorm statistics, Dropout's RNG counts) still needs it, named when built.
+    graphdef, _, _ = lnnx.split(CNN(rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"it takes a model state after params: pass has_state=True"):
+        leanstep.make_train_step(lnnx.loss(graphdef, cnn_loss))

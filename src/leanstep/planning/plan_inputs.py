@@ -38,6 +38,7 @@ __all__ = [
     "abstract_state",
     "batch_size_of",
     "batch_statistics_notes",
+    "holds_model_state",
     "is_params_builder",
     "params_for",
     "state_format",
@@ -210,6 +211,17 @@ def params_for(tree: Any, policy: str) -> Any:
     return tree(policy) if is_params_builder(tree) else tree
 
 
+def holds_model_state(model_state: Any, policy: str) -> bool:
+    """Whether a model state (a builder's, under ``policy``) can hold batch statistics: whether it has
+    leaves. None, ``{}`` and the empty ``nnx.State`` of an NNX model without BatchNorm hold none.
+
+    Example:
+      >>> holds_model_state(None, "none"), holds_model_state({}, "none"), holds_model_state({"mean": 0.0}, "none")
+      (False, False, True)
+    """
+    return bool(jax.tree.leaves(params_for(model_state, policy)))
+
+
 class TreesGiven(NamedTuple):
     """Whether a plan was given one tree for every policy (not a builder): params, model state."""
 
@@ -293,17 +305,18 @@ def batch_statistics_notes(
     model_state: Any, num_microbatches: int, batch_size: int, min_rows: int | None = None
 ) -> tuple[str, ...]:
     """The plan's notes on a model state: microbatching changes batch statistics (and ``min_rows``,
-    the fewest rows a microbatch was planned with, where it left counts out).
+    the fewest rows a microbatch was planned with, where it left counts out). A model state with
+    no leaves holds no statistics.
 
     Example:
-      >>> batch_statistics_notes(None, 4, 32)
-      ()
+      >>> batch_statistics_notes(None, 4, 32), batch_statistics_notes({}, 4, 32)
+      ((), ())
       >>> print(batch_statistics_notes({"mean": 0.0}, 4, 32)[0][:72])
       microbatching changes batch statistics: the chosen 4 microbatches each c
       >>> print(batch_statistics_notes({"mean": 0.0}, 2, 32, 16)[0][-94:])
       microbatches of fewer than 16 rows were not planned (SearchSpace.min_microbatch_rows, 16 here)
     """
-    if model_state is None:
+    if not jax.tree.leaves(model_state):
         return ()
     bound = "bound it with SearchSpace(max_microbatches=...)"
     if num_microbatches > 1:
