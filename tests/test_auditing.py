@@ -17,6 +17,7 @@ from jax.experimental import io_callback
 
 from leanstep import tasks
 from leanstep.blocks.accumulation import microbatched_value_and_grad
+from leanstep.blocks.moments import compress_moments
 from leanstep.blocks.rematerialization import REMAT_POLICIES, checkpoint_name, remat
 from leanstep.cli import plan as cli
 from leanstep.cli.jsontree import InputError
@@ -25,6 +26,7 @@ from leanstep.inspection.flops import count_flops
 from leanstep.inspection.residuals import saved_residuals_report
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
+from leanstep.step.update import guarded_update
 from leanstep.training import RunConfig
 from leanstep.training.analysis import audit_run
 
@@ -291,3 +293,91 @@ def test_cli_audit_rejects_bad_flags():
         _cli(["audit", "--model", "mlp", "--size", "tiny", "--batch-size", "5", "--microbatches", "2"])
     with pytest.raises(InputError, match="--remat"):
         _cli(["audit", "--model", "mlp", "--size", "tiny", "--remat", "sometimes"])
+
+
+# --- the optimizer's own scans (8-bit moments' searchsorted, chunked updates) are not the loop ----
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--model", "mlp"],
+        ["--model", "transformer"],
+        ["--model", "mlp", "--offload", "opt_state", "--master", "bfloat16-sr"],
+    ],
+)
+def test_cli_audit_with_int8_moments_passes_the_rules(extra, capsys):
+    argv = ["audit", *extra, "--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--moments", "int8"]
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    # The 8-bit codec's searchsorted loops are in the program, in the optimizer's update.
+    assert "length 8, 0 matmuls in the body" in out
+    assert "remat policy dots): ok" in out
+
+
+def _int8_state(params):
+    return TrainState.create(jax.tree.map(jnp.asarray, params), compress_moments(optax.adamw(1e-3), "int8"))
+
+
+def _one_loop(params, batch):
+    return microbatched_value_and_grad(_loss, 2)(params, batch)[1]
+
+
+def _two_loops(params, batch):
+    """Wrong: two microbatch loops, each over half the batch."""
+    halves = [jax.tree.map(lambda a, i=i: a[4 * i : 4 * i + 4], batch) for i in range(2)]
+    grads = [microbatched_value_and_grad(_loss, 2)(params, half)[1] for half in halves]
+    return jax.tree.map(lambda a, b: (a + b) / 2, *grads)
+
+
+def _no_loop(params, batch):
+    """Wrong: one full-batch value_and_grad."""
+    return jax.grad(_loss)(params, batch)
+
+
+@pytest.mark.parametrize(
+    ("grads_of", "expected"),
+    [
+        (_one_loop, []),
+        (_two_loops, ["expected exactly one top-level lax.scan over the microbatches, found 2"]),
+        (
+            _no_loop,
+            [
+                "expected exactly one top-level lax.scan over the microbatches, found 0",
+                "5 dot_general(s) outside any scan",
+            ],
+        ),
+    ],
+)
+def test_the_loop_is_told_from_the_scans_of_an_int8_update(grads_of, expected):
+    state = _int8_state(_mlp())
+    batch = {"x": np.ones((8, 3), np.float32), "y": np.ones((8, 2), np.float32)}
+    report = audit(lambda s, b: guarded_update(s, grads_of(s.params, b))[0], state, batch)
+    assert sum(s.depth == 0 and s.length == 8 and s.matmuls == 0 for s in report.scans) >= 4  # the codec's
+    problems = report.accumulation_violations(2, params=state.params)
+    assert [p.split(" (lengths")[0].split(":")[0] for p in problems] == expected
+
+
+def _stacked_loss(p, batch):
+    h = batch["x"] @ p["v"] if "v" in p else batch["x"]
+    for i in range(p["w"].shape[0]):
+        h = jnp.tanh(h @ p["w"][i])
+    return jnp.mean(h**2)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "update_chunk", "leaves"),
+    [
+        (optax.adamw(1e-3), 64, ("w",)),  # the stacked leaf is updated in a loop over its rows
+        (compress_moments(optax.adamw(1e-3), "int8"), None, ("w",)),  # the codec's searchsorted loops
+        (optax.contrib.muon(1e-3), None, ("v", "w")),  # Newton-Schulz loops on the matrix v, with matmuls
+    ],
+)
+def test_the_optimizer_loops_of_a_leanstep_step_are_not_the_microbatch_loop(optimizer, update_chunk, leaves):
+    shapes = {"v": (8, 8), "w": (4, 8, 8)}
+    params = {name: 0.1 * jnp.ones(shapes[name]) for name in leaves}
+    state = TrainState.create(params, optimizer)
+    step = make_train_step(_stacked_loss, num_microbatches=2, update_chunk=update_chunk)
+    report = audit(step, state, {"x": jnp.ones((6, 8))})
+    assert report.accumulation_violations(2, params=params) == []
+    assert len(report.top_level_scans) > 1 and [s.length for s in report.loop_candidates] == [2]

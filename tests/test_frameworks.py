@@ -408,3 +408,131 @@ def test_plan_takes_a_framework_model_whose_remat_policy_is_its_own_parameter():
     )
     assert result.chosen.setting[:2] == (1, "none") and result.compiles == 1
     assert "1 compile" in str(result)
+
+
+# --- per-layer remat of an NNX model whose layers take keyword arguments (flax's Gemma) ------------
+
+
+class GemmaLikeLayer(nnx.Module):
+    """A decoder layer called as flax's Gemma calls its layers: ``layer(x, positions, cache, mask, rngs=rngs)``."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+        self.dropout = nnx.Dropout(0.25)
+
+    def __call__(self, x, positions, cache, mask, *, rngs=None):
+        q, k, v = jnp.split(self.qkv(self.norm(x)), 3, axis=-1)
+        angle = jnp.cos(positions[..., None] / 10.0)
+        scores = jnp.einsum("btd,bsd->bts", q * angle, k * angle) / np.sqrt(x.shape[-1])
+        attention = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+        x = x + self.out(jnp.einsum("bts,bsd->btd", attention, v))
+        return cache, x + self.dropout(self.down(jnp.tanh(self.up(x))), rngs=rngs)
+
+
+class GemmaLike(nnx.Module):
+    def __init__(self, policy: str = "none", *, rngs: nnx.Rngs, vocab: int = 16, d: int = 8, layers: int = 2):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.layers = nnx.List([leanstep.blocks.remat(GemmaLikeLayer(d, rngs=rngs), policy) for _ in range(layers)])
+
+    def __call__(self, tokens, rngs=None):
+        x, positions = self.embed(tokens), jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        mask = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))[None]
+        for layer in self.layers:
+            _, x = layer(x, positions, None, mask, rngs=rngs)
+        return self.embed.attend(x)
+
+
+def gemma_loss(model, batch, key):
+    logits = model(batch["tokens"][:, :-1], rngs=nnx.Rngs(dropout=key))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:]).mean()
+
+
+def test_per_layer_remat_of_a_model_calling_its_layers_with_keywords_trains_exactly_and_recomputes():
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 16, size=(4, 7)), jnp.int32)
+    batch = {"tokens": tokens}
+    plain, remat = GemmaLike(rngs=nnx.Rngs(0)), GemmaLike("dots", rngs=nnx.Rngs(0))
+    graphdef, params, model_state = lnnx.split(remat)
+    assert len(jax.tree.leaves(params)) == len(jax.tree.leaves(nnx.state(plain, nnx.Param))) == 1 + 2 * 7
+    state = leanstep.TrainState.create(params, optax.sgd(0.1), model_state=model_state, seed=5)
+    # The reference: flax's own gradient of the model without remat, dropout drawn from the step's
+    # key (step 0, microbatch 0).
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), 0), 0)
+    want = nnx.grad(lambda m: gemma_loss(m, batch, key))(plain)
+    params = snapshot(params)  # the step donates its state
+    step = leanstep.make_train_step(lnnx.loss(graphdef, gemma_loss), has_state=True, uses_rng=True)
+    trained, metrics = step(state, batch)
+    assert not bool(metrics.skipped)
+    got = jax.tree.map(lambda new, old: (old - new) / 0.1, trained.params, params)
+    assert_trees_close(got["embed"], want["embed"], rtol=1e-5, atol=1e-6)
+    for i in range(2):
+        assert_trees_close(got["layers"][i]["module"], want["layers"][i], rtol=1e-5, atol=1e-6)
+    # Remat really recomputes: the backward pass saves less of each layer than without remat.
+    saved = []
+    for model in (remat, plain):
+        graphdef, params, _ = lnnx.split(model)
+        loss = lambda p, g=graphdef: lnnx.loss(g, gemma_loss)(p, model_state, batch, key)[0]
+        saved.append(leanstep.inspection.saved_residuals_report(loss, params).activation_bytes)
+    assert saved[0] < saved[1], saved
+
+
+class Branching(nnx.Module):
+    def __init__(self):
+        self.linear = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x, train, *, scale=1.0):
+        return scale * jnp.tanh(self.linear(x)) if train else x
+
+
+def test_an_nnx_remat_binds_keywords_to_their_positions_and_static_argnums_counts_them():
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3)), jnp.float32)
+    plain = Branching()
+    checkpointed = leanstep.blocks.remat(plain, "full", static_argnums=(1,))  # train: a Python bool
+    for train in (True, False):
+        got = checkpointed(x, train=train, scale=jnp.float32(2.0))
+        np.testing.assert_array_equal(got, plain(x, train, scale=jnp.float32(2.0)))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'trian'"):
+        checkpointed(x, True, trian=True)
+
+
+# --- a stateless NNX model needs no has_state=True and no empty model state (issue 57, item 9) -------
+
+
+class StatelessMlp(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden, self.out = nnx.Linear(3, 8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jnp.tanh(self.hidden(x)))
+
+
+def mlp_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def test_a_stateless_nnx_model_trains_without_a_model_state_and_as_before_with_an_empty_one():
+    rng = np.random.default_rng(4)
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 3)), jnp.float32), "y": jnp.asarray(rng.normal(size=(8, 2)))}
+    graphdef, params, model_state = lnnx.split(StatelessMlp(nnx.Rngs(0)))
+    assert jax.tree.leaves(model_state) == []
+    # The reference: flax's own gradient of the model.
+    want = nnx.grad(mlp_loss)(StatelessMlp(nnx.Rngs(0)), batch)
+    loss_fn = lnnx.loss(graphdef, mlp_loss)
+    new = leanstep.make_train_step(loss_fn, num_microbatches=2)(
+        leanstep.TrainState.create(snapshot(params), optax.sgd(0.1)), batch
+    )[0]
+    assert new.model_state is None
+    assert_trees_close(jax.tree.map(lambda a, b: (a - b) / 0.1, params, new.params), want, rtol=1e-5, atol=1e-6)
+    # The old spelling, has_state=True and the empty model state, trains to the same params.
+    old = leanstep.make_train_step(loss_fn, has_state=True, num_microbatches=2)(
+        leanstep.TrainState.create(snapshot(params), optax.sgd(0.1), model_state=model_state), batch
+    )[0]
+    assert jax.tree.leaves(old.model_state) == []
+    assert_trees_close(old.params, new.params, rtol=0, atol=0)
+    # A model with state (BatchNorm statistics, Dropout's RNG counts) still needs it, named when built.
+    graphdef, _, _ = lnnx.split(CNN(rngs=nnx.Rngs(0)))
+    with pytest.raises(TypeError, match=r"it takes a model state after params: pass has_state=True"):
+        leanstep.make_train_step(lnnx.loss(graphdef, cnn_loss))

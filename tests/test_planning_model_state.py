@@ -197,3 +197,64 @@ def test_a_cluster_plan_refuses_a_params_builder():
             budget_bytes="1GiB",
             num_devices=1,
         )
+
+
+# --- issue 57, item 9: a model state with no leaves holds no batch statistics ----------------------------
+
+
+def make_stateless_nnx_loss(policy):
+    from flax import nnx
+
+    from leanstep.frameworks import nnx as lnnx
+
+    graphdef, _, _ = lnnx.split(_nnx_mlp(nnx))
+    return lnnx.loss(graphdef, lambda model, batch: jnp.mean(model(batch["x"]) ** 2))
+
+
+def _nnx_mlp(nnx):
+    return nnx.Sequential(nnx.Linear(D, 4 * D, rngs=nnx.Rngs(0)), nnx.Linear(4 * D, 1, rngs=nnx.Rngs(1)))
+
+
+@pytest.mark.parametrize("empty", ["nnx", "dict"])
+def test_an_empty_model_state_is_planned_as_no_model_state(empty):
+    """The empty model state leanstep.frameworks.nnx.loss took for every NNX model (has_state=True): no
+    batch-statistics note, no 16-row floor; the plan is the one without a model state."""
+    from flax import nnx
+
+    from leanstep.frameworks import nnx as lnnx
+
+    _, params, model_state = lnnx.split(_nnx_mlp(nnx))
+    assert jax.tree.leaves(model_state) == []
+    model_state = model_state if empty == "nnx" else {}
+    make_loss = make_stateless_nnx_loss if empty == "nnx" else lambda policy: lambda p, s, b: (jnp.mean(b["x"]), s)
+    space = SearchSpace(remat_policies=["none"])
+    found = plan(
+        make_loss, params, BATCH_TREE, OPT, budget_bytes="1GiB", model_state=model_state, has_state=True,
+        candidates=space, search=SearchOptions(exhaustive=True),
+    )  # fmt: skip
+    assert found.notes == ()
+    assert {c.setting.num_microbatches for c in found.candidates} == {1, 2, 4, 8}
+    # The reference: the same loss planned without a model state (the new spelling for NNX).
+    stateless = plan(
+        make_stateless_nnx_loss, params, BATCH_TREE, OPT, budget_bytes="1GiB", candidates=space,
+        search=SearchOptions(exhaustive=True),
+    )  # fmt: skip
+    assert {c.setting.num_microbatches for c in stateless.candidates} == {1, 2, 4, 8} and stateless.notes == ()
+
+
+def test_an_empty_model_state_takes_the_microbatches_that_fit():
+    """Gemma's case: only more microbatches fit the budget; a 16-row floor would leave none."""
+    from flax import nnx
+
+    from leanstep.frameworks import nnx as lnnx
+
+    _, params, model_state = lnnx.split(_nnx_mlp(nnx))
+    batch = {"x": jnp.ones((8, 256, D))}  # 8 rows of 256 positions: activations outweigh the params
+    space = SearchSpace(remat_policies=["none"], microbatches=[1, 2])
+    kwargs = dict(model_state=model_state, has_state=True, candidates=space, search=SearchOptions(exhaustive=True))
+    one, two = (
+        plan(make_stateless_nnx_loss, params, batch, OPT, budget_bytes="1GiB", **kwargs).candidates[i] for i in (0, 1)
+    )
+    assert one.peak_bytes > two.peak_bytes
+    found = plan(make_stateless_nnx_loss, params, batch, OPT, budget_bytes=two.peak_bytes, **kwargs)
+    assert found.chosen.setting.num_microbatches == 2 and found.notes == ()

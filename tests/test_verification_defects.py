@@ -8,15 +8,19 @@ batch statistics per microbatch or shared by the microbatches. The bugs must be 
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import leanstep
 from covering import Pair, covering, pairs
 from handwritten_steps import HandwrittenStep, padded_batch
 from leanstep.cli.main import main
+from leanstep.frameworks import equinox as leqx
+from leanstep.planning.search_options import SearchSpace
 from leanstep.verification import VerifiableStep
 
 GRADIENT_CHECKS = ("accumulation", "full_batch", "reference", "token_weighting", "clip")
@@ -184,13 +188,97 @@ def _renaming_model():
 
 def test_a_remat_that_renames_the_params_is_refused_in_one_line_and_a_builder_is_taken():
     make_loss, params, batch = _renaming_model()
-    with pytest.raises(ValueError, match=r"^params: the loss under remat policy 'full' does not take the params"):
+    with pytest.raises(ValueError, match=r"^the loss under remat policy 'full' does not take the params given"):
         leanstep.verification.verify(make_loss, params("none"), batch, num_microbatches=2, remat="full")
     report = leanstep.verification.verify(
         make_loss, params, batch, num_microbatches=2, remat="full", checks=("accumulation", "remat")
     )
     assert report["accumulation"].status == "pass" and report["remat"].status in ("pass", "fail"), str(report)
     assert "does not take" not in str(report)
+
+
+# --- issue 57, item 6: a stateful Equinox model, one params tree, a remat that changes its structure ----
+
+
+class _NormBlock(eqx.Module):
+    linear: eqx.nn.Linear
+    norm1: eqx.nn.BatchNorm
+
+    def __call__(self, x, state):
+        h, state = self.norm1(jnp.tanh(self.linear(x)), state)
+        return x + h, state
+
+
+class _NormNet(eqx.Module):
+    block: eqx.Module
+    head: eqx.nn.Linear
+
+    def __call__(self, x, state):
+        h, state = self.block(x, state)
+        return self.head(h), state
+
+
+def _norm_net(policy):
+    """The model and its ``eqx.nn.State``, its block remat'd with ``policy`` (an ``eqx.filter_checkpoint``
+    wrapper in the tree: another structure than without remat)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    block = _NormBlock(eqx.nn.Linear(3, 3, key=k1), eqx.nn.BatchNorm(3, "batch", mode="ema"))
+    net, state = eqx.nn.make_with_state(_NormNet)(block, eqx.nn.Linear(3, 1, key=k2))
+    return eqx.tree_at(lambda m: m.block, net, leanstep.blocks.remat(net.block, policy)), state
+
+
+def _norm_loss(model, model_state, batch):
+    out, model_state = jax.vmap(model, (0, None), (0, None), axis_name="batch")(batch["x"], model_state)
+    return jnp.mean((out - batch["y"]) ** 2), model_state
+
+
+def _make_norm_loss(policy):
+    return leqx.stateful_loss(leqx.split(_norm_net(policy)[0])[1], _norm_loss)
+
+
+def _norm_trees(policy):
+    model, model_state = _norm_net(policy)
+    return leqx.split(model)[0], model_state
+
+
+NORM_BATCH = {
+    "x": np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32),
+    "y": np.random.default_rng(1).normal(size=(8, 1)).astype(np.float32),
+}
+
+
+def _plan_refusal(trees_policy, policy):
+    params, model_state = _norm_trees(trees_policy)
+    with pytest.raises(ValueError) as planned:
+        leanstep.planning.plan(
+            _make_norm_loss, params, NORM_BATCH, optax.sgd(0.1), budget_bytes="1GiB", model_state=model_state,
+            has_state=True, candidates=SearchSpace(remat_policies=[policy], microbatches=[1]),
+        )  # fmt: skip
+    return str(planned.value)
+
+
+def test_verify_refuses_a_stateful_equinox_model_remat_changes_in_plan_s_one_line():
+    params, model_state = _norm_trees("none")
+    with pytest.raises(ValueError) as verified:
+        leanstep.verification.verify(
+            _make_norm_loss, params, NORM_BATCH, num_microbatches=2, remat="full", has_state=True,
+            model_state=model_state,
+        )  # fmt: skip
+    line = str(verified.value)
+    assert "\n" not in line and line == _plan_refusal("none", "full"), line
+    assert "pass params and model_state as builders, params=lambda policy:" in line, line
+
+
+def test_verify_takes_the_trees_of_the_remat_model_and_says_why_it_cannot_compare_with_no_remat():
+    """One params tree and model state of the model built under remat: every check but the comparison
+    with no remat runs; that one is n/a, with plan's line for the policy it would need."""
+    params, model_state = _norm_trees("full")
+    report = leanstep.verification.verify(
+        _make_norm_loss, params, NORM_BATCH, num_microbatches=2, remat="full", has_state=True,
+        model_state=model_state, checks=("accumulation", "remat"),
+    )  # fmt: skip
+    assert report["accumulation"].status == "pass", str(report)
+    assert report["remat"].status == "n/a" and report["remat"].detail == _plan_refusal("full", "none"), str(report)
 
 
 # --- item 5: the texts ---------------------------------------------------------------------------------

@@ -33,7 +33,13 @@ import jax.numpy as jnp
 
 from leanstep.common.checks import check_bool, check_scalar_output, same_structure, tree_difference
 
-__all__ = ["LossContract", "LossOutput", "loss_contract_of"]
+__all__ = ["OPTIONAL_MODEL_STATE", "LossContract", "LossOutput", "loss_contract_of"]
+
+#: The attribute, True, of a loss that needs no model state but also takes one after the params (and
+#: returns it, as ``has_state=True`` expects): a framework adapter's loss of a model without state
+#: (:func:`leanstep.frameworks.nnx.loss`), so that ``has_state=True`` with its empty model state works
+#: as it did. :meth:`LossContract.check_signature` then reads its signature without the model state.
+OPTIONAL_MODEL_STATE = "leanstep_optional_model_state"
 
 
 class LossOutput(NamedTuple):
@@ -124,6 +130,9 @@ class LossContract:
         try:
             signature = inspect.signature(loss_fn)
         except (TypeError, ValueError):
+            return
+        if self.has_state and getattr(loss_fn, OPTIONAL_MODEL_STATE, False):
+            dataclasses.replace(self, has_state=False).check_signature(loss_fn)
             return
         if _binds(signature, self._argument_names()):
             return

@@ -34,6 +34,7 @@ A ``"save:NAME"`` policy whose name the function never tags would save nothing, 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -271,14 +272,16 @@ def _nnx_remat_type(nnx: Any) -> type:
         ) -> None:
             self.module, self.method = module, method
             self.checkpointed = nnx.remat(
-                lambda module, *args, **kwargs: getattr(module, method)(*args, **kwargs),
+                lambda module, *args: getattr(module, method)(*args[:-1], **args[-1]),
                 policy=policy,
                 prevent_cse=prevent_cse,
                 static_argnums=tuple(i + 1 for i in static_argnums),
             )
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            return self.checkpointed(self.module, *args, **kwargs)
+            # Keywords to positions here: nnx.remat cannot for (*args, **kwargs), and flax's Gemma passes rngs=.
+            bound = inspect.signature(getattr(self.module, self.method)).bind(*args, **kwargs)
+            return self.checkpointed(self.module, *bound.args, bound.kwargs)
 
     Remat.__qualname__ = Remat.__name__ = "Remat"
     Remat.__module__ = __name__

@@ -24,6 +24,7 @@ from typing import Any
 __all__ = [
     "ELEMENTWISE_PRIMITIVES",
     "MATMUL_PRIMITIVES",
+    "OPTIMIZER_UPDATE_SCOPE",
     "equations",
     "is_remat_primitive",
     "is_sub_jaxpr",
@@ -104,6 +105,11 @@ ELEMENTWISE_PRIMITIVES: frozenset[str] = frozenset(
 
 #: The primitives a tensor core or a CPU's matrix units run: matmuls and convolutions.
 MATMUL_PRIMITIVES: tuple[str, ...] = ("dot_general", "conv_general_dilated")
+
+#: The ``jax.named_scope`` leanstep's step applies its optimizer in: the scans and matmuls under it
+#: are the optimizer's (8-bit moments' searches, chunked updates, Muon's Newton-Schulz loops), not
+#: the microbatch loop's, which is how the audit tells them apart.
+OPTIMIZER_UPDATE_SCOPE = "leanstep_optimizer_update"
 
 
 def is_sub_jaxpr(value: Any) -> bool:

@@ -23,6 +23,7 @@ of the model state.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ from flax import nnx
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
 from leanstep.blocks.fp8_state import register_fp8_state_type
+from leanstep.blocks.loss_contract import OPTIONAL_MODEL_STATE
 from leanstep.frameworks.loss_signature import with_fn_signature
 
 __all__ = ["Fp8", "Fp8Linear", "OverwriteWithGradient", "loss", "merge", "split"]
@@ -71,13 +73,18 @@ def merge(graphdef: Any, params: nnx.State, model_state: nnx.State) -> nnx.Modul
     return nnx.merge(graphdef, params, model_state)
 
 
-def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., tuple[Any, nnx.State]]:
+def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn(model, batch[, key])`` as ``loss_fn(params, model_state, batch[, key]) -> (out, new_model_state)``.
 
     Use it with ``make_train_step(..., has_state=True)``; ``out`` is whatever ``fn``
     returns (a loss, ``(loss, aux)``, ``(loss_sum, count)``). The loss takes a key exactly when
     ``fn`` does (:mod:`leanstep.frameworks.loss_signature`), so a ``uses_rng`` that does not fit
     ``fn`` is named when the step is built.
+
+    A model without state (every variable an ``nnx.Param``: no BatchNorm, no ``nnx.Rngs`` of its
+    own) gets ``loss_fn(params, batch[, key]) -> out``: no ``has_state``, no model state. Handed
+    its empty model state after the params (``has_state=True``, as before), it takes it and
+    returns ``(out, model_state)``.
 
     Raises:
       TypeError: ``fn`` takes neither ``(model, batch)`` nor ``(model, batch, key)``.
@@ -99,7 +106,40 @@ def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., tuple[Any, nnx.
         out = fn(model, batch, *key)
         return out, nnx.state(model, nnx.Not(_TRAINED))
 
-    return with_fn_signature(loss_fn, fn, ("model", "batch"), ("params", "model_state", "batch"))
+    if _holds_state(graphdef):
+        return with_fn_signature(loss_fn, fn, ("model", "batch"), ("params", "model_state", "batch"))
+
+    def stateless_loss_fn(params: nnx.State, *arguments: Any) -> Any:
+        given = bool(arguments) and isinstance(arguments[0], nnx.State)  # has_state=True: the empty state
+        model = nnx.merge(graphdef, params, *arguments[:given], copy=True)
+        out = fn(model, *arguments[given:])
+        return (out, nnx.state(model, nnx.Not(_TRAINED))) if given else out
+
+    setattr(stateless_loss_fn, OPTIONAL_MODEL_STATE, True)
+    return with_fn_signature(stateless_loss_fn, fn, ("model", "batch"), ("params", "batch"))
+
+
+def _holds_state(graphdef: Any) -> bool:
+    """Whether the model of ``graphdef`` has variables :func:`split` puts in the model state.
+
+    Read from the variable types the graph definition lists (its nodes, in flax 0.11 and later;
+    its attributes before); where it lists none that leanstep can find, the model is taken to hold
+    state, as every NNX model was before.
+    """
+    types, seen, stack = [], set(), [graphdef]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        kind = getattr(node, "type", None)
+        if isinstance(kind, type) and issubclass(kind, nnx.Variable):
+            types.append(kind)
+        if isinstance(node, (list, tuple)):
+            stack.extend(node)
+        elif dataclasses.is_dataclass(node):
+            stack.extend(getattr(node, field.name, None) for field in dataclasses.fields(node))
+    return not types or not all(issubclass(kind, (nnx.Param, Fp8, OverwriteWithGradient)) for kind in types)
 
 
 class Fp8Linear(nnx.Module):

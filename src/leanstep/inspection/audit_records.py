@@ -23,6 +23,8 @@ class ScanInfo:
       path: the enclosing primitives, e.g. ``"jit(step)/scan"``.
       carry: ``(shape, dtype name)`` of every carried value.
       matmuls: dot_generals in its body, nested ones included (counted once each).
+      in_update: it runs in the optimizer's update (under leanstep's optimizer scope), so it is
+        the optimizer's own loop (an 8-bit codec's search, a chunked update), not the microbatch loop.
     """
 
     length: int
@@ -31,6 +33,7 @@ class ScanInfo:
     path: str
     carry: tuple[tuple[tuple[int, ...], str], ...]
     matmuls: int
+    in_update: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Matmul:
       scale: for an FP8 matmul (:func:`leanstep.blocks.fp8_dot_general`), the scaling that quantized
         its operands, ``"delayed"`` or ``"current"`` (their dtypes are then the FP8 formats they
         carry, ``float8_e4m3fn`` and ``float8_e5m2``); else ``""``.
+      in_update: it runs in the optimizer's update (Muon's Newton-Schulz iterations), not in a
+        forward or backward pass.
 
     Example:
       >>> m = Matmul(((2, 3), "bfloat16"), ((3, 4), "bfloat16"), "float32", "float32", 0, "top", 48.0)
@@ -86,6 +91,7 @@ class Matmul:
     flops: float
     kind: str = "dot_general"
     scale: str = ""
+    in_update: bool = False
 
     @property
     def dtypes(self) -> tuple[str, str, str]:

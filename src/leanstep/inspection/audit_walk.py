@@ -14,7 +14,13 @@ import numpy as np
 
 from leanstep.blocks.fp8_dot import fp8_scope
 from leanstep.blocks.rematerialization import REMAT_POLICIES, get_remat_policy
-from leanstep.common.jaxprs import MATMUL_PRIMITIVES, is_remat_primitive, scan_operands, sub_jaxprs
+from leanstep.common.jaxprs import (
+    MATMUL_PRIMITIVES,
+    OPTIMIZER_UPDATE_SCOPE,
+    is_remat_primitive,
+    scan_operands,
+    sub_jaxprs,
+)
 from leanstep.inspection.audit_records import HostSync, Matmul, RematRegion, ScanInfo
 from leanstep.inspection.flops import equation_flops
 
@@ -70,6 +76,12 @@ def _segment(eqn: Any) -> str:
     return name
 
 
+def _in_update(eqn: Any, outer: str) -> bool:
+    """Whether ``eqn`` runs in the optimizer's update: under leanstep's optimizer scope, wherever
+    that is in the name stacks of the equations around it (``outer``) and its own."""
+    return OPTIMIZER_UPDATE_SCOPE in outer + str(eqn.source_info.name_stack)
+
+
 def _matmul(eqn: Any, scan_depth: int, where: str, multiplier: float, outer: str) -> Matmul:
     """The record of a matmul equation; an FP8 one's scaling from its name scope (``outer``: the
     name stacks of the equations around it)."""
@@ -78,7 +90,10 @@ def _matmul(eqn: Any, scan_depth: int, where: str, multiplier: float, outer: str
     scope = fp8_scope(outer + str(eqn.source_info.name_stack))  # the operands are FP8 arrays: their own dtypes
     flops = equation_flops(eqn) * multiplier
     kind, scale = eqn.primitive.name, "" if scope is None else scope.scaling
-    return Matmul(lhs, rhs, str(np.dtype(preferred)), _aval(eqn.outvars[0])[1], scan_depth, where, flops, kind, scale)
+    out = _aval(eqn.outvars[0])[1]
+    return Matmul(
+        lhs, rhs, str(np.dtype(preferred)), out, scan_depth, where, flops, kind, scale, _in_update(eqn, outer)
+    )
 
 
 def walk_jaxpr(
@@ -117,9 +132,8 @@ def walk_jaxpr(
             length, before = eqn.params["length"], len(out.scans)
             body_matmuls = walk_jaxpr(subs[0][1], inner_path, scan_depth + 1, multiplier * length, names, out, inner)
             carry = tuple(_aval(v) for v in scan_operands(eqn)[1])
-            out.scans.insert(
-                before, ScanInfo(length, bool(eqn.params["reverse"]), scan_depth, where, carry, body_matmuls)
-            )
+            reverse, in_update = bool(eqn.params["reverse"]), _in_update(eqn, outer)
+            out.scans.insert(before, ScanInfo(length, reverse, scan_depth, where, carry, body_matmuls, in_update))
             matmuls += body_matmuls
         elif is_remat_primitive(name):
             remat_region: set[str] = set()

@@ -71,6 +71,16 @@ class AuditReport:
         return tuple(s for s in self.scans if s.depth == 0)
 
     @property
+    def loop_candidates(self) -> tuple[ScanInfo, ...]:
+        """The top-level scans outside the optimizer's update: the microbatch loop must be one of them.
+
+        The optimizer's own loops (an 8-bit codec's search, a chunked update, Newton-Schulz
+        iterations) run on the gradient after the loop; leanstep's step applies the optimizer under
+        ``jax.named_scope("leanstep_optimizer_update")``, and a hand-written step can do the same.
+        """
+        return tuple(s for s in self.top_level_scans if not s.in_update)
+
+    @property
     def matmuls_outside_scans(self) -> tuple[Matmul, ...]:
         """The dot_generals not inside any scan."""
         return tuple(m for m in self.matmuls if m.scan_depth == 0)
@@ -96,12 +106,15 @@ class AuditReport:
                gradient accumulator (with ``params``: an array shaped like every leaf)
             3. no dot_general outside a scan (no full-batch forward or backward pass)
 
+        The scans and matmuls of the optimizer's update are not the step's: the rules read
+        :attr:`loop_candidates`, and matmuls outside the update.
+
         With ``num_microbatches=1`` the step has no microbatch loop (a one-step scan only
         costs time), so the rules are about the scans the program does have: none of
         them may run in reverse at the top level (a gradient taken through a scan).
         """
         problems = []
-        top = self.top_level_scans
+        top = self.loop_candidates
         if num_microbatches == 1:
             return [
                 f"a top-level lax.scan of length {s.length} runs in reverse: the gradient was taken through "
@@ -135,7 +148,7 @@ class AuditReport:
                     problems.append(
                         f"the scan carry has no gradient accumulator for parameter shapes {sorted(missing.elements())}"
                     )
-        outside = self.matmuls_outside_scans
+        outside = [m for m in self.matmuls_outside_scans if not m.in_update]
         if outside:
             shapes = ", ".join(f"{m.lhs[0]} x {m.rhs[0]}" for m in outside)
             problems.append(f"{len(outside)} dot_general(s) outside any scan: {shapes}")
@@ -172,6 +185,7 @@ class AuditReport:
             lines.append(
                 f"  {'  ' * s.depth}length {s.length}{' reversed' if s.reverse else ''}, "
                 f"{s.matmuls} matmuls in the body, carry {len(s.carry)} values ({carry:,} bytes)  at {s.path}"
+                + ("  (the optimizer's)" if s.in_update else "")
             )
         lines.append(f"remat regions: {len(self.remat_regions)}")
         for r in self.remat_regions:

@@ -62,12 +62,13 @@ from leanstep.planning.plan_inputs import (
     abstract_state,
     batch_size_of,
     batch_statistics_notes,
+    holds_model_state,
     params_for,
     spec_keywords,
     state_format,
     state_format_notes,
     state_guard,
-    structure_error,
+    trace_refusing_structure_errors,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace
@@ -205,7 +206,9 @@ def plan(
     precision, formats = step_kwargs.pop("precision", "float32"), state_format(step_kwargs)
     batch_size, scale = batch_size_of(batch), get_loss_scale(loss_scale)
     space = SearchSpace() if candidates is None else candidates
-    rows = space.min_rows(model_state is not None) if isinstance(space, SearchSpace) else None
+    # A model state without leaves (an NNX model's without BatchNorm) holds no batch statistics.
+    stateful = isinstance(space, SearchSpace) and holds_model_state(model_state, space.remat_policies[0])
+    rows = space.min_rows(stateful) if isinstance(space, SearchSpace) else None
     settings = checked_settings(space, batch_size, precision if isinstance(precision, str) else str(precision), rows)
     guard = state_guard(step_kwargs)
     state_for = lambda p: abstract_state(
@@ -221,9 +224,9 @@ def plan(
         smallest = min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes))
         raise BudgetError(budget, smallest, final, bound, rows if rows != 1 else None)
     remat = chosen.setting.remat
-    notes = batch_statistics_notes(model_state, chosen.setting.num_microbatches, batch_size, rows) + fp8_notes(
-        steps.states[remat], steps.traced[chosen.setting].jaxpr
-    )
+    notes = batch_statistics_notes(
+        params_for(model_state, remat), chosen.setting.num_microbatches, batch_size, rows
+    ) + fp8_notes(steps.states[remat], steps.traced[chosen.setting].jaxpr)
     notes += state_format_notes(params_for(params, remat), optimizer, scale, params_for(model_state, remat), formats)
     return Plan(budget, final, chosen, time.perf_counter() - start, notes=notes)
 
@@ -232,7 +235,7 @@ class _Steps:
     """Traces a setting's step once (its loss and state made once per policy); keeps the traced steps.
 
     ``given``: whether the policies share one params tree, one model state: a loss failing on the
-    structure of one is refused, naming the builder to pass (:func:`structure_error`).
+    structure of one is refused, naming the builder to pass (:func:`trace_refusing_structure_errors`).
     """
 
     def __init__(
@@ -260,13 +263,8 @@ class _Steps:
         step = make_train_step(
             self.loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches, **self.step_kwargs
         )
-        try:
-            self.traced[s] = step.trace(self.states[s.remat], self.batch)
-        except Exception as error:  # jax's, Equinox's, Flax's or the contract's error on a tree's structure
-            refused = structure_error(error, s.remat, self.given)
-            if refused is None:
-                raise
-            raise refused from error
+        state = self.states[s.remat]
+        self.traced[s] = trace_refusing_structure_errors(lambda: step.trace(state, self.batch), s.remat, self.given)
         flops = count_flops(self.traced[s].jaxpr)
         return dataclasses.replace(candidate, flops=flops, trace_seconds=time.perf_counter() - t0)
 

@@ -20,7 +20,8 @@ is callable too, and is taken as a tree).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -30,17 +31,20 @@ from leanstep.planning.candidates import abstract_tree
 from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 
+T = TypeVar("T")
 __all__ = [
     "STATE_FORMAT_KEYWORDS",
     "TreesGiven",
     "abstract_state",
     "batch_size_of",
     "batch_statistics_notes",
+    "holds_model_state",
     "is_params_builder",
     "params_for",
     "state_format",
     "state_format_notes",
     "structure_error",
+    "trace_refusing_structure_errors",
 ]
 
 #: Words of the errors a loss raises when its params have another structure than it expects
@@ -207,6 +211,17 @@ def params_for(tree: Any, policy: str) -> Any:
     return tree(policy) if is_params_builder(tree) else tree
 
 
+def holds_model_state(model_state: Any, policy: str) -> bool:
+    """Whether a model state (a builder's, under ``policy``) can hold batch statistics: whether it has
+    leaves. None, ``{}`` and the empty ``nnx.State`` of an NNX model without BatchNorm hold none.
+
+    Example:
+      >>> holds_model_state(None, "none"), holds_model_state({}, "none"), holds_model_state({"mean": 0.0}, "none")
+      (False, False, True)
+    """
+    return bool(jax.tree.leaves(params_for(model_state, policy)))
+
+
 class TreesGiven(NamedTuple):
     """Whether a plan was given one tree for every policy (not a builder): params, model state."""
 
@@ -259,6 +274,29 @@ def structure_error(error: BaseException, policy: str, given: TreesGiven | None 
     )
 
 
+def trace_refusing_structure_errors(trace: Callable[[], T], policy: str, given: TreesGiven | None = None) -> T:
+    """``trace()`` (a loss or step traced under remat ``policy``), an error on the structure of a tree given
+    once for every policy raised as :func:`structure_error`'s one line: what plan and verify both refuse.
+
+    Example:
+      >>> trace_refusing_structure_errors(lambda: 1, "full")
+      1
+      >>> def renamed():
+      ...     raise ValueError("pytree structure error: different types at key path")
+      >>> trace_refusing_structure_errors(renamed, "full")
+      Traceback (most recent call last):
+      ...
+      ValueError: the loss under remat policy 'full' does not take the params given (ValueError: pytree structure error: different types at key path): this policy changes the params' structure, so pass params as a params builder, params=lambda policy: <the params of the model built under that policy> (a callable policy -> tree), instead of one tree for every policy
+    """
+    try:
+        return trace()
+    except Exception as error:  # jax's, Equinox's, Flax's or the contract's error on a tree's structure
+        refused = structure_error(error, policy, given)
+        if refused is None:
+            raise
+        raise refused from error
+
+
 #: What each builder builds, in the refusal's words.
 _WHAT = {"params": "params", "model_state": "model state"}
 
@@ -267,17 +305,18 @@ def batch_statistics_notes(
     model_state: Any, num_microbatches: int, batch_size: int, min_rows: int | None = None
 ) -> tuple[str, ...]:
     """The plan's notes on a model state: microbatching changes batch statistics (and ``min_rows``,
-    the fewest rows a microbatch was planned with, where it left counts out).
+    the fewest rows a microbatch was planned with, where it left counts out). A model state with
+    no leaves holds no statistics.
 
     Example:
-      >>> batch_statistics_notes(None, 4, 32)
-      ()
+      >>> batch_statistics_notes(None, 4, 32), batch_statistics_notes({}, 4, 32)
+      ((), ())
       >>> print(batch_statistics_notes({"mean": 0.0}, 4, 32)[0][:72])
       microbatching changes batch statistics: the chosen 4 microbatches each c
       >>> print(batch_statistics_notes({"mean": 0.0}, 2, 32, 16)[0][-94:])
       microbatches of fewer than 16 rows were not planned (SearchSpace.min_microbatch_rows, 16 here)
     """
-    if model_state is None:
+    if not jax.tree.leaves(model_state):
         return ()
     bound = "bound it with SearchSpace(max_microbatches=...)"
     if num_microbatches > 1:

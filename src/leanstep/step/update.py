@@ -46,6 +46,7 @@ from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.blocks.masters import apply_to_masters
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive
+from leanstep.common.jaxprs import OPTIMIZER_UPDATE_SCOPE
 from leanstep.step.state import TrainState
 from leanstep.step.update_checks import check_grads, check_opt_state
 from leanstep.step.update_chunks import chunked_update
@@ -140,6 +141,9 @@ def _checked_update(
     return updates, _where_tree(info.applied, new_opt_state, opt_state), info
 
 
+# The audit tells the optimizer's own loops (8-bit codecs, chunks, Newton-Schulz) from the
+# microbatch loop by this scope (leanstep.inspection.auditing).
+@jax.named_scope(OPTIMIZER_UPDATE_SCOPE)
 def guarded_update(
     state: TrainState,
     scaled_grads: Any,

@@ -228,8 +228,9 @@ def audit_run(config: RunConfig) -> AuditReport:
 
     The residuals are those of one microbatch's loss, in the compute dtype. The audit's rules are
     the gradient's (one scan over the microbatches, remat, the matmuls' dtypes), which the optimizer
-    does not touch, so ``--optimizer muon`` is audited with AdamW in its place: Muon's update adds
-    Newton-Schulz loops (top-level scans with float32 matmuls) the rules would take for the step's.
+    does not touch, so ``--optimizer muon`` is audited with AdamW in its place: the rules tell the
+    optimizer's loops from the microbatch loop (:attr:`AuditReport.loop_candidates`), but Muon's
+    Newton-Schulz matmuls, in float32, would fill the report's table of matmul dtypes.
 
     Raises:
       ValueError: an invalid config.

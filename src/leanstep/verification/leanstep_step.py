@@ -37,7 +37,7 @@ from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.blocks.precision import get_precision
 from leanstep.inspection.auditing import audit
-from leanstep.planning.plan_inputs import is_params_builder, params_for, structure_error
+from leanstep.planning.plan_inputs import TreesGiven, is_params_builder, params_for, trace_refusing_structure_errors
 from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
@@ -118,6 +118,7 @@ class LeanstepStep:
         self.make_loss_fn = make_loss_fn
         self.params_builder = params if is_params_builder(params) else None
         self.params = params_for(params, remat)
+        self.given = TreesGiven.of(params, model_state)  # one tree for every policy, or builders
         self.batch = batch
         self.precision = get_precision(precision)
         self.num_microbatches = accumulation.num_microbatches
@@ -170,7 +171,7 @@ class LeanstepStep:
         """The coarsest format the step's gradients are rounded to between two programs: ``float8_e5m2``
         where a matmul quantizes by its tensors' current amax (each microbatch and each device its own
         scale), else the compute dtype."""
-        fn, args = self.microbatch_loss("none")
+        fn, args = self.microbatch_loss(self.remat)  # the trees given fit this policy's loss, maybe no other's
         scales = {m.scale for m in audit(fn, *args).matmuls}
         return jnp.dtype("float8_e5m2") if "current" in scales else self.compute_dtype
 
@@ -202,19 +203,18 @@ class LeanstepStep:
         """Traces one microbatch's loss under the remat policy (nothing runs).
 
         Raises:
-          ValueError: the loss under the policy does not take the params given (it renames
-            them): pass a params builder, naming the argument.
+          ValueError: the loss under the policy does not take the params (or model state) given as
+            one tree: plan's line (:func:`leanstep.planning.plan_inputs.trace_refusing_structure_errors`).
         """
         fn, args = self.microbatch_loss(self.remat)
-        try:
-            jax.eval_shape(fn, *args)
-        except Exception as error:
-            # a Flax scope error (a module renamed under remat) or a missing key is one too
-            named = isinstance(error, KeyError) or type(error).__name__.startswith("Scope")
-            refused = structure_error(ValueError(f"structure: {error}") if named else error, self.remat)
-            if refused is None:
-                raise
-            raise ValueError(f"params: {refused}") from None
+
+        def trace() -> Any:
+            try:
+                return jax.eval_shape(fn, *args)
+            except KeyError as error:  # a dict of params whose keys the policy renamed
+                raise ValueError(f"structure: {error}") from error
+
+        trace_refusing_structure_errors(trace, self.remat, self.given)
 
     def reference_loss(self, params: Any, parts: Mapping[str, Any], batch: Any) -> tuple[jax.Array, Any]:
         """The loss of ``batch`` as the user wrote it, unscaled, at float32 ``params`` (the trainable
