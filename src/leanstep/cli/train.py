@@ -18,6 +18,7 @@ from leanstep.cli.flags import (
 )
 from leanstep.cli.jsontree import InputError
 from leanstep.cli.machine_defaults import given_fields, size_flags_by_default, sized_for_the_machine
+from leanstep.cli.resume_defaults import changed_flags_by_default, with_run_defaults
 
 
 def _defaults() -> Any:
@@ -49,6 +50,7 @@ def add_parser(subparsers: Any) -> None:
     _add_scale_out_flags(p.add_argument_group("scaling out (JAX's mesh sharding and jax.distributed)"), d)
     add_compile_cache_flag(p)
     size_flags_by_default(p)
+    changed_flags_by_default(p)
     p.set_defaults(run=run_train)
 
 
@@ -211,6 +213,7 @@ def run_train(args: argparse.Namespace) -> int:
         check_same_out(args.out, args.process_id, args.num_processes)
     config = _config_from(args)
     console = Console(stderr=True)
+    config = with_run_defaults(config, args, console)
     config = sized_for_the_machine(config, args, console)
     try:
         config.validate()
