@@ -169,7 +169,7 @@ API = [
         "step/precision_not_a_spec",
         lambda p: make_train_step(_loss, precision=16),
         TypeError,
-        "spec=16 must be a Precision or a str",
+        "precision must be a leanstep.Precision or its string form (e.g. 'compute=bfloat16'), got int 16",
     ),
     Case(
         "step/batch_not_divisible",

@@ -236,8 +236,21 @@ class StepSpec:
     def from_json(cls, data: Mapping[str, Any] | str) -> StepSpec:
         """The spec of :meth:`to_json`'s dict (or its JSON text); a field left out takes its default.
 
+        A part (``loss``, ``accumulation``, ``loss_scale``, ``spike_guard``, ``sharding``) is an
+        object of its fields, as :meth:`to_json` writes it, or one of the short forms the
+        constructor takes (``"spike_guard": "on"``, ``"loss_scale": 1024``).
+
         Raises:
-          ValueError: a key that is not a field; any refusal of :class:`StepSpec`.
+          TypeError: a part of another JSON type, naming the field and its forms.
+          ValueError: a key that is not a field, or not a field of its part; any refusal of :class:`StepSpec`.
+
+        Example:
+          >>> StepSpec.from_json({"spike_guard": "on"}) == StepSpec(spike_guard="on")
+          True
+          >>> StepSpec.from_json({"accumulation": 2})
+          Traceback (most recent call last):
+          ...
+          TypeError: step spec field 'accumulation' must be an object of the fields num_microbatches, split, ...
         """
         if isinstance(data, str):
             data = json.loads(data)
@@ -248,21 +261,62 @@ class StepSpec:
         if unknown:
             raise ValueError(f"unknown step spec field(s) {unknown}; expected some of {names}")
         fields = dict(data)
-        readers: dict[str, Any] = {
-            "loss": lambda d: LossContract(**d),
-            "accumulation": lambda d: Accumulation(**d),
-            "loss_scale": LossScaleSpec.from_json,
-            "fp8": lambda d: None if d is None else Fp8Recipe.from_string(d),
-            "spike_guard": lambda d: None if d is None else SpikeGuard(**d),
-            "sharding": lambda d: None if d is None else MeshLayout.from_json(d),
-        }
-        for name, read in readers.items():
+        for name, (types, forms) in _JSON_FORMS.items():
             if name in fields:
-                try:
-                    fields[name] = read(fields[name])
-                except TypeError as error:  # a missing or extra key of the part
-                    raise ValueError(f"{name}: {error}") from None
+                fields[name] = _read_part(name, fields[name], types, forms)
         return cls(**fields)
+
+
+#: The JSON forms of each field that is a value of its own type: an object of its fields (as
+#: :meth:`StepSpec.to_json` writes it) and the short forms :class:`StepSpec` itself takes.
+_JSON_FORMS: dict[str, tuple[tuple[type, ...], str]] = {
+    "precision": ((str,), 'a string such as "compute=bfloat16" or "float32"'),
+    "loss": (
+        (Mapping,),
+        'an object of the fields has_aux, token_weighted, uses_rng, has_state (e.g. {"has_aux": true})',
+    ),
+    "accumulation": (
+        (Mapping,),
+        'an object of the fields num_microbatches, split, unroll (e.g. {"num_microbatches": 2})',
+    ),
+    "loss_scale": (
+        (str, int, float, Mapping),
+        '"none", "dynamic", a number (a static scale) or an object such as {"dynamic": 32768.0}',
+    ),
+    "fp8": ((str, type(None)), 'null or a recipe string such as "delayed"'),
+    "spike_guard": (
+        (str, Mapping, type(None)),
+        'null, a string such as "on" or "k=6,window=100", or an object of the fields window, k, warmup, watch',
+    ),
+    "sharding": (
+        (Mapping, type(None)),
+        'null or an object of the fields axes, data_axis, fsdp, reduce (e.g. {"axes": "data=2"})',
+    ),
+}
+#: The type an object form is read into, by its fields.
+_PART_TYPES: dict[str, type] = {
+    "loss": LossContract,
+    "accumulation": Accumulation,
+    "spike_guard": SpikeGuard,
+    "sharding": MeshLayout,
+}
+
+
+def _read_part(name: str, value: Any, types: tuple[type, ...], forms: str) -> Any:
+    """Field ``name``'s JSON ``value``: an object read into its type; a string or number (a short
+    form) as it is, for the constructor to read and check; any other JSON type refused, naming ``forms``."""
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise TypeError(f"step spec field {name!r} must be {forms}, got {type(value).__name__} {value!r}")
+    if not isinstance(value, Mapping):
+        return value
+    if name == "loss_scale":
+        return LossScaleSpec.from_json(value)
+    kind = _PART_TYPES[name]
+    known = [f.name for f in dataclasses.fields(kind) if f.init]
+    unknown = sorted(set(value) - set(known), key=str)
+    if unknown:
+        raise ValueError(f"step spec field {name!r}: unknown key(s) {unknown}; expected some of {known}")
+    return kind(**value)
 
 
 def _checked(spec: StepSpec) -> dict[str, Any]:
