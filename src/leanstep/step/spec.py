@@ -41,6 +41,7 @@ from leanstep.blocks.moments import MOMENT_DTYPES
 from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_bool, check_positive
+from leanstep.step.spec_json import JSON_PARTS, read_json_part
 from leanstep.step.spec_parts import LossScaleSpec, MeshLayout
 from leanstep.step.update_chunk_plan import check_update_chunk
 
@@ -261,62 +262,10 @@ class StepSpec:
         if unknown:
             raise ValueError(f"unknown step spec field(s) {unknown}; expected some of {names}")
         fields = dict(data)
-        for name, (types, forms) in _JSON_FORMS.items():
+        for name in JSON_PARTS:
             if name in fields:
-                fields[name] = _read_part(name, fields[name], types, forms)
+                fields[name] = read_json_part(name, fields[name])
         return cls(**fields)
-
-
-#: The JSON forms of each field that is a value of its own type: an object of its fields (as
-#: :meth:`StepSpec.to_json` writes it) and the short forms :class:`StepSpec` itself takes.
-_JSON_FORMS: dict[str, tuple[tuple[type, ...], str]] = {
-    "precision": ((str,), 'a string such as "compute=bfloat16" or "float32"'),
-    "loss": (
-        (Mapping,),
-        'an object of the fields has_aux, token_weighted, uses_rng, has_state (e.g. {"has_aux": true})',
-    ),
-    "accumulation": (
-        (Mapping,),
-        'an object of the fields num_microbatches, split, unroll (e.g. {"num_microbatches": 2})',
-    ),
-    "loss_scale": (
-        (str, int, float, Mapping),
-        '"none", "dynamic", a number (a static scale) or an object such as {"dynamic": 32768.0}',
-    ),
-    "fp8": ((str, type(None)), 'null or a recipe string such as "delayed"'),
-    "spike_guard": (
-        (str, Mapping, type(None)),
-        'null, a string such as "on" or "k=6,window=100", or an object of the fields window, k, warmup, watch',
-    ),
-    "sharding": (
-        (Mapping, type(None)),
-        'null or an object of the fields axes, data_axis, fsdp, reduce (e.g. {"axes": "data=2"})',
-    ),
-}
-#: The type an object form is read into, by its fields.
-_PART_TYPES: dict[str, type] = {
-    "loss": LossContract,
-    "accumulation": Accumulation,
-    "spike_guard": SpikeGuard,
-    "sharding": MeshLayout,
-}
-
-
-def _read_part(name: str, value: Any, types: tuple[type, ...], forms: str) -> Any:
-    """Field ``name``'s JSON ``value``: an object read into its type; a string or number (a short
-    form) as it is, for the constructor to read and check; any other JSON type refused, naming ``forms``."""
-    if not isinstance(value, types) or isinstance(value, bool):
-        raise TypeError(f"step spec field {name!r} must be {forms}, got {type(value).__name__} {value!r}")
-    if not isinstance(value, Mapping):
-        return value
-    if name == "loss_scale":
-        return LossScaleSpec.from_json(value)
-    kind = _PART_TYPES[name]
-    known = [f.name for f in dataclasses.fields(kind) if f.init]
-    unknown = sorted(set(value) - set(known), key=str)
-    if unknown:
-        raise ValueError(f"step spec field {name!r}: unknown key(s) {unknown}; expected some of {known}")
-    return kind(**value)
 
 
 def _checked(spec: StepSpec) -> dict[str, Any]:
