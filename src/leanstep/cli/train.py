@@ -213,8 +213,7 @@ def run_train(args: argparse.Namespace) -> int:
         check_same_out(args.out, args.process_id, args.num_processes)
     config = _config_from(args)
     console = Console(stderr=True)
-    config = with_run_defaults(config, args, console)
-    config = sized_for_the_machine(config, args, console)
+    config = sized_for_the_machine(with_run_defaults(config, args, console), args, console)
     try:
         config.validate()
     except ValueError as error:
@@ -254,8 +253,7 @@ def _configure_devices(args: argparse.Namespace) -> None:
 
 
 def _join(args: argparse.Namespace, configure: Any) -> None:
-    """``configure()`` for a multi-process run: the wait said, bounded by ``--join-timeout`` and
-    stoppable by a signal (:mod:`leanstep.cli.joining`)."""
+    """``configure()`` for a multi-process run, said, bounded by ``--join-timeout``, stoppable (``cli.joining``)."""
     from leanstep.cli.joining import join_processes
 
     timeout = 120.0 if args.join_timeout is None else args.join_timeout
