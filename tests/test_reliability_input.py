@@ -23,6 +23,7 @@ import pytest
 
 import leanstep
 from leanstep import tasks
+from leanstep.cli.machine_defaults import given_fields
 from leanstep.cli.main import build_parser, main
 from leanstep.step.train_step import TrainState, make_train_step
 from leanstep.training import RunConfig, build_run, train
@@ -168,7 +169,7 @@ API = [
         "step/precision_not_a_spec",
         lambda p: make_train_step(_loss, precision=16),
         TypeError,
-        "spec=16 must be a Precision or a str",
+        "precision must be a leanstep.Precision or its string form (e.g. 'compute=bfloat16'), got int 16",
     ),
     Case(
         "step/batch_not_divisible",
@@ -884,10 +885,9 @@ _JSON_INPUTS = {
 def _saved_run(root: Path, name: str, argv: tuple[str, ...], corpus_sha: str | None = None) -> Path:
     """A run directory holding only the config.json that ``leanstep train argv`` would write."""
     args = build_parser().parse_args(list(argv))
-    fields = {f.name for f in dataclasses.fields(RunConfig)}
     run = root / name
     run.mkdir()
-    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    config = RunConfig(**given_fields(args))  # the flags not given at RunConfig's defaults, as train reads them
     saved: dict[str, Any] = {"run": build_run(config).config.to_json()}  # --precision auto resolved, as train does
     if corpus_sha is not None:
         saved["corpus"] = {"data_sha256": corpus_sha}

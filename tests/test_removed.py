@@ -69,7 +69,7 @@ def test_the_wrapped_functions_keep_their_signature_without_a_catch_all():
         kinds = [p.kind for p in inspect.signature(function).parameters.values()]
         # plan's step kwargs; make_train_step's short keywords, which StepSpec.from_keywords takes by name
         assert (inspect.Parameter.VAR_KEYWORD in kinds) == (where in ("plan", "plan_cluster", "make_train_step")), where
-    # Any other unknown keyword is Python's own error, from the function itself.
+    # Any other unknown keyword is refused too, in Python's words plus the nearest keyword (tests/test_near_misses.py).
     with pytest.raises(TypeError, match="unexpected keyword argument 'num_micro'"):
         leanstep.make_train_step(lambda p, b: 0.0, num_micro=2)
 

@@ -66,7 +66,7 @@ def test_expected_names_the_whole_structure():
             LossContract(token_weighted=True),
             jnp.float32(1.0),
             TypeError,
-            r"token_weighted=True: loss_fn must return \(loss_sum, count\), got ArrayImpl",
+            r"token_weighted=True: loss_fn must return \(loss_sum, count\), got a scalar \(a mean\? return",
         ),
         (
             LossContract(has_state=True),

@@ -159,7 +159,6 @@ def test_precision_auto_is_resolved_before_the_config_has_a_step():
 
 BAD = [
     (dict(precision="params=bfloat16"), ValueError, "precision"),
-    (dict(precision=3), TypeError, "spec=3 must be a Precision"),
     (dict(max_grad_norm=-1.0), ValueError, "max_grad_norm must be a positive finite number"),
     (dict(max_grad_norm="1"), TypeError, "max_grad_norm must be a number"),
     (dict(loss_scale="static"), ValueError, "loss_scale='static' needs its scale"),
@@ -172,6 +171,7 @@ BAD = [
     (dict(update_chunk=0), ValueError, "update_chunk must be 'auto', a positive int"),
     (dict(spike_guard="k=-1"), ValueError, "^spike_guard: SpikeGuard.k must be a positive number"),
     (dict(spike_guard=3), TypeError, "spike_guard must be a leanstep.SpikeGuard"),
+    (dict(precision=16), TypeError, r"^precision must be a leanstep.Precision or its string form .*, got int 16$"),
     (dict(cast_batch="yes"), TypeError, "cast_batch must be a bool"),
     (dict(donate=1), TypeError, "donate must be a bool"),
     (dict(loss={"has_aux": True}), TypeError, "loss must be a leanstep.LossContract, got dict"),
@@ -208,7 +208,7 @@ def test_a_bad_field_is_one_line_naming_it(fields, error, pattern):
         (lambda: LossScaleSpec("dynamic", 0.5), ValueError, "initial_scale"),
         (lambda: LossScaleSpec("none", settings=(("hysteresis", 2),)), ValueError, "apply only to a dynamic"),
         (lambda: StepSpec.from_json({"precision": "float32", "clip": 1.0}), ValueError, r"unknown step spec field"),
-        (lambda: StepSpec.from_json({"loss": {"aux": True}}), ValueError, "^loss: "),
+        (lambda: StepSpec.from_json({"loss": {"aux": True}}), ValueError, r"^step spec field 'loss': unknown key"),
         (lambda: StepSpec.from_keywords(num_microbatches=2, accumulation=Accumulation(2)), ValueError, "inside"),
         (lambda: StepSpec.from_keywords(has_aux=True, loss=LossContract()), ValueError, "inside loss="),
     ],
@@ -217,6 +217,44 @@ def test_a_bad_part_is_one_line_naming_it(make, error, pattern):
     with pytest.raises(error, match=pattern) as raised:
         make()
     assert "\n" not in str(raised.value)
+
+
+_OBJECT = "must be an object of the fields"
+
+
+@pytest.mark.parametrize(
+    ("fields", "pattern"),
+    [
+        ({"accumulation": 2}, f"'accumulation' {_OBJECT} num_microbatches, split, unroll .*, got int 2$"),
+        ({"loss": None}, f"'loss' {_OBJECT} has_aux, token_weighted, uses_rng, has_state .*, got NoneType None$"),
+        ({"sharding": "data=2"}, "'sharding' must be null or an object of the fields axes, .*, got str 'data=2'$"),
+        ({"precision": 16}, "'precision' must be a string such as \"compute=bfloat16\" .*, got int 16$"),
+        ({"spike_guard": 5}, "'spike_guard' must be null, a string such as \"on\" .*, got int 5$"),
+        ({"fp8": ["delayed"]}, "'fp8' must be null or a recipe string .*, got list"),
+        ({"loss_scale": True}, '\'loss_scale\' must be "none", "dynamic", a number .*, got bool True$'),
+    ],
+)
+def test_a_json_part_of_another_type_is_one_line_naming_the_field_and_its_forms(fields, pattern):
+    with pytest.raises(TypeError, match="^step spec field " + pattern) as raised:
+        StepSpec.from_json(fields)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "short"),
+    [
+        ({"spike_guard": "on"}, {"spike_guard": "on"}),
+        ({"spike_guard": "k=5,window=50"}, {"spike_guard": SpikeGuard(k=5.0, window=50)}),
+        ({"spike_guard": "none"}, {"spike_guard": None}),
+        ({"loss_scale": 1024}, {"loss_scale": LossScaleSpec("static", 1024.0)}),
+        ({"loss_scale": "dynamic"}, {"loss_scale": "dynamic"}),
+        ({"fp8": "delayed"}, {"fp8": "delayed"}),
+        ({"sharding": {"axes": "data=2"}}, {"sharding": MeshLayout((("data", 2),))}),
+    ],
+)
+def test_json_takes_the_short_forms_the_constructor_takes(fields, short):
+    spec = StepSpec.from_json(json.loads(json.dumps(fields)))
+    assert spec == StepSpec(**short) and StepSpec.from_json(spec.to_json()) == spec
 
 
 def test_a_spec_with_no_json_form_says_which_field():

@@ -297,10 +297,19 @@ def _binds(signature: inspect.Signature, names: tuple[str, ...]) -> bool:
 
 
 def _pair(out: Any, message: str, whole: Any) -> tuple[Any, Any]:
-    """``out``'s two entries; TypeError ``message`` (naming ``whole``'s type) if it is not a pair."""
+    """``out``'s two entries; TypeError ``message`` (saying what ``whole`` is) if it is not a pair."""
     if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(f"{message}, got {type(whole).__name__}")
+        raise TypeError(f"{message}, got {_what(whole, message)}")
     return out[0], out[1]
+
+
+def _what(value: Any, message: str) -> str:
+    """``value`` in words: a loss's output is often a tracer, whose class name says nothing."""
+    shape = getattr(value, "shape", None) if hasattr(value, "dtype") else None
+    if shape == () or isinstance(value, (int, float)):  # token-weighted, mostly a mean given for (loss_sum, count)
+        weighted = "token_weighted=True" in message
+        return "a scalar (a mean? return (jnp.sum(losses * mask), jnp.sum(mask)))" if weighted else "a scalar"
+    return type(value).__name__ if shape is None else f"an array of shape {tuple(shape)}"
 
 
 def _keep_state_types(new: Any, old: Any) -> Any:

@@ -281,6 +281,11 @@ def check_train_precision(spec: str | Precision, name: str = "precision") -> Pre
       ...
       ValueError: precision='bfloat16': params must be float32 (the master weights), got bfloat16; ...
     """
+    if not isinstance(spec, (Precision, str)):  # named here: get_precision knows no argument name
+        raise TypeError(
+            f"{name} must be a leanstep.Precision or its string form (e.g. 'compute=bfloat16'), "
+            f"got {type(spec).__name__} {spec!r}"
+        )
     policy = get_precision(spec)
     if policy.param_dtype != jnp.float32:
         masters = dataclasses.replace(policy, param_dtype=jnp.dtype(jnp.float32))

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from leanstep.training.machine_size import SIZED_FIELDS
+from leanstep.training.run_identity import CHANGED_DEFAULTS
 
 __all__ = ["given_fields", "size_flags_by_default", "sized_for_the_machine"]
 
@@ -31,12 +32,16 @@ def size_flags_by_default(p: argparse.ArgumentParser) -> None:
 
 def given_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The ``RunConfig`` fields of the parsed flags, less the sized ones left unset (their
-    ``RunConfig`` defaults stand until :func:`sized_for_the_machine` replaces them)."""
+    ``RunConfig`` defaults stand until :func:`sized_for_the_machine` replaces them) and those whose
+    default has changed left unset (``--resume`` may take the run's own,
+    :mod:`leanstep.cli.resume_defaults`)."""
     from leanstep.training import RunConfig
 
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    unsized = {name for _, name in SIZED_FIELDS if getattr(args, name, None) is None}
-    return {k: v for k, v in vars(args).items() if k in fields and k not in unsized}
+    unset = {
+        name for name in (*(name for _, name in SIZED_FIELDS), *CHANGED_DEFAULTS) if getattr(args, name, None) is None
+    }
+    return {k: v for k, v in vars(args).items() if k in fields and k not in unset}
 
 
 def sized_for_the_machine(config: Any, args: argparse.Namespace, console: Any) -> Any:

@@ -18,6 +18,7 @@ from leanstep.cli.flags import (
 )
 from leanstep.cli.jsontree import InputError
 from leanstep.cli.machine_defaults import given_fields, size_flags_by_default, sized_for_the_machine
+from leanstep.cli.resume_defaults import changed_flags_by_default, with_run_defaults
 
 
 def _defaults() -> Any:
@@ -49,6 +50,7 @@ def add_parser(subparsers: Any) -> None:
     _add_scale_out_flags(p.add_argument_group("scaling out (JAX's mesh sharding and jax.distributed)"), d)
     add_compile_cache_flag(p)
     size_flags_by_default(p)
+    changed_flags_by_default(p)
     p.set_defaults(run=run_train)
 
 
@@ -211,7 +213,7 @@ def run_train(args: argparse.Namespace) -> int:
         check_same_out(args.out, args.process_id, args.num_processes)
     config = _config_from(args)
     console = Console(stderr=True)
-    config = sized_for_the_machine(config, args, console)
+    config = sized_for_the_machine(with_run_defaults(config, args, console), args, console)
     try:
         config.validate()
     except ValueError as error:
@@ -251,8 +253,7 @@ def _configure_devices(args: argparse.Namespace) -> None:
 
 
 def _join(args: argparse.Namespace, configure: Any) -> None:
-    """``configure()`` for a multi-process run: the wait said, bounded by ``--join-timeout`` and
-    stoppable by a signal (:mod:`leanstep.cli.joining`)."""
+    """``configure()`` for a multi-process run, said, bounded by ``--join-timeout``, stoppable (``cli.joining``)."""
     from leanstep.cli.joining import join_processes
 
     timeout = 120.0 if args.join_timeout is None else args.join_timeout

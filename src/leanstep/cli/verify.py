@@ -155,8 +155,7 @@ def render_report(report: Any) -> Any:
     from rich.table import Table
     from rich.text import Text
 
-    verdict = "every check passed" if report.passed else f"{len(report.failures)} check(s) FAILED"
-    table = Table(title=f"leanstep verify: {verdict}", caption=report.setup, box=box.SIMPLE)
+    table = Table(title=f"leanstep verify: {report.verdict}", caption=report.setup, box=box.SIMPLE)
     for name in ("check", "status", "largest", "bound", "seconds", "compared"):
         numeric = name in ("largest", "bound", "seconds")
         table.add_column(name, justify="right" if numeric else "left", no_wrap=name != "compared")

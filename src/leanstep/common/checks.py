@@ -9,8 +9,10 @@ underscore: the module is private, its functions are shared.
 
 from __future__ import annotations
 
+import difflib
 import math
 import operator
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeGuard
 
 import jax
@@ -91,11 +93,40 @@ def check_callable(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be callable, got {type(value).__name__}")
 
 
+def check_keywords(
+    where: str, given: Iterable[str], known: Iterable[str], hints: Mapping[str, str] | None = None
+) -> None:
+    """Refuses a keyword ``where`` does not take, saying what to do instead (``hints``) or naming
+    the nearest one it takes (``difflib``), rather than Python's bare "unexpected keyword".
+
+    Example:
+      >>> check_keywords("make_train_step", ["num_microbatche"], ["num_microbatches", "max_grad_norm"])
+      Traceback (most recent call last):
+      ...
+      TypeError: make_train_step() got an unexpected keyword argument 'num_microbatche'; did you mean num_microbatches=?
+    """
+    known = tuple(known)
+    for name in given:
+        if name in known:
+            continue
+        hint = (hints or {}).get(name)
+        if hint is None:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {near[0]}=?" if near else f"it takes {', '.join(f'{k}=' for k in known)}"
+        raise TypeError(f"{where}() got an unexpected keyword argument {name!r}; {hint}")
+
+
 def check_optimizer(value: Any, name: str = "optimizer") -> None:
     import optax  # only where an optimizer is checked
 
-    if not isinstance(value, optax.GradientTransformation):
-        raise TypeError(f"{name} must be an optax.GradientTransformation, got {type(value).__name__}")
+    if isinstance(value, optax.GradientTransformation):
+        return
+    if callable(getattr(value, "gradient_transformation", None)):  # optax.MultiSteps, given whole
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation, got {type(value).__name__}; pass its "
+            f".gradient_transformation() (e.g. optax.MultiSteps(tx, every_k_schedule=4).gradient_transformation())"
+        )
+    raise TypeError(f"{name} must be an optax.GradientTransformation, got {type(value).__name__}")
 
 
 def leaf_dtype(leaf: Any) -> np.dtype | None:

@@ -41,6 +41,7 @@ from leanstep.blocks.moments import MOMENT_DTYPES
 from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_bool, check_positive
+from leanstep.step.spec_json import JSON_PARTS, read_json_part
 from leanstep.step.spec_parts import LossScaleSpec, MeshLayout
 from leanstep.step.update_chunk_plan import check_update_chunk
 
@@ -241,8 +242,21 @@ class StepSpec:
     def from_json(cls, data: Mapping[str, Any] | str) -> StepSpec:
         """The spec of :meth:`to_json`'s dict (or its JSON text); a field left out takes its default.
 
+        A part (``loss``, ``accumulation``, ``loss_scale``, ``spike_guard``, ``sharding``) is an
+        object of its fields, as :meth:`to_json` writes it, or one of the short forms the
+        constructor takes (``"spike_guard": "on"``, ``"loss_scale": 1024``).
+
         Raises:
-          ValueError: a key that is not a field; any refusal of :class:`StepSpec`.
+          TypeError: a part of another JSON type, naming the field and its forms.
+          ValueError: a key that is not a field, or not a field of its part; any refusal of :class:`StepSpec`.
+
+        Example:
+          >>> StepSpec.from_json({"spike_guard": "on"}) == StepSpec(spike_guard="on")
+          True
+          >>> StepSpec.from_json({"accumulation": 2})
+          Traceback (most recent call last):
+          ...
+          TypeError: step spec field 'accumulation' must be an object of the fields num_microbatches, split, ...
         """
         if isinstance(data, str):
             data = json.loads(data)
@@ -253,20 +267,9 @@ class StepSpec:
         if unknown:
             raise ValueError(f"unknown step spec field(s) {unknown}; expected some of {names}")
         fields = dict(data)
-        readers: dict[str, Any] = {
-            "loss": lambda d: LossContract(**d),
-            "accumulation": lambda d: Accumulation(**d),
-            "loss_scale": LossScaleSpec.from_json,
-            "fp8": lambda d: None if d is None else Fp8Recipe.from_string(d),
-            "spike_guard": lambda d: None if d is None else SpikeGuard(**d),
-            "sharding": lambda d: None if d is None else MeshLayout.from_json(d),
-        }
-        for name, read in readers.items():
+        for name in JSON_PARTS:
             if name in fields:
-                try:
-                    fields[name] = read(fields[name])
-                except TypeError as error:  # a missing or extra key of the part
-                    raise ValueError(f"{name}: {error}") from None
+                fields[name] = read_json_part(name, fields[name])
         return cls(**fields)
 
 

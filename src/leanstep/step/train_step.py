@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, overload
 
@@ -11,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from leanstep.blocks.fp8_state import split_fp8
 from leanstep.blocks.masters import master_dtype
-from leanstep.common.checks import INT32_MAX, check_bool
+from leanstep.common.checks import INT32_MAX, check_bool, check_keywords
 from leanstep.common.removed import refuses_removed_keywords
 from leanstep.step.gradients import gradient_stage
 from leanstep.step.settings import step_settings
@@ -210,9 +211,18 @@ def make_train_step(
     return _CheckedStep(jax.jit(step, donate_argnums=(0,) if spec.donate else ()), spec.donate, layer)
 
 
+#: The short keywords (:meth:`StepSpec.from_keywords`'; ``mesh`` is make_train_step's own).
+_SHORT_KEYWORDS = tuple(name for name in inspect.signature(StepSpec.from_keywords).parameters if name != "mesh")
+_NO_OPTIMIZER = (
+    "make_train_step takes no optimizer since leanstep 0.8: give it once, to TrainState.create(params, "
+    "optimizer); the step applies the state's"
+)
+
+
 def _spec_of(spec: Any, short: dict[str, Any], mesh: Mesh | ShardingLayer | None) -> StepSpec:
     """The step's spec: ``spec``, or the one the short keywords build (a mesh gives it its layout)."""
     if spec is None:
+        check_keywords("make_train_step", short, _SHORT_KEYWORDS, {"optimizer": _NO_OPTIMIZER})
         return StepSpec.from_keywords(**short, mesh=mesh)
     if not isinstance(spec, StepSpec):
         raise TypeError(

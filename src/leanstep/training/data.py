@@ -215,6 +215,11 @@ def load_corpus(
             else:
                 files = [(root.name, read_regular_file(root, what=f"--data file {source!r}", limit=MAX_CORPUS_BYTES))]
         except ValueError as error:
+            if str(path).startswith("@") and not os.path.lexists(root):  # a name, not a path: say the one there is
+                raise ValueError(
+                    f"{error}; the one corpus named with @ is {INSTALLED_PYTHON}, in lower case (the installed "
+                    f"packages' Python source), else {expected}"
+                ) from None
             raise ValueError(f"{error}; {expected}") from None
         if not files:
             left_out = f" (skipped: {describe_skipped(skipped)})" if skipped else ""

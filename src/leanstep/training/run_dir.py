@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,18 @@ from leanstep.common.files import read_regular_file
 from leanstep.common.outputs import write_bytes_atomic
 from leanstep.training.config import RunConfig
 from leanstep.training.config_checks import flag_of
-from leanstep.training.run_identity import ADDED_FIELDS
+from leanstep.training.run_identity import ADDED_FIELDS, CHANGED_DEFAULTS
 
-__all__ = ["check_out", "check_run", "fresh_start", "holds_run", "saved_run", "with_saved_plan", "write_json_atomic"]
+__all__ = [
+    "check_out",
+    "check_run",
+    "fresh_start",
+    "holds_run",
+    "saved_run",
+    "with_saved_defaults",
+    "with_saved_plan",
+    "write_json_atomic",
+]
 
 
 def write_json_atomic(path: Path, value: Any) -> None:
@@ -112,6 +122,46 @@ def saved_run(config: RunConfig, config_path: Path) -> dict[str, Any]:
     return saved
 
 
+def _saved_fields(config: RunConfig) -> dict[str, Any] | None:
+    """The ``run`` fields of ``config.out``'s ``config.json``, or None where it cannot be read
+    (:func:`check_run` then says what is wrong)."""
+    path = Path(config.out) / "config.json"
+    try:
+        run = json.loads(read_regular_file(path, what=str(path), limit=64 << 20)).get("run", {})
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    return run if isinstance(run, dict) else None
+
+
+def with_saved_defaults(config: RunConfig, given: Collection[str]) -> tuple[RunConfig, str | None]:
+    """``config`` to resume, with the saved value of each field whose default has changed
+    (:data:`~leanstep.training.run_identity.CHANGED_DEFAULTS`) where the run took the old default
+    and the field is not in ``given`` (those set explicitly: they must match, as any field); and
+    one line naming the flags taken, or None when none is.
+
+    So a run 0.11 made with its defaults (64 windows of 32 bytes, AdamW), resumed by
+    ``leanstep train --resume``, takes ``--batch-size 64``, ``--seq-len 32``, ``--eval-batches 16``
+    and ``--optimizer adamw`` instead of being refused for today's defaults.
+    """
+    import dataclasses
+
+    run = _saved_fields(config)
+    if run is None:
+        return config, None
+    taken = {
+        name: old
+        for name, old in CHANGED_DEFAULTS.items()
+        if name not in given and run.get(name, ADDED_FIELDS.get(name)) == old and getattr(config, name) != old
+    }
+    resumed = dataclasses.replace(config, **taken)
+    if not taken or with_saved_plan(resumed).mismatches(run):  # refused by check_run, naming what differs
+        return resumed, None
+    flags = ", ".join(f"{flag_of(name)} {value}" for name, value in taken.items())
+    now = ", ".join(str(getattr(config, name)) for name in taken)
+    note = f"--resume: took the run's own {flags}, whose defaults have changed since it started (now {now})"
+    return resumed, note
+
+
 def with_saved_plan(config: RunConfig) -> RunConfig:
     """``config`` to resume, with what its run chose for itself: the steps a ``--time-budget``
     planned (when ``config.steps`` is None) and the policy ``--precision auto`` chose.
@@ -122,11 +172,8 @@ def with_saved_plan(config: RunConfig) -> RunConfig:
     """
     import dataclasses
 
-    path = Path(config.out) / "config.json"
-    try:
-        saved = json.loads(read_regular_file(path, what=str(path), limit=64 << 20))
-        run = saved.get("run", {})
-    except (OSError, ValueError, RecursionError, AttributeError):
+    run = _saved_fields(config)
+    if run is None:
         return config
     changes: dict[str, Any] = {}
     if config.steps is None and isinstance(run.get("steps"), int):

@@ -18,7 +18,7 @@ from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.training.rollback import SpikeRollback
 
-__all__ = ["ADDED_FIELDS", "RESUMABLE_FIELDS", "config_hash", "config_hashes", "setting_meaning"]
+__all__ = ["ADDED_FIELDS", "CHANGED_DEFAULTS", "RESUMABLE_FIELDS", "config_hash", "config_hashes", "setting_meaning"]
 
 
 class _RunConfig(Protocol):
@@ -61,6 +61,11 @@ ADDED_FIELDS: dict[str, Any] = {
     "spike_rollback": "none",
     "optimizer": "adamw",
 }
+
+#: Defaults that changed since runs were first saved (in 0.12), with the old default: a run that
+#: took the old one resumes from its command line, the saved value taken for a flag not given
+#: (:func:`leanstep.training.run_dir.with_saved_defaults`).
+CHANGED_DEFAULTS: dict[str, Any] = {"batch_size": 64, "seq_len": 32, "eval_batches": 16, "optimizer": "adamw"}
 
 #: The fields that hold a setting string, and how each is read.
 _SETTING_FIELDS: dict[str, Callable[[str], Any]] = {

@@ -302,8 +302,7 @@ def _weights_diagnosis(fitted: np.ndarray, weights: list[float]) -> str:
 def check_accumulation(runs: Runs, num_microbatches: int) -> CheckResult:
     """M microbatches against each microbatch alone, weighed as the loss contract says: the float32 sum."""
     started = time.perf_counter()
-    token = getattr(runs.setup, "mask", None) is not None
-    weighed = "c_j / sum c (token counts)" if token else "1/M"
+    weighed = runs.weighing("batch", num_microbatches)  # as the weights are taken: mask, the loss's counts, or 1/M
     compared = f"G (M={num_microbatches}) vs sum_j w_j g_j of each microbatch alone, w_j = {weighed}, in float64"
     return _weighted_sum_check("accumulation", runs, "batch", num_microbatches, LOW_PRECISION_SUM, started, compared)
 
@@ -361,7 +360,8 @@ def check_token_weighting(runs: Runs, num_microbatches: int) -> CheckResult:
         if getattr(runs.setup, "token_weighted", False):
             detail = (
                 "the loss is token-weighted (token_weighted=True) but no token-weight leaf is named: give mask=<the "
-                "name of the batch's token-weight leaf> to check it (and to weigh microbatches by their token counts)"
+                "name of the batch's token-weight leaf> to check it (the other checks weigh microbatch j by "
+                f"w_j = {runs.weighing('batch', num_microbatches)})"
             )
         else:
             detail = "the setup names no token-weight leaf (mask): its loss is not token-weighted"

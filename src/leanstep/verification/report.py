@@ -94,6 +94,24 @@ class VerifyReport:
         """The failed checks."""
         return tuple(c for c in self.checks if c.failed)
 
+    @property
+    def verdict(self) -> str:
+        """The report in one phrase: the failures counted; nothing verified where every check is
+        ``"n/a"``; and, where the ``reference`` check was asked for and is ``"n/a"``, that the one
+        check independent of the step did not run, so a gradient wrong the same way in every
+        microbatch (by a factor, say) passes every other check.
+        """
+        if self.failures:
+            return f"{len(self.failures)} check(s) FAILED"
+        if all(c.status == "n/a" for c in self.checks):
+            return f"nothing verified: every check asked for ({len(self.checks)}) does not apply (n/a)"
+        if any(c.name == "reference" and c.status == "n/a" for c in self.checks):
+            return (
+                "every check that applies passed, but the independent reference did not run (n/a): the step was "
+                "compared with itself only, which a gradient wrong in every microbatch alike passes"
+            )
+        return "every check passed"
+
     def __getitem__(self, name: str) -> CheckResult:
         for check in self.checks:
             if check.name == name:
@@ -101,12 +119,17 @@ class VerifyReport:
         raise KeyError(f"no check named {name!r}; the report has {[c.name for c in self.checks]}")
 
     def to_json(self) -> str:
-        """The report as JSON: ``{"setup", "passed", "checks": [CheckResult.to_dict(), ...]}``."""
-        body = {"setup": self.setup, "passed": self.passed, "checks": [c.to_dict() for c in self.checks]}
+        """The report as JSON: ``{"setup", "passed", "verdict", "checks": [CheckResult.to_dict(), ...]}``."""
+        body = {
+            "setup": self.setup,
+            "passed": self.passed,
+            "verdict": self.verdict,
+            "checks": [c.to_dict() for c in self.checks],
+        }
         return json.dumps(body, indent=2)
 
     def __str__(self) -> str:
-        lines = [f"verify {self.setup}: {'every check passed' if self.passed else 'FAILED'}"]
+        lines = [f"verify {self.setup}: {self.verdict}"]
         for c in self.checks:
             lines.append(f"  {c.status:4} {c.name:16} largest {c.largest:.3g} (bound {c.bound:.3g}): {c.compared}")
             for label, value in (("where", c.where), ("diagnosis", c.diagnosis), ("detail", c.detail)):

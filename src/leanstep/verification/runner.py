@@ -88,7 +88,9 @@ def verify_step(
       name: what the report calls the setup.
 
     Returns:
-      A :class:`VerifyReport`; ``report.passed`` is False if any check failed.
+      A :class:`VerifyReport`; ``report.passed`` is False if any check failed, and
+      ``report.verdict`` says what was verified: nothing, where every check is ``n/a``; not the
+      step against its loss, where the step offers no ``reference_loss``.
 
     Raises:
       ValueError: ``num_microbatches`` below 2 or not a divisor of the batch's rows; an unknown check.

@@ -66,7 +66,7 @@ class Runs:
         self._has_model_state: bool | None = None
         self.layouts: tuple[Any, ...] = ()  # the mesh layouts the meshes check compares with one device
         self.token_counts: list[float] = []  # each microbatch's token count in the "uneven" batch
-        self._weights: dict[tuple[str, int], list[float]] = {}
+        self._weights: dict[tuple[str, int], tuple[list[float], str]] = {}
 
     def register(self, name: str, batch: Any) -> None:
         """Names a batch the checks will run."""
@@ -158,23 +158,31 @@ class Runs:
         """
         if (batch, num_microbatches) not in self._weights:
             self._weights[batch, num_microbatches] = self._contract_weights(batch, num_microbatches)
-        return self._weights[batch, num_microbatches]
+        return self._weights[batch, num_microbatches][0]
 
-    def _contract_weights(self, batch: str, num_microbatches: int) -> list[float]:
+    def weighing(self, batch: str, num_microbatches: int) -> str:
+        """How :meth:`weights` weighs the named batch's microbatches, in words (``"1/M"``, ``"c_j / sum c
+        (the loss's own token counts)"``, ...)."""
+        self.weights(batch, num_microbatches)
+        return self._weights[batch, num_microbatches][1]
+
+    def _contract_weights(self, batch: str, num_microbatches: int) -> tuple[list[float], str]:
         mask = getattr(self.setup, "mask", None)
         counter = getattr(self.setup, "token_counts", None)
         equal = [1.0 / num_microbatches] * num_microbatches
         microbatches = self.microbatches(batch, num_microbatches)
         if mask is not None:
             counts = [float(np.sum(np.asarray(rows[mask], np.float64))) for rows in microbatches]
+            source = f"the {mask!r} leaf's token counts"
         elif callable(counter) and (counted := counter(microbatches)) is not None:
             counts = [float(c) for c in counted]
+            source = "the loss's own token counts"
         else:
-            return equal
+            return equal, "1/M"
         total = math.fsum(counts)
         if not (total > 0 and math.isfinite(total)):
-            return equal
-        return [c / total for c in counts]
+            return equal, f"1/M (no token in the batch by {source})"
+        return [c / total for c in counts], f"c_j / sum c ({source})"
 
     def microbatches(self, batch: str, num_microbatches: int) -> list[Any]:
         """The microbatches of the named batch, each as a batch of its own."""
