@@ -225,9 +225,8 @@ def _note_use(meta: Fp8Meta) -> None:
 
 
 def _check_meta(meta: Fp8Meta, recipe: Fp8Recipe | None, lhs: jax.Array, rhs: jax.Array) -> None:
-    """Refuses a meta whose histories are not the length of the ``recipe`` given (None: none was),
-    and a matmul under a ``jax.vmap`` that batches an operand but not the meta (each example
-    would record its own amax, and their sum would arrive as the meta's new value)."""
+    """Refuses a meta whose histories are not the given ``recipe``'s length (None: none given), and
+    a ``jax.vmap`` that batches an operand but not the meta (see the module doc)."""
     lengths = {int(h.shape[-1]) for h in (meta.input_history, meta.kernel_history, meta.grad_history)}
     if recipe is not None and lengths != {recipe.history}:
         raise ValueError(
