@@ -204,6 +204,24 @@ def test_real_train_state_round_trip(tmp_path):
         assert_bit_equal(ckpt.restore(template).state, state)
 
 
+@pytest.mark.parametrize(("saved", "wanted"), [("float32", "int8"), ("int8", "float32"), ("bfloat16", "int8")])
+def test_moments_restored_into_another_format_name_both_and_the_argument(tmp_path, saved, wanted):
+    from leanstep.step.state import TrainState
+
+    params = {"w": jnp.arange(600.0).reshape(2, 300), "b": jnp.ones(3)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, TrainState.create(params, optax.adam(1e-3), moments=saved))
+        with pytest.raises(CheckpointError) as info:
+            ckpt.restore(TrainState.create(params, optax.adam(1e-3), moments=wanted))
+    message = str(info.value)
+    assert (
+        f"the checkpoint's optimizer moments are {saved}, the template's {wanted}; restore it into a state built "
+        f"with moments={saved!r} (TrainState.create(..., moments=...) or StepSpec.moments; --moments in leanstep "
+        "train)" in message
+    )
+    assert "flat index" not in message and len(message.splitlines()) == 1
+
+
 # --- steps and retention -------------------------------------------------------------------------
 
 

@@ -87,6 +87,9 @@ def test_folder_is_read_sorted_skipping_binary_hidden_and_empty(tmp_path):
     assert c.train.tobytes() == b"".join((tmp_path / n).read_bytes() for n in c.train_files)
     assert c.heldout.tobytes() == (tmp_path / c.heldout_files[0]).read_bytes()
     assert load_corpus(tmp_path).describe() == c.describe()
+    # What was left out is counted, as config.json records it (hidden entries are left out by design).
+    skipped = {"a binary file (a NUL byte)": 1, "an empty file": 1}
+    assert c.skipped == skipped and c.describe()["skipped_entries"] == skipped
     # Adding a file changes the recorded file list hash.
     write(tmp_path, "zz.txt", b"more\n")
     assert load_corpus(tmp_path).describe()["files_sha256"] != c.describe()["files_sha256"]
@@ -120,7 +123,10 @@ def test_single_file_is_split_by_bytes(tmp_path):
         (lambda root: root / "missing", "does not exist"),
         (lambda root: (write(root, "e.txt", b""), root / "e.txt")[1], "is empty"),
         (lambda root: root, "holds no readable, non-empty text file"),
-        (lambda root: (write(root, "a.bin", b"\0\1"), write(root, "b.bin", b"x\0"), root)[2], "no readable"),
+        (
+            lambda root: (write(root, "a.bin", b"\0\1"), write(root, "b.bin", b"x\0"), root)[2],
+            r"no readable, non-empty text file \(skipped: 2 x binary file \(a NUL byte\)\)",
+        ),
     ],
     ids=["missing", "empty-file", "empty-folder", "binary-only"],
 )

@@ -208,6 +208,45 @@ def test_an_fp8_meta_used_by_two_matmuls_is_refused():
         leanstep.make_train_step(loss)(_state(jax_params()), batch(0))
 
 
+def test_metas_of_another_history_than_the_recipes_are_refused_naming_both():
+    """History-16 metas under a history-4 recipe: refused when traced, not trained with 16 entries."""
+    params = jax_params(leanstep.Fp8Recipe(history=16))
+    loss = lambda p, b: jax_loss(p, b, leanstep.Fp8Recipe(history=4))
+    message = (
+        r"^meta: an Fp8Meta whose amax histories hold 16 entries, under recipe='delayed,history=4,amax=max,margin=0,"
+        r"forward=e4m3,backward=e5m2' \(history=4\): make the meta with Fp8Meta.create\(recipe\), or pass the "
+        r"recipe it was made with"
+    )
+    with pytest.raises(ValueError, match=message):
+        leanstep.make_train_step(loss, precision=PRECISION)(_state(params), batch(0))
+    with pytest.raises(ValueError, match=message):  # outside a step too: the matmul itself refuses it
+        jax.grad(lambda p: loss(p, batch(0)))(jax.tree.map(jnp.asarray, params))
+
+
+def _vmapped_loss(params, batch):
+    """The matmuls of :func:`jax_loss` on one example at a time, the metas closed over."""
+    one = lambda x: jax_loss(params, {"x": x[None], "y": jnp.zeros((1, 4), jnp.float32)})
+    return jnp.mean(jax.vmap(one)(batch["x"]))
+
+
+def test_a_delayed_fp8_matmul_vmapped_over_the_examples_is_refused():
+    with pytest.raises(ValueError, match=r"^an FP8 matmul with delayed scaling \(its Fp8Meta\) runs under a jax.vmap"):
+        leanstep.make_train_step(_vmapped_loss, precision=PRECISION)(_state(jax_params()), batch(0))
+
+
+def test_a_vmap_that_batches_the_metas_with_the_operands_is_an_ensemble_and_runs():
+    """Two members, each its own weights and metas: each member's new state is its own matmuls'
+    (the reference: each member's gradient taken alone)."""
+    members = [jax_params(), jax.tree.map(lambda a: a * 2, jax_params())]
+    stacked = jax.tree.map(lambda *a: jnp.stack([jnp.asarray(x) for x in a]), *members)
+    data = batch(0)
+    grads = jax.grad(lambda p: jnp.sum(jax.vmap(lambda q: jax_loss(q, data))(p)))(stacked)
+    for i, member in enumerate(members):
+        alone = jax.grad(lambda p: jax_loss(p, data))(jax.tree.map(jnp.asarray, member))
+        for a, b in zip(jax.tree.leaves(alone["fp8"]), jax.tree.leaves(grads["fp8"]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b[i]))
+
+
 # --- the controls: the same Flax model, composed as peers compose it ----------------------------------
 
 

@@ -145,6 +145,17 @@ def test_the_fp8_state_moved_stays_out_of_the_optimizer_and_comes_back_with_the_
     assert float(meta.input_scale[0]) != 1.0  # the second step's scale, from the first one's amax
 
 
+def test_an_equinox_fp8_linear_vmapped_over_the_examples_is_refused_naming_the_fix():
+    """Equinox's habit, a layer called per example under jax.vmap: each example would record its own amax."""
+    params, static = leqx.split(EqxNet(RECIPE, jax.random.key(0)))
+    per_example = leqx.loss(static, lambda model, b: mse(jax.vmap(model)(b["x"]), b))
+    state = leanstep.TrainState.create(params, TX, loss_scale="dynamic")
+    step = leanstep.make_train_step(per_example, precision=PRECISION)
+    with pytest.raises(ValueError, match=r"runs under a jax.vmap that batches its operands but not its meta") as info:
+        step(state, batch(0))
+    assert "Call the layer on the whole batch" in str(info.value).splitlines()[0]  # one line, with the fix
+
+
 @pytest.mark.parametrize("framework", ["nnx", "equinox", "linen"])
 def test_current_scaling_keeps_no_state_and_trains(framework):
     loss, params, model_state, _ = setups(leanstep.Fp8Recipe("current"))[framework]

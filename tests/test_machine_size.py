@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sysconfig
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,6 +49,20 @@ def test_more_compute_a_wider_model_less_memory_more_microbatches():
     unknown = size_for_machine("gpu", "Some GPU", 8 * 2**30, 180.0)
     assert unknown is not None and "no preset for 'Some GPU'" in unknown.reason
     assert size_for_machine("cpu", "cpu", None, 180.0) is None
+
+
+@pytest.mark.parametrize("budget", [-5.0, 0, math.nan, math.inf, "180", True])
+def test_a_budget_that_is_no_duration_is_one_line_naming_it(budget):
+    message = rf"^budget_s \(--time-budget\) must be a finite number of seconds > 0, got {re.escape(repr(budget))}$"
+    for platform, kind in (("tpu", "TPU v5 lite"), ("cpu", "cpu")):
+        with pytest.raises(ValueError, match=message):
+            size_for_machine(platform, kind, V5E_MEMORY, budget)
+
+
+@pytest.mark.parametrize("memory", [-1, 0, 2.5])
+def test_a_memory_that_is_no_byte_count_is_one_line_naming_it(memory):
+    with pytest.raises(ValueError, match=r"^memory_bytes \(the device's bytes_limit\) must be None or an int > 0"):
+        size_for_machine("tpu", "TPU v5 lite", memory, 180.0)
 
 
 def _fake_tpu(monkeypatch):

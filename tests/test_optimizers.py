@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+import equinox as eqx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,15 +20,20 @@ import pytest
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 import leanstep
+from leanstep.blocks.fp8_state import split_fp8
 from leanstep.models import build_model
 from leanstep.training import RunConfig
 from leanstep.training.build import build_optimizer
-from leanstep.training.optimizers import MUON_LEARNING_RATE, muon_labels, run_optimizer
+from leanstep.training.optimizers import MUON_LEARNING_RATE, muon_dimension_numbers, muon_labels, run_optimizer
 from leanstep.training.run_identity import config_hash
 from leanstep.training.schedule import make_schedule, scale_by_run_schedule
 from workers import run_worker
 
 CONSTANT = make_schedule("constant", 3e-3, 0)
+
+
+def _is_dims(node):
+    return isinstance(node, MuonDimensionNumbers)
 
 
 def _tiny_transformer():
@@ -37,17 +44,109 @@ def _tiny_transformer():
 
 
 def test_muon_takes_the_stacked_layer_matrices_and_adamw_the_rest():
-    for name in ("transformer", "mlp"):
-        params = jax.eval_shape(build_model(name, "mini").init, jax.random.key(0))
+    """The built-in models' labels are those 0.12 gave them (a 3-D leaf, each under ``blocks``),
+    at every size, with FP8 state too (the optimizer sees the trainable part)."""
+    fp8 = {"fp8": leanstep.Fp8Recipe(history=4)}
+    for name, size, overrides in [(n, s, {}) for n in ("transformer", "mlp") for s in ("tiny", "mini", "small")] + [
+        ("transformer", "tiny", fp8)
+    ]:
+        params = jax.eval_shape(build_model(name, size, **overrides).init, jax.random.key(0))
+        params = split_fp8(params)[0]
         labels = muon_labels(params)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-            label = labels
-            for key in path:
-                label = label[key.key]
-            assert label == ("muon" if leaf.ndim == 3 else "adamw"), (name, jax.tree_util.keystr(path))
+        old = jax.tree.map(lambda leaf: "muon" if leaf.ndim == 3 else "adamw", params)  # 0.12's rule
+        assert labels == old, (name, size)
+        assert jax.tree.leaves(muon_dimension_numbers(params), is_leaf=_is_dims) == [
+            MuonDimensionNumbers(1, 2) for label in jax.tree.leaves(old) if label == "muon"
+        ]
     labels = muon_labels(jax.eval_shape(build_model("transformer", "mini").init, jax.random.key(0)))
     assert {k for k, v in labels["blocks"].items() if v == "muon"} == {"qkv_w", "proj_w", "fc_w", "out_w"}
     assert labels["embed"] == labels["pos"] == "adamw"
+
+
+def test_the_default_runs_muon_is_0_12s_bit_for_bit():
+    """`leanstep train`'s Muon on the built-in transformer: the state and updates of 0.12's
+    optimizer (its labels and its one (layers, in, out) reading of every Muon leaf), bit for bit."""
+    _, params, _ = _tiny_transformer()
+    labels = lambda p: jax.tree.map(lambda leaf: "muon" if leaf.ndim == 3 else "adamw", p)
+    stacks = lambda p: jax.tree.map(lambda _: MuonDimensionNumbers(reduction_axis=1, output_axis=2), p)
+    old_muon = optax.chain(scale_by_muon(beta=0.95, weight_dimension_numbers=stacks), optax.add_decayed_weights(0.1))
+    old_adamw = optax.chain(optax.scale_by_adam(b1=0.9, b2=0.95), optax.add_decayed_weights(0.1))
+    old = optax.chain(
+        optax.partition(
+            {"muon": optax.chain(old_muon, optax.scale(MUON_LEARNING_RATE / 3e-3)), "adamw": old_adamw}, labels
+        ),
+        scale_by_run_schedule(CONSTANT, 10),
+    )
+    mine = run_optimizer("muon", CONSTANT, lr=3e-3, weight_decay=0.1, total=10)
+    state, reference = mine.init(params), old.init(params)
+    for key in jax.random.split(jax.random.key(0), 2):
+        grads = jax.tree.map(lambda p, key=key: jax.random.normal(key, p.shape), params)
+        (got, state), (want, reference) = mine.update(grads, state, params), old.update(grads, reference, params)
+        for a, b in zip(jax.tree.leaves((got, state)), jax.tree.leaves((want, reference)), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class _UserLM(nn.Module):
+    """A model of the user's own, written as Flax's lm1b writes one: an embedding, attention with
+    ``(embed, heads, head_dim)`` kernels (DenseGeneral), a LayerNorm, an MLP, an untied head."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(256, 32)(tokens)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=4)(nn.LayerNorm()(x))
+        x = x + nn.Dense(32)(nn.gelu(nn.Dense(64)(x)))
+        return nn.Dense(256, name="head")(x)
+
+
+def _user_params():
+    return jax.eval_shape(_UserLM().init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+
+
+def test_a_model_of_ones_own_trains_muon_on_its_2d_matrices_as_optax_labels_them():
+    params = _user_params()
+    labels, dims = muon_labels(params), muon_dimension_numbers(params)
+    flat = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    got = {jax.tree_util.keystr(path): label for path, label in jax.tree_util.tree_leaves_with_path(labels)}
+    # by hand: the embedding table and the Dense kernels are 2-D; the attention's kernels are
+    # (embed, heads, head_dim) and (heads, head_dim, embed), which are not stacks of layers
+    muon = {"['Embed_0']['embedding']", "['Dense_0']['kernel']", "['Dense_1']['kernel']", "['head']['kernel']"}
+    assert {k for k, v in got.items() if v == "muon"} == muon
+    assert {flat[k].shape for k in flat if "MultiHeadDotProductAttention" in k and k.endswith("['kernel']")} == {
+        (32, 4, 8),
+        (4, 8, 32),
+    }
+    assert all(got[k] == "adamw" for k in flat if k not in muon)  # the attention, biases, the norm
+    assert [d for d in jax.tree.leaves(dims, is_leaf=_is_dims) if d is not None] == [MuonDimensionNumbers(0, 1)] * 4
+    # optax.contrib.muon's own labels (every 2-D leaf) on the same tree: its Muon state holds these
+    # leaves and the attention's (heads, head_dim) biases, which leanstep leaves to AdamW
+    state = optax.contrib.muon(1e-3).init(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params))
+    held = {
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_leaves_with_path(state.inner_states["muon"].inner_state[0].mu)
+    }
+    biases = {f"['MultiHeadDotProductAttention_0']['{name}']['bias']" for name in ("query", "key", "value")}
+    assert held == muon | biases and all(flat[k].shape == (4, 8) for k in biases)
+    # an Equinox model: its Linear weights (out, in) are matrices, its biases are not
+    mlp, _ = eqx.partition(eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0)), eqx.is_inexact_array)
+    assert [label for layer in muon_labels(mlp).layers for label in (layer.weight, layer.bias)] == ["muon", "adamw"] * 3
+
+
+def test_muon_updates_a_users_matrices_as_optax_and_its_other_leaves_as_adamw():
+    params = jax.tree.map(lambda s: jnp.full(s.shape, 0.1, s.dtype), _user_params())
+    rng = np.random.default_rng(0)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    mine = run_optimizer("muon", CONSTANT, lr=3e-3, weight_decay=0.0, total=10)
+    updates, _ = mine.update(grads, mine.init(params), params)
+    for path, update in jax.tree_util.tree_leaves_with_path(updates):
+        grad = grads
+        for key in path:
+            grad = grad[key.key]
+        if grad.ndim == 2 and path[-1].key != "bias":  # optax's Muon on this matrix alone, at Muon's rate
+            ref = optax.chain(scale_by_muon(beta=0.95), optax.scale(-MUON_LEARNING_RATE))
+        else:  # AdamW's first step: the gradient's sign, at the schedule's rate
+            ref = optax.chain(optax.scale_by_adam(b1=0.9, b2=0.95), optax.scale(-3e-3))
+        want, _ = ref.update(grad, ref.init(grad))
+        np.testing.assert_allclose(np.asarray(update), np.asarray(want), rtol=1e-5, atol=1e-7)
 
 
 def test_adamw_is_the_chain_runs_have_always_saved_bit_for_bit():
@@ -69,7 +168,9 @@ def test_muon_orthogonalizes_each_layer_of_a_stack_as_its_own_matrix():
     rng = np.random.default_rng(0)
     weights = jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32)
     grads = [jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32) for _ in range(2)]
-    params = {"blocks": {"w": weights, "b": jnp.zeros((3, 16))}}
+    # the built-in mlp's top-level names: leanstep's stacked layout, whose 3-D leaves are layer stacks
+    params = {"blocks": {"w": weights, "b": jnp.zeros((3, 16))}, "embed": jnp.zeros((5, 8))}
+    params |= {"head_w": jnp.zeros((8, 5)), "head_b": jnp.zeros(5)}
     mine = run_optimizer("muon", CONSTANT, lr=3e-3, weight_decay=0.0, total=10)
     # The reference: optax's Muon on each layer's 2-D matrix, separately, at Muon's rate.
     layers = {f"l{i}": weights[i] for i in range(3)}
@@ -79,7 +180,7 @@ def test_muon_orthogonalizes_each_layer_of_a_stack_as_its_own_matrix():
     )
     state, reference = mine.init(params), plain.init(layers)
     for g in grads:
-        updates, state = mine.update({"blocks": {"w": g, "b": jnp.zeros((3, 16))}}, state, params)
+        updates, state = mine.update({**params, "blocks": {"w": g, "b": jnp.zeros((3, 16))}}, state, params)
         want, reference = plain.update({f"l{i}": g[i] for i in range(3)}, reference, layers)
         for i in range(3):  # vmapped over layers against one at a time: float32 rounding apart
             np.testing.assert_allclose(updates["blocks"]["w"][i], want[f"l{i}"], rtol=0, atol=1e-7)

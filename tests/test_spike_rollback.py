@@ -63,6 +63,11 @@ def test_data_positions_are_the_positions_not_skipped_in_order(seed):
     assert [data_position(i, skips) for i in range(100)] == _positions_not_skipped(100, skipped)
 
 
+def test_rollback_settings_round_trip_through_their_string():
+    for policy in (SpikeRollback(), SpikeRollback(after=2, within=20, lr_factor=0.25, lr_steps=0, max_rollbacks=1)):
+        assert SpikeRollback.from_string(policy.to_string()) == policy
+
+
 def test_rollback_settings_are_parsed_and_refused_by_name():
     assert SpikeRollback.from_string("none") is None
     assert SpikeRollback.from_string("after=2,within=20,lr=0.25,for=0,max=1,ahead=7") == SpikeRollback(
@@ -265,6 +270,30 @@ def test_a_run_without_rollback_applies_the_burst(tmp_path, corpus, burst):
     assert main(["train", *flags, "--data", str(corpus), "--out", str(run)]) == 0
     assert burst[1:] == list(range(STEPS)) and not (run / ROLLBACKS_FILE).exists()
     assert sum(line.get("spiked", False) for line in _lines(run / "metrics.jsonl")) >= 2
+
+
+def test_the_advice_after_too_many_rollbacks_is_a_command_that_works(tmp_path, corpus, burst, capsys):
+    """max=1 and a burst that takes two rollbacks: the run stops; the advice says --resume would
+    meet the burst again and refuses another --lr (both checked here), and names a new run with a
+    larger max, which trains to the end."""
+    one = ROLLBACK + ",max=1"
+    flags = [f if f != ROLLBACK else one for f in FLAGS]
+    run = ["train", *flags, "--data", str(corpus), "--out", str(tmp_path / "run")]
+    assert main(run) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "stopped at step" in line]
+    stopped = line[line.index("stopped at step") :]
+    assert "--resume would meet this burst again, and a resumed run keeps its --lr and --spike-rollback" in stopped
+    advised = stopped.rsplit("with --spike-rollback ", 1)[1]
+    assert SpikeRollback.from_string(advised) == dataclasses.replace(SpikeRollback.from_string(one), max_rollbacks=2)
+    assert main([*run, "--resume"]) == 1  # the same flags: the same burst, the same stop
+    assert stopped in capsys.readouterr().err
+    assert main([*run, "--resume", "--lr", "5e-3"]) == 2  # a resumed run keeps its --lr
+    assert "--lr 0.01 (now 0.005)" in capsys.readouterr().err
+    new = [f if f != one else advised for f in flags]
+    assert main(["train", *new, "--data", str(corpus), "--out", str(tmp_path / "new")]) == 0
+    assert len(read_rollbacks(tmp_path / "new")) == 2
+    lines = _lines(tmp_path / "new" / "metrics.jsonl")
+    assert [line["step"] for line in lines if line["kind"] == "train"] == list(range(1, STEPS + 1))
 
 
 def test_a_run_stopped_after_the_rollback_resumes_bit_identical(tmp_path, corpus, straight, burst):

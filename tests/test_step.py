@@ -440,6 +440,28 @@ def skipping_step():
     return step, fresh_state
 
 
+def test_the_step_counter_saturates_and_says_so():
+    """From 2**31 - 2: one step counts to 2**31 - 1; every later one leaves it there, reports
+    step_saturated, and (uses_rng) draws the same keys as the other saturated steps."""
+    top = int(np.iinfo(np.int32).max)
+
+    def loss(params, batch, key):
+        noise = jax.random.normal(key, batch["x"].shape)
+        return jnp.mean((batch["x"] + noise) @ params["w"]), noise
+
+    step = make_train_step(loss, has_aux=True, uses_rng=True, donate=False, num_microbatches=1)
+    state = TrainState.create({"w": jnp.ones((3, 1))}, optax.sgd(0.0))
+    state = dataclasses.replace(state, step=jnp.asarray(top - 1, jnp.int32))
+    counts, flags, noises = [], [], []
+    for _ in range(3):
+        state, metrics = step(state, {"x": jnp.ones((2, 3))})
+        counts.append(int(state.step))
+        flags.append(bool(metrics.step_saturated))
+        noises.append(np.asarray(metrics.aux))
+    assert counts == [top, top, top] and flags == [False, True, True]
+    assert not np.array_equal(noises[0], noises[1]) and np.array_equal(noises[1], noises[2])
+
+
 def _poisoned(batch: dict, value: float, row: int = 5) -> dict:
     x = batch["x"].copy()
     x[row, 1] = value  # row 5 is in microbatch 1 of 3; the other two are clean

@@ -2,9 +2,10 @@
 
 An FP8 state holds amax histories, each entry :math:`\\max_i |x_i|` of a tensor ``x`` the step
 computed (an activation, a weight, a gradient), and the scales made from them. A mesh layout
-computes the same tensors but may round them in another order (a sharded program tiles its
-contractions and fuses its casts its own way: the built-in transformer's state on ``data=2``
-was 1 float32 ulp off the one-device state in one amax entry after two steps). Since
+computes the same tensors but may round them otherwise (a sharded program tiles its contractions
+and fuses its casts its own way; with XLA's excess precision on, its default, a bf16 value kept in
+float32 by one program's fusion is rounded in another's: the built-in transformer's state on
+``data=2,fsdp=2`` was 1.2% off the one-device state; without it, bit for bit). Since
 
 .. math:: \\big|\\max_i |a_i| - \\max_i |b_i|\\big| \\le \\max_i |a_i - b_i|,
 

@@ -25,12 +25,14 @@ histories, whose newest entry is this step's ``max |x|``, ``max |w|``, ``max |g|
 :func:`leanstep.make_train_step` combines by max over microbatches and devices and writes once
 per step. Current scaling needs no state (``meta=None``).
 
-Give every matmul its own :class:`Fp8Meta`, used once per loss (per layer of a scanned stack:
-stack the metas and scan over them with the weights), on the whole batch. A meta used by two
-matmuls would receive the sum of two new values; the step refuses one used twice by name, but
-cannot see one closed over by a loop body, which sums it once per iteration, nor a matmul under
-a ``jax.vmap`` over the batch, where each example would record its own amax (and the sum of
-their new values would arrive): an FP8 scale is per tensor, so call the matmul on the batch.
+Give every matmul its own :class:`Fp8Meta`, made with the recipe it runs under (its histories'
+length is the recipe's ``history``; under a recipe of another, it is refused naming both), used once per loss
+(per layer of a scanned stack: stack the metas and scan over them with the weights), on the whole
+batch. A meta used by two matmuls would receive the sum of two new values; the step refuses one
+used twice by name, but cannot see one closed over by a loop body, which sums it once per
+iteration. A matmul under a ``jax.vmap`` that batches its operands but not its meta (an Equinox
+layer vmapped over the examples) would record each example's amax and hand the step their sum:
+it is refused when traced, since an FP8 scale is per tensor; call the matmul on the batch.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -52,6 +54,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax._src.interpreters.batching import BatchTracer  # no public API tells a value vmap batches
 from jax.typing import ArrayLike
 
 from leanstep.blocks.fp8 import Fp8Recipe, amax_of, new_scale, quantize, record_amax
@@ -221,6 +224,29 @@ def _note_use(meta: Fp8Meta) -> None:
     seen.append(meta.input_scale)
 
 
+def _check_meta(meta: Fp8Meta, recipe: Fp8Recipe | None, lhs: jax.Array, rhs: jax.Array) -> None:
+    """Refuses a meta whose histories are not the given ``recipe``'s length (None: none given), and
+    a ``jax.vmap`` that batches an operand but not the meta (see the module doc)."""
+    lengths = {int(h.shape[-1]) for h in (meta.input_history, meta.kernel_history, meta.grad_history)}
+    if recipe is not None and lengths != {recipe.history}:
+        raise ValueError(
+            f"meta: an Fp8Meta whose amax histories hold {' and '.join(map(str, sorted(lengths)))} entries, under "
+            f"recipe={recipe.to_string()!r} (history={recipe.history}): make the meta with Fp8Meta.create(recipe), or "
+            "pass the recipe it was made with"
+        )
+    traces = [x._trace for x in (lhs, rhs) if isinstance(x, BatchTracer)]
+    leaves = jax.tree.leaves(meta)
+    # the innermost vmap of each operand must batch the meta too (a vmap over an ensemble of layers
+    # that stacks their metas is fine; one more inside it, over the examples, is not)
+    if not all(isinstance(leaf, BatchTracer) and leaf._trace is trace for trace in traces for leaf in leaves):
+        raise ValueError(
+            "an FP8 matmul with delayed scaling (its Fp8Meta) runs under a jax.vmap that batches its operands but "
+            "not its meta: each example would record its own amax and the step would take their sum. Call the layer "
+            "on the whole batch, (batch, ..., in_features), not under jax.vmap (an FP8 scale is per tensor), or vmap "
+            "the meta with the operands (one per member)"
+        )
+
+
 # --- the matmuls -----------------------------------------------------------------------------------
 
 _SCOPE = "leanstep_fp8_"
@@ -279,13 +305,17 @@ def fp8_dot_general(
       rhs: the kernel operand, in the compute dtype.
       dimension_numbers: as ``jax.lax.dot_general``.
       meta: this matmul's :class:`Fp8Meta` (delayed scaling); None with current scaling.
-      recipe: an :class:`leanstep.blocks.fp8.Fp8Recipe`; default delayed scaling.
+      recipe: an :class:`leanstep.blocks.fp8.Fp8Recipe`, whose ``history`` the meta's histories
+        must have; None: delayed scaling, with the meta's own history length.
       preferred_element_type: as ``jax.lax.dot_general``.
 
     Raises:
       TypeError: delayed scaling without an :class:`Fp8Meta`, or a meta with current scaling
         (it would never change), or operands that are not floating.
+      ValueError: a meta whose histories are not a given ``recipe``'s ``history`` long, or a
+        ``jax.vmap`` that batches an operand but not the meta (see the module doc).
     """
+    given = recipe is not None
     recipe = Fp8Recipe() if recipe is None else recipe
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, operand in (("lhs", lhs), ("rhs", rhs)):
@@ -302,6 +332,7 @@ def fp8_dot_general(
     dims = ((tuple(map(int, lc)), tuple(map(int, rc))), (tuple(map(int, lb)), tuple(map(int, rb))))
     with jax.named_scope(f"{_SCOPE}{recipe.scaling}_{recipe.forward}_{recipe.backward}"):
         if isinstance(meta, Fp8Meta):
+            _check_meta(meta, recipe if given else None, lhs, rhs)
             _note_use(meta)
         return _fp8_dot(recipe, dims, (lhs.dtype, rhs.dtype, out_dtype), lhs, rhs, meta)
 

@@ -19,8 +19,11 @@ so that a model's code reads them where it reads its weights. But they are not p
 Max is the right combination: within one step every microbatch computes the same scales (from
 the histories of earlier steps) and the same histories but for the newest entry, the amax it
 saw; the max of those is the amax of the whole batch, so M microbatches on D devices give the
-bit-identical state of one microbatch on one device. A sum (``optax.MultiSteps`` averages) or
-the last microbatch's value (a scan's carry) is what peers have shipped.
+bit-identical state of one microbatch on one device (on a mesh, where XLA rounds every bf16
+result as the program writes it, ``--xla_allow_excess_precision=false``: a sharded program fuses
+otherwise, and by default XLA may keep a bf16 value in float32 where a fusion lets it). A sum
+(``optax.MultiSteps`` averages) or the last microbatch's value (a scan's carry) is what peers
+have shipped.
 
 Example:
   >>> import jax.numpy as jnp

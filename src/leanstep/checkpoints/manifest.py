@@ -98,13 +98,44 @@ def first_three(problems: list[str]) -> str:
     return "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
 
 
+#: Where a :class:`leanstep.TrainState`'s optimizer state lies in its leaves' key paths.
+_OPT_STATE = ".opt_state"
+
+
+def moments_format(leaves: list[list[Any]]) -> str | None:
+    """The format of a train state's optimizer moments, from its leaves (``[keypath, shape,
+    dtype]``): ``"int8"`` (8-bit codes, :func:`leanstep.blocks.compress_moments`), ``"bfloat16"``
+    or ``"float32"``; None for a tree without a ``.opt_state`` holding floating leaves.
+
+    Example:
+      >>> moments_format([[".opt_state[0].mu['w']", [3], "bfloat16"], [".opt_state[0].count", [], "int32"]])
+      'bfloat16'
+    """
+    dtypes = {dtype for path, _, dtype in leaves if path.startswith(_OPT_STATE)}
+    for dtype, form in (("uint8", "int8"), ("bfloat16", "bfloat16"), ("float32", "float32")):
+        if dtype in dtypes:
+            return form
+    return None
+
+
 def describe_mismatch(saved: list[list[Any]], wanted: list[list[Any]]) -> str:
-    """Why the leaves on disk (``[keypath, shape, dtype]``) are not the template's.
+    """Why the leaves on disk (``[keypath, shape, dtype]``) are not the template's: first, a train
+    state's moments saved in another format than the template's (:func:`moments_format`), with
+    the argument that chooses it; else the first leaves that differ.
 
     Example:
       >>> describe_mismatch([["['w']", [3], "float32"]], [["['w']", [3], "bfloat16"]])
       "state does not match the template: ['w'] is float32[3] in the checkpoint, bfloat16[3] in the template"
+      >>> describe_mismatch([[".opt_state[0].mu", [3], "float32"]], [[".opt_state[0].mu[0]", [3], "uint8"]]).split("; ")[0][35:]
+      "the checkpoint's optimizer moments are float32, the template's int8"
     """
+    formats = moments_format(saved), moments_format(wanted)
+    if None not in formats and formats[0] != formats[1]:
+        return (
+            f"state does not match the template: the checkpoint's optimizer moments are {formats[0]}, the template's "
+            f"{formats[1]}; restore it into a state built with moments={formats[0]!r} (TrainState.create(..., "
+            f"moments=...) or StepSpec.moments; --moments in leanstep train), the format it was saved in"
+        )
     on_disk = {path: f"{dtype}{shape}" for path, shape, dtype in saved}
     template = {path: f"{dtype}{shape}" for path, shape, dtype in wanted}
     problems = [f"{p} missing from the checkpoint" for p in template if p not in on_disk]

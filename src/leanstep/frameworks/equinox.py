@@ -143,7 +143,8 @@ class Fp8Linear(eqx.Module):
 
     Unlike Equinox's per-example layers, call it on ``(..., in_features)`` arrays, not under a
     ``jax.vmap`` over the batch: an FP8 scale is per tensor, and under ``vmap`` each example
-    would record its own amax (layers around it may be vmapped as usual).
+    would record its own amax, so with delayed scaling that is refused when traced, naming the
+    fix (layers around it may be vmapped as usual).
 
     Attributes:
       linear: the ``eqx.nn.Linear`` (its weight ``(out, in)``, bias ``(out,)``).

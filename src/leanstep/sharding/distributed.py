@@ -51,15 +51,17 @@ def parse_mesh(text: str) -> dict[str, int]:
     return shape
 
 
-def run_on_simulated_cpus(code: str) -> subprocess.CompletedProcess[str]:
+def run_on_simulated_cpus(code: str, *, xla_flags: str = "") -> subprocess.CompletedProcess[str]:
     """Runs Python ``code`` in a child process on the CPU platform, its output captured.
 
     The child is where simulated devices are made (it calls :func:`configure_devices`
     itself, before JAX starts): JAX counts them on the CPU platform only, so the child runs
     with ``JAX_PLATFORMS=cpu`` and never takes a GPU or TPU the parent may be using, nor
-    plans for one device where it was asked for N.
+    plans for one device where it was asked for N. ``xla_flags`` are added to its ``XLA_FLAGS``.
     """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    if xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {xla_flags}".strip()
     return subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env)
 
 

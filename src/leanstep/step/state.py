@@ -50,7 +50,10 @@ class TrainState:
     ``jax.jit`` treats two different optimizers as two different programs.
 
     Attributes:
-      step: int32 count of steps taken, skipped ones included (it indexes the data).
+      step: int32 count of steps taken, skipped ones included (it indexes the data and, with
+        ``uses_rng``, the keys). It saturates at ``2**31 - 1`` rather than wrap: every step from
+        there leaves it there, draws the same keys as every other such step, and reports
+        ``StepMetrics.step_saturated``.
       params: the float32 master parameters, and the model's FP8 state if it has any
         (:mod:`leanstep.blocks.fp8_state`: under :class:`leanstep.blocks.Fp8Meta` or ``Fp8Collection``
         nodes; written by the step, never by the optimizer).
@@ -239,6 +242,9 @@ class StepMetrics(NamedTuple):
       consecutive_skips: int32, non-finite steps in a row, this one included.
       aux: the loss function's auxiliary output stacked over microbatches, or None.
       spiked: bool, the step was finite and skipped for a spike (:class:`leanstep.SpikeGuard`).
+      step_saturated: bool, ``state.step`` was already ``2**31 - 1``, so it did not count this
+        step; with ``uses_rng`` every such step draws the same keys (without this, a run past
+        2**31 steps would go on with no sign of it).
     """
 
     loss: jax.Array
@@ -249,3 +255,4 @@ class StepMetrics(NamedTuple):
     consecutive_skips: jax.Array
     aux: Any = None
     spiked: Any = None
+    step_saturated: Any = None

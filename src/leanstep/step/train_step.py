@@ -188,6 +188,7 @@ def make_train_step(
             consecutive_skips=new_state.consecutive_skips,
             aux=grads.aux,
             spiked=info.spike,
+            step_saturated=state.step >= INT32_MAX,
         )
 
     sharded = core if layer is None else layer.around(core, num_microbatches)

@@ -302,10 +302,14 @@ class RollBackOnSpikes:
             )
             return dataclasses.replace(tick, spike_steps=())
         if len(tick.rollbacks) >= policy.max_rollbacks:
+            # --resume replays the run bit for bit, into this same burst, and refuses another
+            # --lr or --spike-rollback (they are the run's identity): the advice is a new run.
+            more = dataclasses.replace(policy, max_rollbacks=policy.max_rollbacks + 1)
             raise RunStopped(
                 f"stopped at step {tick.step}: {burst} after {len(tick.rollbacks)} rollbacks (--spike-rollback "
-                f"max={policy.max_rollbacks}); {tick.where_saved(self.checkpointer.directory)}. Lower --lr or check "
-                f"the data, then continue with --resume --out {self.out}",
+                f"max={policy.max_rollbacks}); {tick.where_saved(self.checkpointer.directory)}. --resume would meet "
+                "this burst again, and a resumed run keeps its --lr and --spike-rollback: check the data, then start "
+                f"a new run (a new --out) with a lower --lr or with --spike-rollback {more.to_string()}",
                 1,
             )
         to, skips = earlier[-1], tick.data_skips

@@ -32,6 +32,8 @@ MAX_CORPUS_BYTES = 1 << 30
 #: The most entries (files, folders, anything) a ``--data`` folder may hold, so that pointing
 #: ``--data`` at ``/`` ends in an error rather than an hour-long walk.
 MAX_CORPUS_ENTRIES = 1_000_000
+#: How :attr:`Corpus.skipped` counts a file of a ``--data`` folder that holds a NUL byte.
+BINARY_FILE = "a binary file (a NUL byte)"
 #: Folder names left out of the default corpus: installed packages and the stdlib's own tests
 #: (huge, repetitive generated data files that would dominate the sample).
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -81,8 +83,9 @@ class Corpus:
       heldout_fraction: the fraction asked for.
       train, heldout: the concatenated bytes, ``uint8`` arrays.
       train_files, heldout_files: relative names of the files in each part.
-      skipped: entries of a ``--data`` folder passed over because they are not regular files
-        or cannot be read, by kind (``{"a FIFO (named pipe)": 1}``); empty for a file.
+      skipped: entries of a ``--data`` folder passed over because they are not regular files,
+        cannot be read, are binary (:data:`BINARY_FILE`) or empty, by kind
+        (``{"a FIFO (named pipe)": 1}``); empty for a file.
       file_sha256: ``{"train": {name: sha256}, "heldout": {...}}`` of every file, recorded by
         ``--data @python`` (:mod:`leanstep.training.installed_corpus`); empty otherwise.
     """
@@ -131,7 +134,8 @@ def _read_text_files(root: Path, what: str) -> tuple[list[tuple[str, bytes]], di
     :data:`MAX_CORPUS_ENTRIES`: hidden files and folders (``.git``) are left out; FIFOs, sockets,
     devices, symlink loops, symlinked folders and unreadable entries are skipped and counted
     (the second value), never opened in a way that blocks. Files containing a NUL byte are taken
-    as binary and left out. Raises ValueError (see ``walk_regular_files``).
+    as binary, and left out and counted; so are empty files. Raises ValueError (see
+    ``walk_regular_files``).
     """
     found = walk_regular_files(root, what=what, max_bytes=MAX_CORPUS_BYTES, max_entries=MAX_CORPUS_ENTRIES)
     for name, _ in found.files:
@@ -142,7 +146,15 @@ def _read_text_files(root: Path, what: str) -> tuple[list[tuple[str, bytes]], di
                 f"--data folder {str(root)!r} holds a file whose name is not UTF-8: {name!r}; rename it or "
                 "move it out of --data"
             ) from None
-    return [(name, content) for name, content in found.files if content and b"\0" not in content], found.skipped
+    skipped = dict(found.skipped)
+    texts = []
+    for name, content in found.files:
+        kind = "an empty file" if not content else BINARY_FILE if b"\0" in content else None
+        if kind is None:
+            texts.append((name, content))
+        else:
+            skipped[kind] = skipped.get(kind, 0) + 1
+    return texts, skipped
 
 
 def _heldout_indices(n_files: int, fraction: float) -> set[int]:

@@ -33,6 +33,7 @@ import dataclasses
 import math
 from typing import Any
 
+from leanstep.common.checks import is_int
 from leanstep.planning.cost_model import ACCELERATORS
 from leanstep.training.installed_corpus import INSTALLED_PYTHON
 
@@ -80,7 +81,11 @@ def size_for_machine(platform: str, device_kind: str, memory_bytes: int | None, 
       platform: JAX's platform name (``"cpu"``, ``"tpu"``, ``"gpu"``).
       device_kind: JAX's ``device_kind`` (``"TPU v5 lite"``).
       memory_bytes: the device's memory (``memory_stats()["bytes_limit"]``), or None (the preset's).
-      budget_s: the run's budget in seconds.
+      budget_s: the run's budget in seconds (``--time-budget``), finite and above 0.
+
+    Raises:
+      ValueError: ``budget_s`` is not a finite number of seconds above 0, or ``memory_bytes`` is
+        neither None nor a positive int; naming the argument and its flag.
 
     Example:
       >>> size_for_machine("tpu", "TPU v5 lite", 16 * 2**30, 180.0).fields["d_model"]
@@ -88,6 +93,10 @@ def size_for_machine(platform: str, device_kind: str, memory_bytes: int | None, 
       >>> size_for_machine("cpu", "cpu", None, 180.0) is None
       True
     """
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+        raise ValueError(f"budget_s (--time-budget) must be a finite number of seconds > 0, got {budget_s!r}")
+    if memory_bytes is not None and (not is_int(memory_bytes) or memory_bytes < 1):
+        raise ValueError(f"memory_bytes (the device's bytes_limit) must be None or an int > 0, got {memory_bytes!r}")
     if platform == "cpu":
         return None
     kind = device_kind.lower()

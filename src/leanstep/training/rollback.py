@@ -149,6 +149,18 @@ class SpikeRollback:
         except ValueError as error:
             raise ValueError(f"{error}; expected {expected}") from None
 
+    def to_string(self) -> str:
+        """The ``--spike-rollback`` value of these settings (:meth:`from_string` reads it back).
+
+        Example:
+          >>> SpikeRollback(max_rollbacks=6).to_string()
+          'after=3,within=50,lr=0.5,for=100,max=6,ahead=50'
+        """
+        return (
+            f"after={self.after},within={self.within},lr={self.lr_factor!r},for={self.lr_steps},"
+            f"max={self.max_rollbacks},ahead={self.ahead}"
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class Rollback:

@@ -145,12 +145,14 @@ def check_meshes_none(num_devices: int | None) -> CheckResult:
 
 
 def meshes_in_child(config: RunConfig, layouts: list[str]) -> CheckResult:
-    """The meshes check of ``config`` in a subprocess with enough simulated devices for ``layouts``."""
+    """The meshes check of ``config`` in a subprocess with enough simulated devices for ``layouts``,
+    and XLA's excess precision off (:data:`~leanstep.verification.mesh_check.EXACT_ROUNDING`)."""
     import json
     import math
     import tempfile
 
     from leanstep.sharding.distributed import parse_mesh, run_on_simulated_cpus
+    from leanstep.verification.mesh_check import EXACT_ROUNDING
 
     devices = max(math.prod(parse_mesh(layout).values()) for layout in layouts)
     with tempfile.TemporaryDirectory() as folder:
@@ -158,7 +160,9 @@ def meshes_in_child(config: RunConfig, layouts: list[str]) -> CheckResult:
         with open(spec, "w") as f:
             json.dump({"config": config.to_json(), "layouts": layouts, "devices": devices, "out": out}, f)
         code = f"from leanstep.training.verify_run import meshes_in_child_main; meshes_in_child_main({spec!r})"
-        child = run_on_simulated_cpus(code)
+        # every bf16 result rounded as written, in one device's program and each layout's alike,
+        # so that the FP8 state is compared bit for bit (mesh_check)
+        child = run_on_simulated_cpus(code, xla_flags=EXACT_ROUNDING)
         if child.returncode:
             raise RuntimeError(f"the meshes check in a subprocess failed:\n{child.stderr[-3000:]}")
         with open(out) as f:
