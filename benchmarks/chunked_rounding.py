@@ -13,6 +13,7 @@ multiply-adds off on a CPU).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ STACK = {"w": (4, 32, 16), "b": (4, 16), "e": (64, 8)}
 MIXED = {"a": (16, 8), "b": (8,), "c": (4, 16, 4), "d": (3, 4)}
 
 #: name -> (optimizer, shapes, update_chunk)
-CASES = {
+CASES: dict[str, tuple[Callable[[], optax.GradientTransformation], dict[str, tuple[int, ...]], int]] = {
     "noisy_sgd, a stack": (lambda: optax.noisy_sgd(0.1, eta=0.1, key=0), STACK, 64),
     "add_noise + sgd, a stack": (lambda: optax.chain(optax.add_noise(0.1, 0.55, key=0), optax.sgd(0.1)), STACK, 64),
     "schedule_free_adamw, a stack": (lambda: optax.contrib.schedule_free_adamw(1e-2), STACK, 64),
@@ -70,7 +71,7 @@ def measure(name: str) -> dict:
     rng = np.random.default_rng(0)
     params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
     whole, chunked = _step(make(), params, None), _step(make(), params, chunk)
-    differ = ulp = 0
+    differ, ulp = 0, 0.0
     for key, before in params.items():
         a, b = np.asarray(whole.params[key], np.float64), np.asarray(chunked.params[key], np.float64)
         change = np.abs(a - np.asarray(before, np.float64))  # the whole step's update of each entry
@@ -79,7 +80,7 @@ def measure(name: str) -> dict:
         differ += int(np.sum(a != b))
         ulp = max(ulp, float(np.max(units, initial=0.0)))
     state = sum(int(np.sum(x != y)) for x, y in zip(_data(whole.opt_state), _data(chunked.opt_state)))
-    entries = sum(int(np.prod(s)) for s in shapes.values())
+    entries = sum(int(np.prod(shape)) for shape in shapes.values())
     return {"differ": differ, "entries": entries, "ulp": round(ulp, 2), "state_differ": state}
 
 
