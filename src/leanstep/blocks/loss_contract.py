@@ -19,6 +19,9 @@ field; the gradient stage, the accumulation and the sharding layer use the parse
 never look at the raw output again. :meth:`LossContract.check_signature` names the field a loss's
 signature does not fit, and :meth:`LossContract.call_error` turns what a loss raises for a setting
 (its model's Dropout handed no key, an axis name nothing binds) into one line naming it.
+
+Size: one concern, the loss's contract: the value, its parsing, and the messages that name a
+field a loss does not fit (its signature, its output, what it raises), which read each other.
 """
 
 from __future__ import annotations
@@ -35,10 +38,8 @@ from leanstep.common.checks import check_bool, check_scalar_output, same_structu
 
 __all__ = ["OPTIONAL_MODEL_STATE", "LossContract", "LossOutput", "loss_contract_of"]
 
-#: The attribute, True, of a loss that needs no model state but also takes one after the params (and
-#: returns it, as ``has_state=True`` expects): a framework adapter's loss of a model without state
-#: (:func:`leanstep.frameworks.nnx.loss`), so that ``has_state=True`` with its empty model state works
-#: as it did. :meth:`LossContract.check_signature` then reads its signature without the model state.
+#: The attribute, True, of a loss that needs no model state but takes (and returns) one too, as
+#: :func:`leanstep.frameworks.nnx.loss` of a stateless model: ``check_signature`` reads it without.
 OPTIONAL_MODEL_STATE = "leanstep_optional_model_state"
 
 
@@ -306,9 +307,9 @@ def _pair(out: Any, message: str, whole: Any) -> tuple[Any, Any]:
 def _what(value: Any, message: str) -> str:
     """``value`` in words: a loss's output is often a tracer, whose class name says nothing."""
     shape = getattr(value, "shape", None) if hasattr(value, "dtype") else None
-    if shape == () or isinstance(value, (int, float)):  # token-weighted, mostly a mean given for (loss_sum, count)
-        weighted = "token_weighted=True" in message
-        return "a scalar (a mean? return (jnp.sum(losses * mask), jnp.sum(mask)))" if weighted else "a scalar"
+    if shape == () or isinstance(value, (int, float)):  # token-weighted: mostly a mean for (loss_sum, count)
+        hint = " (a mean? return (jnp.sum(losses * mask), jnp.sum(mask)))" if "token_weighted=True" in message else ""
+        return f"a scalar{hint}"
     return type(value).__name__ if shape is None else f"an array of shape {tuple(shape)}"
 
 

@@ -110,12 +110,10 @@ def _decide(
     # gradient, unscaling inside each: XLA:CPU kept every leaf's unscaled copy live for a second
     # pass, 4 bytes a parameter at the step's peak (docs/lean-state.md).
     parts = norm_parts(scaled_grads, loss_scale.unscale)
-    finite = finite & parts.finite
     if max_grad_norm is None:
-        return grads, finite, parts, jnp.zeros((), bool)
-    leaves, treedef = jax.tree.flatten(grads)
-    clipped = jax.tree.unflatten(treedef, clip_leaves(leaves, parts, max_grad_norm))
-    return clipped, finite, parts, parts.norm > max_grad_norm
+        return grads, finite & parts.finite, parts, jnp.zeros((), bool)
+    clipped = jax.tree.unflatten(jax.tree.structure(grads), clip_leaves(jax.tree.leaves(grads), parts, max_grad_norm))
+    return clipped, finite & parts.finite, parts, parts.norm > max_grad_norm
 
 
 def _checked_update(
