@@ -214,7 +214,9 @@ def test_a_replan_never_moves_the_decay_before_the_step_it_is_made_at():
 
 
 def test_adamw_with_the_length_in_its_state_equals_optax_adamw():
-    config = RunConfig(size="tiny", steps=40, warmup_steps=5, lr=1e-2, weight_decay=0.1, schedule="warmup-cosine")
+    config = RunConfig(
+        size="tiny", optimizer="adamw", steps=40, warmup_steps=5, lr=1e-2, weight_decay=0.1, schedule="warmup-cosine"
+    )
     mine, _ = build_run(config).optimizer, None
     reference = optax.adamw(
         optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 40, end_value=1e-3), b1=0.9, b2=0.95, weight_decay=0.1
