@@ -22,6 +22,7 @@ from leanstep.cli.main import main
 from leanstep.frameworks import equinox as leqx
 from leanstep.planning.search_options import SearchSpace
 from leanstep.verification import VerifiableStep
+from token_losses import make_token_loss
 
 GRADIENT_CHECKS = ("accumulation", "full_batch", "reference", "token_weighting", "clip")
 
@@ -37,15 +38,6 @@ def padded_lm_batch(rows: int = 8, tokens: int = 6, empty: int = 1, num_microbat
         "y": rng.normal(size=(rows, tokens, 2)).astype(np.float32),
         "mask": mask,
     }
-
-
-def make_token_loss(policy):
-    def loss(params, batch):
-        out = jnp.tanh(batch["x"] @ params["w1"]) @ params["w2"]
-        error = jnp.sum((out - batch["y"]) ** 2, axis=-1)
-        return jnp.sum(error * batch["mask"]), jnp.sum(batch["mask"])
-
-    return loss
 
 
 PARAMS = {"w1": jnp.full((3, 5), 0.3), "w2": jnp.linspace(-0.5, 0.5, 10).reshape(5, 2)}
