@@ -90,3 +90,37 @@ def test_a_signal_saves_the_step_then_takes_its_own_effect(tmp_path, corpus, mod
     else:  # Python's SIGINT handler: KeyboardInterrupt, whose context names the stop
         assert proc.returncode == 0
         assert proc.stdout.splitlines()[0] == "KeyboardInterrupt RunStopped 130", proc.stdout
+
+
+@pytest.mark.parametrize(("raised", "code"), [(KeyboardInterrupt, 130), ("Terminated", 143)])
+@pytest.mark.parametrize("became", [TypeError, ValueError, RuntimeError])
+def test_a_signal_that_comes_back_as_another_exception_is_still_the_stop(monkeypatch, capsys, raised, code, became):
+    """A handler's exception raised inside a Python callback that C code called (a JAX type's
+    ``__hash__`` while compiling) can reach the command as another exception with the signal's
+    as its cause or context: seen in CI as a traceback and exit 1 for a SIGTERM while compiling."""
+    from leanstep.cli import main as cli_main
+    from leanstep.training.stop_signals import Terminated
+
+    signal_error = Terminated("SIGTERM") if raised == "Terminated" else raised()
+
+    def run(args):
+        try:
+            raise signal_error
+        except BaseException as error:
+            raise became("what C code made of it") from error
+
+    monkeypatch.setattr("leanstep.cli.report.run_report", run)  # the command's run, as the parser reads it
+    assert cli_main.main(["report", "nowhere"]) == code
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == [f"leanstep report: {'interrupted' if code == 130 else 'terminated (SIGTERM)'}"], lines
+
+
+def test_an_error_with_no_signal_behind_it_keeps_its_traceback(monkeypatch):
+    from leanstep.cli import main as cli_main
+
+    def run(args):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr("leanstep.cli.report.run_report", run)
+    with pytest.raises(TypeError, match="a bug"):
+        cli_main.main(["report", "nowhere"])

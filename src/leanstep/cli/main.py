@@ -180,28 +180,65 @@ def _main(argv: list[str] | None) -> int:
         print(f"leanstep {args.command}: error: {_one_line(message)}", file=sys.stderr)
         return code
 
-    from leanstep.checkpoints.checkpointer import CheckpointError
+    try:
+        return _run(args, fail)
+    except BaseException as error:  # a signal's exception, however it came, is a stop
+        sig = _signal_behind(error)
+        if sig is None:
+            raise
+        return _stopped(f"leanstep {args.command}", sig)
 
+
+def _signal_behind(error: BaseException) -> signal.Signals | None:
+    """The signal whose handler raised ``error`` or an exception it led to, or None.
+
+    A handler's exception raised inside a Python callback that C code called (a JAX type's
+    ``__hash__`` during a compile's cache lookup) can come back as another exception whose cause
+    or context is the signal's (seen once in CI: a SIGTERM while compiling ended in a traceback,
+    exit 1). It is still the signal that stopped the command.
+    """
+    from leanstep.training.stop_signals import Terminated
+
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, KeyboardInterrupt):
+            return signal.SIGINT
+        if isinstance(current, Terminated):
+            return signal.SIGTERM
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _run(args: argparse.Namespace, fail: Any) -> int:
+    """``args.run(args)``, with each anticipated failure as one line and its exit code (a signal's
+    exception, whatever became of it on the way, goes on to :func:`_main`)."""
     try:
         _compile_cache(args)
         return args.run(args)
-    except InputError as error:
+    except BaseException as error:  # sorted below; what is not anticipated is re-raised
+        if _signal_behind(error) is not None:
+            raise
+        return _failure(error, fail)
+
+
+def _failure(error: BaseException, fail: Any) -> int:
+    """The exit code of an anticipated failure, after its one line; anything else is re-raised (a bug)."""
+    from leanstep.checkpoints.checkpointer import CheckpointError
+
+    if isinstance(error, InputError):
         return fail(str(error), 2)
-    except KeyboardInterrupt:
-        return _stopped(f"leanstep {args.command}", signal.SIGINT)
-    except Terminated:
-        return _stopped(f"leanstep {args.command}", signal.SIGTERM)
-    except OSError as error:
+    if isinstance(error, OSError):
         return fail(_os_error(error), 1)
-    except CheckpointError as error:
+    if isinstance(error, CheckpointError):
         return fail(str(error), 1)
-    except MemoryError:
+    if isinstance(error, MemoryError):
         return fail("out of memory (host RAM); choose a smaller model, batch or input", 1)
-    except (RuntimeError, AssertionError) as error:
-        problem = _out_of_memory(error) or _backend_problem()
-        if problem is None:
-            raise  # a bug: keep the traceback
-        return fail(problem, 1)
+    problem = _out_of_memory(error) or _backend_problem() if isinstance(error, (RuntimeError, AssertionError)) else None
+    if problem is None:
+        raise error  # a bug: keep the traceback
+    return fail(problem, 1)
 
 
 #: The exit codes of a command a signal stopped (SIGINT, SIGTERM).
