@@ -10,7 +10,12 @@ the compiled peak (arguments + outputs - aliased + temporaries). ``--trace`` pro
 step of the named configurations kernel by kernel (``benchmarks.step_trace``: time by phase and
 primitive, the slowest instructions, and each profiler line's busy time).
 
+A name followed by ``+int8`` runs the block matmuls in int8 (:class:`leanstep.blocks.int8.Int8Recipe`:
+the forward and input-gradient products), ``+int8all`` the weight-gradient product too; the
+hand-written step is bf16 only.
+
     python benchmarks/tpu_step.py --configs base,splash --out step.json   # on a TPU v5e
+    python benchmarks/tpu_step.py --configs splash,splash+int8,splash+int8all --out step.json
     python benchmarks/tpu_step.py --tiny --out step.json                  # CPU dry run
 """
 
@@ -30,6 +35,7 @@ import optax
 import leanstep
 from benchmarks import step_trace, tpu_fit
 from leanstep.bench.handwritten import init_handwritten_state, make_handwritten_step
+from leanstep.blocks.int8 import Int8Recipe
 from leanstep.models.transformer import (
     TransformerConfig,
     init_transformer,
@@ -52,6 +58,20 @@ CONFIGS: dict[str, tuple[int, int, int, str, str, int, int]] = {
     "small-splash": (1024, 12, 256, "splash", "dots", 2, 16),
     "small-splash-none-mb2": (1024, 12, 256, "splash", "none", 2, 16),
 }
+
+
+#: A configuration name's suffix -> the int8 recipe of its block matmuls.
+INT8_SUFFIXES = {"+int8": Int8Recipe(), "+int8all": Int8Recipe("int8")}
+
+
+def configuration(name: str) -> tuple[tuple[int, int, int, str, str, int, int], Int8Recipe | None]:
+    """The sizes of configuration ``name`` (a key of :data:`CONFIGS`, with an int8 suffix or not) and its recipe."""
+    base, plus, suffix = name.partition("+")
+    if base not in CONFIGS or (plus and plus + suffix not in INT8_SUFFIXES):
+        raise ValueError(
+            f"--configs: unknown {name!r}; expected names of {sorted(CONFIGS)}, each with +int8, +int8all or not"
+        )
+    return CONFIGS[base], INT8_SUFFIXES.get(plus + suffix)
 
 
 def _batch(step: int, rows: int, length: int) -> dict:
@@ -91,11 +111,20 @@ def _time(step: Any, state: Any, rows: int, length: int, steps: int) -> tuple[li
     return times[2:], state, metrics
 
 
-def measure(name: str, spec: tuple, *, seq: int, steps: int, handwritten: bool, trace: bool = False) -> dict:
+def measure(
+    name: str,
+    spec: tuple,
+    *,
+    seq: int,
+    steps: int,
+    handwritten: bool,
+    trace: bool = False,
+    int8: Int8Recipe | None = None,
+) -> dict:
     d, layers, head_dim, attention, remat, microbatches, rows = spec
     config = TransformerConfig(
         vocab_size=256, d_model=d, n_layers=layers, n_heads=d // head_dim, d_ff=4 * d, seq_len=seq,
-        attention=attention,
+        attention=attention, int8=int8,
     )  # fmt: skip
     loss = functools.partial(transformer_loss, config=config, remat_policy=remat)
     params = init_transformer(jax.random.key(0), config)
@@ -103,6 +132,7 @@ def measure(name: str, spec: tuple, *, seq: int, steps: int, handwritten: bool, 
     tokens = rows * seq
     model_flops = transformer_flops_per_token(config) * tokens
     out: dict = {"params": int(n), "tokens": tokens, "model_flops": float(model_flops), "spec": list(spec)}
+    out["int8"] = None if int8 is None else int8.to_string()
     step = leanstep.make_train_step(
         loss, precision="compute=bfloat16", num_microbatches=microbatches, max_grad_norm=1.0
     )  # fmt: skip
@@ -115,7 +145,7 @@ def measure(name: str, spec: tuple, *, seq: int, steps: int, handwritten: bool, 
         out["trace"], state = _trace(step, state, compiled, rows, seq + 1)
     del compiled
     del state
-    if handwritten:
+    if handwritten and int8 is None:
         hand = make_handwritten_step(loss, optax.adamw(3e-4), compute_dtype=jnp.bfloat16, num_microbatches=microbatches)
         hand_state = init_handwritten_state(init_transformer(jax.random.key(0), config), optax.adamw(3e-4))
         out["handwritten"], _ = _compiled_figures(hand, hand_state, _batch(0, rows, seq + 1))
@@ -139,16 +169,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="a CPU dry run: d 64, 2 layers, seq 32, 2 steps, profiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    configs = {name: CONFIGS[name] for name in args.configs.split(",") if name}
+    configs = {name: configuration(name) for name in args.configs.split(",") if name}
     if args.tiny:
-        configs = {"tiny": (64, 2, 32, "xla", "dots", 2, 4)}
+        tiny = (64, 2, 32, "xla", "dots", 2, 4)
+        configs = {"tiny": (tiny, None), "tiny+int8": (tiny, Int8Recipe())}
         args.seq, args.steps, args.handwritten, args.trace = 32, 2, "tiny", "tiny"
     report: dict = {"device": jax.devices()[0].device_kind, "seq": args.seq, "results": {}}
-    for name, spec in configs.items():
+    for name, (spec, int8) in configs.items():
         try:
             report["results"][name] = measure(
                 name, spec, seq=args.seq, steps=args.steps, handwritten=name in args.handwritten.split(","),
-                trace=name in args.trace.split(","),
+                trace=name in args.trace.split(","), int8=int8,
             )  # fmt: skip
         except Exception as error:  # noqa: BLE001 (an out-of-memory configuration is a result)
             report["results"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}

@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 __all__ = ["INT8_SCOPE", "Int8Recipe", "int8_matmul", "quantize_int8"]
@@ -56,7 +57,7 @@ MAX_CONTRACTION = (2**31 - 1) // (127 * 127)
 #: Below this, a row's largest magnitude is taken as this (127 / amax must stay finite in float32).
 _AMAX_FLOOR = 1e-30
 #: 1/127 in float32: a scale is ``amax`` times it.
-_INV_127 = float(jnp.float32(1 / 127))
+_INV_127 = float(np.float32(1 / 127))  # NumPy: importing the module must not start a JAX backend
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,6 +80,14 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any, *, scope: dict[str, str] |
         "exactly (and slower) on CPU",
     )
     model.add_argument(
+        "--int8",
+        default=d.int8,
+        metavar="RECIPE",
+        help="int8 operands for the transformer's block matmuls, with each tensor's own scales (per token, per "
+        "weight column): none, on (the forward and input-gradient products in int8, the weight gradient in the "
+        "compute dtype) or on,weight_grad=int8; not with --fp8; exact (and slower) on CPU",
+    )
+    model.add_argument(
         "--master",
         default=d.master,
         help="how the master weights are kept: float32, or bfloat16 with stochastic rounding, bfloat16-sr "

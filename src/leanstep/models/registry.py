@@ -110,8 +110,9 @@ def build_model(name: str, size: str = "small", **overrides: Any) -> Model:
     """
     if name not in MODELS:
         raise ValueError(f"unknown model name={name!r}; expected one of {sorted(MODELS)}")
-    if overrides.get("fp8") is not None and name != "transformer":
-        raise ValueError(f"FP8 matmuls are built into the transformer, not the {name!r} model")
+    for recipe, what in (("fp8", "FP8"), ("int8", "int8")):
+        if overrides.get(recipe) is not None and name != "transformer":
+            raise ValueError(f"{what} matmuls are built into the transformer, not the {name!r} model")
     config_cls, init, loss, loss_sum, flops, presets = MODELS[name]
     if size not in presets:
         raise ValueError(f"unknown model size={size!r} for {name!r}; expected one of {sorted(presets)}")

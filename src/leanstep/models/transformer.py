@@ -10,7 +10,11 @@ With an FP8 recipe (``TransformerConfig(fp8=leanstep.Fp8Recipe(...))``) the four
 each block (QKV, attention output, MLP in and out) take FP8 operands
 (:func:`leanstep.blocks.fp8_matmul`; delayed scaling keeps one :class:`leanstep.blocks.Fp8Meta` per matmul and
 layer under ``params["blocks"]["fp8"]``); the attention score and value products and the tied
-output head stay in the compute dtype, as Transformer Engine's recipes keep them.
+output head stay in the compute dtype, as Transformer Engine's recipes keep them. With an int8
+recipe (``TransformerConfig(int8=Int8Recipe())``) the same four take int8 operands with dynamic
+scales (:func:`leanstep.blocks.int8.int8_matmul`, no state); the rest stays in the compute dtype.
+
+Size: the model is one unit (config, init, block, forward, loss and FLOP count share its shapes).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jax.typing import ArrayLike, DTypeLike
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
 from leanstep.blocks.fp8_state import split_fp8
+from leanstep.blocks.int8 import Int8Recipe, int8_matmul
 from leanstep.blocks.rematerialization import checkpoint_name, remat
 from leanstep.models.attention import causal_attention, check_attention
 from leanstep.models.layers import (
@@ -58,13 +63,15 @@ class TransformerConfig:
       d_ff: hidden width of the MLP.
       seq_len: longest input the positional embedding covers (``T``; batches carry ``T + 1``).
       fp8: an :class:`leanstep.Fp8Recipe` for the blocks' four matmuls, or None (no FP8).
+      int8: an :class:`leanstep.blocks.int8.Int8Recipe` for the same four matmuls, or None (no
+        int8); not with ``fp8``.
       attention: ``"xla"`` (the scores written out; every platform and mesh), ``"splash"``
         (JAX's Pallas kernel for TPUs: one device, ``seq_len`` a multiple of 128), or ``"auto"``
         (``"splash"`` where it runs, else ``"xla"``); see :mod:`leanstep.models.attention`.
 
     Raises:
       ValueError: a size is not a positive int, or ``d_model % n_heads != 0``.
-      TypeError: ``fp8`` is neither None nor an ``Fp8Recipe``.
+      TypeError: ``fp8`` is neither None nor an ``Fp8Recipe`` (``int8``: an ``Int8Recipe``).
     """
 
     vocab_size: int = 256
@@ -75,12 +82,21 @@ class TransformerConfig:
     seq_len: int = 128
     fp8: Fp8Recipe | None = dataclasses.field(default=None, repr=False)
     attention: str = "auto"
+    int8: Int8Recipe | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("fp8", "attention")}
+        sizes = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.name not in ("fp8", "int8", "attention")
+        }
         check_positive_ints("TransformerConfig", **sizes)
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
             raise TypeError(f"TransformerConfig.fp8 must be an Fp8Recipe or None, got {type(self.fp8).__name__}")
+        if self.int8 is not None and not isinstance(self.int8, Int8Recipe):
+            raise TypeError(f"TransformerConfig.int8 must be an Int8Recipe or None, got {type(self.int8).__name__}")
+        if self.int8 is not None and self.fp8 is not None:
+            raise ValueError("TransformerConfig: fp8 and int8 are two recipes for the same matmuls; give one")
         if self.d_model % self.n_heads:
             raise ValueError(f"TransformerConfig.d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         check_attention(self.attention, seq_len=self.seq_len)
@@ -140,10 +156,12 @@ def init_transformer(key: jax.Array, config: TransformerConfig) -> Params:
 FP8_MATMULS = ("qkv", "proj", "fc", "out")
 
 
-def _dense(h: jax.Array, p: Params, name: str, fp8: Fp8Recipe | None) -> jax.Array:
-    """The block's matmul ``name``: ``h @ w + b``, with FP8 operands under a recipe."""
+def _dense(h: jax.Array, p: Params, name: str, fp8: Fp8Recipe | Int8Recipe | None) -> jax.Array:
+    """The block's matmul ``name``: ``h @ w + b``, with FP8 or int8 operands under a recipe."""
     if fp8 is None:
         return dense(h, p[f"{name}_w"], p[f"{name}_b"])
+    if isinstance(fp8, Int8Recipe):
+        return int8_matmul(h, p[f"{name}_w"], fp8) + p[f"{name}_b"][None, :]
     meta = p["fp8"][name] if fp8.delayed else None
     return fp8_matmul(h, p[f"{name}_w"], meta, fp8) + p[f"{name}_b"][None, :]
 
@@ -166,7 +184,7 @@ TRANSFORMER_RULES = (
 
 
 def _attention(
-    h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | None, attention: str
+    h: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | Int8Recipe | None, attention: str
 ) -> jax.Array:
     """Causal multi-head self-attention on flattened ``h`` of shape ``(batch * time, d)``.
 
@@ -182,7 +200,7 @@ def _attention(
 
 
 def _block(
-    x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | None, attention: str
+    x: jax.Array, p: Params, *, batch: int, time: int, n_heads: int, fp8: Fp8Recipe | Int8Recipe | None, attention: str
 ) -> jax.Array:
     """One pre-norm block on the flattened residual stream ``x`` of shape ``(batch * time, d)``.
 
@@ -238,7 +256,12 @@ def transformer_logits(
     x = constrain(x.reshape(batch * time, config.d_model), "batch", None)
     block = remat(
         functools.partial(
-            _block, batch=batch, time=time, n_heads=config.n_heads, fp8=config.fp8, attention=config.attention
+            _block,
+            batch=batch,
+            time=time,
+            n_heads=config.n_heads,
+            fp8=config.fp8 or config.int8,  # the low-precision recipe of the four matmuls, if any
+            attention=config.attention,
         ),
         remat_policy,
         prevent_cse=False,

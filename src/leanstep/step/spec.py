@@ -11,6 +11,7 @@ write the same value.
     max_grad_norm  clip the accumulated gradient (None: no clipping) make_train_step
     loss_scale     none, dynamic or static (a LossScaleSpec)         TrainState.create
     fp8            the model's FP8 recipe, or None                   the model's builder (build_run)
+    int8           the model's int8 recipe, or None (not with fp8)   the model's builder (build_run)
     master         how the masters are kept                          TrainState.create
     moments        how the optimizer's moments are kept              TrainState.create
     update_chunk   the update's largest chunk                        make_train_step
@@ -22,7 +23,8 @@ write the same value.
 Remat is not here: it is the model's (the loss takes the policy; :func:`leanstep.blocks.remat` wraps a
 block), and so are the partition rules (``ShardingLayer(mesh, rules=model.rules)``). The FP8
 recipe is here because it is part of what a run's step computes; the step itself reads the FP8
-state from the parameters, so it is the model's builder that takes ``spec.fp8``.
+state from the parameters, so it is the model's builder that takes ``spec.fp8``; likewise
+``spec.int8``, whose scales are the tensors' own (no state at all).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.fp8 import Fp8Recipe
+from leanstep.blocks.int8 import Int8Recipe
 from leanstep.blocks.loss_contract import LossContract, loss_contract_of
 from leanstep.blocks.masters import check_master
 from leanstep.blocks.microbatches import Splitter
@@ -92,6 +95,8 @@ class StepSpec:
       donate: donate the state's buffers to the jitted step.
       sharding: a :class:`MeshLayout`, how the step is laid out on the mesh it is given, or None
         (the layer's defaults).
+      int8: the recipe of the model's int8 matmuls (:class:`leanstep.blocks.int8.Int8Recipe`, or
+        its string ``"on"``), or None; not beside ``fp8``.
 
     Raises:
       TypeError: a field of the wrong type, named, with the form expected.
@@ -124,6 +129,7 @@ class StepSpec:
     cast_batch: bool = True
     donate: bool = True
     sharding: MeshLayout | None = None
+    int8: Int8Recipe | None = None
 
     def __post_init__(self) -> None:
         for name, value in _checked(self).items():
@@ -158,6 +164,7 @@ class StepSpec:
         moments: str = "float32",
         sharding: MeshLayout | None = None,
         mesh: Any = None,
+        int8: Int8Recipe | str | None = None,
     ) -> StepSpec:
         """The spec of :func:`leanstep.make_train_step`'s short keywords (and
         :meth:`leanstep.TrainState.create`'s): each setting once, as a value or its short form.
@@ -205,6 +212,7 @@ class StepSpec:
             cast_batch,
             donate,
             sharding,
+            int8,  # type: ignore[arg-type]
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -236,6 +244,7 @@ class StepSpec:
             "cast_batch": self.cast_batch,
             "donate": self.donate,
             "sharding": None if self.sharding is None else self.sharding.to_json(),
+            "int8": None if self.int8 is None else self.int8.to_string(),
         }
 
     @classmethod
@@ -290,7 +299,10 @@ def _checked(spec: StepSpec) -> dict[str, Any]:
         "cast_batch": check_bool("cast_batch", spec.cast_batch),
         "donate": check_bool("donate", spec.donate),
         "sharding": spec.sharding,
+        "int8": _parsed(spec.int8, Int8Recipe, "int8", "on"),
     }
+    if fields["fp8"] is not None and fields["int8"] is not None:
+        raise ValueError("fp8 and int8 are two recipes for the same matmuls: give one (the other None)")
     if not isinstance(spec.loss, LossContract):
         raise TypeError(f"loss must be a leanstep.LossContract, got {type(spec.loss).__name__}")
     if not isinstance(spec.accumulation, Accumulation):

@@ -32,6 +32,7 @@ JSON_PARTS: dict[str, tuple[tuple[type, ...], str]] = {
         '"none", "dynamic", a number (a static scale) or an object such as {"dynamic": 32768.0}',
     ),
     "fp8": ((str, type(None)), 'null or a recipe string such as "delayed"'),
+    "int8": ((str, type(None)), 'null or a recipe string such as "on"'),
     "spike_guard": (
         (str, Mapping, type(None)),
         'null, a string such as "on" or "k=6,window=100", or an object of the fields window, k, warmup, watch',

@@ -158,7 +158,8 @@ def build_run(config: RunConfig) -> Run:
     chosen, reason = resolve_precision(config.validate().precision)
     config = config.resolved(chosen)  # the step's flags parsed once, by validate()
     spec = config.step
-    recipe = {} if spec.fp8 is None else {"fp8": spec.fp8}  # the model's FP8 matmuls: the step's recipe
+    # the model's FP8 or int8 matmuls: the step's recipe
+    recipe = {name: value for name, value in (("fp8", spec.fp8), ("int8", spec.int8)) if value is not None}
     model = build_model(config.model, config.size, **recipe, **model_overrides(config))
     optimizer, schedule = build_optimizer(config)
     run = Run(config, model, optimizer, schedule, spec.precision, spec.loss_scale.make(), reason)

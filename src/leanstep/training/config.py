@@ -116,6 +116,7 @@ class RunConfig:
     mesh: str | None = None
     reduce: str = "auto"
     fp8: str = "none"
+    int8: str = "none"
     master: str = "float32"
     moments: str = "float32"
     spike_guard: str = "none"
@@ -171,6 +172,7 @@ class RunConfig:
             ("--max-grad-norm", "max_grad_norm", lambda: self.max_grad_norm),
             ("--loss-scale", "loss_scale", lambda: LossScaleSpec(self.loss_scale, initial)),
             ("--fp8", "fp8", lambda: self.fp8),
+            ("--int8", "int8", lambda: self.int8),
             ("--master", "master", lambda: self.master),
             ("--moments", "moments", lambda: self.moments),
             ("--spike-guard", "spike_guard", lambda: self.spike_guard),
@@ -256,6 +258,8 @@ def _check_parts(config: RunConfig) -> None:
         )
     if spec.fp8 is not None and config.model != "transformer":
         raise ValueError(f"--fp8 {config.fp8}: FP8 matmuls are built into --model transformer, not {config.model}")
+    if spec.int8 is not None and config.model != "transformer":
+        raise ValueError(f"--int8 {config.int8}: int8 matmuls are built into --model transformer, not {config.model}")
     try:  # cheap: builds the config dataclass only, no arrays
         build_model(config.model, config.size, **model_overrides(config))
     except (TypeError, ValueError) as error:
@@ -277,7 +281,7 @@ _CHECKS: tuple[Callable[[RunConfig], None], ...] = (
 
 def model_overrides(config: RunConfig) -> dict[str, Any]:
     """The model-config fields a run sets: the size flags given and ``seq_len`` (the FP8 recipe is
-    the step's: ``config.step.fp8``)."""
+    the step's: ``config.step.fp8``, and the int8 one ``config.step.int8``)."""
     overrides: dict[str, Any] = {
         name: getattr(config, name) for _, name in MODEL_FLAGS if getattr(config, name) is not None
     }

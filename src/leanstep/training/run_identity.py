@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from leanstep.blocks.fp8 import Fp8Recipe
+from leanstep.blocks.int8 import Int8Recipe
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.training.rollback import SpikeRollback
 
@@ -55,6 +56,7 @@ RESUMABLE_FIELDS = frozenset(
 #: Fields added since runs were first saved, with the value a saved run without them had.
 ADDED_FIELDS: dict[str, Any] = {
     "fp8": "none",
+    "int8": "none",
     "master": "float32",
     "moments": "float32",
     "spike_guard": "none",
@@ -70,6 +72,7 @@ CHANGED_DEFAULTS: dict[str, Any] = {"batch_size": 64, "seq_len": 32, "eval_batch
 #: The fields that hold a setting string, and how each is read.
 _SETTING_FIELDS: dict[str, Callable[[str], Any]] = {
     "fp8": Fp8Recipe.from_string,
+    "int8": Int8Recipe.from_string,
     "spike_guard": SpikeGuard.from_string,
     "spike_rollback": SpikeRollback.from_string,
 }
