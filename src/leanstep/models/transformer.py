@@ -32,7 +32,7 @@ from jax.typing import ArrayLike, DTypeLike
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
 from leanstep.blocks.fp8_state import split_fp8
-from leanstep.blocks.int8 import Int8Recipe, int8_matmul
+from leanstep.blocks.int8 import Int8Recipe, int8_matmul, int8_remat_policy
 from leanstep.blocks.rematerialization import checkpoint_name, remat
 from leanstep.models.attention import causal_attention, check_attention
 from leanstep.models.layers import (
@@ -254,6 +254,8 @@ def transformer_logits(
     batch, time = tokens.shape
     x = embedding_lookup(top["embed"], tokens) + top["pos"][None, :time]
     x = constrain(x.reshape(batch * time, config.d_model), "batch", None)
+    # an int8 model saves its dequantized products, not their int32 sums (int8_remat_policy)
+    policy = remat_policy if config.int8 is None else int8_remat_policy(remat_policy)
     block = remat(
         functools.partial(
             _block,
@@ -263,7 +265,7 @@ def transformer_logits(
             fp8=config.fp8 or config.int8,  # the low-precision recipe of the four matmuls, if any
             attention=config.attention,
         ),
-        remat_policy,
+        "none" if policy is None else policy,
         prevent_cse=False,
     )
     x, _ = jax.lax.scan(lambda carry, layer: (block(carry, layer), None), x, params["blocks"])
