@@ -1,5 +1,5 @@
 """The building blocks, each usable on its own: precision, loss scaling, clipping,
-rematerialization, microbatches and their accumulation, FP8 matmuls.
+rematerialization, microbatches and their accumulation, FP8 and int8 matmuls.
 
 .. code-block:: text
 
@@ -17,6 +17,7 @@ rematerialization, microbatches and their accumulation, FP8 matmuls.
     loss_scale_registry.py  get_loss_scale("dynamic"): loss scales by name
     clipping.py             the global gradient norm, and clipping by it
     rematerialization.py    remat policies by name, checkpoint_name
+    int8.py                 Int8Recipe, int8_matmul: int8 products with dynamic scales, straight-through
     microbatches.py         a batch split into microbatches: contiguous, strided, presplit
     loss_contract.py        LossContract: what a loss takes and returns, parsed once
     accumulation.py         Accumulation, microbatched_value_and_grad: one lax.scan, float32 sums
@@ -30,6 +31,7 @@ from leanstep.blocks.compute_dtype_check import PrecisionWarning
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_dot_general, fp8_matmul
 from leanstep.blocks.fp8_state import Fp8Collection
+from leanstep.blocks.int8 import Int8Recipe, int8_matmul, int8_remat_policy
 from leanstep.blocks.loss_contract import LossContract, LossOutput
 from leanstep.blocks.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
@@ -57,6 +59,7 @@ __all__ = [
     "Fp8Collection",
     "Fp8Meta",
     "Fp8Recipe",
+    "Int8Recipe",
     "LossContract",
     "LossOutput",
     "LossScale",
@@ -79,6 +82,8 @@ __all__ = [
     "get_remat_policy",
     "get_splitter",
     "global_norm",
+    "int8_matmul",
+    "int8_remat_policy",
     "microbatched_value_and_grad",
     "presplit_microbatches",
     "remat",
