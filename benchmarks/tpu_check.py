@@ -11,7 +11,9 @@ Five parts, each written to ``<out>/check.json`` as it ends (a part that fails r
   compiled at the int8 format's depth, so the two peaks compare at equal model and batch.
 * ``pace``: leanstep's step and the hand-written one (``benchmarks/tpu_step.py``) at 405M and
   152M parameters (JAX's splash attention): seconds a step, MFU by the model's formula and
-  XLA's count; the 405M step profiled kernel by kernel (``benchmarks/step_trace.py``).
+  XLA's count; the 405M step profiled kernel by kernel (``benchmarks/step_trace.py``); the 405M
+  step again with int8 matmuls (forward and input gradient; then the weight gradient too), beside
+  the bf16 one in the same run.
 * ``plan``: :func:`leanstep.planning.plan` for the 405M model under the chip's memory; its chosen
   setting's compiled peak (arguments + outputs - aliased + temporaries) beside XLA's own peak
   (``peak_memory_in_bytes``) and the allocator's (``memory_stats()``) before and after 3 steps,
@@ -128,7 +130,7 @@ def part_pace(args: argparse.Namespace) -> dict:
     return tpu_step.main(
         [
             "--configs",
-            "splash,small-splash",
+            "splash,splash+int8,splash+int8all,small-splash",
             "--handwritten",
             "splash,small-splash",
             "--trace",

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from leanstep.blocks.int8 import Int8Recipe
 from leanstep.models.transformer import TransformerConfig, transformer_flops_per_token
 
 
@@ -27,6 +28,21 @@ def test_tpu_step_dry_run_times_both_steps_and_counts_the_models_flops(tmp_path)
     trace = result["trace"]  # the profile of leanstep's step (--trace): its kernels add up inside the step
     assert trace["kernels"] > 0 and 0 < trace["busy_s"] <= trace["wall_s"] * 1.01
     assert trace["matmul_kernels"] > 0 and {g["phase"] for g in trace["groups"]} >= {"forward", "backward"}
+    int8 = report["results"]["tiny+int8"]  # the same step with int8 block matmuls, beside the bf16 one
+    assert int8["int8"] == "on" and "handwritten" not in int8 and math.isfinite(int8["leanstep"]["loss"])
+    assert abs(int8["leanstep"]["loss"] - result["leanstep"]["loss"]) < 0.05 * result["leanstep"]["loss"]
+
+
+def test_tpu_step_names_its_int8_configurations_and_refuses_others():
+    import pytest
+
+    from benchmarks.tpu_step import CONFIGS, configuration
+
+    assert configuration("splash+int8all") == (CONFIGS["splash"], Int8Recipe("int8"))
+    assert configuration("splash") == (CONFIGS["splash"], None)
+    for bad in ("splash+fp8", "nope+int8", "nope"):
+        with pytest.raises(ValueError, match="--configs: unknown"):
+            configuration(bad)
 
 
 def test_tpu_check_dry_run_fits_a_ladder_per_format_and_compares_the_planner_with_the_compiled_peak(tmp_path):
@@ -80,3 +96,12 @@ def test_codec_tracing_dry_run_lowers_both_codecs_to_the_same_temporaries(tmp_pa
     assert jitted["temp_bytes"] == unjitted["temp_bytes"] > 0  # the same program's memory either way
     assert all(arm[key] > 0 for arm in (jitted, unjitted) for key in ("lower_s", "trace_s", "compile_s"))
     assert all(hasattr(getattr(moments, name), "__wrapped__") for name in ("quantize", "decode", "dequantize"))
+
+
+def test_int8_forms_dry_run_times_each_form_and_checks_the_f32_sum_against_the_int32_one(tmp_path):
+    from benchmarks.int8_forms import main
+
+    report = main(["--tiny", "--calls", "2", "--out", str(tmp_path / "forms.json")])
+    (row,) = report["shapes"].values()
+    assert row["f32_sum_equals_int32_sum"] is True
+    assert all(row[f"{form}_ms"] > 0 for form in ("bf16", "int32_sum", "f32_sum", "int8_only"))
