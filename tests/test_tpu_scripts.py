@@ -105,3 +105,12 @@ def test_int8_forms_dry_run_times_each_form_and_checks_the_f32_sum_against_the_i
     (row,) = report["shapes"].values()
     assert row["f32_sum_equals_int32_sum"] is True
     assert all(row[f"{form}_ms"] > 0 for form in ("bf16", "int32_sum", "f32_sum", "int8_only"))
+
+
+def test_update_skip_dry_run_the_conditional_keeps_the_bits_and_fewer_temporaries(tmp_path):
+    from benchmarks.update_skip import main
+
+    report = main(["--tiny", "--calls", "1", "--out", str(tmp_path / "skip.json")])
+    forms = report["forms"]
+    assert report["same_bits"] is True
+    assert forms["leanstep"]["temp_bytes"] == forms["cond"]["temp_bytes"] < forms["select"]["temp_bytes"]

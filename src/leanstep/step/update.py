@@ -26,8 +26,8 @@ optimizer, in the spirit of ``optax.apply_if_finite`` (which neither unscales no
 counts but keeps no loss scale).
 
 Size: the guarded update's order (unscale once, decide once, clip, apply only if finite) is the
-contract, read top to bottom in one file; chunked application is update_chunks, its checks
-update_checks.
+contract, read top to bottom in one file; the update under one conditional is update_kept, chunked
+application update_chunks, their checks update_checks.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from leanstep.blocks.clipping import NormParts, clip_leaves, global_norm, norm_parts
+from leanstep.blocks.clipping import NormParts, global_norm, norm_parts
 from leanstep.blocks.fp8_state import has_fp8, merge_fp8, overwrite_fp8, split_fp8
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
@@ -50,6 +50,7 @@ from leanstep.common.jaxprs import OPTIMIZER_UPDATE_SCOPE
 from leanstep.step.state import TrainState
 from leanstep.step.update_checks import check_grads, check_opt_state
 from leanstep.step.update_chunks import chunked_update
+from leanstep.step.update_kept import applied_or_kept, clipped_grads
 from leanstep.step.update_offload import back_like, on_device
 from leanstep.step.update_offload_plan import update_plan
 
@@ -98,22 +99,17 @@ def _decide(
 ) -> tuple[Any, jax.Array, NormParts, jax.Array]:
     """The unscaled, clipped gradient, whether it is finite, its norm before clipping (in parts), and whether it was clipped."""
     check_grads(scaled_grads, params)
-    grads = loss_scale.unscale(scaled_grads)
-    # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does
-    # not depend on the parameters, or in a stop_gradient). So is a non-finite amax recorded
-    # by an FP8 matmul (an inf input that the quantizer would have clipped): written, it
-    # would freeze that scale until the inf leaves the history.
+    # A non-finite loss is a fault even when its gradient is finite (NaN in a term that does not
+    # depend on the parameters, or in a stop_gradient); so is a non-finite amax an FP8 matmul
+    # recorded (an inf its quantizer would clip): written, it would freeze that scale.
     finite = all_finite(new_fp8)
     finite = finite if loss is None else finite & jnp.isfinite(loss)
-    # The norm's two reductions (the largest magnitude, then the squares scaled by its power of two,
-    # so that entries of 1e20 do not overflow them) decide finiteness too. They read the scaled
-    # gradient, unscaling inside each: XLA:CPU kept every leaf's unscaled copy live for a second
-    # pass, 4 bytes a parameter at the step's peak (docs/lean-state.md).
+    # The norm's two reductions (the largest magnitude, then the squares scaled by its power of two:
+    # entries of 1e20 do not overflow) decide finiteness too, reading the scaled gradient and
+    # unscaling inside each (an unscaled copy cost 4 bytes a parameter on XLA:CPU, docs/lean-state.md).
     parts = norm_parts(scaled_grads, loss_scale.unscale)
-    if max_grad_norm is None:
-        return grads, finite & parts.finite, parts, jnp.zeros((), bool)
-    clipped = jax.tree.unflatten(jax.tree.structure(grads), clip_leaves(jax.tree.leaves(grads), parts, max_grad_norm))
-    return clipped, finite & parts.finite, parts, parts.norm > max_grad_norm
+    clipped = jnp.zeros((), bool) if max_grad_norm is None else parts.norm > max_grad_norm
+    return clipped_grads(scaled_grads, loss_scale, parts, max_grad_norm), finite & parts.finite, parts, clipped
 
 
 def _checked_update(
@@ -127,9 +123,8 @@ def _checked_update(
     spike: Callable[[jax.Array, jax.Array, Any], jax.Array] | None = None,
     new_fp8: Any = None,
 ) -> tuple[Any, Any, UpdateInfo]:
-    """The optimizer's updates and next state (that state kept as it was unless applied);
-    ``spike(finite, grad_norm, updates)`` says whether a finite step is skipped for a spike;
-    ``new_fp8``, the FP8 state the step would write, must be finite too."""
+    """The optimizer's updates and next state (kept as it was unless applied), for a ``spike(finite,
+    grad_norm, updates)`` that reads the update; ``new_fp8``, the FP8 state to write, must be finite too."""
     grads, finite, parts, clipped = _decide(scaled_grads, params, loss_scale, max_grad_norm, loss, new_fp8)
     grad_norm = parts.norm.astype(jnp.float32)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
@@ -139,8 +134,7 @@ def _checked_update(
     return updates, _where_tree(info.applied, new_opt_state, opt_state), info
 
 
-# The audit tells the optimizer's own loops (8-bit codecs, chunks, Newton-Schulz) from the
-# microbatch loop by this scope (leanstep.inspection.auditing).
+# The audit tells the optimizer's loops (codecs, chunks, Newton-Schulz) from the microbatch loop by this scope.
 @jax.named_scope(OPTIMIZER_UPDATE_SCOPE)
 def guarded_update(
     state: TrainState,
@@ -156,8 +150,8 @@ def guarded_update(
 
     ``params``, ``opt_state``, ``loss_scale``, ``consecutive_skips`` and (given the new one)
     ``model_state`` advance; ``step`` and ``rng`` are the caller's. On a skipped step params,
-    optimizer state and model state come back bit-identical (a ``jnp.where`` on every leaf,
-    not a zero update).
+    optimizer state and model state come back bit-identical (the update under ``lax.cond``, not a
+    zero update: :mod:`leanstep.step.update_kept`).
 
     Args:
       state: the :class:`TrainState` before the step.
@@ -213,16 +207,23 @@ def guarded_update(
         return spiked
 
     plan = update_plan(state, wide, update_chunk, spike_guard)  # an offloaded state: update_offload_plan
-    if plan is not None:
+    if plan is not None or spike_guard is None or "update_norm" not in spike_guard.watch:  # decided first
         _, finite, parts, clipped = _decide(scaled_grads, wide, state.loss_scale, max_grad_norm, loss, new_fp8)
         grad_norm = parts.norm.astype(jnp.float32)
         spiked = jnp.zeros((), bool) if spike_guard is None else spike(finite, grad_norm, None)
         info = UpdateInfo(grad_norm, finite, clipped & finite & ~spiked, spiked)
         scale = None if spike_guard is None else state.spike.update_scale
-        new_params, opt_state, master_error = chunked_update(
-            state, params, scaled_grads, plan, info.applied, parts, max_grad_norm, _rounding_key(state), scale
-        )
-    else:
+        if plan is not None:
+            new_params, opt_state, master_error = chunked_update(
+                state, params, scaled_grads, plan, info.applied, parts, max_grad_norm, _rounding_key(state), scale
+            )
+        else:  # the whole tree under one conditional: no select pass on a step that is applied
+            new_params, opt_state, master_error = applied_or_kept(
+                state, params, on_device(state.opt_state), scaled_grads, info.applied, parts, max_grad_norm,
+                _rounding_key(state), scale,
+            )  # fmt: skip
+            opt_state = back_like(opt_state, state.opt_state)  # an offloaded state: back to the host
+    else:  # the spike guard reads the update's norm: the update computed whole, then kept or dropped
         updates, opt_state, info = _checked_update(
             scaled_grads, on_device(state.opt_state), wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
             None if spike_guard is None else spike, new_fp8,
