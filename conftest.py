@@ -138,6 +138,7 @@ LONGEST_FIRST = (
     "tests/test_verification.py",  # 59
     "tests/test_compile_cache.py",  # 57
     "tests/test_chunked_update.py",  # 50
+    "tests/test_int8_composition.py",  # 44 (alone, -n 0, at helper-compose; not in the 16a4542 profile)
     "tests/test_run_startup_faults.py",  # 48 (less since: 4 of its trials went)
     "tests/test_offload.py",  # 39
     "tests/test_lean_state_defects.py",  # 35
@@ -145,6 +146,7 @@ LONGEST_FIRST = (
     "tests/test_chunked_update_meshes.py",  # 31
     "tests/test_tpu_scripts.py",  # 29
     "tests/test_reliability_concurrency.py",  # 28
+    "tests/test_int8_meshes.py",  # 28 (alone, as test_int8_composition.py)
     "tests/test_fp8_composition.py",  # 22
     "tests/test_time_budget.py",  # 21
     "tests/test_verification_defects.py",  # 20 (less since: 10 padded setups of 20)
