@@ -410,3 +410,17 @@ def test_settings_are_stored_rounded_to_float32():
 def test_static_create_validates():
     with pytest.raises(ValueError, match=re.escape("loss_scale must be finite and > 0 in float32, got inf")):
         StaticLossScale.create(float("inf"))
+
+
+def test_a_created_dynamic_scale_can_be_donated_to_a_step():
+    """Its good and bad step counts are two arrays: one zero array in both fields was refused by a
+    donating step ("Attempt to donate the same buffer twice")."""
+    import optax
+
+    import leanstep
+
+    state = leanstep.TrainState.create({"w": jnp.ones((2, 1))}, optax.sgd(0.1))
+    state = state.replace(loss_scale=DynamicLossScale.create(8.0))
+    step = leanstep.make_train_step(lambda p, b: jnp.sum((b["x"] @ p["w"]) ** 2), donate=True)
+    state, metrics = step(state, {"x": jnp.ones((4, 2))})
+    assert int(state.step) == 1 and not bool(metrics.skipped)

@@ -256,11 +256,10 @@ class DynamicLossScale(_ScaleByArray):
           ValueError: initial_scale must be in [min_loss_scale=1.0, max_loss_scale=16777216.0], got 0.5
         """
         scale = check_positive_float32_scalar("initial_scale", initial_scale)
-        zero = jnp.zeros((), jnp.int32)
         state = cls(
             scale,
-            zero,
-            zero,
+            jnp.zeros((), jnp.int32),  # two arrays: one buffer twice cannot be donated to a step
+            jnp.zeros((), jnp.int32),
             growth_interval,
             growth_factor,
             backoff_factor,
