@@ -130,7 +130,7 @@ def check_int8_agreement(runs: Runs, num_microbatches: int) -> CheckResult:
     whole = [np.concatenate([t[leaf].reshape(-1) for leaf in plain]) for t in (got.gradient, plain)]
     leaves["(all leaves)"] = _direction_and_norm(*whole)
     ratios = [ratio for _, ratio in leaves.values()]
-    compared += f"; |G int8| / |G| {min(ratios):.4g} to {max(ratios):.4g}"
+    compared += f"; |G int8| / |G| {min(ratios):.4f} to {max(ratios):.4f}"
     tolerance = (
         f"|G int8 - G| <= delta |G| a leaf, delta = sqrt(max(1/254, u of {dtype})) = {delta:.3g}: 1 - cos <= "
         f"1 - sqrt(1 - delta^2) = {bound:.3g}, norm ratio within 1 +- {delta:.3g}"
