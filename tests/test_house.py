@@ -30,6 +30,8 @@ MAX_PARAMETERS = 12
 MANY_PARAMETERS = {
     "leanstep.step.spec.StepSpec.from_keywords": "the short keyword form for the common case (the issue's exception)",
     "leanstep.planning.one_device.plan": "spec= beside loss_scale= and **step_kwargs, the keyword form it replaces",
+    "leanstep.verification.leanstep_step.LeanstepStep.__init__": "plan's three inputs, then each of the run's "
+    "settings as a value, by the names verify(**settings) gives them (the int8 recipe the last)",
 }
 #: The sub-packages, each with the sub-packages it may import: the architecture, bottom up.
 #: ``leanstep`` is the package itself (its ``__init__``: the public API) and ``tasks`` the seeds.

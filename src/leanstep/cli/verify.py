@@ -27,13 +27,15 @@ def add_parser(subparsers: Any) -> None:
     d = RunConfig()
     p = subparsers.add_parser(
         "verify",
-        help="check the train step of these flags against itself: microbatches, clipping, guards, keys, FP8, meshes",
+        help="check the train step of these flags against itself: microbatches, clipping, guards, keys, FP8, int8, "
+        "meshes",
         description="Runs metamorphic checks of the step leanstep train would run, on CPU, each against a reference "
         "with a derived tolerance: M microbatches against each microbatch alone and against one; token weights; "
         "clipping against the float64 full-batch norm; a forced non-finite step; random keys per microbatch; the FP8 "
-        "state's max; the compute dtype of every matmul; what the remat policy saves; each mesh layout of --devices "
-        "simulated devices against one device; a killed and resumed run against an uninterrupted one. Prints a table "
-        "(and --json); exits 1 if a check fails.",
+        "state's max; with --int8, the int8 step against the step without int8 (each leaf's direction and norm), and "
+        "its microbatches and mesh layouts in float32 compute; the compute dtype of every matmul; what the remat "
+        "policy saves; each mesh layout of --devices simulated devices against one device; a killed and resumed run "
+        "against an uninterrupted one. Prints a table (and --json); exits 1 if a check fails.",
         formatter_class=HelpFormatter,
     )
     only = "; verify: its resume check only (the other checks run the step without it)"
@@ -62,7 +64,7 @@ def _check_names() -> list[str]:
     # tests/test_verification_defects.py holds it equal to leanstep.verification.runner.CHECKS.
     return [
         "accumulation", "full_batch", "reference", "token_weighting", "clip", "non_finite", "keys", "fp8",
-        "compute_dtype", "remat", "meshes",
+        "int8_agreement", "int8_microbatches", "compute_dtype", "remat", "meshes", "int8_meshes",
     ]  # fmt: skip
 
 

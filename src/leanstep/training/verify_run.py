@@ -16,14 +16,21 @@ from typing import Any
 
 import numpy as np
 
+from leanstep.blocks.int8 import Int8Recipe
 from leanstep.blocks.loss_contract import LossContract
+from leanstep.models.registry import build_model
 from leanstep.training.build import build_run
-from leanstep.training.config import RunConfig
+from leanstep.training.config import RunConfig, model_overrides
 from leanstep.training.data import BatchSampler, load_corpus
 from leanstep.verification import CHECKS, CheckResult, LeanstepStep, VerifyReport, verify_step
 from leanstep.verification.mesh_check import layouts_for
 
-__all__ = ["check_layouts", "check_resume", "checked_config", "meshes_in_child", "verify_run", "verify_setup"]
+__all__ = [
+    "MESH_CHECKS", "check_layouts", "check_resume", "checked_config", "meshes_in_child", "verify_run", "verify_setup",
+]  # fmt: skip
+
+#: The checks that run the step on mesh layouts: in a subprocess with simulated devices (:func:`meshes_in_child`).
+MESH_CHECKS = ("meshes", "int8_meshes")
 
 
 def verify_setup(config: RunConfig) -> LeanstepStep:
@@ -38,9 +45,14 @@ def verify_setup(config: RunConfig) -> LeanstepStep:
     corpus = load_corpus(config.data, seq_len=config.seq_len)
     batch: dict[str, Any] = dict(BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed).batch_at(0))
     batch["mask"] = np.ones((config.batch_size, config.seq_len), np.float32)
-    model = run.model
+    recipe = run.config.step.int8
+    models = {recipe: run.model}  # and the model without int8 matmuls, built when the int8 checks ask
 
-    def make_loss_fn(policy: str) -> Any:
+    def make_loss_fn(policy: str, int8: Int8Recipe | None = recipe) -> Any:
+        if int8 not in models:
+            recipes = {} if int8 is None else {"int8": int8}
+            models[int8] = build_model(config.model, config.size, **model_overrides(config), **recipes)
+        model = models[int8]
         return lambda params, rows: model.loss_sum(params, rows, remat_policy=policy)
 
     return LeanstepStep(
@@ -55,6 +67,7 @@ def verify_setup(config: RunConfig) -> LeanstepStep:
         master=config.master,
         mask="mask",
         rules=run.model.rules,
+        int8=recipe,
     )
 
 
@@ -101,16 +114,18 @@ def verify_run(
         f"leanstep train --model {config.model} --size {config.size} --batch-size {config.batch_size} "
         f"--precision {setup.precision} --microbatches {microbatches} --remat {config.remat}"
         + (f" --fp8 {config.fp8}" if config.fp8 != "none" else "")
+        + (f" --int8 {setup.int8.to_string()}" if setup.int8 is not None else "")
     )
     wanted = tuple(CHECKS) if checks is None else tuple(checks)
-    if "meshes" in wanted:  # before anything runs: a layout the rows do not fit is a flag error
+    on_meshes = tuple(c for c in MESH_CHECKS if c in wanted)
+    if on_meshes:  # before anything runs: a layout the rows do not fit is a flag error
         check_layouts(config, layouts_for(num_devices or 1), num_devices or 1)
-    here = tuple(c for c in wanted if c != "meshes")
+    here = tuple(c for c in wanted if c not in MESH_CHECKS)
     report = verify_step(setup, num_microbatches=microbatches, checks=here, name=name)
     results = list(report.checks)
-    if "meshes" in wanted:
+    if on_meshes:
         layouts = layouts_for(num_devices or 1)
-        results.append(meshes_in_child(config, layouts) if layouts else check_meshes_none(num_devices))
+        results += meshes_in_child(config, layouts, on_meshes) if layouts else check_meshes_none(num_devices, on_meshes)
     if resume:
         results.append(check_resume(config))
     return VerifyReport(name, tuple(results))
@@ -136,17 +151,15 @@ def check_layouts(config: RunConfig, layouts: list[str], num_devices: int) -> No
             )
 
 
-def check_meshes_none(num_devices: int | None) -> CheckResult:
-    """The meshes check when no layout has 2 devices or more."""
-    return CheckResult(
-        "meshes", "n/a", "mesh layouts vs one device", 0.0, 0.0, "-",
-        detail=f"--devices {num_devices or 1}: no layout; --devices N checks data=N, fsdp=N and data=N/2,tensor=2",
-    )  # fmt: skip
+def check_meshes_none(num_devices: int | None, checks: Sequence[str] = ("meshes",)) -> list[CheckResult]:
+    """The mesh checks when no layout has 2 devices or more."""
+    detail = f"--devices {num_devices or 1}: no layout; --devices N checks data=N, fsdp=N and data=N/2,tensor=2"
+    return [CheckResult(check, "n/a", "mesh layouts vs one device", 0.0, 0.0, "-", detail=detail) for check in checks]
 
 
-def meshes_in_child(config: RunConfig, layouts: list[str]) -> CheckResult:
-    """The meshes check of ``config`` in a subprocess with enough simulated devices for ``layouts``,
-    and XLA's excess precision off (:data:`~leanstep.verification.mesh_check.EXACT_ROUNDING`)."""
+def meshes_in_child(config: RunConfig, layouts: list[str], checks: Sequence[str] = ("meshes",)) -> list[CheckResult]:
+    """The mesh checks (of :data:`MESH_CHECKS`) of ``config`` in a subprocess with enough simulated devices
+    for ``layouts``, and XLA's excess precision off (:data:`~leanstep.verification.mesh_check.EXACT_ROUNDING`)."""
     import json
     import math
     import tempfile
@@ -158,7 +171,14 @@ def meshes_in_child(config: RunConfig, layouts: list[str]) -> CheckResult:
     with tempfile.TemporaryDirectory() as folder:
         spec, out = f"{folder}/spec.json", f"{folder}/check.json"
         with open(spec, "w") as f:
-            json.dump({"config": config.to_json(), "layouts": layouts, "devices": devices, "out": out}, f)
+            body = {
+                "config": config.to_json(),
+                "layouts": layouts,
+                "devices": devices,
+                "out": out,
+                "checks": list(checks),
+            }
+            json.dump(body, f)
         code = f"from leanstep.training.verify_run import meshes_in_child_main; meshes_in_child_main({spec!r})"
         # every bf16 result rounded as written, in one device's program and each layout's alike,
         # so that the FP8 state is compared bit for bit (mesh_check)
@@ -166,10 +186,11 @@ def meshes_in_child(config: RunConfig, layouts: list[str]) -> CheckResult:
         if child.returncode:
             raise RuntimeError(f"the meshes check in a subprocess failed:\n{child.stderr[-3000:]}")
         with open(out) as f:
-            fields = json.load(f)
-    for key in ("largest", "bound"):
-        fields[key] = float(fields[key])
-    return CheckResult(**fields)
+            results = json.load(f)
+    for fields in results:
+        for key in ("largest", "bound"):
+            fields[key] = float(fields[key])
+    return [CheckResult(**fields) for fields in results]
 
 
 def meshes_in_child_main(spec_path: str) -> None:
@@ -185,9 +206,10 @@ def meshes_in_child_main(spec_path: str) -> None:
     enable_compile_cache()
     config = RunConfig(**spec["config"])
     setup = verify_setup(config)
-    report = verify_step(setup, num_microbatches=config.microbatches, checks=("meshes",), meshes=spec["layouts"])
+    checks = spec.get("checks", ["meshes"])
+    report = verify_step(setup, num_microbatches=config.microbatches, checks=checks, meshes=spec["layouts"])
     with open(spec["out"], "w") as f:
-        json.dump(report.checks[0].to_dict(), f)
+        json.dump([check.to_dict() for check in report.checks], f)
 
 
 #: The uninterrupted run of the resume check: steps, and a checkpoint every 2.

@@ -11,6 +11,7 @@
     clip_check.py      clipping at half the float64 full-batch norm
     reference_check.py the step against the loss's own float32 gradient, computed without the step
     state_checks.py    a forced non-finite step, microbatch keys, FP8 state reduction
+    int8_checks.py     int8 matmuls: against the step without them, M against one and meshes in float32
     program_checks.py  compute dtype of every matmul, what the remat policy saves (the audit)
     mesh_check.py      each mesh layout against one device
     report.py          CheckResult, VerifyReport (table and JSON)

@@ -34,7 +34,7 @@ import math
 import numpy as np
 from jax.typing import DTypeLike
 
-__all__ = ["LAMBDA", "TINY", "gamma", "norm_bound", "unit_roundoff"]
+__all__ = ["INT8_ROUNDOFF", "LAMBDA", "TINY", "gamma", "norm_bound", "unit_roundoff"]
 
 #: Higham and Mary's lambda for the probabilistic bounds (failure probability 2 exp(-18) < 3e-8).
 LAMBDA = 6.0
@@ -42,6 +42,11 @@ LAMBDA = 6.0
 #: The smallest normal float32: below it float32 is subnormal and a CPU may flush to zero, so
 #: every elementwise bound adds this absolute floor (per term).
 TINY = float(np.finfo(np.float32).tiny)
+
+#: The unit roundoff of an int8 quantization (:func:`leanstep.blocks.int8.quantize_int8`): rounding to the
+#: nearest of 127 levels a side errs by half a level at most, 1/254 of the largest magnitude of the slice one
+#: scale covers (a token's row, a weight's column); just above bfloat16's 2^-8 = 1/256.
+INT8_ROUNDOFF = 1 / 254
 
 
 def unit_roundoff(dtype: DTypeLike) -> float:

@@ -5,7 +5,12 @@ params, a batch, the step's settings) and builds :func:`leanstep.make_train_step
 demand, one compiled program per ``(num_microbatches, max_grad_norm, randomness, mesh)``,
 never donating (a check runs several steps from one state). With ``randomness=False`` a loss
 that takes a key gets the same key in every microbatch, so that its dropout masks are a function
-of the rows alone.
+of the rows alone. A model with int8 matmuls names its recipe (``int8``) and its loss builder
+takes it; :meth:`LeanstepStep.variant` is then the same step without them, or in float32 compute
+(the int8 checks compare the step with both).
+
+Size: one class, leanstep's step as the checks drive it: its settings, the programs and losses
+it builds from them (no random numbers, no int8, a row made non-finite) and its variants.
 
 Example:
   >>> import jax.numpy as jnp, numpy as np
@@ -34,8 +39,9 @@ import optax
 
 from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.fp8_state import merge_fp8, split_fp8
+from leanstep.blocks.int8 import Int8Recipe
 from leanstep.blocks.loss_contract import LossContract
-from leanstep.blocks.precision import get_precision
+from leanstep.blocks.precision import Precision, get_precision
 from leanstep.inspection.auditing import audit
 from leanstep.planning.plan_inputs import TreesGiven, is_params_builder, params_for, trace_refusing_structure_errors
 from leanstep.step.sharding_layer import ShardingLayer
@@ -90,6 +96,9 @@ class LeanstepStep:
       rules: the model's partition rules, for a mesh with a ``"tensor"`` axis
         (:class:`leanstep.step.ShardingLayer`; a ``"fsdp"`` axis splits every parameter, other axes
         carry rows).
+      int8: the recipe of the model's int8 matmuls (:class:`leanstep.blocks.int8.Int8Recipe` or its
+        string), or None; ``make_loss_fn`` then takes ``int8`` (``make_loss_fn(policy, int8=recipe)``)
+        and builds the model with that recipe, or without int8 matmuls for None (:meth:`variant`).
     """
 
     def __init__(
@@ -107,7 +116,12 @@ class LeanstepStep:
         master: str = "float32",
         mask: str | None = None,
         rules: Any = None,
+        int8: Int8Recipe | str | None = None,
     ) -> None:
+        self._given = dict(
+            params=params, batch=batch, precision=precision, accumulation=accumulation, remat=remat, loss=loss,
+            loss_scale=loss_scale, model_state=model_state, master=master, mask=mask, rules=rules, int8=int8,
+        )  # fmt: skip
         if isinstance(accumulation, int):
             accumulation = Accumulation(accumulation)
         if not isinstance(accumulation, Accumulation) or accumulation.split not in ("contiguous", "strided"):
@@ -132,6 +146,12 @@ class LeanstepStep:
         self.split = str(accumulation.split)
         self.rules = rules
         self.compute_dtype = self.precision.compute_dtype
+        self.int8 = Int8Recipe.from_string(int8) if isinstance(int8, str) else int8
+        if self.int8 is not None and "int8" not in inspect.signature(make_loss_fn).parameters:
+            raise ValueError(
+                f"int8={self.int8.to_string()!r}: make_loss_fn must take int8 (make_loss_fn(policy, int8=recipe)), "
+                "the recipe its model's int8 matmuls run with (None: none), for verify to build the step without them"
+            )
         self.poison_leaf: str | None = None
         if mask is None and not _has_floating_leaf(batch):
             if not isinstance(batch, dict):
@@ -245,15 +265,33 @@ class LeanstepStep:
         ``make_loss_fn(policy, random=False)`` where it takes ``random`` (a model whose random
         numbers come from its own state, such as Flax NNX's ``Rngs``, says so there), else, for a
         loss that takes a key, the same key in every call."""
-        if self._takes_random:
-            loss_fn = self.make_loss_fn(policy, random=random)  # type: ignore[call-arg]
-        else:
-            loss_fn = self.make_loss_fn(policy)
-            if self.loss.uses_rng and not random:
-                loss_fn = _fixed_key(loss_fn)
+        settings: dict[str, Any] = {"random": random} if self._takes_random else {}
+        if "int8" in inspect.signature(self.make_loss_fn).parameters:
+            settings["int8"] = self.int8
+        loss_fn = self.make_loss_fn(policy, **settings)
+        if not self._takes_random and self.loss.uses_rng and not random:
+            loss_fn = _fixed_key(loss_fn)
         if self.poison_leaf is not None:
             loss_fn = _poisonable(loss_fn, self.poison_leaf, 2 if self.loss.has_state else 1)
         return loss_fn
+
+    def variant(self, **changes: Any) -> LeanstepStep:
+        """The same step (loss builder, params, batch, settings) with ``int8`` (a recipe; None: the model's
+        matmuls in the compute dtype) or ``compute_dtype`` (the outputs at least as wide) changed.
+
+        Raises:
+          TypeError: another setting.
+        """
+        unknown = sorted(set(changes) - {"int8", "compute_dtype"})
+        if unknown:
+            raise TypeError(f"variant: unknown settings {unknown}; expected among ['compute_dtype', 'int8']")
+        given = {**self._given, "int8": changes.get("int8", self.int8)}
+        if "compute_dtype" in changes:
+            p, dtype = self.precision, jnp.dtype(changes["compute_dtype"])
+            given["precision"] = Precision(
+                p.param_dtype, dtype, jnp.promote_types(p.output_dtype, dtype), strict=p.strict
+            )
+        return LeanstepStep(self.make_loss_fn, **given)
 
     def make_step(self, settings: tuple[Any, ...], num_microbatches: int) -> Callable[..., Any]:
         """The compiled step of these settings (built once, kept)."""

@@ -43,7 +43,7 @@ from leanstep.verification.report import CheckResult
 from leanstep.verification.runs import Runs
 from leanstep.verification.trees import to_float64
 
-__all__ = ["EXACT_ROUNDING", "check_meshes", "exact_rounding", "layouts_for", "make_layout"]
+__all__ = ["EXACT_ROUNDING", "check_meshes", "exact_rounding", "layout_meshes", "layouts_for", "make_layout"]
 
 #: The XLA flag that has every bf16 result rounded as the program writes it (see the module doc).
 EXACT_ROUNDING = "--xla_allow_excess_precision=false"
@@ -84,6 +84,18 @@ def make_layout(layout: str | Mesh) -> Mesh:
     return Mesh(grid, tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
 
 
+def layout_meshes(runs: Runs) -> list[Mesh]:
+    """The meshes of ``runs.layouts``, each made once for these runs (its steps compile once a mesh).
+
+    Raises:
+      ValueError: as :func:`make_layout`.
+    """
+    for layout in runs.layouts:
+        if layout not in runs.meshes:
+            runs.meshes[layout] = make_layout(layout)
+    return [runs.meshes[layout] for layout in runs.layouts]
+
+
 def _describe(mesh: Mesh) -> str:
     return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
 
@@ -98,7 +110,7 @@ def check_meshes(runs: Runs, num_microbatches: int) -> CheckResult:
     if not layouts:
         return CheckResult("meshes", "n/a", compared, 0.0, 0.0, "-", detail="no mesh layout given (--devices N)")
     try:
-        meshes = [make_layout(layout) for layout in layouts]
+        meshes = layout_meshes(runs)
     except ValueError as refused:
         return CheckResult("meshes", "n/a", compared, 0.0, 0.0, "-", detail=str(refused))
     one = runs.step("batch", num_microbatches)
@@ -152,6 +164,8 @@ def check_meshes(runs: Runs, num_microbatches: int) -> CheckResult:
             "the result depends on the device count: a statistic computed over each device's own rows (a batch "
             "norm's mean, a loss normalised per device) where the whole batch's was meant"
         )
+        if getattr(runs.setup, "int8", None) is not None:
+            diagnosis += "; or an int8 scale taken over each device's own shard, not max-reduced (int8_meshes)"
     return CheckResult("meshes", "fail", compared, largest, allowed, tolerance, where, diagnosis, seconds=elapsed)
 
 

@@ -166,6 +166,9 @@ class VerifiableStep(Protocol):
     # Optional: ``reference_loss(params, parts, batch) -> (loss, model_state)``, the user's unscaled
     # loss of ``batch`` (a token-weighted loss: its mean over the tokens), no random numbers, at
     # float32 ``params`` and the other ``parts``; the ``reference`` check differentiates it.
+    # Optional: ``int8``, the recipe of the model's int8 matmuls (a leanstep.blocks.int8.Int8Recipe;
+    # None: none), with ``variant(int8=..., compute_dtype=...)``: the same step with another recipe
+    # (None: no int8 matmuls) or computing in another dtype; the int8 checks compare the step with them.
 
     def poison(self, batch: Any, row: int) -> Any:
         """``batch`` with row ``row``'s loss made non-finite (e.g. NaN in a floating input of that row)."""

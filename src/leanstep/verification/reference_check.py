@@ -92,10 +92,11 @@ class ReferenceGradient:
         return to_float64(tree), _rebuild(parts.get("model_state"), state)
 
     def coarsest_roundoff(self, parts: Mapping[str, Any], batch: Any) -> float:
-        """The largest unit roundoff among the matmul operands of the program for these shapes."""
+        """The largest unit roundoff among the matmul operands of the program for these shapes (an int8
+        product is exact: its operands' quantization is the loss's own, the same in the step)."""
         with jax.default_matmul_precision("highest"):
             report = audit(self._program, *self._arrays(parts, batch))
-        dtypes = [d for m in report.matmuls for d in (m.lhs[1], m.rhs[1])]
+        dtypes = [d for m in report.matmuls for d in (m.lhs[1], m.rhs[1]) if np.issubdtype(np.dtype(d), np.inexact)]
         return max([unit_roundoff("float32")] + [unit_roundoff(d) for d in dtypes])
 
 

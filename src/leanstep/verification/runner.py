@@ -30,6 +30,7 @@ from leanstep.blocks.loss_contract import LossContract
 from leanstep.verification.batches import batch_rows
 from leanstep.verification.clip_check import check_clip
 from leanstep.verification.gradient_checks import check_accumulation, check_full_batch, check_token_weighting
+from leanstep.verification.int8_checks import check_int8_agreement, check_int8_meshes, check_int8_microbatches
 from leanstep.verification.leanstep_step import LeanstepStep
 from leanstep.verification.mesh_check import check_meshes
 from leanstep.verification.program_checks import check_compute_dtype, check_remat
@@ -51,9 +52,12 @@ CHECKS: dict[str, Callable[[Runs, int], CheckResult]] = {
     "non_finite": check_non_finite,
     "keys": check_keys,
     "fp8": check_fp8,
+    "int8_agreement": check_int8_agreement,
+    "int8_microbatches": check_int8_microbatches,
     "compute_dtype": check_compute_dtype,
     "remat": check_remat,
     "meshes": check_meshes,
+    "int8_meshes": check_int8_meshes,
 }
 
 
@@ -83,7 +87,7 @@ def verify_step(
       num_microbatches: the microbatch count the checks run the step with (2 or more; it must
         divide the batch's rows).
       checks: the names of the checks to run (default: all of :data:`CHECKS`).
-      meshes: the mesh layouts the ``meshes`` check compares with one device (``"data=4"``,
+      meshes: the mesh layouts the ``meshes`` and ``int8_meshes`` checks compare with one device (``"data=4"``,
         ``"fsdp=2,tensor=2"`` or a ``jax.sharding.Mesh``); they need that many devices here.
       name: what the report calls the setup.
 
@@ -122,7 +126,9 @@ def _timed(result: CheckResult, seconds: float) -> CheckResult:
 #: What :func:`verify` takes as the run's settings: :class:`LeanstepStep`'s keywords, and the short
 #: form of its ``loss`` (a :class:`leanstep.LossContract`) and ``accumulation``.
 _CONTRACT = ("has_aux", "token_weighted", "uses_rng", "has_state")
-_SETTINGS = ("precision", "remat", "loss", "loss_scale", "model_state", "master", "mask", "rules", "accumulation")
+_SETTINGS = (
+    "precision", "remat", "loss", "loss_scale", "model_state", "master", "mask", "rules", "accumulation", "int8",
+)  # fmt: skip
 
 
 def verify(
@@ -149,7 +155,7 @@ def verify(
       name: what the report calls the setup.
       **settings: the run's settings, as :class:`LeanstepStep` takes them (``precision``,
         ``remat``, ``loss``, ``loss_scale``, ``model_state``, ``master``, ``mask``, ``rules``,
-        ``accumulation``), with the short forms of ``make_train_step``: ``num_microbatches`` and
+        ``accumulation``, ``int8``), with the short forms of ``make_train_step``: ``num_microbatches`` and
         ``split`` for ``accumulation`` (the checks use 2 microbatches if it is 1), ``has_aux``,
         ``token_weighted``, ``uses_rng`` and ``has_state`` for ``loss``.
 
@@ -171,5 +177,8 @@ def verify(
         settings["accumulation"] = Accumulation(count, split=settings.pop("split", "contiguous"))
     setup = LeanstepStep(make_loss_fn, params, batch, **settings)
     setup.check_structure()
-    label = name or f"leanstep step (precision {setup.precision}, M={setup.num_microbatches}, remat {setup.remat})"
+    int8 = "" if setup.int8 is None else f", int8 {setup.int8.to_string()}"
+    label = (
+        name or f"leanstep step (precision {setup.precision}, M={setup.num_microbatches}, remat {setup.remat}{int8})"
+    )
     return verify_step(setup, num_microbatches=max(2, setup.num_microbatches), checks=checks, meshes=meshes, name=label)

@@ -67,10 +67,24 @@ class Runs:
         self.layouts: tuple[Any, ...] = ()  # the mesh layouts the meshes check compares with one device
         self.token_counts: list[float] = []  # each microbatch's token count in the "uneven" batch
         self._weights: dict[tuple[str, int], tuple[list[float], str]] = {}
+        self._variants: dict[tuple[tuple[str, Any], ...], Runs] = {}
+        self.meshes: dict[Any, Any] = {}  # each layout's mesh, made once (a step compiles once per mesh)
 
     def register(self, name: str, batch: Any) -> None:
         """Names a batch the checks will run."""
         self.batches[name] = batch
+
+    def variant(self, **changes: Any) -> Runs:
+        """The runs of ``setup.variant(**changes)`` (made once), with the batches and layouts registered here."""
+        key = tuple(sorted(changes.items()))
+        if key not in self._variants:
+            setup: Any = self.setup  # variant is an optional part of the protocol
+            made = Runs(
+                setup.variant(**changes), settle_batch=self.settle_batch, num_microbatches=self.num_microbatches
+            )
+            made.batches, made.layouts = dict(self.batches), self.layouts
+            self._variants[key] = made
+        return self._variants[key]
 
     def state(
         self,
