@@ -315,8 +315,12 @@ def test_the_chunked_update_bounds_the_lean_steps_peak(peaks):
     saved = 12.0 - (2.0 + 2 * (1 + 4 / 256))  # stored bytes a parameter: float32 AdamW less the lean state
     # what issue 40 found: the whole-tree update widens everything at once
     assert peaks["int8 whole tree"] > peaks["float32"], peaks
-    # issue 40's bound: the lean step's peak is below float32 state's by 90% of what the lean state stores less
-    assert peaks["float32"] - peaks["int8"] >= 0.9 * saved, peaks
+    # issue 40's bound: the lean step's peak is below float32 state's by most of what the lean state stores
+    # less. It was 90% (24.95 against 16.91 bytes a parameter) until issue 58 put the whole-tree update
+    # under one lax.cond: float32 state's step lost its select pass's temporaries (23.15), the chunked
+    # lean step had none to lose (16.91, unchanged): on the Xeon the gap is 78% of the 7.97 bytes stored less.
+    # lean-state.md's EPYC table has the lean step at 17.39 (XLA:CPU packs by ISA): about 72% there.
+    assert peaks["float32"] - peaks["int8"] >= 0.65 * saved, peaks
 
 
 def test_int8_moments_peak_below_bfloat16_moments(peaks):
