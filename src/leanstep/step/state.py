@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -22,6 +23,7 @@ from leanstep.blocks.moments import compress_moments
 from leanstep.common.checks import check_optimizer, is_int
 from leanstep.step.param_checks import check_params
 from leanstep.step.spec import StepSpec
+from leanstep.step.state_init import check_init, check_shardings, initial_params, make_in_one_program
 
 __all__ = ["StepMetrics", "TrainState"]
 
@@ -142,33 +144,8 @@ class TrainState:
           >>> int(state.step), state.params["w"].dtype, float(state.loss_scale.loss_scale)
           (0, dtype('float32'), 32768.0)
         """
-        check_optimizer(optimizer)
-        try:
-            hash(optimizer)
-        except TypeError:
-            raise TypeError(
-                "optimizer must be hashable: it is static metadata of the state, so jax.jit can "
-                "tell two optimizers apart; build it from optax transformations"
-            ) from None
-        if not is_int(seed):
-            raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
-        bits = 63 if jax.config.jax_enable_x64 else 32  # type: ignore[attr-defined]  # jax adds its options at run time
-        if not 0 <= seed <= 2**bits - 1:
-            raise ValueError(
-                f"seed must be an int in [0, 2**{bits} - 1], got {seed!r}"
-                + ("" if bits == 63 else "; a PRNG key keeps 32 bits of the seed without jax_enable_x64")
-            )
-        spec, loss_scale = _spec_of(spec, short)
+        spec, loss_scale = _checked_arguments(optimizer, spec, short, seed=seed, model_state=model_state)
         check_params(params)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
-            where = f"model_state{jax.tree_util.keystr(path)}"
-            if isinstance(leaf, jax.ShapeDtypeStruct):
-                raise TypeError(
-                    f"{where} is a jax.ShapeDtypeStruct (a shape without values); TrainState.create "
-                    "needs concrete arrays"
-                )
-            if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
-                raise TypeError(f"{where} is a {type(leaf).__name__}; the model state must be a pytree of arrays")
         master, spike_guard = spec.master, spec.spike_guard
         optimizer = compress_moments(optimizer, spec.moments)  # the optimizer itself for "float32"
         params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
@@ -192,9 +169,100 @@ class TrainState:
         # that two leaves share (the caller's params, or counters built from one zeros array).
         return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), state)
 
+    @classmethod
+    def create_from(
+        cls,
+        init: Callable[[], Any],
+        optimizer: optax.GradientTransformation,
+        spec: StepSpec | None = None,
+        *,
+        seed: int = 0,
+        model_state: Any = None,
+        shardings: Any = None,
+        **short: Any,
+    ) -> TrainState:
+        """Builds the state at step 0 from the model's initializer, in one compiled program.
+
+        ``init()`` and :meth:`create` run inside one ``jax.jit`` program whose outputs are the
+        state alone, so the float32 parameters never exist outside it. Made eagerly,
+        ``create(init(), ...)`` holds them in the caller's variable beside the state: with
+        ``master="bfloat16-sr", moments="int8"`` 4 bytes a parameter beside a state of about 4,
+        out of memory at the first step for 1.31B parameters on a 16 GiB TPU v5e, which this
+        fits (docs/lean-state.md). The values are those of ``create(init(), optimizer, spec,
+        seed=seed, model_state=model_state)``, bit for bit.
+
+        Args:
+          init: a zero-argument callable that returns the parameters (a pytree of floating
+            arrays), e.g. ``functools.partial(init_fn, key)`` or ``lambda: model.init(key)``.
+          optimizer, spec, seed, model_state, **short: as :meth:`create`'s (``model_state`` is
+            an argument of the program, not a constant of it).
+          shardings: the state's ``jax.sharding.Sharding`` per leaf (as
+            :func:`leanstep.step.state_sharding.state_shardings` gives for a mesh), or one for
+            every leaf: the program's ``out_shardings``, so each device makes only its shards.
+            None: jit's default placement.
+
+        Raises:
+          TypeError: ``init`` is not a zero-argument callable, or returns a leaf that is not a
+            floating array (a ``jax.ShapeDtypeStruct`` among them), a leaf of ``shardings`` is
+            not a ``Sharding``, or any of :meth:`create`'s.
+          ValueError: ``init`` returns no leaves, or any of :meth:`create`'s.
+
+        Example:
+          >>> import functools, jax, optax
+          >>> def init_fn(key, width):
+          ...     return {"w": jax.random.normal(key, (width, width))}
+          >>> init = functools.partial(init_fn, jax.random.key(0), 4)
+          >>> state = TrainState.create_from(init, optax.adam(1e-3), master="bfloat16-sr", moments="int8")
+          >>> state.params["w"].dtype, type(state.opt_state[0].mu["w"]).__name__
+          (dtype(bfloat16), 'QuantizedArray')
+        """
+        check_init(init)
+        _checked_arguments(optimizer, spec, short, seed=seed, model_state=model_state)
+        if shardings is not None:
+            check_shardings(shardings)
+
+        def make(model_state: Any) -> TrainState:
+            params = initial_params(init)
+            return cls.create(params, optimizer, spec, seed=seed, model_state=model_state, **short)
+
+        return make_in_one_program(make, model_state, shardings)
+
     def replace(self, **changes: Any) -> TrainState:
         """A copy with ``changes`` applied (``dataclasses.replace``)."""
         return dataclasses.replace(self, **changes)
+
+
+def _checked_arguments(
+    optimizer: Any, spec: StepSpec | None, short: dict[str, Any], *, seed: Any, model_state: Any
+) -> tuple[StepSpec, LossScale]:
+    """The checks of :meth:`TrainState.create` but of ``params``: the spec it builds from and the initial loss scale."""
+    check_optimizer(optimizer)
+    try:
+        hash(optimizer)
+    except TypeError:
+        raise TypeError(
+            "optimizer must be hashable: it is static metadata of the state, so jax.jit can "
+            "tell two optimizers apart; build it from optax transformations"
+        ) from None
+    if not is_int(seed):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    bits = 63 if jax.config.jax_enable_x64 else 32  # type: ignore[attr-defined]  # jax adds its options at run time
+    if not 0 <= seed <= 2**bits - 1:
+        raise ValueError(
+            f"seed must be an int in [0, 2**{bits} - 1], got {seed!r}"
+            + ("" if bits == 63 else "; a PRNG key keeps 32 bits of the seed without jax_enable_x64")
+        )
+    spec, loss_scale = _spec_of(spec, short)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model_state):
+        where = f"model_state{jax.tree_util.keystr(path)}"
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"{where} is a jax.ShapeDtypeStruct (a shape without values); TrainState.create "
+                "needs concrete arrays"
+            )
+        if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
+            raise TypeError(f"{where} is a {type(leaf).__name__}; the model state must be a pytree of arrays")
+    return spec, loss_scale
 
 
 #: The keywords :meth:`TrainState.create` takes in place of a spec: the state's fields of a :class:`StepSpec`.
