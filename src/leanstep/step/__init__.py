@@ -4,6 +4,7 @@
 
     state.py           TrainState, StepMetrics: what a run carries from step to step
     param_checks.py    what may be trained as parameters
+    state_init.py      TrainState.create_from: the step-0 state made in one program from init
     gradients.py       stage 1, gradient_stage: cast, microbatch, accumulate
     update.py          stage 2, guarded_update: unscale, check, clip, apply or skip
     update_offload.py  offload_opt_state: the optimizer state in host memory, a chunk at a time on the device

@@ -188,8 +188,11 @@ class TrainState:
         ``create(init(), ...)`` holds them in the caller's variable beside the state: with
         ``master="bfloat16-sr", moments="int8"`` 4 bytes a parameter beside a state of about 4,
         out of memory at the first step for 1.31B parameters on a 16 GiB TPU v5e, which this
-        fits (docs/lean-state.md). The values are those of ``create(init(), optimizer, spec,
-        seed=seed, model_state=model_state)``, bit for bit.
+        fits (docs/lean-state.md). The values are those of ``create(jax.jit(init)(), optimizer,
+        spec, seed=seed, model_state=model_state)``, bit for bit; of ``create(init(), ...)`` too
+        where XLA computes ``init`` as op by op (the built-in models' initializers), though a
+        compiled initializer may round an ulp apart (``normal(key, shape) * 0.1``: XLA folds the
+        two constant factors into one).
 
         Args:
           init: a zero-argument callable that returns the parameters (a pytree of floating
@@ -257,8 +260,7 @@ def _checked_arguments(
         where = f"model_state{jax.tree_util.keystr(path)}"
         if isinstance(leaf, jax.ShapeDtypeStruct):
             raise TypeError(
-                f"{where} is a jax.ShapeDtypeStruct (a shape without values); TrainState.create "
-                "needs concrete arrays"
+                f"{where} is a jax.ShapeDtypeStruct (a shape without values); TrainState.create needs concrete arrays"
             )
         if not hasattr(leaf, "dtype") or not hasattr(leaf, "shape"):
             raise TypeError(f"{where} is a {type(leaf).__name__}; the model state must be a pytree of arrays")

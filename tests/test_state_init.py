@@ -1,0 +1,225 @@
+"""``TrainState.create_from``: the step-0 state made in one program (``leanstep.step.state_init``, issue 59).
+
+The promise is twofold: the state is ``TrainState.create(init(), ...)``'s bit for bit, and the
+one program needs less memory than the eager path holds (the float32 parameters in the caller's
+variable beside the state). The first is checked leaf by leaf over the state's formats, a real
+model and a plain dict; the second from ``memory_analysis()`` of the compiled program, against
+leaf bytes (compile only: no timing, no device).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import leanstep
+from leanstep import TrainState
+from leanstep.models.transformer import TransformerConfig, init_transformer
+from leanstep.sharding.distributed import run_on_simulated_cpus
+from leanstep.step.state_sharding import state_shardings
+
+TINY = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, seq_len=16)
+
+
+def _dict_init(key: jax.Array, width: int = 8) -> dict:
+    k1, k2 = jax.random.split(key)
+    return {"w1": jax.random.normal(k1, (width, 2 * width)) * 0.1, "w2": jax.random.normal(k2, (2 * width,)) * 0.1}
+
+
+def _bits(leaf) -> np.ndarray:
+    """The leaf's bytes (equal NaNs compare equal, and -0.0 differs from 0.0)."""
+    return np.asarray(leaf).reshape(-1).view(np.uint8)
+
+
+def assert_same_state(made, reference):
+    assert jax.tree.structure(made) == jax.tree.structure(reference)
+    for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(reference), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(_bits(a), _bits(b))
+
+
+FORMATS = {
+    "float32": {},
+    "bf16-sr masters, dynamic scale": {"master": "bfloat16-sr", "loss_scale": "dynamic"},
+    "bf16-sr-kahan, int8 moments": {"master": "bfloat16-sr-kahan", "moments": "int8"},
+    "bfloat16 moments": {"moments": "bfloat16", "loss_scale": "dynamic"},
+    "spike guard": {"spike_guard": leanstep.SpikeGuard(window=4, warmup=2), "master": "bfloat16-sr", "moments": "int8"},
+}
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_the_state_is_creates_of_the_built_in_transformer_bit_for_bit(form):
+    init = functools.partial(init_transformer, jax.random.key(3), TINY)
+    optimizer = optax.adamw(1e-3)  # one instance: it is the state's static metadata
+    made = TrainState.create_from(init, optimizer, seed=7, **FORMATS[form])
+    assert_same_state(made, TrainState.create(init(), optimizer, seed=7, **FORMATS[form]))
+
+
+@pytest.mark.parametrize("form", FORMATS)
+def test_the_state_of_a_plain_dict_model_is_creates_of_the_compiled_init_bit_for_bit(form):
+    init = functools.partial(_dict_init, jax.random.key(3))
+    optimizer = optax.adamw(1e-3)
+    made = TrainState.create_from(init, optimizer, seed=7, **FORMATS[form])
+    assert_same_state(made, TrainState.create(jax.jit(init)(), optimizer, seed=7, **FORMATS[form]))
+    # Op by op, ``normal * 0.1`` rounds apart: XLA folds 0.1 into normal's own constant factor.
+    eager = TrainState.create(init(), optimizer, seed=7, **FORMATS[form])
+    for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(eager), strict=True):
+        np.testing.assert_array_max_ulp(np.asarray(a, np.float32), np.asarray(b, np.float32), maxulp=1 << 16)
+
+
+def test_a_spec_and_model_state_are_taken_as_create_takes_them():
+    spec = leanstep.StepSpec(master="bfloat16-sr", moments="int8", loss_scale="dynamic")
+    model_state = {"mean": np.arange(4, dtype=np.float32), "count": jnp.int32(5)}
+    init, optimizer = functools.partial(init_transformer, jax.random.key(0), TINY), optax.adam(1e-2)
+    made = TrainState.create_from(init, optimizer, spec, model_state=model_state)
+    assert_same_state(made, TrainState.create(init(), optimizer, spec, model_state=model_state))
+    assert made.model_state["count"].dtype == jnp.int32
+
+
+def test_the_state_is_made_in_the_shardings_given():
+    device = jax.devices()[0]
+    init, optimizer = functools.partial(init_transformer, jax.random.key(0), TINY), optax.adam(1e-2)
+    one = jax.sharding.SingleDeviceSharding(device)
+    made = TrainState.create_from(init, optimizer, shardings=one, moments="int8")
+    assert all(leaf.sharding == one for leaf in jax.tree.leaves(made))
+    mesh = leanstep.sharding.data_mesh([device])
+    # The shardings of the abstract state, made with the same optimizer (the state's static metadata).
+    abstract = jax.eval_shape(lambda: TrainState.create_from(init, optimizer, moments="int8"))
+    shardings = state_shardings(abstract, mesh, fsdp=True)
+    made = TrainState.create_from(init, optimizer, shardings=shardings, moments="int8")
+    assert [leaf.sharding for leaf in jax.tree.leaves(made)] == jax.tree.leaves(shardings)
+    assert_same_state(made, TrainState.create(init(), optimizer, moments="int8"))
+
+
+_SHARDED = textwrap.dedent(
+    """
+    from leanstep.sharding.distributed import configure_devices
+    configure_devices(2)
+    import json, jax, numpy as np, optax, leanstep
+    from leanstep.step.state_sharding import state_shardings
+    init = lambda: {"w": jax.random.normal(jax.random.key(0), (8, 6)), "b": jax.random.normal(jax.random.key(1), (6,))}
+    # (plain normals: compiled and op by op they agree to the bit)
+    optimizer = optax.adamw(1e-3)
+    mesh = leanstep.sharding.data_mesh(jax.devices())
+    abstract = jax.eval_shape(lambda: leanstep.TrainState.create_from(init, optimizer, master="bfloat16-sr"))
+    shardings = state_shardings(abstract, mesh, fsdp=True)
+    made = leanstep.TrainState.create_from(init, optimizer, shardings=shardings, master="bfloat16-sr")
+    eager = leanstep.TrainState.create(init(), optimizer, master="bfloat16-sr")
+    print(json.dumps({
+        "placed": [a.sharding == s for a, s in zip(jax.tree.leaves(made), jax.tree.leaves(shardings))],
+        "same": [bool(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)))
+                 for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(eager))],
+        "w_shard": [list(s.data.shape) for s in made.params["w"].addressable_shards],
+    }))
+    """
+)
+
+
+def test_a_sharded_state_is_made_in_its_shards_on_two_simulated_devices():
+    # A child process: simulated devices are set before JAX starts.
+    child = run_on_simulated_cpus(_SHARDED)
+    assert child.returncode == 0, child.stderr[-2000:]
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert all(report["placed"]) and all(report["same"]), report
+    assert report["w_shard"] == [[4, 6], [4, 6]]  # split over the two devices, not replicated
+
+
+def _abstract_bytes(tree) -> int:
+    return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def _peak(compiled) -> int:
+    """arguments + outputs - aliased + temporaries, as the planner and benchmarks/tpu_fit.py count it."""
+    memory = compiled.memory_analysis()
+    return int(
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+
+
+def _four_matrices():
+    keys = jax.random.split(jax.random.key(0), 4)
+    return {f"w{i}": jax.random.normal(k, (512, 512)) * 0.02 for i, k in enumerate(keys)}
+
+
+def _four_layers(params, batch):
+    x = batch["x"]
+    for i in range(4):
+        x = jnp.tanh(x @ params[f"w{i}"])
+    return jnp.mean(x**2)
+
+
+def test_the_one_program_state_leaves_the_first_step_the_memory_of_the_float32_params():
+    # Four 512x512 float32 leaves (4 MiB), AdamW, bfloat16-sr masters and int8 moments (~4 bytes a
+    # parameter). Eagerly the caller's float32 params stay live through the first step: the run's
+    # peak is params + the step's. From one program the state alone is live, and the program's own
+    # peak (XLA:CPU: 14.7 MB, the RNG bits and float32 zero moments before they are quantized are
+    # temporaries) is below the step's (57.8 MB), so the run's peak is the step's.
+    keywords = {"master": "bfloat16-sr", "moments": "int8", "loss_scale": "dynamic"}
+    optimizer = optax.adamw(1e-3)
+    program = jax.jit(lambda: TrainState.create_from(_four_matrices, optimizer, **keywords)).lower().compile()
+    state = jax.eval_shape(lambda: TrainState.create_from(_four_matrices, optimizer, **keywords))
+    state_bytes, params_bytes = _abstract_bytes(state), _abstract_bytes(jax.eval_shape(_four_matrices))
+    assert params_bytes == 4 * 512 * 512 * 4 and state_bytes < 1.02 * params_bytes  # ~4 bytes a parameter
+    memory = program.memory_analysis()
+    assert memory.argument_size_in_bytes == 0
+    assert 0 <= memory.output_size_in_bytes - state_bytes < 1024  # the state alone (small leaves padded)
+    step = leanstep.make_train_step(_four_layers, precision="compute=bfloat16", max_grad_norm=1.0)
+    step_peak = _peak(step.lower(state, {"x": jax.ShapeDtypeStruct((8, 512), jnp.float32)}).compile())
+    assert _peak(program) < step_peak, (_peak(program), step_peak)  # never the run's high point
+
+
+def _takes_a_key(key):
+    return {"w": jnp.ones(2)}
+
+
+@pytest.mark.parametrize(
+    ("init", "kind", "words"),
+    [
+        (3, TypeError, "init must be a zero-argument callable, e.g. functools.partial(init_fn, key), got int 3"),
+        (_takes_a_key, TypeError, "init must be a zero-argument callable, e.g. functools.partial(init_fn, key); it takes"),
+        (lambda: {"w": jnp.arange(3)}, TypeError, "floating arrays: params['w'] has dtype int32"),
+        (lambda: {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}, TypeError,
+         "init returned a jax.ShapeDtypeStruct at params['w']"),
+        (dict, ValueError, "init must return the parameters, a pytree of floating arrays: params must have"),
+        (lambda: ["a"], TypeError, "params[0] is a str"),
+    ],
+)  # fmt: skip
+def test_a_bad_init_is_one_line_naming_init(init, kind, words):
+    with pytest.raises(kind) as info:
+        TrainState.create_from(init, optax.sgd(0.1))
+    text = str(info.value)
+    assert words in text and "\n" not in text, text
+
+
+def test_create_s_checks_run_before_anything_is_traced():
+    calls = []
+    init = lambda: calls.append(1) or {"w": jnp.ones(2)}
+
+    class Unhashable(optax.GradientTransformation):
+        __hash__ = None  # type: ignore[assignment]
+
+    unhashable = Unhashable(optax.sgd(0.1).init, optax.sgd(0.1).update)
+    refused = [
+        ({"optimizer": "sgd"}, TypeError, "optimizer must be an optax.GradientTransformation"),
+        ({"optimizer": unhashable}, TypeError, "optimizer must be hashable"),
+        ({"seed": -1}, ValueError, "seed must be an int in"),
+        ({"moments": "int4"}, ValueError, "moments"),
+        ({"model_state": {"m": jax.ShapeDtypeStruct((2,), jnp.float32)}}, TypeError, "model_state['m'] is a jax."),
+        ({"shardings": {"w": 1}}, TypeError, "shardings['w'] is a int; shardings must be a pytree of jax.sharding"),
+    ]
+    for changes, kind, words in refused:
+        arguments = {"optimizer": optax.sgd(0.1), **changes}
+        with pytest.raises(kind) as info:
+            TrainState.create_from(init, **arguments)
+        assert words in str(info.value), (changes, str(info.value))
+    assert calls == []  # refused before init ran
