@@ -197,12 +197,16 @@ class TrainState:
         Args:
           init: a zero-argument callable that returns the parameters (a pytree of floating
             arrays), e.g. ``functools.partial(init_fn, key)`` or ``lambda: model.init(key)``.
-          optimizer, spec, seed, model_state, **short: as :meth:`create`'s (``model_state`` is
-            an argument of the program, not a constant of it).
+          optimizer: as :meth:`create`'s.
+          spec: as :meth:`create`'s.
+          seed: as :meth:`create`'s.
+          model_state: as :meth:`create`'s; an argument of the program, not a constant of it.
           shardings: the state's ``jax.sharding.Sharding`` per leaf (as
-            :func:`leanstep.step.state_sharding.state_shardings` gives for a mesh), or one for
+            :func:`leanstep.step.state_sharding.state_shardings` gives for a mesh, of a state made
+            with the same optimizer: it is the state's static metadata), or one for
             every leaf: the program's ``out_shardings``, so each device makes only its shards.
             None: jit's default placement.
+          **short: as :meth:`create`'s, in place of ``spec``.
 
         Raises:
           TypeError: ``init`` is not a zero-argument callable, or returns a leaf that is not a
