@@ -223,3 +223,20 @@ def test_create_s_checks_run_before_anything_is_traced():
             TrainState.create_from(init, **arguments)
         assert words in str(info.value), (changes, str(info.value))
     assert calls == []  # refused before init ran
+
+
+def test_a_plan_that_fits_only_without_the_eager_params_says_to_make_the_state_in_one_program():
+    from leanstep.planning import plan
+
+    params, batch = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}, {"x": jnp.ones((4, 256))}
+    make_loss_fn = lambda policy: lambda p, b: jnp.mean(jnp.tanh(b["x"] @ p["w"]) ** 2)
+    one = [(1, "none", "float32")]
+    peak = plan(make_loss_fn, params, batch, optax.adamw(1e-3), budget_bytes="1GiB", candidates=one).chosen.peak_bytes
+    held = 256 * 256 * 4
+    tight = plan(make_loss_fn, params, batch, optax.adamw(1e-3), budget_bytes=peak + held // 2, candidates=one)
+    assert tight.chosen.peak_bytes == peak  # it fits ...
+    [note] = [n for n in tight.notes if "made eagerly" in n]  # ... but not beside the eager params
+    assert note.startswith("the step fits with the state made in one program (TrainState.create_from(init, ...)")
+    assert "256.0 KiB of parameters held beside the state" in note
+    roomy = plan(make_loss_fn, params, batch, optax.adamw(1e-3), budget_bytes=peak + held, candidates=one)
+    assert not any("made eagerly" in n for n in roomy.notes)

@@ -10,6 +10,7 @@
     cluster_search.py  the cluster search: a state and pure steps (next group, prune, record)
     cluster_compile.py the cluster's compiles: meshes laid out, one candidate priced
     plan_inputs.py     params and model state, or builders of them, per policy; the batch-statistics note
+    eager_state.py     the note when the state fits only if made in one program (TrainState.create_from)
     fp8_sizes.py       an FP8 run: the FP8 state sized, its matmul operands counted at one byte
     candidates.py      shared steps: abstract stand-ins, one candidate's memory, bisection
     records.py         the typed rows a plan reports

@@ -55,6 +55,7 @@ from leanstep.common.memory_sizes import parse_bytes
 from leanstep.common.removed import refuses_removed_keywords
 from leanstep.inspection.flops import count_flops
 from leanstep.planning.candidates import abstract_tree, compile_candidate, compiler_options_for, first_fit
+from leanstep.planning.eager_state import eager_state_notes
 from leanstep.planning.fp8_sizes import fp8_notes
 from leanstep.planning.one_device_grid import checked_settings, settings_grid
 from leanstep.planning.plan_inputs import (
@@ -228,6 +229,7 @@ def plan(
         params_for(model_state, remat), chosen.setting.num_microbatches, batch_size, rows
     ) + fp8_notes(steps.states[remat], steps.traced[chosen.setting].jaxpr)
     notes += state_format_notes(params_for(params, remat), optimizer, scale, params_for(model_state, remat), formats)
+    notes += eager_state_notes(params_for(params, remat), chosen.peak_bytes, budget)
     return Plan(budget, final, chosen, time.perf_counter() - start, notes=notes)
 
 
