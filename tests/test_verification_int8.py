@@ -190,3 +190,14 @@ def test_the_cli_runs_the_int8_mesh_row_beside_the_meshes_check_in_its_child(tmp
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     worker(Path(sys.argv[2]))
+
+
+def test_the_reference_bound_keeps_fp8_and_bfloat16_roundoff_and_leaves_int8_out():
+    """Regression: the int8 change kept only np.inexact operand dtypes, which ml_dtypes' FP8 and bfloat16 are
+    not, so FP8 steps were held to float32's bound and failed the reference check (CI, 2 of the 10 configs)."""
+    from leanstep.verification.bounds import unit_roundoff
+    from leanstep.verification.reference_check import coarsest_of
+
+    assert coarsest_of(["float8_e4m3fn", "float8_e5m2", "float32"]) == unit_roundoff("float8_e5m2")
+    assert coarsest_of(["bfloat16", "bfloat16"]) == unit_roundoff("bfloat16") > unit_roundoff("float32")
+    assert coarsest_of(["int8", "int8", "float32"]) == unit_roundoff("float32")

@@ -45,13 +45,26 @@ from leanstep.verification.report import CheckResult
 from leanstep.verification.runs import Runs
 from leanstep.verification.trees import to_float64
 
-__all__ = ["ReferenceGradient", "check_reference"]
+__all__ = ["ReferenceGradient", "check_reference", "coarsest_of"]
 
 _COMPARED = "G and the update vs the float32 gradient of the unscaled loss without the step, and SGD (the probe) on it"
 
 
 def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+
+
+def coarsest_of(dtypes: Any) -> float:
+    """The largest unit roundoff among matmul operand ``dtypes`` and float32's; integer operands
+    (int8 products) are exact. Not ``np.inexact``: ml_dtypes' bfloat16 and FP8 are not numpy floats.
+
+    Example:
+      >>> coarsest_of(["float8_e4m3fn", "int8"]) == unit_roundoff("float8_e4m3fn")
+      True
+    """
+    return max(
+        [unit_roundoff("float32")] + [unit_roundoff(d) for d in dtypes if not np.issubdtype(np.dtype(d), np.integer)]
+    )
 
 
 class ReferenceGradient:
@@ -96,8 +109,7 @@ class ReferenceGradient:
         product is exact: its operands' quantization is the loss's own, the same in the step)."""
         with jax.default_matmul_precision("highest"):
             report = audit(self._program, *self._arrays(parts, batch))
-        dtypes = [d for m in report.matmuls for d in (m.lhs[1], m.rhs[1]) if np.issubdtype(np.dtype(d), np.inexact)]
-        return max([unit_roundoff("float32")] + [unit_roundoff(d) for d in dtypes])
+        return coarsest_of([d for m in report.matmuls for d in (m.lhs[1], m.rhs[1])])
 
 
 def _fill(leaves: list[Any], arrays: list[Any]) -> list[Any]:
