@@ -19,6 +19,7 @@ rematerialization, microbatches and their accumulation, FP8 and int8 matmuls.
     rematerialization.py    remat policies by name, checkpoint_name
     int8.py                 Int8Recipe, int8_matmul: int8 products with dynamic scales, straight-through
     microbatches.py         a batch split into microbatches: contiguous, strided, presplit
+    layer_stack.py          LayerStack: a loss as embedding, scanned layers and head
     loss_contract.py        LossContract: what a loss takes and returns, parsed once
     accumulation.py         Accumulation, microbatched_value_and_grad: one lax.scan, float32 sums
 
@@ -32,6 +33,7 @@ from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_dot_general, fp8_matmul
 from leanstep.blocks.fp8_state import Fp8Collection
 from leanstep.blocks.int8 import Int8Recipe, int8_matmul, int8_remat_policy
+from leanstep.blocks.layer_stack import LayerStack
 from leanstep.blocks.loss_contract import LossContract, LossOutput
 from leanstep.blocks.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale, all_finite
 from leanstep.blocks.loss_scale_registry import get_loss_scale
@@ -60,6 +62,7 @@ __all__ = [
     "Fp8Meta",
     "Fp8Recipe",
     "Int8Recipe",
+    "LayerStack",
     "LossContract",
     "LossOutput",
     "LossScale",

@@ -113,6 +113,17 @@ class NormParts(NamedTuple):
         """``2**exponent * sqrt(total)``: the norm, ``inf`` only where it exceeds the dtype's largest value."""
         return _times_power_of_two(_safe_sqrt(self.total), self.exponent)
 
+    def merge(self, other: NormParts) -> NormParts:
+        """The parts of the norm of both trees together: each total scaled to the larger exponent
+        by a power of two (exact but for underflow), a zero total taking no part in the choice."""
+        exponent = jnp.where(
+            self.total == 0, other.exponent, jnp.where(other.total == 0, self.exponent, jnp.maximum(self.exponent, other.exponent))
+        )  # fmt: skip
+        # A part 2**74 below the other adds nothing to its square (a factor past 2**-148 would be no power of two).
+        down = lambda part: _times_power_of_two(part.total, jnp.maximum(2 * (part.exponent - exponent), -148))
+        total = down(self) + down(other)
+        return NormParts(exponent.astype(jnp.int32), total, self.finite & other.finite)
+
     def clip_factors(self, max_norm: ArrayLike) -> tuple[jax.Array, jax.Array]:
         """``(k, f)``: an entry ``g`` clipped to ``max_norm`` is ``g * 2**k * f``. ``(0, 1)`` where
         the norm is at most ``max_norm``; ``(-exponent, max_norm / sqrt(total))`` otherwise, so

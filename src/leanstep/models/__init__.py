@@ -19,6 +19,7 @@ from leanstep.models.transformer import (
     transformer_logits,
     transformer_loss,
     transformer_loss_sum,
+    transformer_stack,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "transformer_logits",
     "transformer_loss",
     "transformer_loss_sum",
+    "transformer_stack",
 ]

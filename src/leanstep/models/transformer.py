@@ -33,6 +33,7 @@ from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
 from leanstep.blocks.fp8_state import split_fp8
 from leanstep.blocks.int8 import Int8Recipe, int8_matmul, int8_remat_policy
+from leanstep.blocks.layer_stack import LayerStack
 from leanstep.blocks.rematerialization import checkpoint_name, remat
 from leanstep.models.attention import causal_attention, check_attention
 from leanstep.models.layers import (
@@ -331,6 +332,44 @@ def transformer_loss(
         params, batch, config=config, remat_policy=remat_policy, compute_dtype=compute_dtype
     )
     return total / jnp.maximum(count, 1e-9)
+
+
+def transformer_stack(config: TransformerConfig, *, token_weighted: bool = True) -> LayerStack:
+    """The model as a :class:`leanstep.LayerStack` (embedding, the blocks under ``"blocks"``, the
+    tied head), for the update inside the backward pass; as a loss it is :func:`transformer_loss_sum`
+    (``token_weighted``) or :func:`transformer_loss`, with no remat (the layerwise step recomputes
+    each block in its backward pass). No FP8 recipe (its metas are state under the blocks).
+
+    Example:
+      >>> config = TransformerConfig(d_model=8, n_layers=2, n_heads=2, d_ff=16, seq_len=4)
+      >>> params = init_transformer(jax.random.key(0), config)
+      >>> batch = {"tokens": jnp.arange(10, dtype=jnp.int32).reshape(2, 5)}
+      >>> float(transformer_stack(config, token_weighted=False)(params, batch)) == float(transformer_loss(params, batch, config=config))
+      True
+    """
+    if config.fp8 is not None:
+        raise ValueError("transformer_stack: an FP8 recipe keeps state under the blocks; use the standard step")
+
+    def embed(top: Params, batch: Mapping[str, ArrayLike]) -> jax.Array:
+        inputs, _ = split_tokens(batch, config.seq_len)
+        return embedding_lookup(top["embed"], inputs) + top["pos"][None, : inputs.shape[1]]
+
+    def layer(p: Params, x: jax.Array) -> jax.Array:
+        batch, time, d = x.shape
+        out = _block(x.reshape(batch * time, d), p, batch=batch, time=time, n_heads=config.n_heads,
+                     fp8=config.int8, attention=config.attention)  # fmt: skip
+        return out.reshape(batch, time, d)
+
+    def head(top: Params, x: jax.Array, batch: Mapping[str, ArrayLike]) -> Any:
+        _, targets = split_tokens(batch, config.seq_len)
+        x = x.reshape(-1, config.d_model)
+        logits = layer_norm(x, top["ln_f_scale"], top["ln_f_bias"]) @ top["embed"].T
+        total = weighted_sum(
+            token_nll(logits.reshape(-1, config.vocab_size), targets.reshape(-1)).reshape(targets.shape), batch
+        )
+        return total if token_weighted else total[0] / jnp.maximum(total[1], 1e-9)
+
+    return LayerStack(embed, layer, head, "blocks")
 
 
 def count_params(params: Any) -> int:

@@ -14,6 +14,8 @@
     spec_parts.py      LossScaleSpec, MeshLayout: the spec's loss scale and layout, as data
     settings.py        StepSettings: a spec placed on its mesh (the layer), the mesh's refusals
     train_step.py      make_train_step: the three composed, jitted, inputs checked
+    layer_passes.py    a LayerStack loss's forward and backward passes, a layer at a time, layer-major
+    layerwise.py       the update inside the backward pass (StepSpec.update_in_backward)
 
 What the loss takes and returns (:class:`leanstep.LossContract`) and how the batch is walked
 (:class:`leanstep.Accumulation`) are building blocks: :mod:`leanstep.blocks`.

@@ -19,12 +19,16 @@ write the same value.
     cast_batch     the batch's floats cast to the compute dtype      make_train_step
     donate         the state's buffers donated to the step           make_train_step
     sharding       a MeshLayout (None: the mesh's defaults)          make_train_step, given a mesh
+    update_in_backward  each layer updated inside the backward pass     make_train_step
 
 Remat is not here: it is the model's (the loss takes the policy; :func:`leanstep.blocks.remat` wraps a
 block), and so are the partition rules (``ShardingLayer(mesh, rules=model.rules)``). The FP8
 recipe is here because it is part of what a run's step computes; the step itself reads the FP8
 state from the parameters, so it is the model's builder that takes ``spec.fp8``; likewise
 ``spec.int8``, whose scales are the tensors' own (no state at all).
+
+Size: the fields, their short forms, their JSON and their refusals are one value's, checked in one
+place (:func:`_checked`); parts with forms of their own are spec_parts and spec_json.
 """
 
 from __future__ import annotations
@@ -97,6 +101,10 @@ class StepSpec:
         (the layer's defaults).
       int8: the recipe of the model's int8 matmuls (:class:`leanstep.blocks.int8.Int8Recipe`, or
         its string ``"on"``), or None; not beside ``fp8``.
+      update_in_backward: update each layer of a :class:`leanstep.LayerStack` loss as the backward
+        pass reaches it, so that no whole-model gradient is ever live (:mod:`leanstep.step.layerwise`:
+        two backward passes, exact clipping and skipping); not yet with a mesh, a spike guard, or a
+        loss with aux, model state or a PRNG key.
 
     Raises:
       TypeError: a field of the wrong type, named, with the form expected.
@@ -130,6 +138,7 @@ class StepSpec:
     donate: bool = True
     sharding: MeshLayout | None = None
     int8: Int8Recipe | None = None
+    update_in_backward: bool = False
 
     def __post_init__(self) -> None:
         for name, value in _checked(self).items():
@@ -165,6 +174,7 @@ class StepSpec:
         sharding: MeshLayout | None = None,
         mesh: Any = None,
         int8: Int8Recipe | str | None = None,
+        update_in_backward: bool = False,
     ) -> StepSpec:
         """The spec of :func:`leanstep.make_train_step`'s short keywords (and
         :meth:`leanstep.TrainState.create`'s): each setting once, as a value or its short form.
@@ -213,6 +223,7 @@ class StepSpec:
             donate,
             sharding,
             int8,  # type: ignore[arg-type]
+            update_in_backward,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -245,6 +256,7 @@ class StepSpec:
             "donate": self.donate,
             "sharding": None if self.sharding is None else self.sharding.to_json(),
             "int8": None if self.int8 is None else self.int8.to_string(),
+            "update_in_backward": self.update_in_backward,
         }
 
     @classmethod
@@ -300,7 +312,10 @@ def _checked(spec: StepSpec) -> dict[str, Any]:
         "donate": check_bool("donate", spec.donate),
         "sharding": spec.sharding,
         "int8": _parsed(spec.int8, Int8Recipe, "int8", "on"),
+        "update_in_backward": check_bool("update_in_backward", spec.update_in_backward),
     }
+    if fields["update_in_backward"]:
+        _refuse_in_backward(spec)
     if fields["fp8"] is not None and fields["int8"] is not None:
         raise ValueError("fp8 and int8 are two recipes for the same matmuls: give one (the other None)")
     if not isinstance(spec.loss, LossContract):
@@ -331,6 +346,20 @@ def _checked(spec: StepSpec) -> dict[str, Any]:
             f"{layout.data_axis!r}, and the sharding layer splits it into strided microbatches"
         )
     return fields
+
+
+def _refuse_in_backward(spec: StepSpec) -> None:
+    """What the update inside the backward pass does not take yet, named."""
+    contract = spec.loss
+    for refused, what in (
+        (spec.sharding is not None, "a mesh (sharding)"),
+        (spec.spike_guard is not None, "a spike guard"),
+        (contract.has_aux, "a loss with aux (has_aux)"),
+        (contract.has_state, "a model state (has_state)"),
+        (contract.uses_rng, "a loss that takes a PRNG key (uses_rng)"),
+    ):
+        if refused:
+            raise ValueError(f"update_in_backward=True does not yet take {what}; the standard step does")
 
 
 def _parsed(value: Any, kind: type, field: str, example: str) -> Any:

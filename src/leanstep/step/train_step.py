@@ -1,4 +1,8 @@
-"""One jitted train step: the gradient stage, then the guarded update, inside the sharding layer."""
+"""One jitted train step: the gradient stage, then the guarded update, inside the sharding layer.
+
+Size: the step's one public builder, the checks of its inputs and the wrapper that runs them belong
+together; ``spec.update_in_backward`` hands the loss to :mod:`leanstep.step.layerwise` instead.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from leanstep.blocks.masters import master_dtype
 from leanstep.common.checks import INT32_MAX, check_bool, check_keywords
 from leanstep.common.removed import refuses_removed_keywords
 from leanstep.step.gradients import gradient_stage
+from leanstep.step.layerwise import make_layerwise_step
 from leanstep.step.settings import step_settings
 from leanstep.step.sharding_layer import ShardingLayer, manual_constraint_error
 from leanstep.step.spec import StepSpec
@@ -100,7 +105,8 @@ def make_train_step(
         ``sum / count``, not a mean of microbatch means; with ``has_aux`` too,
         ``((loss_sum, count), aux)``); with ``has_state``, ``loss_fn(params, model_state,
         batch[, key])`` returning ``(out, new_model_state)``. It receives params (and, with
-        ``cast_batch``, the batch's floating leaves) in the compute dtype.
+        ``cast_batch``, the batch's floating leaves) in the compute dtype. With
+        ``spec.update_in_backward``, a :class:`leanstep.LayerStack` (a loss in three parts).
       spec: the step's settings (:class:`leanstep.StepSpec`: precision, loss contract,
         accumulation, clipping, spike guard, update chunks, donation, layout); None: built from
         ``short``. The optimizer is not taken (a TypeError says so): it is the state's.
@@ -152,6 +158,12 @@ def make_train_step(
     """
     spec = _spec_of(spec, short, mesh)
     jit = check_bool("jit", jit)
+    if spec.update_in_backward:  # each layer updated inside the backward pass: leanstep.step.layerwise
+        if mesh is not None:
+            raise ValueError("update_in_backward=True does not yet take a mesh; the standard step does")
+        layerwise = make_layerwise_step(loss_fn, spec)
+        donate = (0,) if spec.donate else ()
+        return _CheckedStep(jax.jit(layerwise, donate_argnums=donate), spec.donate) if jit else layerwise
     settings = step_settings(spec, mesh)
     contract, accumulation, layer = spec.loss, spec.accumulation, settings.layer
     num_microbatches = accumulation.num_microbatches

@@ -50,7 +50,7 @@ from leanstep.common.jaxprs import OPTIMIZER_UPDATE_SCOPE
 from leanstep.step.state import TrainState
 from leanstep.step.update_checks import check_grads, check_opt_state
 from leanstep.step.update_chunks import chunked_update
-from leanstep.step.update_kept import applied_or_kept, clipped_grads
+from leanstep.step.update_kept import applied_or_kept, clipped_grads, rounding_key
 from leanstep.step.update_offload import back_like, on_device
 from leanstep.step.update_offload_plan import update_plan
 
@@ -76,10 +76,6 @@ class UpdateInfo(NamedTuple):
     def applied(self) -> jax.Array:
         """The update was applied: finite and no spike."""
         return self.finite if self.spike is None else self.finite & ~self.spike
-
-
-#: Folded into the step's key for stochastic rounding: apart from the microbatches' ``fold_in(key, j)``.
-_ROUNDING_SALT = 0x53524E44
 
 
 def _float32(tree: Any) -> Any:
@@ -215,12 +211,12 @@ def guarded_update(
         scale = None if spike_guard is None else state.spike.update_scale
         if plan is not None:
             new_params, opt_state, master_error = chunked_update(
-                state, params, scaled_grads, plan, info.applied, parts, max_grad_norm, _rounding_key(state), scale
+                state, params, scaled_grads, plan, info.applied, parts, max_grad_norm, rounding_key(state), scale
             )
         else:  # the whole tree under one conditional: no select pass on a step that is applied
             new_params, opt_state, master_error = applied_or_kept(
                 state, params, on_device(state.opt_state), scaled_grads, info.applied, parts, max_grad_norm,
-                _rounding_key(state), scale,
+                rounding_key(state), scale,
             )  # fmt: skip
             opt_state = back_like(opt_state, state.opt_state)  # an offloaded state: back to the host
     else:  # the spike guard reads the update's norm: the update computed whole, then kept or dropped
@@ -262,16 +258,12 @@ def _check_spike_guard(state: TrainState, spike_guard: SpikeGuard | None, loss: 
         raise ValueError("spike_guard judges the step's loss: pass loss=")
 
 
-def _rounding_key(state: TrainState) -> jax.Array:
-    return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), _ROUNDING_SALT)
-
-
 def _applied_params(state: TrainState, params: Any, updates: Any, applied: jax.Array) -> tuple[Any, Any]:
     """``params + updates`` in the masters' format where the step is applied, else ``params``;
     and the Kahan buffer (None without one)."""
     if state.master == "float32":
         return _where_tree(applied, optax.apply_updates(params, updates), params), None
-    new_params, master_error = apply_to_masters(params, updates, state.master, _rounding_key(state), state.master_error)
+    new_params, master_error = apply_to_masters(params, updates, state.master, rounding_key(state), state.master_error)
     if master_error is not None:
         master_error = _where_tree(applied, master_error, state.master_error)
     return _where_tree(applied, new_params, params), master_error

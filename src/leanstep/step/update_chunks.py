@@ -47,13 +47,9 @@ from leanstep.step.update_dependence import update_dependence
 from leanstep.step.update_offload import back_like, is_offloaded, offloaded_rows, on_device, placeholders
 
 __all__ = [
-    "ChunkInputs",
-    "ChunkPlan",
-    "Unit",
-    "chunk_plan",
-    "chunked_apply",
-    "chunked_update",
-]
+    "ChunkInputs", "ChunkPlan", "Unit", "chunk_plan", "chunked_apply", "chunked_update", "leaf_parts",
+    "master_finish", "prepare_grads", "row_put", "row_slice", "run_chunk", "splittable_rows", "state_parts",
+]  # fmt: skip
 
 
 def _per_param(node: Any) -> bool:
@@ -75,7 +71,7 @@ class ChunkPlan(NamedTuple):
     chunks: tuple[tuple[Unit, ...], ...]
 
 
-def _state_parts(opt_state: Any, params_def: Any, params: list[Any]) -> tuple[list[Any], Any, list[bool]]:
+def state_parts(opt_state: Any, params_def: Any, params: list[Any]) -> tuple[list[Any], Any, list[bool]]:
     """The optimizer state flattened to parts: subtrees with the params' structure, and shared leaves."""
 
     def is_node(node: Any) -> bool:
@@ -108,12 +104,23 @@ def chunk_plan(
     """The chunks of the update of ``params`` (float32 masters, abstract or concrete), or
     ``(None, why)`` where the optimizer needs the whole tree. ``key``: the rounding key of
     bfloat16 masters (a leaf is split only if its bits can be drawn in slices)."""
+    splittable, why = splittable_rows(optimizer, opt_state, params, key)
+    if splittable is None:
+        return None, why
+    return ChunkPlan(_cut([tuple(jnp.shape(p)) for p in jax.tree.leaves(params)], splittable, update_chunk)), None
+
+
+def splittable_rows(
+    optimizer: optax.GradientTransformation, opt_state: Any, params: Any, key: Any = None
+) -> tuple[list[bool] | None, str | None]:
+    """Per leaf of ``params``, whether its update may be applied a block of rows at a time (read
+    from the optimizer's jaxpr), or ``(None, why)`` where the update of a parameter reads another."""
     leaves, params_def = jax.tree.flatten(params)
-    parts, _, nodes = _state_parts(opt_state, params_def, leaves)
+    parts, _, nodes = state_parts(opt_state, params_def, leaves)
     param_owners = [(i, jnp.ndim(p) >= 1) for i, p in enumerate(leaves)]
     state_owners = _owners(parts, nodes, params_def, leaves)
     new_state = jax.eval_shape(optimizer.update, params, opt_state, params)[1]
-    new_parts, _, new_nodes = _state_parts(new_state, params_def, leaves)
+    new_parts, _, new_nodes = state_parts(new_state, params_def, leaves)
     dependence = update_dependence(
         optimizer.update,
         (params, opt_state, params),
@@ -122,11 +129,10 @@ def chunk_plan(
     )
     if dependence.cross is not None:
         return None, dependence.cross
-    splittable = [
+    return [
         dependence.rows[i] and jnp.ndim(p) >= 1 and jnp.shape(p)[0] > 1 and (key is None or rows_can_split(key, jnp.shape(p)))
         for i, p in enumerate(leaves)
-    ]  # fmt: skip
-    return ChunkPlan(_cut([tuple(jnp.shape(p)) for p in leaves], splittable, update_chunk)), None
+    ], None  # fmt: skip
 
 
 def _cut(shapes: list[tuple[int, ...]], splittable: list[bool], limit: int) -> tuple[tuple[Unit, ...], ...]:
@@ -219,19 +225,11 @@ class ChunkInputs(NamedTuple):
     kept_parts: list[Any] | None = None  # an offloaded state's parts as kept (host); ``parts`` then has placeholders
 
 
-def _slice(tree: Any, start: Any, rows: int) -> Any:
-    return jax.tree.map(lambda x: jax.lax.slice_in_dim(x, start, start + rows, axis=0), tree)
-
-
-def _dslice(tree: Any, start: Any, rows: int) -> Any:
+def row_slice(tree: Any, start: Any, rows: int) -> Any:
     return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, rows, axis=0), tree)
 
 
-def _dput(tree: Any, piece: Any, start: Any) -> Any:
-    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0), tree, piece)
-
-
-def _put(tree: Any, piece: Any, start: Any) -> Any:
+def row_put(tree: Any, piece: Any, start: Any) -> Any:
     return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis=0), tree, piece)
 
 
@@ -239,7 +237,7 @@ def _where(applied: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
 
 
-def _run(inputs: ChunkInputs, owned: dict[int, Any], rows: dict[int, Any]) -> tuple[dict[int, Any], list[Any]]:
+def run_chunk(inputs: ChunkInputs, owned: dict[int, Any], rows: dict[int, Any]) -> tuple[dict[int, Any], list[Any]]:
     """``optimizer.update`` with leaf ``i`` replaced by ``owned[i] = (grad, param, state_subs, error)``
     (rows from ``rows[i]`` on, or None: whole); returns the new ``(param, state_subs, error)`` of
     the owned leaves and the new shared parts of the state."""
@@ -272,7 +270,7 @@ def _run(inputs: ChunkInputs, owned: dict[int, Any], rows: dict[int, Any]) -> tu
     return out, shared
 
 
-def _leaf(inputs: ChunkInputs, index: int) -> tuple[Any, Any, list[Any], Any]:
+def leaf_parts(inputs: ChunkInputs, index: int) -> tuple[Any, Any, list[Any], Any]:
     parts = inputs.parts if inputs.kept_parts is None else inputs.kept_parts
     subs = [inputs.params_def.flatten_up_to(p)[index] for p, node in zip(parts, inputs.nodes) if node]
     error = None if inputs.errors is None else inputs.errors[index]
@@ -284,24 +282,24 @@ def chunked_apply(inputs: ChunkInputs, plan: ChunkPlan) -> tuple[list[Any], Any,
     a chunk reads its inputs through an optimization barrier with the last chunk's outputs; a leaf
     cut in blocks of rows is written block by block into its buffer (in place)."""
     results: dict[int, Any] = {}
-    _, shared = _run(inputs, {}, {})  # counts and schedules: no parameter's entries are read
+    _, shared = run_chunk(inputs, {}, {})  # counts and schedules: no parameter's entries are read
     current: dict[int, Any] = {}  # the leaves being written block by block: (param, subs, error)
     previous: Any = ()
     for chunk in plan.chunks:
         if chunk[0].start is None:  # whole leaves
-            kept = {unit.leaf: _leaf(inputs, unit.leaf) for unit in chunk}
+            kept = {unit.leaf: leaf_parts(inputs, unit.leaf) for unit in chunk}
             owned, previous = jax.lax.optimization_barrier((on_device(kept), previous))
-            new, _ = _run(inputs, owned, {unit.leaf: None for unit in chunk})
+            new, _ = run_chunk(inputs, owned, {unit.leaf: None for unit in chunk})
             new = back_like(new, {i: kept[i][1:] for i in kept})  # an offloaded state goes back to the host
             results.update(new)
             previous = new
         elif chunk[0].start == 0:  # a stack: every block in one loop
-            stack = {unit.leaf: _leaf(inputs, unit.leaf)[1:] for unit in chunk}
+            stack = {unit.leaf: leaf_parts(inputs, unit.leaf)[1:] for unit in chunk}
             carry, _ = jax.lax.optimization_barrier((offloaded_rows(stack), previous))
             current.update(back_like(_stack_loop(inputs, {unit.leaf: unit.rows or 1 for unit in chunk}, carry), stack))
             previous = {unit.leaf: current[unit.leaf] for unit in chunk}
     results.update(current)
-    return _assemble(inputs, results, shared)
+    return assemble(inputs, results, shared)
 
 
 def _stack_loop(inputs: ChunkInputs, stack: dict[int, int], carry: dict[int, Any]) -> dict[int, Any]:
@@ -316,16 +314,16 @@ def _stack_loop(inputs: ChunkInputs, stack: dict[int, int], carry: dict[int, Any
         owned = {}
         for i in stack:
             param, subs, error = carry[i]
-            owned[i] = (_dslice(inputs.grads[i], start, rows), _dslice(param, start, rows),
-                        _dslice(subs, start, rows), None if error is None else _dslice(error, start, rows))  # fmt: skip
-        new, _ = _run(inputs, on_device(owned), {i: start for i in stack})  # an offloaded block: one transfer
+            owned[i] = (row_slice(inputs.grads[i], start, rows), row_slice(param, start, rows),
+                        row_slice(subs, start, rows), None if error is None else row_slice(error, start, rows))  # fmt: skip
+        new, _ = run_chunk(inputs, on_device(owned), {i: start for i in stack})  # an offloaded block: one transfer
         new = back_like(new, carry)  # an offloaded block goes back into its host buffer
-        return {i: tuple(None if w is None else _dput(w, n, start) for w, n in zip(carry[i], new[i])) for i in stack}
+        return {i: tuple(None if w is None else row_put(w, n, start) for w, n in zip(carry[i], new[i])) for i in stack}
 
     return jax.lax.fori_loop(0, blocks, body, carry)
 
 
-def _assemble(
+def assemble(
     inputs: ChunkInputs, results: dict[int, Any], shared: list[Any]
 ) -> tuple[list[Any], Any, list[Any] | None]:
     count = len(inputs.params)
@@ -341,7 +339,20 @@ def _assemble(
     return new_params, jax.tree.unflatten(inputs.state_def, parts), errors
 
 
-def _prepare(loss_scale: Any, norm: NormParts, max_grad_norm: float | None) -> Callable[[list[Any]], list[Any]]:
+def master_finish(master: Any, key: jax.Array, shapes: list[tuple[int, ...]]) -> Callable[..., tuple[Any, Any]]:
+    """``finish(index, param, update, error, first_row) -> (new, new_error)``: ``param + update`` in the
+    masters' format; leaf ``index`` rounds with ``fold_in(key, index)``, a slice with the bits of its rows."""
+
+    def finish(index: int, param: Any, update: Any, error: Any, first_row: Any) -> tuple[Any, Any]:
+        if master == "float32":
+            return jnp.asarray(param + update).astype(param.dtype), None
+        leaf_key = jax.random.fold_in(key, index)
+        return apply_to_master(param, update, master, leaf_key, error, first_row=first_row, leaf_shape=shapes[index])
+
+    return finish
+
+
+def prepare_grads(loss_scale: Any, norm: NormParts, max_grad_norm: float | None) -> Callable[[list[Any]], list[Any]]:
     """Scaled gradient leaves -> unscaled and clipped, entry by entry as the whole tree is
     (:func:`leanstep.blocks.clipping.clip_leaves`, from the same norm)."""
 
@@ -359,16 +370,7 @@ def chunked_update(
     """``(params, opt_state, master_error)`` after the update of the trainable ``params`` (as
     kept), applied where ``applied``, chunk by chunk (see the module doc)."""
     leaves, params_def = jax.tree.flatten(params)
-    parts, state_def, nodes = _state_parts(state.opt_state, params_def, leaves)
-    shapes = [tuple(jnp.shape(p)) for p in leaves]
-    master = state.master
-
-    def finish(index: int, param: Any, update: Any, error: Any, first_row: Any) -> tuple[Any, Any]:
-        if master == "float32":
-            return jnp.asarray(param + update).astype(param.dtype), None
-        leaf_key = jax.random.fold_in(key, index)
-        return apply_to_master(param, update, master, leaf_key, error, first_row=first_row, leaf_shape=shapes[index])
-
+    parts, state_def, nodes = state_parts(state.opt_state, params_def, leaves)
     inputs = ChunkInputs(
         optimizer=state.optimizer,
         params_def=params_def,
@@ -378,8 +380,8 @@ def chunked_update(
         state_def=state_def,
         nodes=tuple(nodes),
         errors=None if state.master_error is None else params_def.flatten_up_to(state.master_error),  # type: ignore[attr-defined]  # jaxlib's PyTreeDef
-        prepare=_prepare(state.loss_scale, norm, max_grad_norm),
-        finish=finish,
+        prepare=prepare_grads(state.loss_scale, norm, max_grad_norm),
+        finish=master_finish(state.master, key, [tuple(jnp.shape(p)) for p in leaves]),
         update_scale=update_scale,
         applied=applied,
     )

@@ -28,7 +28,15 @@ from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.masters import apply_to_masters
 from leanstep.step.state import TrainState
 
-__all__ = ["applied_or_kept", "clipped_grads"]
+__all__ = ["applied_or_kept", "clipped_grads", "rounding_key"]
+
+#: Folded into the step's key for stochastic rounding: apart from the microbatches' ``fold_in(key, j)``.
+_ROUNDING_SALT = 0x53524E44
+
+
+def rounding_key(state: TrainState) -> jax.Array:
+    """The key of the step's stochastic rounding of bfloat16 masters (leaf ``i`` folds in ``i``)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), _ROUNDING_SALT)
 
 
 def clipped_grads(scaled_grads: Any, loss_scale: LossScale, parts: NormParts, max_grad_norm: float | None) -> Any:
