@@ -179,9 +179,6 @@ def test_what_it_does_not_take_yet_is_named():
         StepSpec.from_keywords(has_aux=True, update_in_backward=True)
     with pytest.raises(TypeError, match="needs the loss as a leanstep.LayerStack"):
         make_train_step(_head, StepSpec(update_in_backward=True))
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    with pytest.raises(ValueError, match="does not yet take a mesh"):
-        make_train_step(STACK, StepSpec(update_in_backward=True), mesh=mesh)
     assert StepSpec.from_json(StepSpec(update_in_backward=True).to_json()).update_in_backward
 
 

@@ -28,8 +28,13 @@ their rows take in the whole leaf. The optimizer's update of a parameter must de
 another and keep the rows of a stacked leaf apart (read from its jaxpr); one that does not is
 refused by name.
 
-Not yet (each refused in one line, by :class:`leanstep.StepSpec` or here): a mesh, a spike guard,
-FP8 state, an offloaded optimizer state, a loss with aux, model state or a PRNG key.
+On a mesh (``make_train_step(..., mesh=)``) the step runs inside the sharding layer's constraints
+(:meth:`leanstep.step.ShardingLayer.around`: the state laid out by its partition rules, strided
+microbatches over the batch axes) and every reduction is XLA's SPMD partitioner's, as under
+``reduce="microbatch"``: each layer's gradient is reduced where it is made.
+
+Not yet (each refused in one line, by :class:`leanstep.StepSpec` or here): a spike guard, FP8
+state, an offloaded optimizer state, a loss with aux, model state or a PRNG key.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.clipping import NormParts, norm_parts
 from leanstep.blocks.fp8_state import has_fp8
 from leanstep.blocks.layer_stack import LayerStack
@@ -107,9 +113,12 @@ def _stacked_leaves(params: Any, stack: LayerStack) -> list[bool]:
     return [path[0].key == stack.stack for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
-def make_layerwise_step(stack: Any, spec: StepSpec) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
+def make_layerwise_step(
+    stack: Any, spec: StepSpec, accumulation: Accumulation | None = None
+) -> Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
     """``step(state, batch) -> (state, metrics)`` updating each layer inside the backward pass (the
-    module doc); not jitted. ``spec`` as for :func:`leanstep.make_train_step`.
+    module doc); not jitted. ``spec`` as for :func:`leanstep.make_train_step`; ``accumulation``: the
+    spec's as the sharding layer constrains its microbatches (None: the spec's own).
 
     Raises:
       TypeError, ValueError: ``stack`` not a :class:`LayerStack`, or a setting this step does not
@@ -118,7 +127,7 @@ def make_layerwise_step(stack: Any, spec: StepSpec) -> Callable[[TrainState, Any
     """
     stack = _layer_stack(stack)
     policy = check_train_precision(spec.precision)
-    contract, accumulation = spec.loss, spec.accumulation
+    contract, accumulation = spec.loss, spec.accumulation if accumulation is None else accumulation
     stack = LayerStack(policy.wrap(stack.embed), policy.wrap(stack.layer), policy.wrap(stack.head), stack.stack)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:

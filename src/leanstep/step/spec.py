@@ -103,8 +103,8 @@ class StepSpec:
         its string ``"on"``), or None; not beside ``fp8``.
       update_in_backward: update each layer of a :class:`leanstep.LayerStack` loss as the backward
         pass reaches it, so that no whole-model gradient is ever live (:mod:`leanstep.step.layerwise`:
-        two backward passes, exact clipping and skipping); not yet with a mesh, a spike guard, or a
-        loss with aux, model state or a PRNG key.
+        two backward passes, exact clipping and skipping); not yet with a spike guard, or a loss with
+        aux, model state or a PRNG key.
 
     Raises:
       TypeError: a field of the wrong type, named, with the form expected.
@@ -352,7 +352,6 @@ def _refuse_in_backward(spec: StepSpec) -> None:
     """What the update inside the backward pass does not take yet, named."""
     contract = spec.loss
     for refused, what in (
-        (spec.sharding is not None, "a mesh (sharding)"),
         (spec.spike_guard is not None, "a spike guard"),
         (contract.has_aux, "a loss with aux (has_aux)"),
         (contract.has_state, "a model state (has_state)"),

@@ -6,6 +6,7 @@ together; ``spec.update_in_backward`` hands the loss to :mod:`leanstep.step.laye
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, overload
@@ -20,7 +21,7 @@ from leanstep.common.checks import INT32_MAX, check_bool, check_keywords
 from leanstep.common.removed import refuses_removed_keywords
 from leanstep.step.gradients import gradient_stage
 from leanstep.step.layerwise import make_layerwise_step
-from leanstep.step.settings import step_settings
+from leanstep.step.settings import StepSettings, step_settings
 from leanstep.step.sharding_layer import ShardingLayer, manual_constraint_error
 from leanstep.step.spec import StepSpec
 from leanstep.step.state import StepMetrics, TrainState
@@ -158,13 +159,9 @@ def make_train_step(
     """
     spec = _spec_of(spec, short, mesh)
     jit = check_bool("jit", jit)
-    if spec.update_in_backward:  # each layer updated inside the backward pass: leanstep.step.layerwise
-        if mesh is not None:
-            raise ValueError("update_in_backward=True does not yet take a mesh; the standard step does")
-        layerwise = make_layerwise_step(loss_fn, spec)
-        donate = (0,) if spec.donate else ()
-        return _CheckedStep(jax.jit(layerwise, donate_argnums=donate), spec.donate) if jit else layerwise
     settings = step_settings(spec, mesh)
+    if spec.update_in_backward:  # each layer updated inside the backward pass: leanstep.step.layerwise
+        return _in_backward(loss_fn, settings, jit)
     contract, accumulation, layer = spec.loss, spec.accumulation, settings.layer
     num_microbatches = accumulation.num_microbatches
     gradients = gradient_stage(
@@ -230,6 +227,23 @@ _NO_OPTIMIZER = (
     "make_train_step takes no optimizer since leanstep 0.8: give it once, to TrainState.create(params, "
     "optimizer); the step applies the state's"
 )
+
+
+def _in_backward(
+    loss_fn: Any, settings: StepSettings, jit: bool
+) -> JittedTrainStep | Callable[[TrainState, Any], tuple[TrainState, StepMetrics]]:
+    """The step of :mod:`leanstep.step.layerwise`; on a mesh inside the layer's constraints, every
+    reduction XLA's (``reduce="microbatch"``: each layer's gradient reduced where it is made)."""
+    spec, layer = settings.spec, settings.layer
+    if layer is not None:
+        layer = dataclasses.replace(layer, reduce="microbatch")
+        settings = dataclasses.replace(settings, layer=layer)
+    layerwise = make_layerwise_step(loss_fn, spec, settings.stage_accumulation)
+    if layer is not None:
+        layerwise = layer.around(layerwise, spec.accumulation.num_microbatches)
+    if not jit:
+        return layerwise
+    return _CheckedStep(jax.jit(layerwise, donate_argnums=(0,) if spec.donate else ()), spec.donate, layer)
 
 
 def _spec_of(spec: Any, short: dict[str, Any], mesh: Mesh | ShardingLayer | None) -> StepSpec:
