@@ -33,14 +33,16 @@ On a mesh (``make_train_step(..., mesh=)``) the step runs inside the sharding la
 microbatches over the batch axes) and every reduction is XLA's SPMD partitioner's, as under
 ``reduce="microbatch"``: each layer's gradient is reduced where it is made.
 
-Not yet (each refused in one line, by :class:`leanstep.StepSpec` or here): a spike guard, FP8
-state, an offloaded optimizer state, a loss with aux, model state or a PRNG key.
+A spike guard judges the loss and the norm after pass 1, so a spike is skipped before anything is
+applied; one that watches the update's norm is refused (that norm is known only after pass 2).
+Not yet (each refused in one line, by :class:`leanstep.StepSpec` or here): FP8 state, an
+offloaded optimizer state, a loss with aux, model state or a PRNG key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -155,14 +157,16 @@ def make_layerwise_step(
         embed_grads = top_gradient(stack, top_c, microbatches, cotangent)
         top_grads = divide(jax.tree.map(jnp.add, forward.head_grads, embed_grads))
         parts = parts.merge(norm_parts(top_grads, scale.unscale))
-        finite = parts.finite & jnp.isfinite(loss)
-        clipped = jnp.zeros((), bool) if spec.max_grad_norm is None else parts.norm > spec.max_grad_norm
+        decision = _decide(spec, state, parts, loss)
 
         def apply(kept: Any) -> Any:
-            return _apply(stack, spec, state, kept, forward, top_grads, parts, divide, policy.cast_to_compute)
+            return _apply(
+                stack, spec, state, kept, forward, top_grads, parts, divide, policy.cast_to_compute, decision.scale
+            )
 
         kept = (state.params, state.opt_state, state.master_error)
-        params, opt_state, master_error = jax.lax.cond(finite, apply, lambda kept: kept, kept)
+        params, opt_state, master_error = jax.lax.cond(decision.applied, apply, lambda kept: kept, kept)
+        finite = decision.finite
         skips = jnp.where(finite, 0, jnp.minimum(state.consecutive_skips, INT32_MAX - 1) + 1).astype(jnp.int32)
         new_state = state.replace(
             step=jnp.minimum(state.step, INT32_MAX - 1) + 1,
@@ -171,20 +175,48 @@ def make_layerwise_step(
             master_error=master_error,
             loss_scale=scale.adjust(finite),
             consecutive_skips=skips,
+            spike=decision.window,
         )
         return new_state, StepMetrics(
             loss=loss,
             grad_norm=parts.norm.astype(jnp.float32),
             loss_scale=jnp.asarray(scale.loss_scale, jnp.float32),
             skipped=~finite,
-            clipped=clipped & finite,
+            clipped=decision.clipped & decision.applied,
             consecutive_skips=skips,
             aux=None,
-            spiked=jnp.zeros((), bool),
+            spiked=decision.spiked,
             step_saturated=state.step >= INT32_MAX,
         )
 
     return step
+
+
+class _Decision(NamedTuple):
+    finite: jax.Array
+    spiked: jax.Array
+    clipped: jax.Array
+    window: Any  # the spike guard's window after this step, or None
+    scale: Any  # the spike guard's update scale, or None
+
+    @property
+    def applied(self) -> jax.Array:
+        return self.finite & ~self.spiked
+
+
+def _decide(spec: StepSpec, state: TrainState, parts: NormParts, loss: jax.Array) -> _Decision:
+    """Skip or apply, from the whole gradient's norm parts and the loss (pass 1), as the standard
+    step decides: non-finite, or a spike of the loss or the norm past the guard's window."""
+    finite = parts.finite & jnp.isfinite(loss)
+    norm = parts.norm.astype(jnp.float32)
+    clipped = jnp.zeros((), bool) if spec.max_grad_norm is None else parts.norm > spec.max_grad_norm
+    guard = spec.spike_guard
+    if guard is None:
+        return _Decision(finite, jnp.zeros((), bool), clipped, state.spike, None)
+    if state.spike is None or state.spike.values.shape != guard.init().values.shape:
+        raise ValueError("spike_guard needs the state's window of the same guard: TrainState.create(..., spec)")
+    spiked, window = guard.decide(state.spike, {"loss": loss, "grad_norm": norm}, finite)
+    return _Decision(finite, spiked, clipped, window, state.spike.update_scale)
 
 
 def _apply(
@@ -197,6 +229,7 @@ def _apply(
     parts: NormParts,
     divide: Callable[[Any], Any],
     cast: Callable[[Any], Any],
+    update_scale: Any,
 ) -> Any:
     """Pass 2: every layer's update as the backward pass reaches it, then the top's."""
     params, opt_state, master_error = kept
@@ -216,7 +249,7 @@ def _apply(
         errors=errors,
         prepare=prepare_grads(state.loss_scale, parts, spec.max_grad_norm),
         finish=master_finish(state.master, key, [tuple(jnp.shape(p)) for p in leaves]),
-        update_scale=None,
+        update_scale=update_scale,  # the spike guard's, after a rollback; None: 1
         applied=jnp.ones((), bool),
     )
 

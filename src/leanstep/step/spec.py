@@ -103,8 +103,8 @@ class StepSpec:
         its string ``"on"``), or None; not beside ``fp8``.
       update_in_backward: update each layer of a :class:`leanstep.LayerStack` loss as the backward
         pass reaches it, so that no whole-model gradient is ever live (:mod:`leanstep.step.layerwise`:
-        two backward passes, exact clipping and skipping); not yet with a spike guard, or a loss with
-        aux, model state or a PRNG key.
+        two backward passes, exact clipping and skipping); not yet with a spike guard watching
+        ``"update_norm"``, or a loss with aux, model state or a PRNG key.
 
     Raises:
       TypeError: a field of the wrong type, named, with the form expected.
@@ -315,7 +315,7 @@ def _checked(spec: StepSpec) -> dict[str, Any]:
         "update_in_backward": check_bool("update_in_backward", spec.update_in_backward),
     }
     if fields["update_in_backward"]:
-        _refuse_in_backward(spec)
+        _refuse_in_backward(spec, fields["spike_guard"])
     if fields["fp8"] is not None and fields["int8"] is not None:
         raise ValueError("fp8 and int8 are two recipes for the same matmuls: give one (the other None)")
     if not isinstance(spec.loss, LossContract):
@@ -348,11 +348,14 @@ def _checked(spec: StepSpec) -> dict[str, Any]:
     return fields
 
 
-def _refuse_in_backward(spec: StepSpec) -> None:
-    """What the update inside the backward pass does not take yet, named."""
+def _refuse_in_backward(spec: StepSpec, guard: SpikeGuard | None) -> None:
+    """What the update inside the backward pass does not take yet, named (``guard``: the spec's, parsed)."""
     contract = spec.loss
     for refused, what in (
-        (spec.spike_guard is not None, "a spike guard"),
+        (
+            guard is not None and "update_norm" in guard.watch,
+            "a spike guard watching 'update_norm' (known only after the update)",
+        ),
         (contract.has_aux, "a loss with aux (has_aux)"),
         (contract.has_state, "a model state (has_state)"),
         (contract.uses_rng, "a loss that takes a PRNG key (uses_rng)"),
