@@ -6,9 +6,11 @@ Five parts, each written to ``<out>/check.json`` as it ends (a part that fails r
   microbatches, full remat, bf16 compute, AdamW, dynamic loss scale, clip 1.0) per state format
   (float32; bf16-sr masters with int8 moments and the chunked update). Compiled peaks at two
   depths give bytes a layer; the deepest model under the chip's memory is compiled (one layer
-  less while it does not fit) and, for int8, trains ``--fit-steps`` steps from that
-  compiled program: losses, skips, seconds a step. bf16-sr masters with bfloat16 moments are
-  compiled at the int8 format's depth, so the two peaks compare at equal model and batch.
+  less while it does not fit) and, for int8 (chunked, and with the update inside the backward
+  pass: :mod:`leanstep.step.layerwise`), trains ``--fit-steps`` steps from that compiled program:
+  losses, skips, seconds a step. bf16-sr masters with bfloat16 moments are compiled at the int8
+  format's depth, so the two peaks compare at equal model and batch, and the update inside the
+  backward pass trains 5 steps there too: its time a step beside the chunked format's.
 * ``pace``: leanstep's step and the hand-written one (``benchmarks/tpu_step.py``) at 405M and
   152M parameters (JAX's splash attention): seconds a step, MFU by the model's formula and
   XLA's count; the 405M step profiled kernel by kernel (``benchmarks/step_trace.py``); the 405M
@@ -47,7 +49,9 @@ from leanstep.models.transformer import TransformerConfig, init_transformer, tra
 LADDER = {  # name -> (master, moments, update_chunk)
     "float32": ("float32", "float32", None),
     "bf16-sr + int8 (chunked)": ("bfloat16-sr", "int8", "auto"),
+    "bf16-sr + int8 (update in backward)": ("bfloat16-sr", "int8", tpu_fit.IN_BACKWARD),
 }
+TRAINED = ("bf16-sr + int8 (chunked)", "bf16-sr + int8 (update in backward)")  # the others compile only
 BF16_MOMENTS = ("bfloat16-sr", "bfloat16", "auto")  # compiled at the int8 format's depth, to compare peaks
 _USABLE = 0.97  # of the chip's bytes_limit: the allocator's own blocks and fragmentation
 
@@ -117,10 +121,15 @@ def part_fit(args: argparse.Namespace, limit: int) -> dict:
     lo, hi = (1, 2) if args.tiny else (2, 4)
     result: dict = {"size": size, "limit_bytes": limit, "formats": {}}
     for name in LADDER:
-        steps = args.fit_steps if name == "bf16-sr + int8 (chunked)" else 0  # the leanest trains; the others compile
+        steps = args.fit_steps if name in TRAINED else 0
         result["formats"][name] = ladder(name, size, limit, train_steps=steps, lo=lo, hi=hi)
     layers = result["formats"]["bf16-sr + int8 (chunked)"]["layers"]
     _, result["bf16_moments_at_int8_depth_peak_bytes"] = _compile(_config(size, layers), BF16_MOMENTS, size)
+    # The update in the backward pass at the chunked format's depth: its time a step beside that one's.
+    form = LADDER["bf16-sr + int8 (update in backward)"]
+    compiled, peak = _compile(_config(size, layers), form, size)
+    train = tpu_fit.train(_config(size, layers), form, size["batch"], size["microbatches"], 5, step=compiled)
+    result["in_backward_at_int8_depth"] = {"layers": layers, "peak_bytes": peak, "train": train}
     return result
 
 

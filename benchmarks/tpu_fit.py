@@ -8,6 +8,8 @@ pattern (dynamic loss scale, clip 1.0), reporting loss, skips and time a step.
 
     python benchmarks/tpu_fit.py --d-model 2048 --layers 26 --steps 20 --out fit.json   # on a TPU
     python benchmarks/tpu_fit.py --tiny --out fit.json                                  # CPU dry run
+    python -m benchmarks.tpu_fit --d-model 2560 --layers 32 --steps 20 \
+        --formats "bf16-sr + int8 (chunked update),bf16-sr + int8 (update in backward)"     # >= 2.5B, in backward
 """
 
 from __future__ import annotations
@@ -24,23 +26,32 @@ import numpy as np
 import optax
 
 import leanstep
-from leanstep.models.transformer import TransformerConfig, init_transformer, transformer_loss
+from leanstep.models.transformer import TransformerConfig, init_transformer, transformer_loss, transformer_stack
 
+IN_BACKWARD = "in backward"
 FORMATS = {
     "float32": ("float32", "float32", None),
     "bf16-sr + bfloat16": ("bfloat16-sr", "bfloat16", "auto"),
     "bf16-sr + int8 (whole-tree update)": ("bfloat16-sr", "int8", None),
     "bf16-sr + int8 (chunked update)": ("bfloat16-sr", "int8", "auto"),
+    # each layer updated inside the backward pass (StepSpec.update_in_backward; docs/in-backward.md)
+    "bf16-sr + int8 (update in backward)": ("bfloat16-sr", "int8", IN_BACKWARD),
+    "float32 (update in backward)": ("float32", "float32", IN_BACKWARD),
 }
 
 
 def _setup(config: TransformerConfig, form: tuple, batch: int, microbatches: int):
     master, moments, update_chunk = form
     make = functools.partial(_state, config=config, master=master, moments=moments)
-    loss = functools.partial(transformer_loss, config=config, remat_policy="full")
+    in_backward = update_chunk == IN_BACKWARD  # the same loss, as a LayerStack (a mean, as transformer_loss)
+    loss = (
+        transformer_stack(config, token_weighted=False)
+        if in_backward
+        else functools.partial(transformer_loss, config=config, remat_policy="full")
+    )
     step = leanstep.make_train_step(
         loss, precision="compute=bfloat16", num_microbatches=microbatches, max_grad_norm=1.0,
-        update_chunk=update_chunk,
+        update_chunk="auto" if in_backward else update_chunk, update_in_backward=in_backward,
     )  # fmt: skip
     tokens = jax.ShapeDtypeStruct((batch, config.seq_len + 1), jnp.int32)
     return make, step, tokens
@@ -76,7 +87,12 @@ def peak(config: TransformerConfig, form: tuple, batch: int, microbatches: int) 
     make, step, tokens = _setup(config, form, batch, microbatches)
     state = jax.eval_shape(make, jax.random.key(0))
     start = time.perf_counter()
-    compiled = step.lower(state, {"tokens": tokens}).compile()
+    try:
+        compiled = step.lower(state, {"tokens": tokens}).compile()
+    except Exception as error:  # XLA:TPU refuses a program past the chip's memory at compile time
+        if "RESOURCE_EXHAUSTED" not in str(error) and "out of memory" not in str(error).lower():
+            raise
+        return {"out_of_memory": str(error).splitlines()[0][:300], "compile_s": round(time.perf_counter() - start, 1)}
     memory = compiled.memory_analysis()
     return {
         "peak_bytes": compiled_peak(compiled),
@@ -119,6 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma-separated names of FORMATS")
+    parser.add_argument(
+        "--train",
+        default=None,
+        help="comma-separated formats to train --steps steps each (default: the last of --formats)",
+    )
     parser.add_argument("--update-chunk", default="auto", help="the chunked formats' update_chunk: 'auto' or an int")
     parser.add_argument(
         "--tiny", action="store_true", help="a CPU dry run: d 64, 2 layers, seq 32, 3 steps, chunks of 8192"
@@ -144,9 +165,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{time.strftime('%X')} compiling {name}", flush=True)
         report["formats"][name] = peak(config, formats[name], args.batch, args.microbatches)
         print(name, report["formats"][name], flush=True)
+    trained = [n for n in (args.train or names[-1]).split(",") if n]
     if args.steps:
-        report["train"] = {names[-1]: train(config, formats[names[-1]], args.batch, args.microbatches, args.steps)}
-        print(report["train"], flush=True)
+        report["train"] = {}
+        for name in trained:  # one after another on the chip: their times a step side by side
+            report["train"][name] = train(config, formats[name], args.batch, args.microbatches, args.steps)
+            print(name, report["train"][name], flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

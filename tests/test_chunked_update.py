@@ -360,6 +360,20 @@ def test_tpu_fit_dry_run(tmp_path):
     assert report["formats"]["bf16-sr + int8 (chunked update)"]["peak_bytes"] > 0
 
 
+def test_tpu_fit_dry_run_trains_the_update_in_backward_beside_the_standard_step(tmp_path):
+    from benchmarks.tpu_fit import main
+
+    names = ["bf16-sr + int8 (chunked update)", "bf16-sr + int8 (update in backward)"]
+    report = main(["--tiny", "--formats", ",".join(names), "--train", ",".join(names)])
+    for name in names:
+        assert report["formats"][name]["peak_bytes"] > 0
+        losses = report["train"][name]["losses"]
+        assert len(losses) == 3 and np.all(np.isfinite(losses)) and not any(report["train"][name]["skipped"])
+    # the same loss, the same first step: the first losses agree (bf16 compute: to 1e-3)
+    first = [report["train"][name]["losses"][0] for name in names]
+    assert first[1] == pytest.approx(first[0], rel=1e-3)
+
+
 if __name__ == "__main__":
     modes = {"worker": worker, "no_fma": functools.partial(worker, mode="no_fma"), "one_device": _one_device}
     modes[sys.argv[2]](Path(sys.argv[1]))

@@ -46,7 +46,7 @@ def test_tpu_step_names_its_int8_configurations_and_refuses_others():
 
 
 def test_tpu_check_dry_run_fits_a_ladder_per_format_and_compares_the_planner_with_the_compiled_peak(tmp_path):
-    from benchmarks.tpu_check import LADDER, main
+    from benchmarks.tpu_check import LADDER, TRAINED, main
 
     report = main(["--tiny", "--parts", "fit,plan", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "check.json").read_text())["parts"].keys() == {"fit", "plan"}
@@ -55,9 +55,15 @@ def test_tpu_check_dry_run_fits_a_ladder_per_format_and_compares_the_planner_wit
     for name, result in fit["formats"].items():
         # The deepest model that compiles under the limit: one layer more, compiled, does not.
         assert result["fits"] and result["peak_bytes"] <= 0.97 * limit < result["next_layer_peak_bytes"], name
-        if name == "bf16-sr + int8 (chunked)":
+        if name in TRAINED:
             train = result["train"]
             assert len(train["losses"]) == 2 and all(math.isfinite(x) for x in train["losses"]), name
+    # the update inside the backward pass fits at least the chunked format's depth, and trains there too
+    inside = fit["formats"]["bf16-sr + int8 (update in backward)"]
+    assert inside["layers"] >= fit["formats"]["bf16-sr + int8 (chunked)"]["layers"]
+    at_depth = fit["in_backward_at_int8_depth"]
+    assert at_depth["layers"] == fit["formats"]["bf16-sr + int8 (chunked)"]["layers"]
+    assert len(at_depth["train"]["losses"]) == 5 and not any(at_depth["train"]["skipped"])
     plan = report["parts"]["plan"]
     assert plan["predicted_peak_bytes"] <= 0.97 * limit and math.isfinite(plan["loss"])
     assert plan["measured_peak_bytes"] is None and plan["allocator_peak_before_steps"] is None  # a CPU keeps none
