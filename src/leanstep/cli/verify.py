@@ -64,7 +64,7 @@ def _check_names() -> list[str]:
     # tests/test_verification_defects.py holds it equal to leanstep.verification.runner.CHECKS.
     return [
         "accumulation", "full_batch", "reference", "token_weighting", "clip", "non_finite", "keys", "fp8",
-        "int8_agreement", "int8_microbatches", "compute_dtype", "remat", "meshes", "int8_meshes",
+        "int8_agreement", "int8_microbatches", "compute_dtype", "remat", "meshes", "int8_meshes", "in_backward",
     ]  # fmt: skip
 
 
