@@ -34,7 +34,8 @@ def add_parser(subparsers: Any) -> None:
         "clipping against the float64 full-batch norm; a forced non-finite step; random keys per microbatch; the FP8 "
         "state's max; with --int8, the int8 step against the step without int8 (each leaf's direction and norm), and "
         "its microbatches and mesh layouts in float32 compute; the compute dtype of every matmul; what the remat "
-        "policy saves; each mesh layout of --devices simulated devices against one device; a killed and resumed run "
+        "policy saves; each mesh layout of --devices simulated devices against one device; for the transformer, the "
+        "update inside the backward pass against the standard step over 3 clipped steps; a killed and resumed run "
         "against an uninterrupted one. Prints a table (and --json); exits 1 if a check fails.",
         formatter_class=HelpFormatter,
     )
