@@ -34,7 +34,8 @@ def add_parser(subparsers: Any) -> None:
         "clipping against the float64 full-batch norm; a forced non-finite step; random keys per microbatch; the FP8 "
         "state's max; with --int8, the int8 step against the step without int8 (each leaf's direction and norm), and "
         "its microbatches and mesh layouts in float32 compute; the compute dtype of every matmul; what the remat "
-        "policy saves; each mesh layout of --devices simulated devices against one device; a killed and resumed run "
+        "policy saves; each mesh layout of --devices simulated devices against one device; for the transformer, the "
+        "update inside the backward pass against the standard step over 3 clipped steps; a killed and resumed run "
         "against an uninterrupted one. Prints a table (and --json); exits 1 if a check fails.",
         formatter_class=HelpFormatter,
     )
@@ -64,7 +65,7 @@ def _check_names() -> list[str]:
     # tests/test_verification_defects.py holds it equal to leanstep.verification.runner.CHECKS.
     return [
         "accumulation", "full_batch", "reference", "token_weighting", "clip", "non_finite", "keys", "fp8",
-        "int8_agreement", "int8_microbatches", "compute_dtype", "remat", "meshes", "int8_meshes",
+        "int8_agreement", "int8_microbatches", "compute_dtype", "remat", "meshes", "int8_meshes", "in_backward",
     ]  # fmt: skip
 
 

@@ -4,7 +4,9 @@ The setup is the run's own parts (:func:`leanstep.training.build.build_run`): it
 precision, loss scale, masters, remat policy and microbatch count, on the first batch of its
 data. Its loss is the model's token-weighted form (``loss_sum``, with a token-weight ``mask`` of
 ones added to the batch), which on such a batch equals the mean ``leanstep train`` minimises and
-lets the token-weighting and non-finite checks reweight and poison rows.
+lets the token-weighting and non-finite checks reweight and poison rows. The built-in
+transformer's loss is also given as a LayerStack (:func:`leanstep.models.transformer_stack`),
+for the ``in_backward`` check.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Any
 import numpy as np
 
 from leanstep.blocks.int8 import Int8Recipe
+from leanstep.blocks.layer_stack import LayerStack
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.models.registry import build_model
+from leanstep.models.transformer import transformer_stack
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig, model_overrides
 from leanstep.training.data import BatchSampler, load_corpus
@@ -68,7 +72,15 @@ def verify_setup(config: RunConfig) -> LeanstepStep:
         mask="mask",
         rules=run.model.rules,
         int8=recipe,
+        layer_stack=_layer_stack(run.model),
     )
+
+
+def _layer_stack(model: Any) -> LayerStack | None:
+    """The model's loss as a LayerStack, for the in_backward check: the built-in transformer's, without FP8."""
+    if model.name != "transformer" or model.config.fp8 is not None:
+        return None
+    return transformer_stack(model.config)
 
 
 def checked_config(config: RunConfig) -> RunConfig:

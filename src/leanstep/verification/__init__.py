@@ -14,6 +14,7 @@
     int8_checks.py     int8 matmuls: against the step without them, M against one and meshes in float32
     program_checks.py  compute dtype of every matmul, what the remat policy saves (the audit)
     mesh_check.py      each mesh layout against one device
+    in_backward_check.py  the update inside the backward pass against the standard step (a LayerStack loss)
     report.py          CheckResult, VerifyReport (table and JSON)
     runner.py          verify (leanstep inputs) and verify_step (any VerifiableStep)
 """

@@ -40,6 +40,7 @@ import optax
 from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.int8 import Int8Recipe
+from leanstep.blocks.layer_stack import LayerStack
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.blocks.precision import Precision, get_precision
 from leanstep.inspection.auditing import audit
@@ -99,6 +100,8 @@ class LeanstepStep:
       int8: the recipe of the model's int8 matmuls (:class:`leanstep.blocks.int8.Int8Recipe` or its
         string), or None; ``make_loss_fn`` then takes ``int8`` (``make_loss_fn(policy, int8=recipe)``)
         and builds the model with that recipe, or without int8 matmuls for None (:meth:`variant`).
+      layer_stack: the loss as a :class:`leanstep.LayerStack` (its ``(sum, count)`` form where
+        ``loss.token_weighted``), for the ``in_backward`` check; None: that check does not apply.
     """
 
     def __init__(
@@ -117,10 +120,12 @@ class LeanstepStep:
         mask: str | None = None,
         rules: Any = None,
         int8: Int8Recipe | str | None = None,
+        layer_stack: LayerStack | None = None,
     ) -> None:
         self._given = dict(
             params=params, batch=batch, precision=precision, accumulation=accumulation, remat=remat, loss=loss,
             loss_scale=loss_scale, model_state=model_state, master=master, mask=mask, rules=rules, int8=int8,
+            layer_stack=layer_stack,
         )  # fmt: skip
         if isinstance(accumulation, int):
             accumulation = Accumulation(accumulation)
@@ -147,6 +152,7 @@ class LeanstepStep:
         self.rules = rules
         self.compute_dtype = self.precision.compute_dtype
         self.int8 = Int8Recipe.from_string(int8) if isinstance(int8, str) else int8
+        self.layer_stack = layer_stack
         if self.int8 is not None and "int8" not in inspect.signature(make_loss_fn).parameters:
             raise ValueError(
                 f"int8={self.int8.to_string()!r}: make_loss_fn must take int8 (make_loss_fn(policy, int8=recipe)), "
@@ -286,6 +292,8 @@ class LeanstepStep:
         if unknown:
             raise TypeError(f"variant: unknown settings {unknown}; expected among ['compute_dtype', 'int8']")
         given = {**self._given, "int8": changes.get("int8", self.int8)}
+        if "int8" in changes:  # the stack was built with the model's recipe
+            given["layer_stack"] = None
         if "compute_dtype" in changes:
             p, dtype = self.precision, jnp.dtype(changes["compute_dtype"])
             given["precision"] = Precision(

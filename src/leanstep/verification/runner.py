@@ -30,6 +30,7 @@ from leanstep.blocks.loss_contract import LossContract
 from leanstep.verification.batches import batch_rows
 from leanstep.verification.clip_check import check_clip
 from leanstep.verification.gradient_checks import check_accumulation, check_full_batch, check_token_weighting
+from leanstep.verification.in_backward_check import check_in_backward
 from leanstep.verification.int8_checks import check_int8_agreement, check_int8_meshes, check_int8_microbatches
 from leanstep.verification.leanstep_step import LeanstepStep
 from leanstep.verification.mesh_check import check_meshes
@@ -58,6 +59,7 @@ CHECKS: dict[str, Callable[[Runs, int], CheckResult]] = {
     "remat": check_remat,
     "meshes": check_meshes,
     "int8_meshes": check_int8_meshes,
+    "in_backward": check_in_backward,
 }
 
 
@@ -128,6 +130,7 @@ def _timed(result: CheckResult, seconds: float) -> CheckResult:
 _CONTRACT = ("has_aux", "token_weighted", "uses_rng", "has_state")
 _SETTINGS = (
     "precision", "remat", "loss", "loss_scale", "model_state", "master", "mask", "rules", "accumulation", "int8",
+    "layer_stack",
 )  # fmt: skip
 
 
@@ -155,7 +158,7 @@ def verify(
       name: what the report calls the setup.
       **settings: the run's settings, as :class:`LeanstepStep` takes them (``precision``,
         ``remat``, ``loss``, ``loss_scale``, ``model_state``, ``master``, ``mask``, ``rules``,
-        ``accumulation``, ``int8``), with the short forms of ``make_train_step``: ``num_microbatches`` and
+        ``accumulation``, ``int8``, ``layer_stack``), with the short forms of ``make_train_step``: ``num_microbatches`` and
         ``split`` for ``accumulation`` (the checks use 2 microbatches if it is 1), ``has_aux``,
         ``token_weighted``, ``uses_rng`` and ``has_state`` for ``loss``.
 
