@@ -74,7 +74,10 @@ from leanstep.step.update_offload import is_offloaded
 
 __all__ = ["make_layerwise_step"]
 
-_EMPTY = NormParts(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32), jnp.ones((), bool))
+
+def _empty() -> NormParts:
+    # Made when traced: an array at import would start JAX's backend before configure_devices can run.
+    return NormParts(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32), jnp.ones((), bool))
 
 
 def _layer_stack(stack: Any) -> LayerStack:
@@ -152,7 +155,7 @@ def make_layerwise_step(
             return (cotangent, parts.merge(norm_parts(divide(grads), scale.unscale))), None
 
         (cotangent, parts), _ = jax.lax.scan(
-            norm_pass, (forward.head_cotangent, _EMPTY), (stacked, forward.inputs), reverse=True
+            norm_pass, (forward.head_cotangent, _empty()), (stacked, forward.inputs), reverse=True
         )
         embed_grads = top_gradient(stack, top_c, microbatches, cotangent)
         top_grads = divide(jax.tree.map(jnp.add, forward.head_grads, embed_grads))
