@@ -213,6 +213,7 @@ def test_a_hash_as_written_is_0_11s(tmp_path):
     added = {"fp8": "none", "master": "float32", "moments": "float32", "spike_guard": "none", "spike_rollback": "none"}
     added["optimizer"] = "adamw"  # 0.12's field: 0.11 had no such key, and trained AdamW
     added["int8"] = "none"  # 0.12's field: 0.11 had no int8 matmuls
+    added["update_in_backward"] = "off"  # 0.12's field: 0.11 had only the standard step
     identity = {k: v for k, v in identity.items() if not (k in added and v == added[k])}
     expected = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     assert config_hash(config, as_written=True) == expected != config_hash(config)

@@ -115,6 +115,15 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any, *, scope: dict[str, str] |
         "learning rate for a while (needs --spike-guard): none, on (after=3,within=50,lr=0.5,for=100,max=5,"
         "ahead=50), or after=N,within=N,lr=X,for=N,max=N,ahead=N (after <= within)" + scope.get("spike_rollback", ""),
     )
+    model.add_argument(
+        "--update-in-backward",
+        choices=("on", "off"),
+        default=d.update_in_backward,
+        help="on: update each layer of the transformer as the backward pass reaches it, so the whole model's "
+        "float32 gradient is never held (about 1.75x the step's FLOPs: two backward passes); --remat does not "
+        "apply (each block is recomputed in the backward pass); --model transformer, not with --fp8 or "
+        "--optimizer muon",
+    )
     model.add_argument("--loss-scale", choices=LOSS_SCALES, default=d.loss_scale)
     model.add_argument("--max-grad-norm", type=grad_norm, default=d.max_grad_norm, help="a number, or 'none'")
 

@@ -129,7 +129,7 @@ def _table(result: Any, budget: int | None, chosen: Any, precision: str) -> Any:
         cells = (
             "->" if c is chosen else "",
             str(c.setting.num_microbatches),
-            c.setting.remat,
+            "in backward" if c.setting.update_in_backward else c.setting.remat,
             format_bytes(c.peak_bytes),
             format_bytes(c.temp_bytes),
             "-" if c.flops is None else _si(c.flops),

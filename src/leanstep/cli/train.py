@@ -297,17 +297,16 @@ def _fit_memory_budget(config: Any, args: argparse.Namespace, auto: bool, consol
 
     from leanstep.training.analysis import plan_run
 
+    devices = {"num_devices": jax.device_count()} if auto else {}
     try:
-        chosen = plan_run(
-            config,
-            args.budget,
-            accelerator=args.accelerator,
-            **({"num_devices": jax.device_count()} if auto else {}),
-        ).chosen
+        plan = plan_run(config, args.budget, accelerator=args.accelerator, **devices)
     except ValueError as error:  # BudgetError included: nothing fits
         raise InputError(f"--budget: {error}") from None
-    setting = chosen.setting
+    chosen, setting = plan.chosen, plan.chosen.setting
     layout: dict[str, Any] = {"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}
+    if setting.update_in_backward:  # the plan's first note says why
+        layout["update_in_backward"] = "on"
+        console.print(Text(f"--budget {args.budget}: {plan.notes[0]}"), soft_wrap=True)
     config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat, **layout)
     predicted = "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
     console.print(

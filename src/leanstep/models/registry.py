@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from leanstep.blocks.layer_stack import LayerStack
 from leanstep.models.residual_mlp import (
     MLP_RULES,
     MLPConfig,
@@ -24,6 +25,7 @@ from leanstep.models.transformer import (
     transformer_flops_per_token,
     transformer_loss,
     transformer_loss_sum,
+    transformer_stack,
 )
 
 
@@ -39,6 +41,8 @@ class Model(NamedTuple):
       loss_sum: same arguments, ``-> (loss_sum, count)`` for token-weighted accumulation.
       flops_per_token: analytic training FLOPs per predicted token.
       rules: its partition rules (:mod:`leanstep.sharding.partition_rules`) for sharded training.
+      stack: ``stack(token_weighted=...)``, the loss as a :class:`leanstep.LayerStack` (for the update
+        inside the backward pass), or None: the model has no such form.
     """
 
     name: str
@@ -49,6 +53,7 @@ class Model(NamedTuple):
     loss_sum: Callable[..., tuple[jax.Array, jax.Array]]
     flops_per_token: int
     rules: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    stack: Callable[..., LayerStack] | None = None
 
 
 #: ``name -> (config class, init, loss, loss_sum, flops_per_token, {preset: config fields})``.
@@ -79,6 +84,9 @@ MODELS: Mapping[str, tuple[Any, ...]] = {
 
 #: Partition rules of each model (:mod:`leanstep.sharding.partition_rules`).
 RULES: Mapping[str, tuple[Any, ...]] = {"transformer": TRANSFORMER_RULES, "mlp": MLP_RULES}
+
+#: The models whose loss has a :class:`leanstep.LayerStack` form: ``name -> stack(config, *, token_weighted)``.
+STACKS: Mapping[str, Callable[..., LayerStack]] = {"transformer": transformer_stack}
 
 #: Every size preset some model has, in the order of the first model's presets.
 SIZES: tuple[str, ...] = tuple(dict.fromkeys(size for *_, presets in MODELS.values() for size in presets))
@@ -130,4 +138,5 @@ def build_model(name: str, size: str = "small", **overrides: Any) -> Model:
         loss_sum=functools.partial(loss_sum, config=config),
         flops_per_token=flops(config),
         rules=RULES[name],
+        stack=functools.partial(STACKS[name], config) if name in STACKS else None,
     )

@@ -36,7 +36,12 @@ its activations) the choice still fits, since it was compiled, but may use more
 microbatches than needed. Families whose FLOPs exceed the best fitting one's by more
 than ``rtol`` are never compiled, and nothing more is compiled once the arguments alone
 (the state and the batch, the same for every candidate) exceed the budget.
-``SearchOptions(exhaustive=True)`` compiles every candidate.
+``SearchOptions(exhaustive=True)`` compiles every candidate. Where none fits and the loss has a
+:class:`leanstep.LayerStack` form (``stack=``), the same candidates are tried with the update
+inside the backward pass (:mod:`leanstep.planning.in_backward`).
+
+Size: plan() and its lazy search (families, bisection, the choice) are one procedure over the
+same traced steps; its inputs, notes and fallback are modules of their own.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from leanstep.inspection.flops import count_flops
 from leanstep.planning.candidates import abstract_tree, compile_candidate, compiler_options_for, first_fit
 from leanstep.planning.eager_state import eager_state_notes
 from leanstep.planning.fp8_sizes import fp8_notes
+from leanstep.planning.in_backward import in_backward_settings, plan_in_backward
 from leanstep.planning.one_device_grid import checked_settings, settings_grid
 from leanstep.planning.plan_inputs import (
     TreesGiven,
@@ -99,12 +105,13 @@ def plan(
     spec: StepSpec | None = None,
     *,
     budget_bytes: int | str,
-    candidates: Sequence[tuple[int, str, str]] | SearchSpace | None = None,
+    candidates: Sequence[tuple[Any, ...]] | SearchSpace | None = None,
     search: SearchOptions | None = None,
     loss_scale: str | LossScale = "none",
     model_state: Any = None,
     num_devices: int | None = None,
     accelerator: Any = "h100",
+    stack: Any = None,
     **step_kwargs: Any,
 ) -> Plan:
     """Compiles (never runs) the train step for each candidate and picks the fastest that fits.
@@ -147,6 +154,9 @@ def plan(
         state (a list of ``candidates`` is planned as given).
       num_devices: plan a cluster of this many devices.
       accelerator: the accelerator the cluster's plan is priced on.
+      stack: the loss as a :class:`leanstep.LayerStack` (the same model, under the loss contract
+        of ``spec``), or None: where no candidate fits, the same candidates with the update inside
+        the backward pass (one per microbatch count: remat does not apply), its reason the first note.
       **step_kwargs: the run's :func:`make_train_step` arguments (and ``master=``, ``moments=``:
         the state's format, :meth:`leanstep.TrainState.create`'s): ``precision`` (of the default
         candidates), ``max_grad_norm``, ``has_aux``, ``token_weighted``, ``has_state``, ...
@@ -211,6 +221,8 @@ def plan(
     stateful = isinstance(space, SearchSpace) and holds_model_state(model_state, space.remat_policies[0])
     rows = space.min_rows(stateful) if isinstance(space, SearchSpace) else None
     settings = checked_settings(space, batch_size, precision if isinstance(precision, str) else str(precision), rows)
+    if step_kwargs.get("update_in_backward"):
+        settings = list(in_backward_settings(settings))
     guard = state_guard(step_kwargs)
     state_for = lambda p: abstract_state(
         params_for(params, p), optimizer, scale, params_for(model_state, p), **formats, **guard
@@ -223,7 +235,13 @@ def plan(
     bound = space.max_microbatches if isinstance(space, SearchSpace) else None
     if chosen is None:
         smallest = min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes))
-        raise BudgetError(budget, smallest, final, bound, rows if rows != 1 else None)
+        error = BudgetError(budget, smallest, final, bound, rows if rows != 1 else None)
+        if stack is None or step_kwargs.get("update_in_backward"):
+            raise error
+        again = dict(loss_scale=scale, model_state=model_state, precision=precision, **formats, **step_kwargs)
+        replan = lambda: plan(lambda _: stack, params, batch, optimizer, budget_bytes=budget, candidates=settings,
+                              search=search, update_in_backward=True, **again)  # fmt: skip
+        return plan_in_backward(error, replan, time.perf_counter() - start)
     remat = chosen.setting.remat
     notes = batch_statistics_notes(
         params_for(model_state, remat), chosen.setting.num_microbatches, batch_size, rows
@@ -278,7 +296,7 @@ def _traced_families(settings: Sequence[Setting], steps: _Steps) -> list[Candida
     only when compiled.
     """
     initial = [Candidate(s) for s in dict.fromkeys(settings)]
-    first: dict[tuple[str, str, str, str], int] = {}  # by everything of a setting but its microbatches
+    first: dict[tuple[Any, ...], int] = {}  # by everything of a setting but its microbatches
     for i, c in enumerate(initial):
         j = first.setdefault(c.setting[1:], i)
         first[c.setting[1:]] = i if c.setting.num_microbatches < initial[j].setting.num_microbatches else j
@@ -309,7 +327,7 @@ def search_candidates(
         # exceed the budget, nothing fits, and compiling more only says so again.
         return budget is not None and any(c.compiled and known(c.argument_bytes) > budget for c in found)
 
-    families: dict[tuple[str, str, str, str], list[int]] = {}
+    families: dict[tuple[Any, ...], list[int]] = {}
     for i, candidate in enumerate(found):
         families.setdefault(candidate.setting[1:], []).append(i)
 

@@ -18,18 +18,21 @@ _T = TypeVar("_T")
 
 class Setting(NamedTuple):
     """One candidate: how many microbatches, which remat policy, which precision; on a cluster
-    also the mesh (``"data=8,fsdp=8"``; ``""``: one device) and where gradients reduce."""
+    also the mesh (``"data=8,fsdp=8"``; ``""``: one device) and where gradients reduce; and
+    whether each layer is updated inside the backward pass (``StepSpec.update_in_backward``)."""
 
     num_microbatches: int
     remat: str
     precision: str
     mesh: str = ""
     reduce: str = "auto"
+    update_in_backward: bool = False
 
     def describe(self) -> str:
         """The setting as the flags of ``leanstep train``."""
         mesh = f" --mesh {self.mesh} --reduce {self.reduce}" if self.mesh else ""
-        return f"--microbatches {self.num_microbatches} --remat {self.remat}{mesh}"
+        layers = " --update-in-backward on" if self.update_in_backward else ""
+        return f"--microbatches {self.num_microbatches} --remat {self.remat}{mesh}{layers}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +272,7 @@ class BudgetError(ValueError):
     ) -> None:
         s = smallest.setting
         where = f", mesh={s.mesh!r}, reduce={s.reduce!r}" if s.mesh else ""
+        where += ", update_in_backward=True" if s.update_in_backward else ""
         per = " per device" if s.mesh else ""
         bound = "" if max_microbatches is None else f" with at most SearchSpace.max_microbatches={max_microbatches}"
         rows = (

@@ -48,7 +48,11 @@ def plan_run(
     (``exhaustive``, ``rtol``, ``compiler_options``, ``progress``, ...), ``candidates`` (one
     device), and :func:`leanstep.make_train_step` arguments. Apply the choice with
     ``dataclasses.replace(config, microbatches=s.num_microbatches, remat=s.remat)`` (and
-    ``mesh=s.mesh, reduce=s.reduce`` on a cluster), ``s = plan_run(config, budget).chosen.setting``.
+    ``mesh=s.mesh, reduce=s.reduce`` on a cluster, ``update_in_backward="on"`` where
+    ``s.update_in_backward``), ``s = plan_run(config, budget).chosen.setting``. On one device,
+    where no standard setting fits and the run's model has a :class:`leanstep.LayerStack` form
+    (:meth:`leanstep.training.build.Run.layer_stack`), the plan tries the update inside the
+    backward pass and says why in its first note.
 
     Raises:
       BudgetError: nothing fits.
@@ -118,6 +122,7 @@ def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options:
         budget_bytes=budget_bytes,
         candidates=SearchSpace(**space) if space else candidates,
         search=SearchOptions(**search),
+        stack=run.layer_stack(),  # where the standard step does not fit (None: the run cannot)
         **rest,
     )
 

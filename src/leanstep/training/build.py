@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from leanstep.blocks.layer_stack import LayerStack
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.precision import Precision
 from leanstep.blocks.rematerialization import check_saved_names
@@ -26,7 +27,7 @@ from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import JittedTrainStep, make_train_step
 from leanstep.training.auto_precision import resolve_precision
-from leanstep.training.config import RunConfig, model_overrides
+from leanstep.training.config import RunConfig, in_backward_refusal, model_overrides
 from leanstep.training.optimizers import run_optimizer
 from leanstep.training.schedule import Schedule, make_schedule
 
@@ -77,10 +78,24 @@ class Run:
     loss_scale: LossScale
     precision_reason: str | None = None
 
-    def loss_fn(self, remat: str | None = None) -> Callable[[Any, Any], jax.Array]:
-        """``loss_fn(params, batch)`` of the model under remat policy ``remat`` (default: the config's)."""
+    def loss_fn(self, remat: str | None = None) -> Callable[[Any, Any], Any]:
+        """``loss_fn(params, batch)`` of the model under remat policy ``remat`` (default: the config's);
+        with ``--update-in-backward on``, the model's :meth:`layer_stack`, which no remat applies to."""
+        if self.step.update_in_backward:
+            stack = self.layer_stack()
+            if stack is None:  # validate() refused it, naming the flag
+                raise ValueError(f"--update-in-backward on: {in_backward_refusal(self.config)}")
+            return stack
         policy = self.config.remat if remat is None else remat
         return lambda params, batch: self.model.loss(params, batch, remat_policy=policy)
+
+    def layer_stack(self) -> LayerStack | None:
+        """The model's loss as a :class:`leanstep.LayerStack`, as the run's loss contract says
+        (a mean, or token-weighted), or None where the update inside the backward pass cannot
+        take the run (:func:`leanstep.training.config.in_backward_refusal`)."""
+        if self.model.stack is None or in_backward_refusal(self.config) is not None:
+            return None
+        return self.model.stack(token_weighted=self.step.loss.token_weighted)
 
     def batch_spec(self, batch_size: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
         """The stand-in of one batch (default: the config's batch size): int32 tokens ``(B, T + 1)``."""
@@ -163,7 +178,7 @@ def build_run(config: RunConfig) -> Run:
     model = build_model(config.model, config.size, **recipe, **model_overrides(config))
     optimizer, schedule = build_optimizer(config)
     run = Run(config, model, optimizer, schedule, spec.precision, spec.loss_scale.make(), reason)
-    if "save:" in config.remat:  # every name saved must be one the model tags (one abstract trace)
+    if "save:" in config.remat and not spec.update_in_backward:  # every name saved is one the model tags
         microbatch = run.batch_spec(config.batch_size // config.microbatches)
         try:
             check_saved_names(

@@ -41,6 +41,7 @@ __all__ = [
     "RunConfig",
     "config_hash",
     "config_hashes",
+    "in_backward_refusal",
     "model_overrides",
     "setting_meaning",
 ]
@@ -121,6 +122,7 @@ class RunConfig:
     moments: str = "float32"
     spike_guard: str = "none"
     spike_rollback: str = "none"
+    update_in_backward: str = "off"
 
     def __post_init__(self) -> None:
         # "~" means the home directory in every path, the same for every file of the run.
@@ -177,6 +179,7 @@ class RunConfig:
             ("--moments", "moments", lambda: self.moments),
             ("--spike-guard", "spike_guard", lambda: self.spike_guard),
             ("--mesh", "sharding", lambda: layout),
+            ("--update-in-backward", "update_in_backward", lambda: _on_off(self.update_in_backward)),
         ):
             try:
                 spec = spec.replace(**{name: value()})
@@ -260,6 +263,9 @@ def _check_parts(config: RunConfig) -> None:
         raise ValueError(f"--fp8 {config.fp8}: FP8 matmuls are built into --model transformer, not {config.model}")
     if spec.int8 is not None and config.model != "transformer":
         raise ValueError(f"--int8 {config.int8}: int8 matmuls are built into --model transformer, not {config.model}")
+    refusal = in_backward_refusal(config)
+    if spec.update_in_backward and refusal is not None:
+        raise ValueError(f"--update-in-backward on: {refusal}")
     try:  # cheap: builds the config dataclass only, no arrays
         build_model(config.model, config.size, **model_overrides(config))
     except (TypeError, ValueError) as error:
@@ -267,6 +273,38 @@ def _check_parts(config: RunConfig) -> None:
             f" {flag} {getattr(config, name)}" for flag, name in MODEL_FLAGS if getattr(config, name) is not None
         )
         raise ValueError(f"--model {config.model} --size {config.size}{flags}: {error}") from None
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise ValueError(f"expected on or off, got {value!r}")
+    return value == "on"
+
+
+def in_backward_refusal(config: RunConfig) -> str | None:
+    """Why the run cannot update its layers inside the backward pass (:mod:`leanstep.step.layerwise`),
+    or None: the model's layers must be a :class:`leanstep.LayerStack` without FP8 state, and the
+    optimizer must update each entry from its own gradient and state.
+
+    Example:
+      >>> in_backward_refusal(RunConfig(optimizer="adamw")) is None
+      True
+      >>> print(in_backward_refusal(RunConfig(model="mlp", optimizer="adamw")))
+      the update inside the backward pass takes --model transformer (its layers as a LayerStack), not mlp
+    """
+    if config.model != "transformer":
+        return f"the update inside the backward pass takes --model transformer (its layers as a LayerStack), not {config.model}"
+    spec = config._parsed_step
+    if spec.fp8 is not None:
+        return f"--fp8 {config.fp8} keeps FP8 state under the layers; the update inside the backward pass takes none"
+    if spec.spike_guard is not None and "update_norm" in spec.spike_guard.watch:
+        return f"--spike-guard {config.spike_guard} watches the update norm, known only after the update"
+    if config.optimizer == "muon":
+        return (
+            "--optimizer muon orthogonalizes each stacked layer matrix as a whole; the update inside the backward "
+            "pass updates each layer's rows alone: use --optimizer adamw"
+        )
+    return None
 
 
 #: :meth:`RunConfig.validate`'s checks, in order: each raises ValueError for the first wrong field of its group.

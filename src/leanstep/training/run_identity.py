@@ -62,6 +62,7 @@ ADDED_FIELDS: dict[str, Any] = {
     "spike_guard": "none",
     "spike_rollback": "none",
     "optimizer": "adamw",
+    "update_in_backward": "off",
 }
 
 #: Defaults that changed since runs were first saved (in 0.12), with the old default: a run that
