@@ -58,7 +58,6 @@ def test_a_run_trains_inside_the_backward_pass_and_resumes_as_it_was(tmp_path, c
     ("fields", "fragment"),
     [
         ({"model": "mlp"}, "takes --model transformer (its layers as a LayerStack), not mlp"),
-        ({"optimizer": "muon"}, "--optimizer muon orthogonalizes each stacked layer matrix as a whole"),
         ({"fp8": "delayed"}, "--fp8 delayed keeps FP8 state under the layers"),
     ],
 )

@@ -12,7 +12,8 @@ every value, the parameters it depends on and the axis that carries their rows:
     input  grads[i], params[i], state[i]     {i}, axis 0 (a leaf whose leading axis is not i's: rows mixed)
     input  scalar state (counts, schedules)  {} (shared by every chunk)
     elementwise / broadcast / reshape / ...  union of the operands' sets; the row axis followed
-    a reduction, a dot, a sort over rows     rows mixed
+    a reduction, a dot, a sort over rows     rows mixed (a dot keeps them as a batch dimension of
+                                             each operand that has them, or a free one of the only one)
     iota, random bits (of any shape)         {}, rows mixed: a value of its position, which a slice
                                              of rows would draw anew (optax.add_noise's noise)
     an unknown primitive                     union of the sets; rows mixed (conservative)
@@ -129,6 +130,25 @@ def _moved_axis(eqn: Any, dep: Dep, shape: tuple[int, ...]) -> int | None:
     return None
 
 
+def _dot_axis(eqn: Any, deps: list[Dep | None]) -> int | None:
+    """Where a ``dot_general`` keeps the rows: a batch dimension of every operand that has them (a
+    per-layer matrix product: Muon's Newton-Schulz over a stack), or a free dimension of the one
+    operand that has them (a product with a matrix of no parameter); None: mixed (contracted)."""
+    (contracting, batch), ranks = eqn.params["dimension_numbers"], [len(v.aval.shape) for v in eqn.invars]
+    free = [[d for d in range(r) if d not in contracting[i] and d not in batch[i]] for i, r in enumerate(ranks)]
+    positions = set()
+    for side, dep in enumerate(deps[:2]):
+        if dep is None:
+            continue
+        if dep.axis is None or dep.axis in contracting[side]:
+            return None
+        if dep.axis in batch[side]:
+            positions.add(tuple(batch[side]).index(dep.axis))
+        else:  # the output: batch dimensions, the left operand's free ones, the right's
+            positions.add(len(batch[0]) + (len(free[0]) if side else 0) + free[side].index(dep.axis))
+    return positions.pop() if len(positions) == 1 else None
+
+
 def _gather_axis(eqn: Any, operand: Dep | None, indices: Dep | None) -> Dep | None:
     """``table[indices]`` with a table that depends on no parameter keeps the indices' rows."""
     if operand is not None or indices is None:
@@ -202,6 +222,9 @@ def _propagate(jaxpr: Any, ins: list[Dep | None], meet: list[str]) -> list[Dep |
             outs = [Dep(frozenset(), None) if getattr(v.aval, "shape", ()) else None for v in eqn.outvars]
         elif name == "gather":
             outs = [_gather_axis(eqn, deps[0], deps[1])]
+        elif name == "dot_general":
+            joined = _join(deps, [()] * len(deps))
+            outs = [None if joined is None else Dep(joined.leaves, _dot_axis(eqn, deps))]
         elif name in _ELEMENTWISE:
             outs = [_join(deps, shapes, tuple(v.aval.shape)) for v in eqn.outvars]
         else:

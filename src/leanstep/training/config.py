@@ -299,11 +299,6 @@ def in_backward_refusal(config: RunConfig) -> str | None:
         return f"--fp8 {config.fp8} keeps FP8 state under the layers; the update inside the backward pass takes none"
     if spec.spike_guard is not None and "update_norm" in spec.spike_guard.watch:
         return f"--spike-guard {config.spike_guard} watches the update norm, known only after the update"
-    if config.optimizer == "muon":
-        return (
-            "--optimizer muon orthogonalizes each stacked layer matrix as a whole; the update inside the backward "
-            "pass updates each layer's rows alone: use --optimizer adamw"
-        )
     return None
 
 
