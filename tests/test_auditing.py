@@ -316,6 +316,18 @@ def test_cli_audit_with_int8_moments_passes_the_rules(extra, capsys):
     assert "remat policy dots): ok" in out
 
 
+def test_cli_audit_of_the_update_inside_the_backward_pass_keeps_its_own_rules(capsys):
+    """Its two reversed scans over the layers are its passes, not a gradient taken through a scan."""
+    argv = ["audit", "--model", "transformer", "--size", "tiny", "--batch-size", "8", "--seq-len", "16"]
+    assert _cli([*argv, "--update-in-backward", "on"]) == 0
+    assert (
+        "rules (two reversed scans over the layers, no matmul outside a scan; remat n/a): ok" in capsys.readouterr().out
+    )
+    # the standard step, held to them, has no such passes
+    report = audit_run(RunConfig(model="transformer", size="tiny", batch_size=8, seq_len=16, optimizer="adamw"))
+    assert report.in_backward_violations()[0].startswith("expected two reversed top-level scans over the layers")
+
+
 def _int8_state(params):
     return TrainState.create(jax.tree.map(jnp.asarray, params), compress_moments(optax.adamw(1e-3), "int8"))
 

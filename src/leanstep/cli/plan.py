@@ -362,20 +362,9 @@ def run_audit(args: argparse.Namespace) -> int:
         print(
             f"(audited with AdamW's update in place of --optimizer {config.optimizer}'s: the rules are the gradient's)"
         )
-    problems = report.accumulation_violations(config.microbatches)
-    if config.remat != "none":
-        problems += report.remat_violations(config.remat)
-    loop = (
-        "one microbatch: no microbatch loop, no gradient through a scan"
-        if config.microbatches == 1
-        else "one scan over the microbatches, value_and_grad in its body, no matmul outside a scan"
-    )
-    print(
-        f"rules ({loop}"
-        + (f", remat policy {config.remat}" if config.remat != "none" else "")
-        + "): "
-        + ("ok" if not problems else "BROKEN")
-    )
+    in_backward = config.update_in_backward == "on"
+    rules, problems = report.run_rules(config.microbatches, config.remat, in_backward=in_backward)
+    print(f"rules ({rules}): " + ("ok" if not problems else "BROKEN"))
     for problem in problems:
         print(f"  - {problem}")
     return (0 if not problems else 1) | _audit_offload(config, getattr(args, "offload", "none"))

@@ -16,7 +16,10 @@ program and every sub-program in it (``jit``, ``scan``, ``while``, ``cond``,
     flops           leanstep.inspection.flops.count_flops of the program (loop bodies x trip count)
 
 and returns them as an :class:`AuditReport` of the records in :mod:`leanstep.inspection.audit_records`,
-which checks them against the gradient-accumulation rules and a remat policy.
+which checks them against the gradient-accumulation rules and a remat policy, or the rules of the
+update inside the backward pass.
+
+Size: the walk and the report's rule checks read the same records; the records are audit_records.
 """
 
 from __future__ import annotations
@@ -153,6 +156,50 @@ class AuditReport:
             shapes = ", ".join(f"{m.lhs[0]} x {m.rhs[0]}" for m in outside)
             problems.append(f"{len(outside)} dot_general(s) outside any scan: {shapes}")
         return problems
+
+    def in_backward_violations(self) -> list[str]:
+        """The ways a step that updates each layer inside the backward pass
+        (``StepSpec.update_in_backward``) breaks its rules (empty: none).
+
+        .. code-block:: text
+
+            1. two top-level scans run in reverse over the same number of layers, each with
+               matmuls in its body: the norm pass and the update pass (a gradient taken
+               through the whole stack would be one)
+            2. no dot_general outside a scan (no full-batch forward or backward pass)
+        """
+        problems = []
+        passes = [s for s in self.loop_candidates if s.reverse]
+        if len(passes) != 2 or len({s.length for s in passes}) != 1:
+            problems.append(
+                "expected two reversed top-level scans over the layers (the norm pass and the update pass), found "
+                f"{len(passes)} (lengths {[s.length for s in passes]})"
+            )
+        problems += [
+            f"a reversed scan of length {s.length} has no dot_general in its body" for s in passes if not s.matmuls
+        ]
+        outside = [m for m in self.matmuls_outside_scans if not m.in_update]
+        if outside:
+            problems.append(f"{len(outside)} dot_general(s) outside any scan")
+        return problems
+
+    def run_rules(self, num_microbatches: int, remat: str, *, in_backward: bool = False) -> tuple[str, list[str]]:
+        """``(the rules a run's step keeps, the ways the program breaks them)``: the microbatch loop's
+        (and the remat policy's, unless ``"none"``), or with ``in_backward`` the layer passes'."""
+        if in_backward:  # each block is recomputed in its backward pass: no remat region to check
+            return (
+                "two reversed scans over the layers, no matmul outside a scan; remat n/a",
+                self.in_backward_violations(),
+            )
+        problems = self.accumulation_violations(num_microbatches)
+        if remat != "none":
+            problems += self.remat_violations(remat)
+        loop = (
+            "one microbatch: no microbatch loop, no gradient through a scan"
+            if num_microbatches == 1
+            else "one scan over the microbatches, value_and_grad in its body, no matmul outside a scan"
+        )
+        return loop + (f", remat policy {remat}" if remat != "none" else ""), problems
 
     def remat_violations(self, policy: str, *, recomputed: Iterable[str] = ()) -> list[str]:
         """The ways the program breaks a remat rule (empty: none).
