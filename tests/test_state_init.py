@@ -131,6 +131,40 @@ def test_a_sharded_state_is_made_in_its_shards_on_two_simulated_devices():
     assert report["w_shard"] == [[4, 6], [4, 6]]  # split over the two devices, not replicated
 
 
+_RUN_SHARDED = textwrap.dedent(
+    """
+    from leanstep.sharding.distributed import configure_devices
+    configure_devices(2)
+    import json, jax, numpy as np, leanstep
+    from leanstep.training import RunConfig
+    from leanstep.training.build import build_run
+    from leanstep.training.trainer import _initial_state
+    from leanstep.step.state_sharding import shard_train_state
+    run = build_run(RunConfig(model="transformer", size="tiny", devices=2, fsdp=True, master="bfloat16-sr", moments="int8"))
+    mesh = leanstep.sharding.data_mesh(jax.devices())
+    made = _initial_state(run, mesh, True)
+    placed = shard_train_state(run.init_state(), mesh, fsdp=True, rules=run.model.rules)
+    print(json.dumps({
+        "shardings": [a.sharding == b.sharding for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(placed))],
+        "same": [bool(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)))
+                 for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(placed))],
+        "split": sum(not a.sharding.is_fully_replicated for a in jax.tree.leaves(made.params)),
+    }))
+    """
+)
+
+
+def test_a_runs_state_on_a_mesh_is_made_in_its_shards_as_the_placed_whole_state_was():
+    """leanstep.training.trainer's mesh path now makes the state with create_from(shardings=) (made in
+    its shards: the test above): the same shardings and the same bits as the whole state made on one
+    device and placed, as before."""
+    child = run_on_simulated_cpus(_RUN_SHARDED)
+    assert child.returncode == 0, child.stderr[-2000:]
+    report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert all(report["shardings"]) and all(report["same"]), report
+    assert report["split"] > 0
+
+
 def _abstract_bytes(tree) -> int:
     return sum(int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 

@@ -110,8 +110,9 @@ class Run:
         """Shapes and dtypes of :meth:`init_params`, without computing them."""
         return jax.eval_shape(self.init_params)
 
-    def init_state(self, params: Any = None) -> TrainState:
-        """The step-0 :class:`TrainState` (of ``params``, default :meth:`init_params`).
+    def init_state(self, params: Any = None, *, shardings: Any = None) -> TrainState:
+        """The step-0 :class:`TrainState` (of ``params``, default :meth:`init_params`); without
+        ``params``, laid out by ``shardings`` (a sharding per leaf) as it is made, in its shards.
 
         Without ``params`` the state is built by one compiled call,
         :meth:`TrainState.create_from`: the float32 parameters never exist beside the state
@@ -123,7 +124,9 @@ class Run:
         three configs).
         """
         if params is None:
-            return TrainState.create_from(self.init_params, self.optimizer, self.step, seed=self.config.seed)
+            return TrainState.create_from(
+                self.init_params, self.optimizer, self.step, seed=self.config.seed, shardings=shardings
+            )
         return self._state_of(params)
 
     def _state_of(self, params: Any) -> TrainState:

@@ -58,7 +58,7 @@ from leanstep.models.transformer import QKV_LAYOUT
 from leanstep.sharding.distributed import device_mesh, parse_mesh
 from leanstep.sharding.meshes import mesh_axes
 from leanstep.step.state import TrainState
-from leanstep.step.state_sharding import shard_train_state
+from leanstep.step.state_sharding import state_shardings
 from leanstep.training.budget import BudgetPlan, plan_budget
 from leanstep.training.build import Run, build_run
 from leanstep.training.config import RunConfig
@@ -263,10 +263,10 @@ def _train_locked(setup: _Setup) -> dict[str, Any]:
 
 def _initial_state(run: Run, mesh: Mesh | None, fsdp: bool) -> TrainState:
     """The run's initial state, placed as a restored one is, so that a new run and a resumed one share programs."""
-    template = run.init_state()
     if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
-        return shard_train_state(template, mesh, fsdp=fsdp, rules=run.model.rules)
-    return jax.device_put(template, jax.devices()[0])  # committed to its device, as a restored state is
+        # made in its shards (TrainState.create_from): no device holds the whole state
+        return run.init_state(shardings=state_shardings(run.abstract_state(), mesh, fsdp=fsdp, rules=run.model.rules))
+    return jax.device_put(run.init_state(), jax.devices()[0])  # committed to its device, as a restored state is
 
 
 def _make_loop(setup: _Setup) -> StepLoop:
