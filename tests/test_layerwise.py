@@ -96,7 +96,7 @@ def _identical(x, y) -> bool:
     )
 
 
-@pytest.mark.parametrize("clip", [None, 0.5, 100.0], ids=["no_clip", "clip_active", "clip_inactive"])
+@pytest.mark.parametrize("clip", [None, 0.5, 100.0], ids=["no_clip", "clip_active", "clip_loose"])
 @pytest.mark.parametrize("microbatches", [1, 4])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_twenty_steps_equal_the_standard_steps(name, microbatches, clip):

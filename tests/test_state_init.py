@@ -142,27 +142,32 @@ _RUN_SHARDED = textwrap.dedent(
     from leanstep.step.state_sharding import shard_train_state
     run = build_run(RunConfig(model="transformer", size="tiny", devices=2, fsdp=True, master="bfloat16-sr", moments="int8"))
     mesh = leanstep.sharding.data_mesh(jax.devices())
+    calls, create_from = [], leanstep.TrainState.create_from  # which shardings the run's state is made with
+    leanstep.TrainState.create_from = classmethod(lambda cls, *a, **k: calls.append(k.get("shardings")) or create_from(*a, **k))
     made = _initial_state(run, mesh, True)
+    leanstep.TrainState.create_from = create_from
     placed = shard_train_state(run.init_state(), mesh, fsdp=True, rules=run.model.rules)
     print(json.dumps({
         "shardings": [a.sharding == b.sharding for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(placed))],
         "same": [bool(np.array_equal(np.asarray(a).reshape(-1).view(np.uint8), np.asarray(b).reshape(-1).view(np.uint8)))
                  for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(placed))],
         "split": sum(not a.sharding.is_fully_replicated for a in jax.tree.leaves(made.params)),
+        "made_in_shards": calls[0] is not None and [a.sharding == s for a, s in zip(jax.tree.leaves(made), jax.tree.leaves(calls[0]))],
     }))
     """
 )
 
 
 def test_a_runs_state_on_a_mesh_is_made_in_its_shards_as_the_placed_whole_state_was():
-    """leanstep.training.trainer's mesh path now makes the state with create_from(shardings=) (made in
-    its shards: the test above): the same shardings and the same bits as the whole state made on one
-    device and placed, as before."""
+    """leanstep.training.trainer's mesh path makes the state with create_from(shardings=) (made in its
+    shards: the test above), with the same shardings and the same bits as the whole state made on one
+    device and placed, as 0.12 made it."""
     child = run_on_simulated_cpus(_RUN_SHARDED)
     assert child.returncode == 0, child.stderr[-2000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
     assert all(report["shardings"]) and all(report["same"]), report
     assert report["split"] > 0
+    assert report["made_in_shards"] and all(report["made_in_shards"])  # (made whole and placed: False)
 
 
 def _abstract_bytes(tree) -> int:

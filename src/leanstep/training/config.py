@@ -297,8 +297,10 @@ def in_backward_refusal(config: RunConfig) -> str | None:
     spec = config._parsed_step
     if spec.fp8 is not None:
         return f"--fp8 {config.fp8} keeps FP8 state under the layers; the update inside the backward pass takes none"
-    if spec.spike_guard is not None and "update_norm" in spec.spike_guard.watch:
-        return f"--spike-guard {config.spike_guard} watches the update norm, known only after the update"
+    try:  # the step's own refusals (a guard on the update's norm, ...), in their one place
+        spec.replace(update_in_backward=True)
+    except ValueError as error:
+        return f"--spike-guard {config.spike_guard}: {error}" if spec.spike_guard is not None else str(error)
     return None
 
 
