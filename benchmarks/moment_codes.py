@@ -21,14 +21,14 @@ import time
 import jax
 import jax.numpy as jnp
 
-from leanstep.blocks import moments
+from leanstep.blocks import dynamic_map, moments
 
 SEARCHES = ("scan", "scan_unrolled", "sort", "compare_all")
 DECODES = ("take", "select", "arithmetic")
 
 
 def _decode(form: str):
-    values, _ = moments._tables(True)
+    values, _ = dynamic_map.map_tables(True)
     table = jnp.asarray(values)
     if form == "take":
         return lambda codes: table[codes.astype(jnp.int32)]
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     keys = jax.random.split(jax.random.key(0))
     x = jax.random.normal(keys[0], (args.entries,)) * jnp.exp(3.0 * jax.random.normal(keys[1], (args.entries,)))
     x = x / jnp.max(jnp.abs(x))
-    values, midpoints = moments._tables(True)
+    values, midpoints = dynamic_map.map_tables(True)
     mids = jnp.asarray(midpoints)
     report: dict = {"device": jax.devices()[0].device_kind, "entries": args.entries, "search": {}, "decode": {}}
     searches = {

@@ -22,6 +22,7 @@ import pytest
 
 import leanstep
 from leanstep.blocks import moments as moments_module
+from leanstep.blocks.dynamic_map import decode_with, map_tables
 from leanstep.blocks.masters import ROUND_TO_NEAREST_CONTROL, stochastic_round
 from leanstep.blocks.moments import QuantizedArray, dequantize, dynamic_map, quantize
 from workers import run_worker
@@ -132,7 +133,7 @@ def test_quantize_and_dequantize_equal_the_float64_reference_per_block(index):
 def test_the_accelerators_search_finds_the_cpus_codes(signed):
     # quantize searches the midpoints by gathers on a CPU and by compare-and-count elsewhere
     # (lax.platform_dependent): the accelerator's branch, run here, must find the same codes.
-    _, mids = moments_module._tables(signed)
+    _, mids = map_tables(signed)
     x = np.concatenate([c[1].ravel() for c in _cases(np.random.default_rng(2)) if c[2] == signed])
     normalized = jnp.asarray(np.concatenate([x / np.max(np.abs(x)), mids, np.nextafter(mids, 2.0), [0.0, 1.0]]))
     codes = {m: moments_module._search(m)(jnp.asarray(mids), normalized) for m in ("scan", "compare_all")}
@@ -150,7 +151,7 @@ def test_decode_is_the_map_for_every_code(signed, form):
     if form == "decode":
         fn = lambda c: moments_module.decode(c, signed=signed)
     else:
-        fn = lambda c: moments_module._decode_with(jnp, c.astype(jnp.int32), signed)
+        fn = lambda c: decode_with(jnp, c.astype(jnp.int32), signed)
     got = np.asarray(jax.jit(fn)(codes))
     np.testing.assert_array_equal(got.view(np.uint32), ref_map_float32(signed).view(np.uint32))
 
@@ -453,3 +454,29 @@ def test_a_cluster_plan_of_a_run_gets_its_state_format(monkeypatch):
     config = RunConfig(size="tiny", batch_size=4, seq_len=8, master="bfloat16-sr", moments="int8")
     plan_run(config, "1GiB", num_devices=1)
     assert seen["master"] == "bfloat16-sr" and seen["moments"] == "int8"
+
+
+def test_a_large_moment_is_made_a_slice_of_rows_at_a_time_to_the_same_codes(monkeypatch):
+    # Past SLICE_ENTRIES a moment is made (init) under lax.map, a slice of rows a step: quantize's codes
+    # and scales bit for bit (rows are independent blocks), with temporaries of a slice, not the leaf
+    # (a 2.5B model's int8 moments, made whole, did not fit beside its state on a 16 GiB chip).
+    x = jax.random.normal(jax.random.key(5), (6, 10, 300)) * jnp.logspace(-6, 2, 300)[None, None, :]
+    x = x.at[2, 3].set(0.0)  # a row of zeros: scale 0
+    whole = quantize(x, signed=True, block_size=64)
+    made = lambda: jax.jit(lambda v: moments_module.quantize_in_slices(v, signed=True, block_size=64))
+    whole_jaxpr = str(jax.make_jaxpr(made())(x))
+    whole_temp = made().lower(x).compile().memory_analysis().temp_size_in_bytes
+    monkeypatch.setattr(moments_module, "SLICE_ENTRIES", 2 * 10 * 300)
+    moments_module.quantize_in_slices.clear_cache()
+    sliced, sliced_jaxpr = made()(x), str(jax.make_jaxpr(made())(x))
+    sliced_temp = made().lower(x).compile().memory_analysis().temp_size_in_bytes
+    moments_module.quantize_in_slices.clear_cache()
+    assert "length=3" not in whole_jaxpr and "length=3" in sliced_jaxpr  # lax.map: 3 slices of 2 x 10 rows
+    assert sliced.codes.shape == x.shape and sliced.scales.shape == (6, 10, 5)
+    np.testing.assert_array_equal(np.asarray(sliced.codes), np.asarray(whole.codes))
+    np.testing.assert_array_equal(np.asarray(sliced.scales).view(np.uint32), np.asarray(whole.scales).view(np.uint32))
+    assert sliced_temp < whole_temp / 2, (sliced_temp, whole_temp)
+    state = leanstep.blocks.compress_moments(optax.adam(1e-3), "int8", block_size=64).init({"w": x})
+    np.testing.assert_array_equal(
+        np.asarray(state[0].mu["w"].codes), np.asarray(quantize(0 * x, signed=True, block_size=64).codes)
+    )

@@ -48,10 +48,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from leanstep.blocks.dynamic_map import decode_with, dynamic_map, map_tables
 from leanstep.common.checks import is_int
+from leanstep.common.row_slices import map_row_slices
 
 __all__ = [
     "MOMENT_DTYPES",
@@ -62,6 +63,7 @@ __all__ = [
     "dequantize",
     "dynamic_map",
     "quantize",
+    "quantize_in_slices",
 ]
 
 #: The forms a moment may be kept in.
@@ -94,57 +96,6 @@ MOMENT_FIELDS: dict[str, dict[str, bool]] = {
     "MomoState": {"exp_avg": True},
     "MomoAdamState": {"exp_avg": True, "exp_avg_sq": False},
 }
-
-
-def dynamic_map(signed: bool) -> np.ndarray:
-    """The 256 sorted float32 values of the dynamic quantization map (see the module doc).
-
-    Exponent ``e`` of six decades carries ``n = 2**e`` (signed; ``2**(e+1)`` unsigned) values,
-    the midpoints of an even split of ``[0.1, 1]`` scaled by ``10**(e - 6)``; then 0 and 1. The
-    ``i``-th is ``(2n + 18i + 9) / (2n * 10**(7 - e))``, kept as the float32 product of the
-    integer and the float32 reciprocal of the divisor: within 1.2 units in the last place of the
-    exact ratio (72 signed and 67 unsigned values are one unit off its float32 rounding), and
-    :func:`decode`'s arithmetic gives it bit for bit on any platform whose float32 product is IEEE's (a
-    TPU's division is not correctly rounded; its product is: checked on a v5e).
-
-    Example:
-      >>> signed, unsigned = dynamic_map(True), dynamic_map(False)
-      >>> signed.shape, float(signed[0]), float(signed[-1]), float(unsigned[0]), float(unsigned[-1])
-      ((256,), -1.0, 1.0, 0.0, 1.0)
-    """
-    values = _decode_with(np, np.arange(256, dtype=np.int32), signed)
-    assert np.all(np.diff(values) > 0), "the map is sorted"
-    return values
-
-
-def _decode_with(xp: Any, c: Any, signed: bool) -> Any:
-    """``dynamic_map(signed)[c]`` for int32 codes ``c``, in ``xp`` (NumPy or jax.numpy): integer
-    math, then one float32 product per entry (no lookup, no division)."""
-    if signed:  # codes 0..126 negative (0 is -1), 127 zero, 128..255 positive (255 is 1)
-        position = xp.where(c >= 128, c - 128, 127 - c)
-        j = position + 1
-    else:  # code 0 is zero, 255 is 1
-        j = c + 1
-    group = sum(((j >= 2**t).astype(np.int32) for t in range(1, 8)), xp.zeros_like(j))  # floor(log2(j))
-    n = xp.left_shift(xp.ones_like(j), group)
-    numerator = (2 * n + 18 * (j - n) + 9).astype(np.float32)
-    decades = 7 if signed else 8  # 10**(7 - e), e = group (signed) or group - 1
-    reciprocal = xp.zeros(j.shape, np.float32)
-    for g in range(8):  # a chain of selects: an accelerator's gathers are slow
-        reciprocal = xp.where(group == g, np.float32(1.0 / (2.0 ** (g + 1) * 10.0 ** (decades - g))), reciprocal)
-    magnitude = numerator * reciprocal
-    one, zero = np.float32(1.0), np.float32(0.0)
-    if signed:
-        magnitude = xp.where(position == 127, one, magnitude)
-        return xp.where(c == 127, zero, xp.where(c < 127, -magnitude, magnitude)).astype(np.float32)
-    return xp.where(c == 0, zero, xp.where(c == 255, one, magnitude)).astype(np.float32)
-
-
-@functools.lru_cache(maxsize=2)
-def _tables(signed: bool) -> tuple[np.ndarray, np.ndarray]:
-    values = dynamic_map(signed)
-    midpoints = ((values[:-1].astype(np.float64) + values[1:].astype(np.float64)) / 2.0).astype(np.float32)
-    return values, midpoints
 
 
 @jax.tree_util.register_pytree_node_class
@@ -202,10 +153,28 @@ def _search(method: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
 # The codec's functions are jitted so that a step traces each once per leaf shape and format, not once
 # per leaf and chunk (`python benchmarks/codec_tracing.py`: the 405M lean step on a TPU v5e lowers in
 # 2.86 s instead of 7.31, to the same temporaries).
+#: Past this many entries a moment is made (``init``) a slice of rows at a time: whole, the
+#: float32 temporaries of quantizing its zeros (blocks, normalized values, the search's indices)
+#: did not fit a 2.5B model's moments beside its state on a 16 GiB TPU v5e. Rows quantize alike
+#: either way: the same codes. (The update's own quantization is chunked by the step.)
+SLICE_ENTRIES = 1 << 24
+
+
 @functools.partial(jax.jit, static_argnames=("signed", "block_size"))
 def quantize(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedArray:
     """``x`` in 8-bit blocks (float32 math; see the module doc)."""
-    _, midpoints = _tables(signed)
+    return _quantize(jnp.asarray(x), signed=signed, block_size=block_size)
+
+
+@functools.partial(jax.jit, static_argnames=("signed", "block_size"))
+def quantize_in_slices(x: jax.Array, *, signed: bool, block_size: int = 256) -> QuantizedArray:
+    """:func:`quantize`'s codes, made a slice of rows at a time past :data:`SLICE_ENTRIES` entries."""
+    whole = functools.partial(_quantize, signed=signed, block_size=block_size)
+    return map_row_slices(whole, jnp.asarray(x), SLICE_ENTRIES)
+
+
+def _quantize(x: jax.Array, *, signed: bool, block_size: int) -> QuantizedArray:
+    _, midpoints = map_tables(signed)
     shape = jnp.shape(x)
     blocks, n = _blocks(jnp.asarray(x, jnp.float32), block_size)
     scales = jnp.max(jnp.abs(blocks), axis=-1)
@@ -227,11 +196,11 @@ def decode(codes: jax.Array, *, signed: bool) -> jax.Array:
     On a CPU the lookup is the faster, 0.11 ns an entry against 0.33-0.38 (4M entries, 2-core EPYC:
     ``python benchmarks/moment_codes.py --entries 4194304``, "take" against "arithmetic").
     """
-    values, _ = _tables(signed)
+    values, _ = map_tables(signed)
     return jax.lax.platform_dependent(
         codes.astype(jnp.int32),
         cpu=lambda c: jnp.asarray(values)[c],  # codes are 0..255: always in bounds
-        default=lambda c: _decode_with(jnp, c, signed),
+        default=lambda c: decode_with(jnp, c, signed),
     )
 
 
@@ -323,11 +292,11 @@ def _weights_like(node: Any, template: Any, where: str = "") -> list[str]:
     return []
 
 
-def _compress(form: _Form) -> Callable[[Any, bool], Any]:
+def _compress(form: _Form, coder: Callable[..., QuantizedArray] = quantize) -> Callable[[Any, bool], Any]:
     def compress(moment: Any, signed: bool) -> Any:
         if form.dtype == "bfloat16":
             return jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), moment)
-        return jax.tree.map(lambda x: quantize(x, signed=signed, block_size=form.block_size), moment)
+        return jax.tree.map(lambda x: coder(x, signed=signed, block_size=form.block_size), moment)
 
     return compress
 
@@ -388,7 +357,7 @@ def compress_moments(
                 "parameters, is no moment: 8 bits or bfloat16 would change what it tracks; pass "
                 "moments='float32'"
             )
-        return _walk(state, params, compress)
+        return _walk(state, params, _compress(_Form(dtype, int(block_size)), quantize_in_slices))
 
     def update(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
         wide = _walk(state, updates, _widen)

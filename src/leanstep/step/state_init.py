@@ -8,20 +8,33 @@ made in it (1.31B parameters on a 16 GiB TPU v5e: out of memory at the first ste
 ``jax.jit`` program, whose outputs are the state alone: the float32 parameters are temporaries of
 that program, if XLA keeps them at all. The checks here are of ``init`` and what it returns; the
 state's own checks are ``create``'s.
+
+One program holds every float32 parameter at once if XLA schedules ``init``'s random draws
+before their casts, and at 2.5B parameters on a 16 GiB TPU v5e it did (18.84 GB of temporaries
+for a state of 10.2 GB). A state past :data:`STREAM_BYTES` of float32 parameters is therefore
+made in several programs, each computing ``init`` and keeping only a group of the state's leaves
+(XLA drops the rest of the work: the other parameters' draws), so at most a group's float32
+parameters live beside the state made so far. Each leaf is computed by the same operations
+either way: the same bits.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from leanstep.step.param_checks import check_params
 
-__all__ = ["check_init", "check_shardings", "initial_params", "make_in_one_program"]
+__all__ = ["STREAM_BYTES", "check_init", "check_shardings", "initial_params", "leaf_groups", "make_in_one_program"]
 
+#: Above this many bytes of float32 parameters (4 a state leaf's entry), the state is made a group
+#: of leaves a program, each group at most this many bytes or one leaf (the module doc).
+STREAM_BYTES = 1 << 30
 _ZERO_ARGUMENTS = "a zero-argument callable, e.g. functools.partial(init_fn, key)"
 
 
@@ -73,11 +86,51 @@ def check_shardings(shardings: Any) -> None:
             )
 
 
+def leaf_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of ``sizes`` (a state leaf's entries) in groups of at most ``limit``
+    float32 bytes each, or one leaf where a leaf alone is more.
+
+    Example:
+      >>> leaf_groups([10, 10, 30, 5], limit=80)
+      [[0, 1], [2], [3]]
+    """
+    groups: list[list[int]] = []
+    total = limit + 1
+    for index, size in enumerate(sizes):
+        if total + 4 * size > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(index)
+        total += 4 * size
+    return groups
+
+
 def make_in_one_program(make: Callable[[Any], Any], model_state: Any, shardings: Any) -> Any:
-    """``make(model_state)`` as one ``jax.jit`` program, its outputs laid out by ``shardings`` (None: jit's default).
+    """``make(model_state)`` as one ``jax.jit`` program, its outputs laid out by ``shardings`` (None: jit's default);
+    past :data:`STREAM_BYTES` of float32 parameters, a program for each group of leaves (the module doc).
 
     ``model_state`` is the program's argument, not a constant folded into it.
     """
-    if shardings is None:
-        return jax.jit(make)(model_state)
-    return jax.jit(make, out_shardings=shardings)(model_state)
+    shapes, treedef = jax.tree.flatten(jax.eval_shape(make, model_state))
+    groups = leaf_groups([int(math.prod(leaf.shape)) for leaf in shapes], STREAM_BYTES)
+    if len(groups) == 1:
+        if shardings is None:
+            return jax.jit(make)(model_state)
+        return jax.jit(make, out_shardings=shardings)(model_state)
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        layouts = [shardings] * len(shapes)
+    else:
+        layouts = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    leaves: list[Any] = []
+    for group in groups:
+        part = functools.partial(_kept, make, group)
+        outs = [layouts[i] for i in group]
+        made = jax.jit(part)(model_state) if shardings is None else jax.jit(part, out_shardings=outs)(model_state)
+        leaves.extend(made)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _kept(make: Callable[[Any], Any], group: list[int], model_state: Any) -> list[Any]:
+    """The leaves ``group`` of ``make(model_state)``: what one program of a streamed state returns."""
+    leaves = jax.tree.leaves(make(model_state))
+    return [leaves[i] for i in group]
