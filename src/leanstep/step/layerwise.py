@@ -22,7 +22,7 @@ remat (forward, then twice a recomputed forward and backward). A skipped step ru
 leaves params and optimizer state bit-identical.
 
 The optimizer is applied to a layer's rows with the chunked update's machinery
-(:mod:`leanstep.step.update_chunks`); the passes are :mod:`leanstep.step.layer_passes`: each entry computed with the whole tree's operations, masks
+(:mod:`leanstep.step.update.chunks`); the passes are :mod:`leanstep.step.layer_passes`: each entry computed with the whole tree's operations, masks
 and schedules seeing the whole structure, counts shared, bfloat16 masters rounded with the bits
 their rows take in the whole leaf. The optimizer's update of a parameter must depend on nothing of
 another and keep the rows of a stacked leaf apart (read from its jaxpr); one that does not is
@@ -56,21 +56,21 @@ from leanstep.common.checks import INT32_MAX
 from leanstep.step.layer_passes import layer_gradient, stack_forward, top_gradient
 from leanstep.step.spec import StepSpec
 from leanstep.step.state import StepMetrics, TrainState
-from leanstep.step.update_checks import check_opt_state
-from leanstep.step.update_chunks import (
+from leanstep.step.update import (
     ChunkInputs,
     assemble,
+    check_opt_state,
+    is_offloaded,
     leaf_parts,
     master_finish,
     prepare_grads,
+    rounding_key,
     row_put,
     row_slice,
     run_chunk,
     splittable_rows,
     state_parts,
 )
-from leanstep.step.update_kept import rounding_key
-from leanstep.step.update_offload import is_offloaded
 
 __all__ = ["make_layerwise_step"]
 

@@ -49,8 +49,7 @@ from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_bool, check_positive
 from leanstep.step.spec_json import JSON_PARTS, read_json_part
-from leanstep.step.spec_parts import LossScaleSpec, MeshLayout
-from leanstep.step.update_chunk_plan import check_update_chunk
+from leanstep.step.spec_parts import LossScaleSpec, MeshLayout, check_update_chunk
 
 __all__ = ["LossScaleSpec", "MeshLayout", "StepSpec"]
 

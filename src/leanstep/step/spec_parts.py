@@ -1,6 +1,6 @@
-"""Two parts of a :class:`leanstep.StepSpec` that are settings, not state: the loss scale it starts
+"""Parts of a :class:`leanstep.StepSpec` that are settings, not state: the loss scale it starts
 from (:class:`LossScaleSpec`) and the layout over a mesh (:class:`MeshLayout`), each a hashable
-value with a JSON form.
+value with a JSON form; and the ``update_chunk`` setting's forms (:func:`check_update_chunk`).
 
 .. code-block:: text
 
@@ -21,7 +21,7 @@ from leanstep.blocks.loss_scale_registry import LOSS_SCALES
 from leanstep.common.checks import check_bool, check_positive, is_int, is_real
 from leanstep.sharding.distributed import parse_mesh
 
-__all__ = ["REDUCTIONS", "LossScaleSpec", "MeshLayout"]
+__all__ = ["REDUCTIONS", "LossScaleSpec", "MeshLayout", "check_update_chunk"]
 
 #: Where gradients are reduced over a mesh (:class:`leanstep.step.ShardingLayer`'s ``reduce``).
 REDUCTIONS = ("auto", "step", "microbatch")
@@ -209,3 +209,19 @@ def _pairs(axes: Any) -> tuple[tuple[str, int], ...] | None:
 def axes_text(axes: Any) -> str:
     """``(("data", 2), ("fsdp", 2))`` as ``"data=2,fsdp=2"``."""
     return ",".join(f"{name}={size}" for name, size in axes)
+
+
+def check_update_chunk(update_chunk: Any) -> int | str | None:
+    """``update_chunk`` if it is ``"auto"``, None or a positive int.
+
+    Raises:
+      ValueError: another value, shown with the forms it may take.
+    """
+    if update_chunk is None or update_chunk == "auto" and isinstance(update_chunk, str):
+        return update_chunk
+    if is_int(update_chunk) and update_chunk > 0:
+        return int(update_chunk)
+    raise ValueError(
+        f"update_chunk must be 'auto', a positive int (the most entries one chunk of the optimizer's "
+        f"update widens to float32) or None (the whole tree at once), got {update_chunk!r}"
+    )

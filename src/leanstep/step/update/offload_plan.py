@@ -1,5 +1,5 @@
 """How the guarded update of an optimizer state kept in host memory is chunked
-(:mod:`leanstep.step.update_offload`): planned as the state kept on the device would be, and
+(:mod:`leanstep.step.update.offload`): planned as the state kept on the device would be, and
 chunked under ``"auto"`` whenever the optimizer allows it, so that one chunk of the state comes
 to the device at a time."""
 
@@ -10,15 +10,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from leanstep.step.update_chunk_plan import DEFAULT_UPDATE_CHUNK, chunk_plan_for
-from leanstep.step.update_chunks import ChunkPlan
-from leanstep.step.update_offload import is_offloaded
+from leanstep.step.update.chunk_plan import DEFAULT_UPDATE_CHUNK, chunk_plan_for
+from leanstep.step.update.chunks import ChunkPlan
+from leanstep.step.update.offload import is_offloaded
 
 __all__ = ["update_plan"]
 
 
 def update_plan(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -> ChunkPlan | None:
-    """:func:`leanstep.step.update_chunk_plan.chunk_plan_for`, for a state whose optimizer state
+    """:func:`leanstep.step.update.chunk_plan.chunk_plan_for`, for a state whose optimizer state
     may live in host memory: planned on device stand-ins of it (the plan traces the optimizer,
     and JAX refuses to mix memory spaces); with ``"auto"``, chunks of ``DEFAULT_UPDATE_CHUNK``
     for an offloaded state whatever its format, or the whole tree (brought to the device at once)

@@ -1,5 +1,5 @@
-"""Whether and how the guarded update is chunked: the ``update_chunk`` setting checked, and the
-plan for a state (:mod:`leanstep.step.update_chunks` applies it)."""
+"""Whether and how the guarded update is chunked: the plan for a state, by its ``update_chunk``
+setting (checked in :mod:`leanstep.step.spec_parts`; :mod:`leanstep.step.update.chunks` applies the plan)."""
 
 from __future__ import annotations
 
@@ -9,29 +9,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from leanstep.common.checks import is_int
-from leanstep.step.update_chunks import ChunkPlan, chunk_plan
+from leanstep.step.spec_parts import check_update_chunk
+from leanstep.step.update.chunks import ChunkPlan, chunk_plan
 
-__all__ = ["DEFAULT_UPDATE_CHUNK", "check_update_chunk", "chunk_plan_for"]
+__all__ = ["DEFAULT_UPDATE_CHUNK", "chunk_plan_for"]
 
 #: The default largest chunk, in entries (measured: docs/lean-state.md, "A chunk-bounded update").
 DEFAULT_UPDATE_CHUNK = 2**22
-
-
-def check_update_chunk(update_chunk: Any) -> int | str | None:
-    """``update_chunk`` if it is ``"auto"``, None or a positive int.
-
-    Raises:
-      ValueError: another value, shown with the forms it may take.
-    """
-    if update_chunk is None or update_chunk == "auto" and isinstance(update_chunk, str):
-        return update_chunk
-    if is_int(update_chunk) and update_chunk > 0:
-        return int(update_chunk)
-    raise ValueError(
-        f"update_chunk must be 'auto', a positive int (the most entries one chunk of the optimizer's "
-        f"update widens to float32) or None (the whole tree at once), got {update_chunk!r}"
-    )
 
 
 def _lean(state: Any) -> bool:

@@ -26,8 +26,8 @@ optimizer, in the spirit of ``optax.apply_if_finite`` (which neither unscales no
 counts but keeps no loss scale).
 
 Size: the guarded update's order (unscale once, decide once, clip, apply only if finite) is the
-contract, read top to bottom in one file; the update under one conditional is update_kept, chunked
-application update_chunks, their checks update_checks.
+contract, read top to bottom in one file; the update under one conditional is kept.py, chunked
+application chunks.py, their checks checks.py.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive
 from leanstep.common.jaxprs import OPTIMIZER_UPDATE_SCOPE
 from leanstep.step.state import TrainState
-from leanstep.step.update_checks import check_grads, check_opt_state
-from leanstep.step.update_chunks import chunked_update
-from leanstep.step.update_kept import applied_or_kept, clipped_grads, rounding_key
-from leanstep.step.update_offload import back_like, on_device
-from leanstep.step.update_offload_plan import update_plan
+from leanstep.step.update.checks import check_grads, check_opt_state
+from leanstep.step.update.chunks import chunked_update
+from leanstep.step.update.kept import applied_or_kept, clipped_grads, rounding_key
+from leanstep.step.update.offload import back_like, on_device
+from leanstep.step.update.offload_plan import update_plan
 
 __all__ = ["GuardedState", "UpdateInfo", "guarded_update", "guarded_update_transform"]
 
@@ -147,7 +147,7 @@ def guarded_update(
     ``params``, ``opt_state``, ``loss_scale``, ``consecutive_skips`` and (given the new one)
     ``model_state`` advance; ``step`` and ``rng`` are the caller's. On a skipped step params,
     optimizer state and model state come back bit-identical (the update under ``lax.cond``, not a
-    zero update: :mod:`leanstep.step.update_kept`).
+    zero update: :mod:`leanstep.step.update.kept`).
 
     Args:
       state: the :class:`TrainState` before the step.
@@ -160,7 +160,7 @@ def guarded_update(
         step whose loss or gradient norm leaps past its window; None: none.
       update_chunk: apply the optimizer in chunks of at most this many entries, one after
         another, so that one chunk's float32 widening is live at a time (the whole tree's
-        operations, rounded as XLA compiles them: :mod:`leanstep.step.update_chunks`); ``"auto"``: chunks of ``DEFAULT_UPDATE_CHUNK``
+        operations, rounded as XLA compiles them: :mod:`leanstep.step.update.chunks`); ``"auto"``: chunks of ``DEFAULT_UPDATE_CHUNK``
         where the optimizer allows it, else the whole tree; None: the whole tree at once.
 
     Returns:
@@ -202,7 +202,7 @@ def guarded_update(
         spiked, window[0] = spike_guard.decide(state.spike, values, finite)
         return spiked
 
-    plan = update_plan(state, wide, update_chunk, spike_guard)  # an offloaded state: update_offload_plan
+    plan = update_plan(state, wide, update_chunk, spike_guard)  # an offloaded state: offload_plan.py
     if plan is not None or spike_guard is None or "update_norm" not in spike_guard.watch:  # decided first
         _, finite, parts, clipped = _decide(scaled_grads, wide, state.loss_scale, max_grad_norm, loss, new_fp8)
         grad_norm = parts.norm.astype(jnp.float32)
