@@ -28,7 +28,7 @@ state from the parameters, so it is the model's builder that takes ``spec.fp8``;
 ``spec.int8``, whose scales are the tensors' own (no state at all).
 
 Size: the fields, their short forms, their JSON and their refusals are one value's, checked in one
-place (:func:`_checked`); parts with forms of their own are spec_parts and spec_json.
+place (:func:`_checked`); parts with forms of their own, and their JSON, are spec_parts.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ from leanstep.blocks.moments import MOMENT_DTYPES
 from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_bool, check_positive
-from leanstep.step.spec_json import JSON_PARTS, read_json_part
-from leanstep.step.spec_parts import LossScaleSpec, MeshLayout, check_update_chunk
+from leanstep.step.spec_parts import JSON_PARTS, LossScaleSpec, MeshLayout, check_update_chunk, read_json_part
 
 __all__ = ["LossScaleSpec", "MeshLayout", "StepSpec"]
 
