@@ -15,7 +15,7 @@ write the same value.
     master         how the masters are kept                          TrainState.create
     moments        how the optimizer's moments are kept              TrainState.create
     update_chunk   the update's largest chunk                        make_train_step
-    spike_guard    a SpikeGuard, or None                             both
+    spike_guard    a SpikeGuard, or None                             TrainState.create
     cast_batch     the batch's floats cast to the compute dtype      make_train_step
     donate         the state's buffers donated to the step           make_train_step
     sharding       a MeshLayout (None: the mesh's defaults)          make_train_step, given a mesh
@@ -91,7 +91,7 @@ class StepSpec:
         its reciprocal in one, a product and a sum fused into one multiply-add in the other (on a
         mesh too). Bit for bit where neither happens (docs/lean-state.md says where that was tested).
       spike_guard: a :class:`leanstep.SpikeGuard` skipping a finite step whose loss (or norms) leaps
-        past its window, or None; the state carries the window.
+        past its window, or None; the state carries the guard and its window.
       cast_batch: cast the batch's floating leaves to the compute dtype (integer leaves such as
         token ids are left alone); without it a float32 input silently promotes a bfloat16 matmul.
       donate: donate the state's buffers to the jitted step.

@@ -12,7 +12,7 @@
     checks.py        the update's input checks
 """
 
-from leanstep.step.update.checks import check_opt_state
+from leanstep.step.update.checks import check_opt_state, spike_window
 from leanstep.step.update.chunks import (
     ChunkInputs,
     assemble,
@@ -46,6 +46,7 @@ __all__ = [
     "row_put",
     "row_slice",
     "run_chunk",
+    "spike_window",
     "splittable_rows",
     "state_parts",
 ]

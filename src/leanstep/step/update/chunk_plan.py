@@ -28,7 +28,7 @@ def _lean(state: Any) -> bool:
     return state.master != "float32" or any(jnp.result_type(x) in narrow for x in jax.tree.leaves(state.opt_state))
 
 
-def chunk_plan_for(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -> ChunkPlan | None:
+def chunk_plan_for(state: Any, wide: Any, update_chunk: Any) -> ChunkPlan | None:
     """The plan :func:`leanstep.step.guarded_update` follows for ``state`` (masters widened: ``wide``),
     or None: the whole tree at once (``update_chunk`` None; ``"auto"`` for a float32 state, or
     where one chunk holds every parameter, the optimizer mixes parameters or the spike guard
@@ -45,6 +45,7 @@ def chunk_plan_for(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -
     limit = int(update_chunk) if given else DEFAULT_UPDATE_CHUNK
     if not given and (not _lean(state) or sum(math.prod(jnp.shape(p)) for p in jax.tree.leaves(wide)) <= limit):
         return None
+    spike_guard = state.spike_guard
     if spike_guard is not None and "update_norm" in spike_guard.watch:
         if given:
             raise ValueError(

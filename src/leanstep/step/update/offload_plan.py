@@ -17,7 +17,7 @@ from leanstep.step.update.offload import is_offloaded
 __all__ = ["update_plan"]
 
 
-def update_plan(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -> ChunkPlan | None:
+def update_plan(state: Any, wide: Any, update_chunk: Any) -> ChunkPlan | None:
     """:func:`leanstep.step.update.chunk_plan.chunk_plan_for`, for a state whose optimizer state
     may live in host memory: planned on device stand-ins of it (the plan traces the optimizer,
     and JAX refuses to mix memory spaces); with ``"auto"``, chunks of ``DEFAULT_UPDATE_CHUNK``
@@ -30,12 +30,12 @@ def update_plan(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -> C
     if update_chunk is None:
         return None
     if not is_offloaded(state.opt_state):
-        return chunk_plan_for(state, wide, update_chunk, spike_guard)
+        return chunk_plan_for(state, wide, update_chunk)
     standins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), state.opt_state)
     state = state.replace(opt_state=standins)
     if not (isinstance(update_chunk, str) and update_chunk == "auto"):
-        return chunk_plan_for(state, wide, update_chunk, spike_guard)
+        return chunk_plan_for(state, wide, update_chunk)
     try:
-        return chunk_plan_for(state, wide, DEFAULT_UPDATE_CHUNK, spike_guard)
+        return chunk_plan_for(state, wide, DEFAULT_UPDATE_CHUNK)
     except ValueError:  # the optimizer or the guard needs the whole tree: it comes to the device at once
         return None
