@@ -10,7 +10,7 @@
     state_sharding.py  where a train state lives on a mesh
     sharding_layer.py  stage 3, ShardingLayer: both stages over a mesh, one reduction
     spec.py            StepSpec: every setting of a step as one value, checked once, to and from JSON
-    spec_parts.py      LossScaleSpec, MeshLayout: the spec's loss scale and layout, as data
+    spec_parts.py      LossScaleSpec, MeshLayout: the spec's loss scale and layout, as data; a part's JSON read
     settings.py        StepSettings: a spec placed on its mesh (the layer), the mesh's refusals
     train_step.py      make_train_step: the three composed, jitted, inputs checked
     layer_passes.py    a LayerStack loss's forward and backward passes, a layer at a time, layer-major
