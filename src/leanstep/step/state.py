@@ -1,9 +1,9 @@
 """What a training run carries from one step to the next, and what one step reports.
 
-The state types every stage works on, in a module that depends only on the building blocks and the
-value types below it (the spec, the parameter checks), so that every stage can import it and none
-import each other in a circle. The state carries its own part of the step (optimizer, masters' and
-moments' formats, spike guard: static fields), which a step reads from it, never to agree with.
+The state types every stage works on, in a module that depends only on the building blocks and what
+stands below it (the spec, the parameter checks, the one-program initializer), so that every stage
+can import it and none import each other in a circle. The state carries its own part of the step
+(optimizer, masters' and moments' formats, spike guard: static fields), which a step reads from it.
 """
 
 from __future__ import annotations
