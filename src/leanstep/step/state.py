@@ -137,7 +137,7 @@ class TrainState:
             ``"bfloat16-sr"`` or ``"bfloat16-sr-kahan"``; round-to-nearest bfloat16 is refused),
             ``moments`` (``"float32"``, ``"bfloat16"`` or ``"int8"``:
             :func:`leanstep.blocks.compress_moments` wraps ``optimizer``) and ``spike_guard`` (a
-            :class:`leanstep.SpikeGuard`, whose empty window the state carries).
+            :class:`leanstep.SpikeGuard`, which the state carries, with its empty window).
 
         Raises:
           TypeError: a parameter leaf is not a floating-point array (a framework's
