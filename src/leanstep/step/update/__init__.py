@@ -5,10 +5,9 @@
     guarded.py       guarded_update, guarded_update_transform: the update's order, read top to bottom
     kept.py          the whole tree's update under one conditional: applied in full or kept
     chunks.py        the optimizer applied a chunk of the state at a time
-    chunk_plan.py    whether and how a state's update is chunked
+    chunk_plan.py    whether and how a state's update is chunked, on the device or offloaded
     dependence.py    which parameters an optimizer's update reads, from its jaxpr
     offload.py       offload_opt_state: the optimizer state in host memory
-    offload_plan.py  how an offloaded state's update is chunked
     checks.py        the update's input checks
 """
 

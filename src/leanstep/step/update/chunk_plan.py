@@ -1,5 +1,9 @@
 """Whether and how the guarded update is chunked: the plan for a state, by its ``update_chunk``
-setting (checked in :mod:`leanstep.step.spec_parts`; :mod:`leanstep.step.update.chunks` applies the plan)."""
+setting (checked in :mod:`leanstep.step.spec_parts`; :mod:`leanstep.step.update.chunks` applies the plan).
+
+An optimizer state kept in host memory (:mod:`leanstep.step.update.offload`) is planned as the
+state kept on the device would be, and chunked under ``"auto"`` whenever the optimizer allows it,
+so that one chunk of the state comes to the device at a time (:func:`update_plan`)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,9 @@ import jax.numpy as jnp
 
 from leanstep.step.spec_parts import check_update_chunk
 from leanstep.step.update.chunks import ChunkPlan, chunk_plan
+from leanstep.step.update.offload import is_offloaded
 
-__all__ = ["DEFAULT_UPDATE_CHUNK", "chunk_plan_for"]
+__all__ = ["DEFAULT_UPDATE_CHUNK", "chunk_plan_for", "update_plan"]
 
 #: The default largest chunk, in entries (measured: docs/lean-state.md, "A chunk-bounded update").
 DEFAULT_UPDATE_CHUNK = 2**22
@@ -64,3 +69,27 @@ def chunk_plan_for(state: Any, wide: Any, update_chunk: Any) -> ChunkPlan | None
             "max_grad_norm=)"
         )
     return plan
+
+
+def update_plan(state: Any, wide: Any, update_chunk: Any) -> ChunkPlan | None:
+    """:func:`chunk_plan_for`, for a state whose optimizer state
+    may live in host memory: planned on device stand-ins of it (the plan traces the optimizer,
+    and JAX refuses to mix memory spaces); with ``"auto"``, chunks of ``DEFAULT_UPDATE_CHUNK``
+    for an offloaded state whatever its format, or the whole tree (brought to the device at once)
+    where the optimizer mixes parameters or the spike guard watches the update's norm.
+
+    Raises:
+      ValueError: as ``chunk_plan_for``.
+    """
+    if update_chunk is None:
+        return None
+    if not is_offloaded(state.opt_state):
+        return chunk_plan_for(state, wide, update_chunk)
+    standins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), state.opt_state)
+    state = state.replace(opt_state=standins)
+    if not (isinstance(update_chunk, str) and update_chunk == "auto"):
+        return chunk_plan_for(state, wide, update_chunk)
+    try:
+        return chunk_plan_for(state, wide, DEFAULT_UPDATE_CHUNK)
+    except ValueError:  # the optimizer or the guard needs the whole tree: it comes to the device at once
+        return None

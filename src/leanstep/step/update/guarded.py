@@ -49,10 +49,10 @@ from leanstep.common.jaxprs import OPTIMIZER_UPDATE_SCOPE
 from leanstep.common.removed import refuses_removed_keywords
 from leanstep.step.state import TrainState
 from leanstep.step.update.checks import check_grads, check_opt_state, spike_window
+from leanstep.step.update.chunk_plan import update_plan
 from leanstep.step.update.chunks import chunked_update
 from leanstep.step.update.kept import applied_or_kept, clipped_grads, rounding_key
 from leanstep.step.update.offload import back_like, on_device
-from leanstep.step.update.offload_plan import update_plan
 
 __all__ = ["GuardedState", "UpdateInfo", "guarded_update", "guarded_update_transform"]
 
@@ -213,7 +213,7 @@ def guarded_update(
     _refuse_second_unscale(state.opt_state, "the state's optimizer")
     # 1, or less after a rollback past spikes (leanstep train); None without a guard
     scale: Any = None if guard is None else window.update_scale
-    plan = update_plan(state, wide, update_chunk)  # an offloaded state: offload_plan.py
+    plan = update_plan(state, wide, update_chunk)  # an offloaded state too
     if plan is not None or guard is None or "update_norm" not in guard.watch:  # decided first
         _, finite, parts, clipped = _decide(scaled_grads, wide, state.loss_scale, max_grad_norm, loss, new_fp8)
         grad_norm = parts.norm.astype(jnp.float32)
