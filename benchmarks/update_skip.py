@@ -1,5 +1,5 @@
 """A skippable AdamW update three ways: a select on every leaf, one ``lax.cond``, and leanstep's
-``guarded_update`` (which uses the conditional, :mod:`leanstep.step.update_kept`).
+``guarded_update`` (which uses the conditional, :mod:`leanstep.step.update.kept`).
 
 Each is jitted with its state donated and timed interleaved with the others (median of
 ``--calls``), beside its compiled temporaries, on float32 masters and moments. The forms must

@@ -1,4 +1,4 @@
-"""The chunk-bounded update (leanstep.step.update_chunks, update_dependence): the same bits as the
+"""The chunk-bounded update (leanstep.step.update.chunks, update.dependence): the same bits as the
 whole-tree update, refusals named, and the peak it bounds (compile-only).
 
 Simulated-device runs happen in a child process (this file is also its worker script)."""
@@ -21,8 +21,8 @@ import pytest
 import leanstep
 from leanstep.blocks.masters import rows_bits
 from leanstep.blocks.moments import compress_moments
-from leanstep.step.update_chunk_plan import check_update_chunk
-from leanstep.step.update_chunks import Unit, chunk_plan
+from leanstep.step.spec_parts import check_update_chunk
+from leanstep.step.update.chunks import Unit, chunk_plan
 
 CHUNK = 100  # entries: the blocks' stack (3 layers) is cut a layer at a time, the small leaves packed
 FORMS = {"float32": ("float32", "float32"), "lean": ("bfloat16-sr", "int8")}

@@ -24,7 +24,7 @@ import optax
 import pytest
 
 import leanstep
-from leanstep.step.update_chunks import chunk_plan
+from leanstep.step.update.chunks import chunk_plan
 
 STACK = {"w": (4, 32, 16), "b": (4, 16), "e": (64, 8)}
 MIXED = {"a": (16, 8), "b": (8,), "c": (4, 16, 4), "d": (3, 4)}

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import leanstep
 from leanstep import Accumulation, LossContract
 from leanstep.blocks.compute_dtype_check import PrecisionWarning
 from leanstep.blocks.loss_scale import StaticLossScale
@@ -112,7 +113,7 @@ def test_the_loss_sees_compute_dtype_params_and_batch_and_the_layout_hook():
         assert probe(params_c) is None  # the loss traced on abstract values, nothing computed
         return params_c
 
-    result = gradient_stage(loss_fn, precision="compute=bfloat16", params_layout=layout)(params0(), batch0())
+    result = gradient_stage(loss_fn, precision="compute=bfloat16")(params0(), batch0(), params_layout=layout)
     assert seen == {"w": jnp.bfloat16, "x": jnp.bfloat16, "layout": jnp.bfloat16}
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(result.grads))  # the accumulator's dtype
     # a float32 batch against bf16 weights: the matmul runs in float32, and the warning says so
@@ -153,9 +154,46 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="uses_rng must be a bool"):
         gradient_stage(mean_loss, loss=LossContract(uses_rng="yes"))
     with pytest.raises(TypeError, match="params_layout must be callable"):
-        gradient_stage(mean_loss, params_layout=3)
+        gradient_stage(mean_loss)(params0(), batch0(), params_layout=3)
+    with pytest.raises(
+        TypeError, match=r"gradient_stage\(params_layout=\) was removed in leanstep 0.12: give it to each call"
+    ):
+        gradient_stage(mean_loss, params_layout=lambda p, probe: p)
+    for shards in (0, 1.5, True):
+        with pytest.raises(ValueError, match="data_shards must be a positive int"):
+            gradient_stage(mean_loss)(params0(), batch0(), data_shards=shards)
     with pytest.raises(ValueError, match="batch size 12 is not divisible by num_microbatches=5"):
         gradient_stage(mean_loss, accumulation=5)(params0(), batch0())
+
+
+def test_data_shards_seeds_a_mean_loss_with_fp8_state_by_its_share_of_the_devices():
+    """The sharding layer tells the stage how many devices reduce once per step (``data_shards=``, an
+    argument, where 0.11 read a context variable): with FP8 state a mean loss's gradient is this
+    device's share, 1 / (M * D) of the whole, exactly (a power of two); the FP8 state's new values
+    record the cotangents of that share (the output gradient's amax a quarter of the whole's, the
+    input's the same); without FP8 state nothing changes."""
+    recipe = leanstep.Fp8Recipe(history=4)
+    params = {**params0(), "fp8": leanstep.blocks.Fp8Meta.create(recipe)}
+
+    def loss_fn(params, batch):
+        pred = jnp.tanh(
+            leanstep.blocks.fp8_matmul(batch["x"], params["w"], params["fp8"], recipe) + params["b"][None, :]
+        )
+        return jnp.mean((pred.astype(jnp.float32) - batch["y"]) ** 2)
+
+    stage = jax.jit(gradient_stage(loss_fn, accumulation=2), static_argnames="data_shards")
+    one, four = (stage(params, batch0(), SCALE, data_shards=shards) for shards in (1, 4))
+    for name in ("w", "b"):
+        np.testing.assert_array_equal(np.asarray(four.grads[name]) * 4, np.asarray(one.grads[name]))
+    np.testing.assert_array_equal(
+        np.asarray(four.grads["fp8"].input_history), np.asarray(one.grads["fp8"].input_history)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(four.grads["fp8"].grad_history) * 4, np.asarray(one.grads["fp8"].grad_history)
+    )
+    assert float(four.loss) == float(one.loss)  # the loss itself is the whole batch's
+    plain = jax.jit(gradient_stage(mean_loss, accumulation=2), static_argnames="data_shards")
+    assert_close(plain(params0(), batch0(), data_shards=4).grads, plain(params0(), batch0()).grads, rtol=0, atol=0)
 
 
 def test_aux_comes_back_in_the_output_dtype():

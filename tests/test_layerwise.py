@@ -267,7 +267,7 @@ def _matmul_optimizer(product):
 
 
 def test_the_update_dependence_reads_a_dots_batch_dimension_as_rows_kept_apart():
-    from leanstep.step.update_chunks import splittable_rows
+    from leanstep.step.update.chunks import splittable_rows
 
     params = {"w": jax.ShapeDtypeStruct((4, 3, 3), jnp.float32)}
     per_layer = _matmul_optimizer(lambda g: jnp.einsum("lij,lkj->lik", g, g))  # each layer's g g^T

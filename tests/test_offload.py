@@ -1,4 +1,4 @@
-"""The optimizer state in host memory (leanstep.step.update_offload) and the memory-space report
+"""The optimizer state in host memory (leanstep.step.update.offload) and the memory-space report
 (leanstep.inspection.memory_spaces): the same bits as the state kept on the device, one chunk of
 the state on the device at a time (read from the program), and the audit's refusals.
 
@@ -20,8 +20,8 @@ import optax
 import pytest
 
 import leanstep
-from leanstep.step.update_chunks import chunk_plan
-from leanstep.step.update_offload import is_offloaded
+from leanstep.step.update.chunks import chunk_plan
+from leanstep.step.update.offload import is_offloaded
 from tests.test_chunked_update import CHUNK, FORMS, _batch, _identical, _loss, _optimizers, _params
 
 
@@ -81,7 +81,7 @@ def test_offload_opt_state_refuses_what_is_not_a_state_of_arrays():
 
 
 def test_offload_opt_state_refuses_8_bit_moments_on_a_tpu_with_one_line():
-    from leanstep.step import update_offload
+    from leanstep.step.update import offload as update_offload
 
     state = leanstep.TrainState.create(_params(), optax.adam(1e-3), master="bfloat16-sr", moments="int8")
     why = update_offload._refused_on_platform(state.opt_state, "tpu")
@@ -129,7 +129,7 @@ def _transformer_reports(update_chunk: int):
 
 def _chunk_state_bytes(state, update_chunk: int) -> tuple[list[int], int]:
     """Each chunk's optimizer-state bytes, from the plan and the optimizer's state of each leaf
-    alone; and how many stacks hold vectors (moved whole before their loop: update_chunks)."""
+    alone; and how many stacks hold vectors (moved whole before their loop: update.chunks)."""
     wide = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), state.params)
     plan, _ = chunk_plan(state.optimizer, state.opt_state, wide, update_chunk)
     leaves = jax.tree.leaves(wide)

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 import leanstep
-from leanstep.common.removed import REMOVED_KEYWORDS, refuses_removed_keywords, removed_keyword_error
+from leanstep.common.removed import (
+    MOVED_KEYWORDS,
+    REMOVED_KEYWORDS,
+    moved_keyword_error,
+    refuses_removed_keywords,
+    removed_keyword_error,
+)
 from leanstep.planning.cluster import plan_cluster
 from leanstep.planning.search_options import SearchOptions, SearchSpace
 
@@ -48,6 +54,22 @@ def test_the_new_spelling_names_a_real_value_and_field(where, old):
     assert cls in importlib.import_module(module).__all__  # a public spelling, which warns about nothing
     assert field in inspect.signature(getattr(importlib.import_module(module), cls)).parameters
     assert old not in inspect.signature(FUNCTIONS[where]).parameters
+
+
+MOVED = [(where, old) for where, moved in MOVED_KEYWORDS.items() for old in sorted(moved)]
+
+
+@pytest.mark.parametrize(("where", "old"), MOVED, ids=[f"{w}-{o}" for w, o in MOVED])
+def test_a_keyword_moved_in_0_12_gets_one_typeerror_saying_what_to_write(where, old):
+    """0.11's ``gradient_stage(params_layout=)`` and ``guarded_update(spike_guard=)``: the layout is
+    given to each call now, the guard is the state's; the function no longer takes the keyword."""
+    function = {"gradient_stage": leanstep.step.gradient_stage, "guarded_update": leanstep.step.guarded_update}[where]
+    with pytest.raises(TypeError) as caught:
+        function(*([None] * 2), **{old: 1})
+    assert str(caught.value) == f"{where}({old}=) was removed in leanstep 0.12: {MOVED_KEYWORDS[where][old]}"
+    assert str(moved_keyword_error(where, [old, "loss"])) == str(caught.value)
+    assert old not in inspect.signature(function).parameters
+    assert moved_keyword_error(where, ["loss"]) is None and removed_keyword_error(where, [old]) is None
 
 
 def test_the_planners_refuse_every_flat_search_keyword():

@@ -189,12 +189,39 @@ def test_a_spike_is_skipped_with_params_and_optimizer_state_bit_identical(num_mb
     assert int(state.spike.spikes) == 2 and int(state.spike.recorded) == 40
 
 
-def test_without_the_states_window_the_guard_is_refused():
+def test_the_step_takes_the_guard_from_the_state_it_is_given():
+    """The state carries its guard (a static field, beside the optimizer): a step built without one
+    guards a guarded state's steps, and a step whose spec names a guard leaves an unguarded state
+    unguarded (the spec's guard is TrainState.create's); nothing is checked for agreement."""
     guard = SpikeGuard(window=16, k=6.0, warmup=8)
-    state = leanstep.TrainState.create({"w": jnp.zeros((4, 1))}, optax.sgd(0.1))
-    step = leanstep.make_train_step(_linear_loss, spike_guard=guard)
-    with pytest.raises(ValueError, match=r"TrainState.create\(\.\.\., spike_guard=guard\)"):
-        step(state, next(_batches(1, ())))
+    make = lambda guard: leanstep.TrainState.create({"w": jnp.zeros((4, 1))}, optax.sgd(0.05), spike_guard=guard)
+    assert make(guard).spike_guard == guard and make(None).spike_guard is None
+    for state, step, skips in (
+        (make(guard), leanstep.make_train_step(_linear_loss), [14]),
+        (make(None), leanstep.make_train_step(_linear_loss, spike_guard=guard), []),
+    ):
+        spiked = []
+        for batch in _batches(20, spike_at=(14,)):
+            state, metrics = step(state, batch)
+            spiked.append(bool(metrics.spiked))
+        assert [t for t, s in enumerate(spiked) if s] == skips
+    with pytest.raises(
+        TypeError, match=r"guarded_update\(spike_guard=\) was removed in leanstep 0.12: the state carries"
+    ):
+        leanstep.step.guarded_update(make(guard), {"w": jnp.ones((4, 1))}, loss=jnp.float32(1.0), spike_guard=guard)
+
+
+def test_a_guard_without_its_window_is_named():
+    guard = SpikeGuard(window=16, k=6.0, warmup=8)
+    state = leanstep.TrainState.create({"w": jnp.zeros((4, 1))}, optax.sgd(0.1), spike_guard=guard)
+    step = leanstep.make_train_step(_linear_loss)
+    for broken in (state.replace(spike=None), state.replace(spike=SpikeGuard(window=8).init())):
+        with pytest.raises(
+            ValueError, match=r"has no window of its own.*TrainState.create\(\.\.\., spike_guard=guard\)"
+        ):
+            step(broken, next(_batches(1, ())))
+    with pytest.raises(ValueError, match="the state's spike guard judges the step's loss: pass loss="):
+        leanstep.step.guarded_update(state, {"w": jnp.ones((4, 1))})
 
 
 def test_the_guard_needs_no_host_sync():

@@ -27,7 +27,7 @@ import pytest
 
 import leanstep
 from leanstep.step import layerwise
-from leanstep.step.update_chunks import prepare_grads, row_put, run_chunk
+from leanstep.step.update.chunks import prepare_grads, row_put, run_chunk
 from leanstep.training import RunConfig
 
 #: The run the row is checked on: the tiny transformer, its default dynamic loss scale, 4 microbatches.

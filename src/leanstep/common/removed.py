@@ -9,7 +9,9 @@ generic "unexpected keyword argument":
     make_train_step(fsdp=) was removed in leanstep 0.12 (deprecated in 0.8): pass mesh=leanstep.step.ShardingLayer(mesh, fsdp=...)
 
 :func:`refuses_removed_keywords` wraps a function so that its removed keywords get that line; the
-function itself no longer takes them (its signature, and a type checker, say so).
+function itself no longer takes them (its signature, and a type checker, say so). A keyword 0.12 moved
+where it belongs, with no deprecation (:data:`MOVED_KEYWORDS`: the spike guard into the state, the
+gradient stage's layout into each call), gets one line saying what to write instead.
 
 0.12 moved every top-level name but the step and its value into its sub-package
 (:data:`MOVED_NAMES`): ``leanstep.plan`` is ``leanstep.planning.plan``. The old spelling still
@@ -25,8 +27,10 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 __all__ = [
+    "MOVED_KEYWORDS",
     "MOVED_NAMES",
     "REMOVED_KEYWORDS",
+    "moved_keyword_error",
     "moved_name_message",
     "refuses_removed_keywords",
     "removed_keyword_error",
@@ -59,6 +63,34 @@ REMOVED_KEYWORDS: dict[str, dict[str, str]] = {
 }
 
 
+#: function -> {keyword 0.12 moved where it belongs, with no deprecation: what to write instead}. A caller
+#: of the 0.11 spelling gets one TypeError saying so (:func:`moved_keyword_error`).
+MOVED_KEYWORDS: dict[str, dict[str, str]] = {
+    "gradient_stage": {
+        "params_layout": "give it to each call of the gradient function instead: gradients(params, batch, ..., "
+        "params_layout=...), as leanstep.step.ShardingLayer.gradients does",
+    },
+    "guarded_update": {
+        "spike_guard": "the state carries its guard (a static field, beside the optimizer): build it with "
+        "TrainState.create(..., spike_guard=guard), or from a StepSpec with one",
+    },
+}
+
+
+def moved_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
+    """The TypeError for the keywords of ``where`` that 0.12 moved (:data:`MOVED_KEYWORDS`) among ``given``, or None.
+
+    Example:
+      >>> str(moved_keyword_error("guarded_update", ["loss", "spike_guard"])).split(":")[0]
+      'guarded_update(spike_guard=) was removed in leanstep 0.12'
+    """
+    moved = MOVED_KEYWORDS.get(where, {})
+    old = sorted(name for name in given if name in moved)
+    if not old:
+        return None
+    return TypeError(f"{where}({old[0]}=) was removed in leanstep 0.12: {moved[old[0]]}")
+
+
 def removed_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
     """The TypeError for the removed keywords of ``where`` among ``given``, or None if there are none.
 
@@ -68,7 +100,7 @@ def removed_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
       >>> removed_keyword_error("gradient_stage", ["precision"]) is None
       True
     """
-    removed = REMOVED_KEYWORDS[where]
+    removed = REMOVED_KEYWORDS.get(where, {})
     old = sorted(name for name in given if name in removed)
     if not old:
         return None
@@ -79,13 +111,18 @@ def removed_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
 
 
 def refuses_removed_keywords(where: str) -> Callable[[_F], _F]:
-    """Wraps a function so that a removed keyword of ``where`` (:data:`REMOVED_KEYWORDS`) gets its TypeError."""
-    removed = REMOVED_KEYWORDS[where]
+    """Wraps a function so that a removed or moved keyword of ``where`` (:data:`REMOVED_KEYWORDS`,
+    :data:`MOVED_KEYWORDS`) gets its TypeError."""
+    if where not in REMOVED_KEYWORDS and where not in MOVED_KEYWORDS:
+        raise KeyError(f"{where!r} has no removed or moved keywords")
+    old = {*REMOVED_KEYWORDS.get(where, {}), *MOVED_KEYWORDS.get(where, {})}
 
     def wrap(function: _F) -> _F:
         @functools.wraps(function)
         def refusing(*args: Any, **kwargs: Any) -> Any:
-            error = None if removed.keys().isdisjoint(kwargs) else removed_keyword_error(where, kwargs)
+            error = None
+            if not old.isdisjoint(kwargs):
+                error = removed_keyword_error(where, kwargs) or moved_keyword_error(where, kwargs)
             if error is not None:
                 raise error
             return function(*args, **kwargs)

@@ -6,12 +6,11 @@
     param_checks.py    what may be trained as parameters
     state_init.py      TrainState.create_from: the step-0 state made in one program from init
     gradients.py       stage 1, gradient_stage: cast, microbatch, accumulate
-    update.py          stage 2, guarded_update: unscale, check, clip, apply or skip
-    update_offload.py  offload_opt_state: the optimizer state in host memory, a chunk at a time on the device
+    update/            stage 2, guarded_update: unscale, check, clip, apply or skip; chunked; offload_opt_state
     state_sharding.py  where a train state lives on a mesh
     sharding_layer.py  stage 3, ShardingLayer: both stages over a mesh, one reduction
     spec.py            StepSpec: every setting of a step as one value, checked once, to and from JSON
-    spec_parts.py      LossScaleSpec, MeshLayout: the spec's loss scale and layout, as data
+    spec_parts.py      LossScaleSpec, MeshLayout: the spec's loss scale and layout, as data; a part's JSON read
     settings.py        StepSettings: a spec placed on its mesh (the layer), the mesh's refusals
     train_step.py      make_train_step: the three composed, jitted, inputs checked
     layer_passes.py    a LayerStack loss's forward and backward passes, a layer at a time, layer-major
@@ -28,8 +27,7 @@ from leanstep.step.spec import LossScaleSpec, MeshLayout, StepSpec
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.state_sharding import shard_train_state, state_shardings
 from leanstep.step.train_step import JittedTrainStep, make_train_step
-from leanstep.step.update import GuardedState, UpdateInfo, guarded_update, guarded_update_transform
-from leanstep.step.update_offload import offload_opt_state
+from leanstep.step.update import GuardedState, UpdateInfo, guarded_update, guarded_update_transform, offload_opt_state
 
 __all__ = [
     "REDUCTIONS",

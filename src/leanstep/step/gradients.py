@@ -22,18 +22,16 @@ reduce once per step, takes the gradient of ``S * l_j / (M * D)``, and the sum n
 Every cotangent inside the model is then the one-microbatch, one-device step's (exactly, for
 ``M * D`` a power of two), and so is the amax of the output gradient each FP8 matmul records.
 
-On the first trace the loss is traced once more, on abstract values (nothing runs): a
-``"save:NAME"`` remat policy naming a tag the loss never sets is refused, and, with a compute
-dtype below float32, a :class:`leanstep.blocks.PrecisionWarning` says so when none of its matmuls runs
-in that dtype.
+Each time the stage is traced (a jitted step: once for its inputs' shapes), the loss is traced once
+more, on abstract values (nothing runs): a ``"save:NAME"`` remat policy naming a tag the loss never
+sets is refused, and, with a compute dtype below float32, a :class:`leanstep.blocks.PrecisionWarning`
+says so when none of its matmuls runs in that dtype.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -48,24 +46,13 @@ from leanstep.blocks.loss_contract import LossContract, LossOutput, loss_contrac
 from leanstep.blocks.loss_scale import LossScale, NoOpLossScale
 from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.rematerialization import check_saved_names
-from leanstep.common.checks import check_bool, check_callable
+from leanstep.common.checks import check_bool, check_callable, is_int
 from leanstep.common.removed import refuses_removed_keywords
 
-__all__ = ["Gradients", "data_shards", "gradient_stage"]
+__all__ = ["Gradients", "gradient_stage"]
 
-# How many devices split the batch that reduce once per step (the sharding layer sets it while it
-# traces the stage inside its shard_map): a mean loss with FP8 state is seeded with 1 / (M * D).
-_DATA_SHARDS: contextvars.ContextVar[int] = contextvars.ContextVar("leanstep_data_shards", default=1)
-
-
-@contextlib.contextmanager
-def data_shards(count: int) -> Iterator[None]:
-    """While it is open, the gradient stage traces one of ``count`` devices' shares of the batch."""
-    token = _DATA_SHARDS.set(count)
-    try:
-        yield
-    finally:
-        _DATA_SHARDS.reset(token)
+#: What lays out the compute-dtype params before the loss sees them: ``layout(params_c, probe)``.
+ParamsLayout = Callable[[Any, Callable[[Any], None]], Any]
 
 
 class Gradients(NamedTuple):
@@ -97,15 +84,20 @@ def gradient_stage(
     accumulation: Accumulation | int = 1,
     loss: LossContract | None = None,
     cast_batch: bool = True,
-    params_layout: Callable[[Any, Callable[[Any], None]], Any] | None = None,
 ) -> Callable[..., Gradients]:
-    r"""Builds ``gradients(params, batch, loss_scale=None, key=None, model_state=None) -> Gradients``.
+    r"""Builds ``gradients(params, batch, loss_scale=None, key=None, model_state=None, *,
+    params_layout=None, data_shards=1) -> Gradients``.
 
     See the module doc for the computation. ``loss_scale`` (a :class:`LossScale`; None: no
     scaling) multiplies each microbatch loss in float32 before differentiation; ``key`` (a
     typed PRNG key, with ``uses_rng``) becomes ``fold_in(key, j)`` for microbatch ``j``,
     handed to ``loss_fn`` as its third argument (the index reaches the body through the
-    scan, never through the batch).
+    scan, never through the batch). Where the call runs on a mesh, its caller (the sharding
+    layer, :class:`leanstep.step.ShardingLayer`) says so through the two keywords:
+    ``params_layout(params_c, probe)`` lays out the compute-dtype params before the loss sees
+    them (``probe(params_c)`` traces the loss once on abstract values); ``data_shards`` is how
+    many devices split the batch and reduce once per step, of which this call computes one's
+    share (a mean loss with FP8 state is seeded with ``1 / (M * D)``: the module doc).
 
     Args:
       loss_fn: ``loss_fn(params, microbatch)`` returning a scalar ``loss``, or whatever
@@ -122,9 +114,6 @@ def gradient_stage(
       cast_batch: cast the batch's floating leaves to the compute dtype (integer leaves
         such as token ids stay): a float32 input would otherwise promote a bf16 matmul
         back to float32.
-      params_layout: ``params_layout(params_c, probe)`` lays out the compute-dtype params
-        before the loss sees them (the sharding layer, :class:`leanstep.step.ShardingLayer`);
-        ``probe(params_c)`` traces the loss once on abstract values. None: nothing.
 
     Returns:
       The gradient function, traceable under ``jax.jit``.
@@ -133,7 +122,8 @@ def gradient_stage(
       TypeError, ValueError: a bad argument, named (now), a keyword removed in 0.12
         (``num_microbatches=``, ``has_aux=``, ...: the TypeError names its new spelling), a
         ``precision`` whose params dtype is not float32 among them (the gradient is of float32 masters:
-        :func:`leanstep.blocks.precision.check_train_precision`); at trace time, a loss output (or a
+        :func:`leanstep.blocks.precision.check_train_precision`); at trace time, a ``params_layout``
+        that is not callable or a ``data_shards`` that is not a positive int, a loss output (or a
         token count) of the wrong structure, dtype or shape, a batch the splitter refuses, or a
         ``"save:NAME"`` remat policy in the loss naming a tag the loss never sets.
 
@@ -152,10 +142,7 @@ def gradient_stage(
     contract, accumulation = loss_contract_of(loss, {}), _accumulation_of(accumulation)
     contract.check_signature(loss_fn)
     cast_batch = check_bool("cast_batch", cast_batch)
-    if params_layout is not None:
-        check_callable("params_layout", params_layout)
     model_loss = _naming_settings(policy.wrap(loss_fn), contract)
-    checked: list[bool] = []  # the compute-dtype check runs on the first trace only
 
     def gradients(
         params: Any,
@@ -163,16 +150,15 @@ def gradient_stage(
         loss_scale: LossScale | None = None,
         key: jax.Array | None = None,
         model_state: Any = None,
+        *,
+        params_layout: ParamsLayout | None = None,
+        data_shards: int = 1,
     ) -> Gradients:
         scale = NoOpLossScale() if loss_scale is None else loss_scale
-        if contract.uses_rng and key is None:
-            raise ValueError("uses_rng=True: pass the step's PRNG key as key=")
-        if contract.has_state and model_state is None:
-            raise ValueError("has_state=True: pass the model state before the step as model_state=")
-
+        _check_call(contract, key, model_state, params_layout, data_shards)
         # With FP8 state a mean loss is seeded with its share of the batch (the module doc).
         seeded = has_fp8(params) and not contract.token_weighted
-        share = accumulation.num_microbatches * _DATA_SHARDS.get() if seeded else 1
+        share = accumulation.num_microbatches * data_shards if seeded else 1
 
         def scaled_loss(params_c: Any, state: Any, microbatch: Any, *index: jax.Array) -> tuple[jax.Array, LossOutput]:
             microbatch_key = jax.random.fold_in(key, index[0]) if key is not None and contract.uses_rng else None
@@ -202,9 +188,8 @@ def gradient_stage(
 
             params_c = params_layout(params_c, probe)
         (_, _, (values, counts, aux), new_state), scaled_grads = run(params_c, data, state_in)
-        if not checked:  # after the outputs' own checks; marked only once passed, so a caught error comes again
-            _check_traced_loss(model_loss, params_c, state_in, data, accumulation, contract, policy.compute_dtype)
-            checked.append(True)
+        # after the outputs' own checks; once a trace (a jitted step traces once for its inputs' shapes)
+        _check_traced_loss(model_loss, params_c, state_in, data, accumulation, contract, policy.compute_dtype)
         count = None
         # Without division (accumulation.divide=False) the loss is the sum the caller divides.
         if contract.token_weighted:
@@ -218,6 +203,18 @@ def gradient_stage(
         return Gradients(loss=loss, grads=scaled_grads, aux=aux, model_state=new_state, token_count=count)
 
     return gradients
+
+
+def _check_call(contract: LossContract, key: Any, model_state: Any, params_layout: Any, data_shards: Any) -> None:
+    """What one call of the gradient function must be given, named."""
+    if contract.uses_rng and key is None:
+        raise ValueError("uses_rng=True: pass the step's PRNG key as key=")
+    if contract.has_state and model_state is None:
+        raise ValueError("has_state=True: pass the model state before the step as model_state=")
+    if params_layout is not None:
+        check_callable("params_layout", params_layout)
+    if not is_int(data_shards) or data_shards < 1:
+        raise ValueError(f"data_shards must be a positive int (devices that split the batch), got {data_shards!r}")
 
 
 def _naming_settings(loss_fn: Callable[..., Any], contract: LossContract) -> Callable[..., Any]:

@@ -22,7 +22,7 @@ remat (forward, then twice a recomputed forward and backward). A skipped step ru
 leaves params and optimizer state bit-identical.
 
 The optimizer is applied to a layer's rows with the chunked update's machinery
-(:mod:`leanstep.step.update_chunks`); the passes are :mod:`leanstep.step.layer_passes`: each entry computed with the whole tree's operations, masks
+(:mod:`leanstep.step.update.chunks`); the passes are :mod:`leanstep.step.layer_passes`: each entry computed with the whole tree's operations, masks
 and schedules seeing the whole structure, counts shared, bfloat16 masters rounded with the bits
 their rows take in the whole leaf. The optimizer's update of a parameter must depend on nothing of
 another and keep the rows of a stacked leaf apart (read from its jaxpr); one that does not is
@@ -33,8 +33,8 @@ On a mesh (``make_train_step(..., mesh=)``) the step runs inside the sharding la
 microbatches over the batch axes) and every reduction is XLA's SPMD partitioner's, as under
 ``reduce="microbatch"``: each layer's gradient is reduced where it is made.
 
-A spike guard judges the loss and the norm after pass 1, so a spike is skipped before anything is
-applied; one that watches the update's norm is refused (that norm is known only after pass 2).
+The state's spike guard judges the loss and the norm after pass 1, so a spike is skipped before
+anything is applied; one that watches the update's norm is refused (that norm is known only after pass 2).
 Not yet (each refused in one line, by :class:`leanstep.StepSpec` or here): FP8 state, an
 offloaded optimizer state, a loss with aux, model state or a PRNG key.
 """
@@ -56,21 +56,22 @@ from leanstep.common.checks import INT32_MAX
 from leanstep.step.layer_passes import layer_gradient, stack_forward, top_gradient
 from leanstep.step.spec import StepSpec
 from leanstep.step.state import StepMetrics, TrainState
-from leanstep.step.update_checks import check_opt_state
-from leanstep.step.update_chunks import (
+from leanstep.step.update import (
     ChunkInputs,
     assemble,
+    check_opt_state,
+    is_offloaded,
     leaf_parts,
     master_finish,
     prepare_grads,
+    rounding_key,
     row_put,
     row_slice,
     run_chunk,
+    spike_window,
     splittable_rows,
     state_parts,
 )
-from leanstep.step.update_kept import rounding_key
-from leanstep.step.update_offload import is_offloaded
 
 __all__ = ["make_layerwise_step"]
 
@@ -96,6 +97,11 @@ def _check_state(state: Any, stack: LayerStack) -> None:
     if state.model_state is not None or has_fp8(state.params) or is_offloaded(state.opt_state):
         raise ValueError(
             "update_in_backward=True takes a state without model state, FP8 state or an offloaded optimizer state"
+        )
+    if state.spike_guard is not None and "update_norm" in state.spike_guard.watch:
+        raise ValueError(
+            "update_in_backward=True does not yet take a spike guard watching 'update_norm' (known only after "
+            "the update); the state's watches it: build the state with a guard of the loss or gradient norm"
         )
     stack.split(state.params)  # its own errors
     abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.float32), state.params)
@@ -210,17 +216,15 @@ class _Decision(NamedTuple):
 
 def _decide(spec: StepSpec, state: TrainState, parts: NormParts, loss: jax.Array) -> _Decision:
     """Skip or apply, from the whole gradient's norm parts and the loss (pass 1), as the standard
-    step decides: non-finite, or a spike of the loss or the norm past the guard's window."""
+    step decides: non-finite, or a spike of the loss or the norm past the window of the state's guard."""
     finite = parts.finite & jnp.isfinite(loss)
     norm = parts.norm.astype(jnp.float32)
     clipped = jnp.zeros((), bool) if spec.max_grad_norm is None else parts.norm > spec.max_grad_norm
-    guard = spec.spike_guard
+    guard, window = state.spike_guard, spike_window(state)
     if guard is None:
-        return _Decision(finite, jnp.zeros((), bool), clipped, state.spike, None)
-    if state.spike is None or state.spike.values.shape != guard.init().values.shape:
-        raise ValueError("spike_guard needs the state's window of the same guard: TrainState.create(..., spec)")
-    spiked, window = guard.decide(state.spike, {"loss": loss, "grad_norm": norm}, finite)
-    return _Decision(finite, spiked, clipped, window, state.spike.update_scale)
+        return _Decision(finite, jnp.zeros((), bool), clipped, window, None)
+    spiked, new_window = guard.decide(window, {"loss": loss, "grad_norm": norm}, finite)
+    return _Decision(finite, spiked, clipped, new_window, window.update_scale)
 
 
 def _apply(

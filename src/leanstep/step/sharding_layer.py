@@ -33,8 +33,8 @@ reasons beside each choice; the state's shardings are state_sharding.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -53,16 +53,12 @@ from leanstep.sharding.partition_rules import (
     make_spec,
     param_path,
 )
-from leanstep.step.gradients import Gradients, data_shards
+from leanstep.step.gradients import Gradients
 from leanstep.step.spec_parts import REDUCTIONS  # the values of ``reduce`` (see the module doc)
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.state_sharding import params_specs, state_shardings
 
 __all__ = ["REDUCTIONS", "ShardingLayer"]
-
-# The parameters' specs, from their global shapes, while a step is traced (inside the
-# shard_map the parameters have local shapes, from which the specs cannot be told).
-_SPECS: contextvars.ContextVar[Any] = contextvars.ContextVar("leanstep_param_specs", default=None)
 
 
 def _map_specs(fn: Callable[..., Any], params: Any, specs: Any) -> Any:
@@ -193,16 +189,18 @@ class ShardingLayer:
         spec = self.axes.rows(1)
         return lambda tree, num_microbatches: self._constrain(splitter(tree, num_microbatches), spec)
 
-    def model_params(self, params: Any, probe: Callable[[Any], Any] | None = None) -> Any:
+    def model_params(self, params: Any, probe: Callable[[Any], Any] | None = None, *, specs: Any = None) -> Any:
         """The compute-dtype parameters as the model receives them.
 
         Over a manual FSDP axis (``reduce="step"``) they are all-gathered here, once per
         step. Otherwise they keep their partition specs, and leaves the model does not
         gather itself (:func:`leanstep.sharding.gathered`, found by tracing ``probe``, the loss on
         abstract values) are gathered whole over the FSDP axis here, once per step.
+
+        ``specs``: the parameters' :meth:`param_specs`, told from their global shapes (inside the
+        ``shard_map`` they have local shapes, from which the specs cannot be told); None: from ``params``.
         """
         axes, manual = self.axes, self.manual_axes
-        specs = _SPECS.get()
         specs = self.param_specs(params) if specs is None else specs
         fsdp = axes.axis_of("fsdp")
         if fsdp is not None and fsdp in manual:
@@ -226,7 +224,10 @@ class ShardingLayer:
 
     def gradients(self, stage: Callable[..., Gradients], *, token_weighted: bool) -> Callable[..., Gradients]:
         """``stage`` (a :func:`leanstep.step.gradient_stage`) with the model's sharding context and,
-        over the manual axes, local accumulation and one reduction after it.
+        over the manual axes, local accumulation and one reduction after it. The stage is told
+        where it runs through its arguments: ``params_layout`` (:meth:`model_params` with the
+        parameters' specs, told from their global shapes) and ``data_shards`` (the devices that
+        reduce once per step).
 
         Token-weighted over manual axes, ``stage`` must hand on its sums (its accumulation
         built with ``divide=False``, as :func:`leanstep.make_train_step` builds it): the layer
@@ -235,24 +236,22 @@ class ShardingLayer:
         manual = self.manual_axes
         axes = self.axes
 
-        def traced(params: Any, batch: Any, loss_scale: Any, key: Any, model_state: Any) -> Gradients:
-            with sharding_context(axes, _SPECS.get(), params, manual=manual):
-                return stage(params, batch, loss_scale, key, model_state)
-
-        def with_specs(fn: Callable[..., Gradients]) -> Callable[..., Gradients]:
-            def run(
-                params: Any, batch: Any, loss_scale: Any = None, key: Any = None, model_state: Any = None
-            ) -> Gradients:
-                token = _SPECS.set(self.param_specs(params))
-                try:
-                    return fn(params, batch, loss_scale, key, model_state)
-                finally:
-                    _SPECS.reset(token)
-
-            return run
+        def traced(
+            params: Any, batch: Any, loss_scale: Any, key: Any, model_state: Any, specs: Any, shards: int
+        ) -> Gradients:
+            # the parameters' specs and the devices that share the batch, handed to the stage as its arguments
+            layout = functools.partial(self.model_params, specs=specs)
+            with sharding_context(axes, specs, params, manual=manual):
+                return stage(params, batch, loss_scale, key, model_state, params_layout=layout, data_shards=shards)
 
         if not manual:
-            return with_specs(traced)
+
+            def placed(
+                params: Any, batch: Any, loss_scale: Any = None, key: Any = None, model_state: Any = None
+            ) -> Gradients:
+                return traced(params, batch, loss_scale, key, model_state, self.param_specs(params), 1)
+
+            return placed
         batch_manual = tuple(a for a in axes.batch if a in manual)
         devices = axes.size(manual)
 
@@ -264,7 +263,7 @@ class ShardingLayer:
                     "a model state (has_state=True) would differ between devices that reduce their "
                     "gradient once per step: use reduce='microbatch'"
                 )
-            specs = _SPECS.get()
+            specs = self.param_specs(params)  # from the global shapes, outside the shard_map
             in_params = jax.tree.map(
                 lambda s: make_spec(s, keep=set(manual)), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
             )
@@ -272,8 +271,8 @@ class ShardingLayer:
             def local(params: Any, batch: Any, loss_scale: Any, key: Any) -> Gradients:
                 if key is not None and devices > 1:  # each device draws its own randomness for its rows
                     key = jax.random.fold_in(key, jax.lax.axis_index(manual))
-                with data_shards(devices):  # a mean loss with FP8 state is seeded with its share
-                    out = traced(params, batch, loss_scale, key, None)
+                # a mean loss with FP8 state is seeded with this device's share (data_shards)
+                out = traced(params, batch, loss_scale, key, None, specs, devices)
                 return self._reduced(out, specs, token_weighted=token_weighted)
 
             rows = make_spec([batch_manual])
@@ -292,7 +291,7 @@ class ShardingLayer:
                 ),
             )(params, batch, loss_scale, key)
 
-        return with_specs(reduced)
+        return reduced
 
     def _reduced(self, out: Gradients, specs: Any, *, token_weighted: bool) -> Gradients:
         """One device's gradient stage output, reduced over the manual axes (inside ``shard_map``):

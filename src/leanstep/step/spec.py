@@ -15,7 +15,7 @@ write the same value.
     master         how the masters are kept                          TrainState.create
     moments        how the optimizer's moments are kept              TrainState.create
     update_chunk   the update's largest chunk                        make_train_step
-    spike_guard    a SpikeGuard, or None                             both
+    spike_guard    a SpikeGuard, or None                             TrainState.create
     cast_batch     the batch's floats cast to the compute dtype      make_train_step
     donate         the state's buffers donated to the step           make_train_step
     sharding       a MeshLayout (None: the mesh's defaults)          make_train_step, given a mesh
@@ -28,7 +28,7 @@ state from the parameters, so it is the model's builder that takes ``spec.fp8``;
 ``spec.int8``, whose scales are the tensors' own (no state at all).
 
 Size: the fields, their short forms, their JSON and their refusals are one value's, checked in one
-place (:func:`_checked`); parts with forms of their own are spec_parts and spec_json.
+place (:func:`_checked`); parts with forms of their own, and their JSON, are spec_parts.
 """
 
 from __future__ import annotations
@@ -48,9 +48,7 @@ from leanstep.blocks.moments import MOMENT_DTYPES
 from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_bool, check_positive
-from leanstep.step.spec_json import JSON_PARTS, read_json_part
-from leanstep.step.spec_parts import LossScaleSpec, MeshLayout
-from leanstep.step.update_chunk_plan import check_update_chunk
+from leanstep.step.spec_parts import JSON_PARTS, LossScaleSpec, MeshLayout, check_update_chunk, read_json_part
 
 __all__ = ["LossScaleSpec", "MeshLayout", "StepSpec"]
 
@@ -93,7 +91,7 @@ class StepSpec:
         its reciprocal in one, a product and a sum fused into one multiply-add in the other (on a
         mesh too). Bit for bit where neither happens (docs/lean-state.md says where that was tested).
       spike_guard: a :class:`leanstep.SpikeGuard` skipping a finite step whose loss (or norms) leaps
-        past its window, or None; the state carries the window.
+        past its window, or None; the state carries the guard and its window.
       cast_batch: cast the batch's floating leaves to the compute dtype (integer leaves such as
         token ids are left alone); without it a float32 input silently promotes a bfloat16 matmul.
       donate: donate the state's buffers to the jitted step.

@@ -1,6 +1,10 @@
-"""Two parts of a :class:`leanstep.StepSpec` that are settings, not state: the loss scale it starts
+"""Parts of a :class:`leanstep.StepSpec` that are settings, not state: the loss scale it starts
 from (:class:`LossScaleSpec`) and the layout over a mesh (:class:`MeshLayout`), each a hashable
-value with a JSON form.
+value with a JSON form; the ``update_chunk`` setting's forms (:func:`check_update_chunk`); and how
+:meth:`leanstep.StepSpec.from_json` reads a part (``loss``, ``accumulation``, ``loss_scale``,
+``spike_guard``, ``sharding``, and the strings ``precision`` and ``fp8``): an object of its fields,
+as :meth:`~leanstep.StepSpec.to_json` writes it, or a short form the constructor takes; any other
+JSON type is one ``TypeError`` naming the field and its forms (:func:`read_json_part`).
 
 .. code-block:: text
 
@@ -16,12 +20,15 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from leanstep.blocks.accumulation import Accumulation
+from leanstep.blocks.loss_contract import LossContract
 from leanstep.blocks.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
 from leanstep.blocks.loss_scale_registry import LOSS_SCALES
+from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_bool, check_positive, is_int, is_real
 from leanstep.sharding.distributed import parse_mesh
 
-__all__ = ["REDUCTIONS", "LossScaleSpec", "MeshLayout"]
+__all__ = ["JSON_PARTS", "REDUCTIONS", "LossScaleSpec", "MeshLayout", "check_update_chunk", "read_json_part"]
 
 #: Where gradients are reduced over a mesh (:class:`leanstep.step.ShardingLayer`'s ``reduce``).
 REDUCTIONS = ("auto", "step", "microbatch")
@@ -209,3 +216,85 @@ def _pairs(axes: Any) -> tuple[tuple[str, int], ...] | None:
 def axes_text(axes: Any) -> str:
     """``(("data", 2), ("fsdp", 2))`` as ``"data=2,fsdp=2"``."""
     return ",".join(f"{name}={size}" for name, size in axes)
+
+
+def check_update_chunk(update_chunk: Any) -> int | str | None:
+    """``update_chunk`` if it is ``"auto"``, None or a positive int.
+
+    Raises:
+      ValueError: another value, shown with the forms it may take.
+    """
+    if update_chunk is None or update_chunk == "auto" and isinstance(update_chunk, str):
+        return update_chunk
+    if is_int(update_chunk) and update_chunk > 0:
+        return int(update_chunk)
+    raise ValueError(
+        f"update_chunk must be 'auto', a positive int (the most entries one chunk of the optimizer's "
+        f"update widens to float32) or None (the whole tree at once), got {update_chunk!r}"
+    )
+
+
+#: Each part's JSON types and, in words, its forms.
+JSON_PARTS: dict[str, tuple[tuple[type, ...], str]] = {
+    "precision": ((str,), 'a string such as "compute=bfloat16" or "float32"'),
+    "loss": (
+        (Mapping,),
+        'an object of the fields has_aux, token_weighted, uses_rng, has_state (e.g. {"has_aux": true})',
+    ),
+    "accumulation": (
+        (Mapping,),
+        'an object of the fields num_microbatches, split, unroll (e.g. {"num_microbatches": 2})',
+    ),
+    "loss_scale": (
+        (str, int, float, Mapping),
+        '"none", "dynamic", a number (a static scale) or an object such as {"dynamic": 32768.0}',
+    ),
+    "fp8": ((str, type(None)), 'null or a recipe string such as "delayed"'),
+    "int8": ((str, type(None)), 'null or a recipe string such as "on"'),
+    "spike_guard": (
+        (str, Mapping, type(None)),
+        'null, a string such as "on" or "k=6,window=100", or an object of the fields window, k, warmup, watch',
+    ),
+    "sharding": (
+        (Mapping, type(None)),
+        'null or an object of the fields axes, data_axis, fsdp, reduce (e.g. {"axes": "data=2"})',
+    ),
+}
+#: The type an object form is read into, by its fields.
+_PART_TYPES: dict[str, type] = {
+    "loss": LossContract,
+    "accumulation": Accumulation,
+    "spike_guard": SpikeGuard,
+    "sharding": MeshLayout,
+}
+
+
+def read_json_part(name: str, value: Any) -> Any:
+    """Part ``name``'s JSON ``value``: an object read into its type; a string or number (a short
+    form) as it is, for the :class:`~leanstep.StepSpec` constructor to read and check.
+
+    Raises:
+      TypeError: ``value`` of another JSON type, naming the field and its forms.
+      ValueError: an object with a key that is not a field of the part, naming the part's fields.
+
+    Example:
+      >>> read_json_part("accumulation", {"num_microbatches": 2}).num_microbatches
+      2
+      >>> read_json_part("loss", None)
+      Traceback (most recent call last):
+      ...
+      TypeError: step spec field 'loss' must be an object of the fields has_aux, token_weighted, ..., got NoneType None
+    """
+    types, forms = JSON_PARTS[name]
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise TypeError(f"step spec field {name!r} must be {forms}, got {type(value).__name__} {value!r}")
+    if not isinstance(value, Mapping):
+        return value
+    if name == "loss_scale":
+        return LossScaleSpec.from_json(value)
+    kind = _PART_TYPES[name]
+    known = [f.name for f in dataclasses.fields(kind) if f.init]
+    unknown = sorted(set(value) - set(known), key=str)
+    if unknown:
+        raise ValueError(f"step spec field {name!r}: unknown key(s) {unknown}; expected some of {known}")
+    return kind(**value)

@@ -1,8 +1,9 @@
 """What a training run carries from one step to the next, and what one step reports.
 
-The state types every stage works on, in a module that depends only on the loss-scale state
-types and the shared checks, so that every other module can import it and none of them
-import each other in a circle.
+The state types every stage works on, in a module that depends only on the building blocks and what
+stands below it (the spec, the parameter checks, the one-program initializer), so that every stage
+can import it and none import each other in a circle. The state carries its own part of the step
+(optimizer, masters' and moments' formats, spike guard: static fields), which a step reads from it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from leanstep.blocks.fp8_state import merge_fp8, split_fp8
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.masters import master_dtype
 from leanstep.blocks.moments import compress_moments
+from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_optimizer, is_int
 from leanstep.step.param_checks import check_params
 from leanstep.step.spec import StepSpec
@@ -41,7 +43,7 @@ __all__ = ["StepMetrics", "TrainState"]
         "master_error",
         "spike",
     ],
-    meta_fields=["optimizer", "master"],
+    meta_fields=["optimizer", "master", "spike_guard", "moments"],
 )
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -75,7 +77,14 @@ class TrainState:
         rounding, ``"bfloat16-sr"`` or ``"bfloat16-sr-kahan"`` (:mod:`leanstep.blocks.masters`).
       master_error: the compensated-summation buffer of ``"bfloat16-sr-kahan"`` (bfloat16, shaped
         like the trainable parameters), else None.
-      spike: the window of a :class:`leanstep.SpikeGuard` (a ``SpikeState``), else None.
+      spike: the window of the state's spike guard (a ``SpikeState``), else None.
+      spike_guard: the :class:`leanstep.SpikeGuard` (static) that skips a finite step whose loss (or
+        norms) leaps past the window ``spike``, or None; the step takes it from here.
+      moments: the format the optimizer's moments are kept in (static): ``"float32"``, ``"bfloat16"``
+        or ``"int8"`` (``optimizer`` is then wrapped by :func:`leanstep.blocks.compress_moments`).
+
+    A checkpoint holds the arrays alone: one saved before 0.12 restores into a template built with
+    its spec, whose static fields it takes.
     """
 
     step: jax.Array
@@ -89,6 +98,8 @@ class TrainState:
     master_error: Any = None
     spike: Any = None
     master: Any = "float32"
+    spike_guard: SpikeGuard | None = None
+    moments: str = "float32"
 
     @classmethod
     def create(
@@ -113,8 +124,8 @@ class TrainState:
           optimizer: any ``optax.GradientTransformation``; its ``init`` builds ``opt_state``
             and the train step applies it.
           spec: the step's :class:`leanstep.StepSpec`, whose ``loss_scale``, ``master``,
-            ``moments`` and ``spike_guard`` the state is built with (the same value the step is
-            built from, so the two agree by construction); None: built from ``short``.
+            ``moments`` and ``spike_guard`` the state is built with and carries (the step reads them
+            from the state); None: built from ``short``.
           seed: the seed of ``rng``, an int in ``[0, 2**32 - 1]`` (``[0, 2**63 - 1]`` under
             ``jax_enable_x64``): without x64 a PRNG key keeps 32 bits of the seed, so a wider
             seed would give the run of another.
@@ -126,7 +137,7 @@ class TrainState:
             ``"bfloat16-sr"`` or ``"bfloat16-sr-kahan"``; round-to-nearest bfloat16 is refused),
             ``moments`` (``"float32"``, ``"bfloat16"`` or ``"int8"``:
             :func:`leanstep.blocks.compress_moments` wraps ``optimizer``) and ``spike_guard`` (a
-            :class:`leanstep.SpikeGuard`, whose empty window the state carries).
+            :class:`leanstep.SpikeGuard`, which the state carries, with its empty window).
 
         Raises:
           TypeError: a parameter leaf is not a floating-point array (a framework's
@@ -164,6 +175,8 @@ class TrainState:
             master_error=error,
             spike=None if spike_guard is None else spike_guard.init(),
             master=master,
+            spike_guard=spike_guard,
+            moments=spec.moments,
         )
         # One buffer per leaf: the step donates the state, and XLA refuses to donate a buffer
         # that two leaves share (the caller's params, or counters built from one zeros array).

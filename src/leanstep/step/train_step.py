@@ -109,8 +109,10 @@ def make_train_step(
         ``cast_batch``, the batch's floating leaves) in the compute dtype. With
         ``spec.update_in_backward``, a :class:`leanstep.LayerStack` (a loss in three parts).
       spec: the step's settings (:class:`leanstep.StepSpec`: precision, loss contract,
-        accumulation, clipping, spike guard, update chunks, donation, layout); None: built from
-        ``short``. The optimizer is not taken (a TypeError says so): it is the state's.
+        accumulation, clipping, update chunks, donation, layout); None: built from ``short``. The
+        optimizer is not taken (a TypeError says so): it is the state's, and so are its loss scale,
+        the masters' and moments' formats and the spike guard (the spec's fields that
+        :meth:`TrainState.create` reads).
       mesh: run sharded on this device mesh through :class:`leanstep.step.ShardingLayer` (or
         through the layer given): the axes have roles by name (an ``"fsdp"`` axis splits
         the parameters, a ``"tensor"`` axis is tensor parallel, every other axis is data
@@ -170,7 +172,6 @@ def make_train_step(
         accumulation=settings.stage_accumulation,
         loss=contract,
         cast_batch=spec.cast_batch,
-        params_layout=None if layer is None else layer.model_params,
     )
     if layer is not None:
         gradients = layer.gradients(gradients, token_weighted=contract.token_weighted)
@@ -184,7 +185,6 @@ def make_train_step(
             loss=grads.loss,
             max_grad_norm=spec.max_grad_norm,
             model_state=grads.model_state,
-            spike_guard=spec.spike_guard,
             update_chunk=spec.update_chunk,
         )
         new_state = new_state.replace(step=jnp.minimum(state.step, INT32_MAX - 1) + 1)

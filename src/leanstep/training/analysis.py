@@ -18,7 +18,7 @@ from leanstep.inspection.auditing import AuditReport, audit
 from leanstep.inspection.memory_spaces import MemorySpaceReport, memory_space_report
 from leanstep.planning.one_device import BudgetError, Plan, plan
 from leanstep.planning.search_options import SearchOptions, SearchSpace, split_options
-from leanstep.step.update_offload import offload_opt_state
+from leanstep.step import offload_opt_state
 from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig

@@ -26,13 +26,12 @@ optimizer, in the spirit of ``optax.apply_if_finite`` (which neither unscales no
 counts but keeps no loss scale).
 
 Size: the guarded update's order (unscale once, decide once, clip, apply only if finite) is the
-contract, read top to bottom in one file; the update under one conditional is update_kept, chunked
-application update_chunks, their checks update_checks.
+contract, read top to bottom in one file; the update under one conditional is kept.py, chunked
+application chunks.py, their checks checks.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -47,12 +46,13 @@ from leanstep.blocks.masters import apply_to_masters
 from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import INT32_MAX, check_optimizer, check_positive
 from leanstep.common.jaxprs import OPTIMIZER_UPDATE_SCOPE
+from leanstep.common.removed import refuses_removed_keywords
 from leanstep.step.state import TrainState
-from leanstep.step.update_checks import check_grads, check_opt_state
-from leanstep.step.update_chunks import chunked_update
-from leanstep.step.update_kept import applied_or_kept, clipped_grads, rounding_key
-from leanstep.step.update_offload import back_like, on_device
-from leanstep.step.update_offload_plan import update_plan
+from leanstep.step.update.checks import check_grads, check_opt_state, spike_window
+from leanstep.step.update.chunk_plan import update_plan
+from leanstep.step.update.chunks import chunked_update
+from leanstep.step.update.kept import applied_or_kept, clipped_grads, rounding_key
+from leanstep.step.update.offload import back_like, on_device
 
 __all__ = ["GuardedState", "UpdateInfo", "guarded_update", "guarded_update_transform"]
 
@@ -108,6 +108,20 @@ def _decide(
     return clipped_grads(scaled_grads, loss_scale, parts, max_grad_norm), finite & parts.finite, parts, clipped
 
 
+def _judged(
+    guard: SpikeGuard | None, window: Any, loss: Any, finite: jax.Array, grad_norm: jax.Array, updates: Any
+) -> tuple[jax.Array, Any]:
+    """Whether ``guard`` skips this finite step, and its window after it (a finite step is recorded,
+    spike or not); no guard: no spike, and the window as it was. ``updates``: the optimizer's, read
+    where the guard watches their norm (else None)."""
+    if guard is None:
+        return jnp.zeros((), bool), window
+    values = {"loss": loss, "grad_norm": grad_norm}
+    if "update_norm" in guard.watch:
+        values["update_norm"] = global_norm(updates)
+    return guard.decide(window, values, finite)
+
+
 def _checked_update(
     scaled_grads: Any,
     opt_state: Any,
@@ -116,21 +130,24 @@ def _checked_update(
     loss_scale: LossScale,
     max_grad_norm: float | None,
     loss: jax.Array | None,
-    spike: Callable[[jax.Array, jax.Array, Any], jax.Array] | None = None,
+    guard: SpikeGuard | None = None,
+    window: Any = None,
     new_fp8: Any = None,
-) -> tuple[Any, Any, UpdateInfo]:
-    """The optimizer's updates and next state (kept as it was unless applied), for a ``spike(finite,
-    grad_norm, updates)`` that reads the update; ``new_fp8``, the FP8 state to write, must be finite too."""
+) -> tuple[Any, Any, UpdateInfo, Any]:
+    """The optimizer's updates and next state (kept as it was unless applied), and the spike
+    guard's window after the step, for a ``guard`` that reads the update; ``new_fp8``, the FP8
+    state to write, must be finite too."""
     grads, finite, parts, clipped = _decide(scaled_grads, params, loss_scale, max_grad_norm, loss, new_fp8)
     grad_norm = parts.norm.astype(jnp.float32)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
-    spiked = jnp.zeros((), bool) if spike is None else spike(finite, grad_norm, updates)
+    spiked, window = _judged(guard, window, loss, finite, grad_norm, updates)
     info = UpdateInfo(grad_norm, finite, clipped & finite & ~spiked, spiked)
-    return updates, _where_tree(info.applied, new_opt_state, opt_state), info
+    return updates, _where_tree(info.applied, new_opt_state, opt_state), info, window
 
 
 # The audit tells the optimizer's loops (codecs, chunks, Newton-Schulz) from the microbatch loop by this scope.
+@refuses_removed_keywords("guarded_update")
 @jax.named_scope(OPTIMIZER_UPDATE_SCOPE)
 def guarded_update(
     state: TrainState,
@@ -139,15 +156,16 @@ def guarded_update(
     loss: jax.Array | None = None,
     max_grad_norm: float | None = None,
     model_state: Any = None,
-    spike_guard: SpikeGuard | None = None,
     update_chunk: int | str | None = "auto",
 ) -> tuple[TrainState, UpdateInfo]:
     """Applies ``state.optimizer`` to the scaled gradient if it is finite (see the module doc).
 
-    ``params``, ``opt_state``, ``loss_scale``, ``consecutive_skips`` and (given the new one)
-    ``model_state`` advance; ``step`` and ``rng`` are the caller's. On a skipped step params,
-    optimizer state and model state come back bit-identical (the update under ``lax.cond``, not a
-    zero update: :mod:`leanstep.step.update_kept`).
+    ``params``, ``opt_state``, ``loss_scale``, ``consecutive_skips``, the spike guard's window and
+    (given the new one) ``model_state`` advance; ``step`` and ``rng`` are the caller's. On a skipped
+    step params, optimizer state and model state come back bit-identical (the update under
+    ``lax.cond``, not a zero update: :mod:`leanstep.step.update.kept`). The state's spike guard
+    (``state.spike_guard``, a :class:`leanstep.SpikeGuard` it was built with) skips a finite step
+    whose loss or norms leap past its window.
 
     Args:
       state: the :class:`TrainState` before the step.
@@ -156,11 +174,9 @@ def guarded_update(
       max_grad_norm: clip to this global norm; None: no clipping.
       model_state: the model state the step computed, kept only if the step is applied;
         None: ``state.model_state`` is left as it is.
-      spike_guard: a :class:`leanstep.SpikeGuard` (the state built with it) that skips a finite
-        step whose loss or gradient norm leaps past its window; None: none.
       update_chunk: apply the optimizer in chunks of at most this many entries, one after
         another, so that one chunk's float32 widening is live at a time (the whole tree's
-        operations, rounded as XLA compiles them: :mod:`leanstep.step.update_chunks`); ``"auto"``: chunks of ``DEFAULT_UPDATE_CHUNK``
+        operations, rounded as XLA compiles them: :mod:`leanstep.step.update.chunks`); ``"auto"``: chunks of ``DEFAULT_UPDATE_CHUNK``
         where the optimizer allows it, else the whole tree; None: the whole tree at once.
 
     Returns:
@@ -169,9 +185,10 @@ def guarded_update(
     Raises:
       ValueError, TypeError: ``max_grad_norm`` is not a positive finite number or None (normal
         in float32), ``state.opt_state`` was not built by ``state.optimizer`` for these params,
-        or ``scaled_grads`` is not shaped like the params; ``update_chunk`` an int where the
-        optimizer needs the whole tree (a transformation mixing parameters, named) or the spike
-        guard watches the update's norm.
+        or ``scaled_grads`` is not shaped like the params; no ``loss`` for the state's spike guard;
+        ``update_chunk`` an int where the optimizer needs the whole tree (a transformation mixing
+        parameters, named) or the spike guard watches the update's norm; ``spike_guard=`` (removed
+        in 0.12: the state carries its guard).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -186,29 +203,22 @@ def guarded_update(
     """
     max_grad_norm = check_positive("max_grad_norm", max_grad_norm, optional=True)
     check_grads(scaled_grads, state.params)
-    _check_spike_guard(state, spike_guard, loss)
+    guard, window = state.spike_guard, spike_window(state)
+    if guard is not None and loss is None:
+        raise ValueError("the state's spike guard judges the step's loss: pass loss=")
     params, fp8 = split_fp8(state.params)
     scaled_grads, new_fp8 = split_fp8(scaled_grads) if has_fp8(state.params) else (scaled_grads, None)
     wide = _float32(params)  # the optimizer sees float32 masters, whatever they are kept in
     check_opt_state(state.opt_state, state.optimizer, wide)
     _refuse_second_unscale(state.opt_state, "the state's optimizer")
-    window: list[Any] = [state.spike]
-
-    def spike(finite: jax.Array, grad_norm: jax.Array, updates: Any) -> jax.Array:
-        assert spike_guard is not None and loss is not None  # only called with a guard, and a loss
-        values = {"loss": loss, "grad_norm": grad_norm}
-        if "update_norm" in spike_guard.watch:
-            values["update_norm"] = global_norm(updates)
-        spiked, window[0] = spike_guard.decide(state.spike, values, finite)
-        return spiked
-
-    plan = update_plan(state, wide, update_chunk, spike_guard)  # an offloaded state: update_offload_plan
-    if plan is not None or spike_guard is None or "update_norm" not in spike_guard.watch:  # decided first
+    # 1, or less after a rollback past spikes (leanstep train); None without a guard
+    scale: Any = None if guard is None else window.update_scale
+    plan = update_plan(state, wide, update_chunk)  # an offloaded state too
+    if plan is not None or guard is None or "update_norm" not in guard.watch:  # decided first
         _, finite, parts, clipped = _decide(scaled_grads, wide, state.loss_scale, max_grad_norm, loss, new_fp8)
         grad_norm = parts.norm.astype(jnp.float32)
-        spiked = jnp.zeros((), bool) if spike_guard is None else spike(finite, grad_norm, None)
+        spiked, window = _judged(guard, window, loss, finite, grad_norm, None)
         info = UpdateInfo(grad_norm, finite, clipped & finite & ~spiked, spiked)
-        scale = None if spike_guard is None else state.spike.update_scale
         if plan is not None:
             new_params, opt_state, master_error = chunked_update(
                 state, params, scaled_grads, plan, info.applied, parts, max_grad_norm, rounding_key(state), scale
@@ -220,14 +230,12 @@ def guarded_update(
             )  # fmt: skip
             opt_state = back_like(opt_state, state.opt_state)  # an offloaded state: back to the host
     else:  # the spike guard reads the update's norm: the update computed whole, then kept or dropped
-        updates, opt_state, info = _checked_update(
+        updates, opt_state, info, window = _checked_update(
             scaled_grads, on_device(state.opt_state), wide, state.optimizer, state.loss_scale, max_grad_norm, loss,
-            None if spike_guard is None else spike, new_fp8,
+            guard, window, new_fp8,
         )  # fmt: skip
         opt_state = back_like(opt_state, state.opt_state)  # an offloaded state: back to the host
-        if spike_guard is not None:  # 1, or less after a rollback past spikes (leanstep train)
-            scale = state.spike.update_scale
-            updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
+        updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
         new_params, master_error = _applied_params(state, params, updates, info.applied)
     if new_fp8 is not None:
         new_params = merge_fp8(new_params, overwrite_fp8(fp8, new_fp8, info.applied))
@@ -241,21 +249,8 @@ def guarded_update(
         if model_state is None
         else _where_tree(info.applied, model_state, state.model_state),
         master_error=master_error,
-        spike=window[0],
+        spike=window,
     ), info
-
-
-def _check_spike_guard(state: TrainState, spike_guard: SpikeGuard | None, loss: jax.Array | None) -> None:
-    if spike_guard is None:
-        return
-    if not isinstance(spike_guard, SpikeGuard):
-        raise TypeError(f"spike_guard must be a leanstep.SpikeGuard or None, got {type(spike_guard).__name__}")
-    if state.spike is None or state.spike.values.shape != spike_guard.init().values.shape:
-        raise ValueError(
-            "spike_guard needs the state's window of the same guard: TrainState.create(..., spike_guard=guard)"
-        )
-    if loss is None:
-        raise ValueError("spike_guard judges the step's loss: pass loss=")
 
 
 def _applied_params(state: TrainState, params: Any, updates: Any, applied: jax.Array) -> tuple[Any, Any]:
@@ -380,7 +375,7 @@ def guarded_update_transform(
                 "the params hold FP8 state, which an optax update cannot overwrite bit-exactly: use "
                 "leanstep.step.guarded_update or leanstep.make_train_step, which write it once per step"
             )
-        updates, inner, info = _checked_update(
+        updates, inner, info, _ = _checked_update(
             scaled_grads, state.inner_state, params, optimizer, state.loss_scale, max_grad_norm, None
         )
         updates = _where_tree(info.finite, updates, jax.tree.map(jnp.zeros_like, updates))

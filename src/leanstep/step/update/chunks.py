@@ -20,14 +20,14 @@ place, so masks and schedules see the structure they expect; what the other leav
 dead code, removed by XLA. Each entry is computed with the unchunked update's operations: the
 update of parameter ``i`` must depend on nothing of another parameter, and be split along its rows
 only if it keeps them apart (no value of an entry's position, as noise drawn for a shape), both
-read from the optimizer's jaxpr (:mod:`leanstep.step.update_dependence`);
+read from the optimizer's jaxpr (:mod:`leanstep.step.update.dependence`);
 scalar state (counts, schedules) is shared by the chunks and taken from the first. Stochastic
 rounding of bfloat16 masters draws, for a slice, the bits its rows take in the whole leaf
 (:func:`leanstep.blocks.masters.rows_bits`).
 
 Size: the loop that applies a chunk plan and the row slicing it needs share one vocabulary
-(Unit, ChunkPlan, ChunkInputs); the plan's cutting is update_chunk_plan, which leaves may be
-split update_dependence, host offload update_offload.
+(Unit, ChunkPlan, ChunkInputs); the plan's cutting is update.chunk_plan, which leaves may be
+split update.dependence, host offload update.offload.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ import optax
 from leanstep.blocks.clipping import NormParts, clip_leaves
 from leanstep.blocks.masters import apply_to_master, rows_can_split
 from leanstep.blocks.moments import QuantizedArray
-from leanstep.step.update_dependence import update_dependence
-from leanstep.step.update_offload import back_like, is_offloaded, offloaded_rows, on_device, placeholders
+from leanstep.step.update.dependence import update_dependence
+from leanstep.step.update.offload import back_like, is_offloaded, offloaded_rows, on_device, placeholders
 
 __all__ = [
     "ChunkInputs", "ChunkPlan", "Unit", "chunk_plan", "chunked_apply", "chunked_update", "leaf_parts",
@@ -385,7 +385,7 @@ def chunked_update(
         update_scale=update_scale,
         applied=applied,
     )
-    if is_offloaded(parts):  # the state in host memory: leanstep.step.update_offload
+    if is_offloaded(parts):  # the state in host memory: leanstep.step.update.offload
         inputs = inputs._replace(
             parts=[placeholders(p) if node else on_device(p) for p, node in zip(parts, nodes)], kept_parts=parts
         )

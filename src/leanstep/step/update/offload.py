@@ -8,7 +8,7 @@ the state as given and no setting travels beside it.
 
 .. code-block:: text
 
-    chunked update (leanstep.step.update_chunks)      whole-tree update (update_chunk=None)
+    chunked update (leanstep.step.update.chunks)      whole-tree update (update_chunk=None)
     for each chunk:                                   state -> device       (all of it)
         its state -> device                           params', state' = optimizer(...)
         params', its state' = optimizer(...)          state' -> host

@@ -1,5 +1,6 @@
 """The guarded update's checks of its inputs: an optimizer state built for its optimizer and
-parameters, and one gradient per parameter of its shape (named here, not deep inside optax)."""
+parameters, one gradient per parameter of its shape (named here, not deep inside optax), and the
+state's spike guard with its window."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import optax
 
 from leanstep.common.checks import same_structure, tree_difference
 
-__all__ = ["check_grads", "check_opt_state"]
+__all__ = ["check_grads", "check_opt_state", "spike_window"]
 
 
 def check_opt_state(
@@ -55,3 +56,18 @@ def check_grads(scaled_grads: Any, params: Any) -> None:
                 f"scaled_grads{where} has shape {jnp.shape(grad)}, params{where} has "
                 f"{jnp.shape(param)}; a gradient is shaped like its parameter"
             )
+
+
+def spike_window(state: Any) -> Any:
+    """The window of ``state``'s spike guard (a :class:`leanstep.TrainState`), or None without one.
+
+    Raises:
+      ValueError: a state with a guard and no window of it (built by hand, or replaced with ``spike=None``).
+    """
+    guard = state.spike_guard
+    if guard is not None and (state.spike is None or jnp.shape(state.spike.values) != (len(guard.watch), guard.buffer)):
+        raise ValueError(
+            f"the state's spike guard {guard} has no window of its own in state.spike; build the state with "
+            "TrainState.create(..., spike_guard=guard), which makes both"
+        )
+    return state.spike

@@ -26,7 +26,6 @@ import optax
 from leanstep.blocks.clipping import NormParts, clip_leaves
 from leanstep.blocks.loss_scale import LossScale
 from leanstep.blocks.masters import apply_to_masters
-from leanstep.step.state import TrainState
 
 __all__ = ["applied_or_kept", "clipped_grads", "rounding_key"]
 
@@ -34,8 +33,9 @@ __all__ = ["applied_or_kept", "clipped_grads", "rounding_key"]
 _ROUNDING_SALT = 0x53524E44
 
 
-def rounding_key(state: TrainState) -> jax.Array:
-    """The key of the step's stochastic rounding of bfloat16 masters (leaf ``i`` folds in ``i``)."""
+def rounding_key(state: Any) -> jax.Array:
+    """The key of the step's stochastic rounding of bfloat16 masters (leaf ``i`` folds in ``i``), from a
+    :class:`leanstep.TrainState`'s ``rng`` and ``step``."""
     return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step), _ROUNDING_SALT)
 
 
@@ -48,7 +48,7 @@ def clipped_grads(scaled_grads: Any, loss_scale: LossScale, parts: NormParts, ma
 
 
 def applied_or_kept(
-    state: TrainState,
+    state: Any,
     params: Any,
     opt_state: Any,
     scaled_grads: Any,
@@ -61,7 +61,8 @@ def applied_or_kept(
     """``(params, opt_state, master_error)`` after the update where ``applied``, else as they were.
 
     Args:
-      state: the state before the step (its optimizer, loss scale, master format, Kahan buffer).
+      state: the :class:`leanstep.TrainState` before the step (its optimizer, loss scale, master format,
+        Kahan buffer).
       params: the trainable masters (no FP8 state), in the masters' format.
       opt_state: the optimizer's state, on the device.
       scaled_grads: the loss-scaled gradient, shaped like ``params``.

@@ -1,6 +1,6 @@
 r"""Which parameters each output of an optimizer's update depends on, read from its jaxpr.
 
-The chunked update (:mod:`leanstep.step.update_chunks`) applies the optimizer to a few
+The chunked update (:mod:`leanstep.step.update.chunks`) applies the optimizer to a few
 parameters at a time. That gives the unchunked result only if the update of parameter ``i``
 (and its slice of the state) depends on nothing shaped like another parameter, and, to split
 parameter ``i`` along its leading axis, only if no value mixes its rows. Both are read from

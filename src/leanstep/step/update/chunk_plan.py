@@ -1,5 +1,9 @@
-"""Whether and how the guarded update is chunked: the ``update_chunk`` setting checked, and the
-plan for a state (:mod:`leanstep.step.update_chunks` applies it)."""
+"""Whether and how the guarded update is chunked: the plan for a state, by its ``update_chunk``
+setting (checked in :mod:`leanstep.step.spec_parts`; :mod:`leanstep.step.update.chunks` applies the plan).
+
+An optimizer state kept in host memory (:mod:`leanstep.step.update.offload`) is planned as the
+state kept on the device would be, and chunked under ``"auto"`` whenever the optimizer allows it,
+so that one chunk of the state comes to the device at a time (:func:`update_plan`)."""
 
 from __future__ import annotations
 
@@ -9,29 +13,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from leanstep.common.checks import is_int
-from leanstep.step.update_chunks import ChunkPlan, chunk_plan
+from leanstep.step.spec_parts import check_update_chunk
+from leanstep.step.update.chunks import ChunkPlan, chunk_plan
+from leanstep.step.update.offload import is_offloaded
 
-__all__ = ["DEFAULT_UPDATE_CHUNK", "check_update_chunk", "chunk_plan_for"]
+__all__ = ["DEFAULT_UPDATE_CHUNK", "chunk_plan_for", "update_plan"]
 
 #: The default largest chunk, in entries (measured: docs/lean-state.md, "A chunk-bounded update").
 DEFAULT_UPDATE_CHUNK = 2**22
-
-
-def check_update_chunk(update_chunk: Any) -> int | str | None:
-    """``update_chunk`` if it is ``"auto"``, None or a positive int.
-
-    Raises:
-      ValueError: another value, shown with the forms it may take.
-    """
-    if update_chunk is None or update_chunk == "auto" and isinstance(update_chunk, str):
-        return update_chunk
-    if is_int(update_chunk) and update_chunk > 0:
-        return int(update_chunk)
-    raise ValueError(
-        f"update_chunk must be 'auto', a positive int (the most entries one chunk of the optimizer's "
-        f"update widens to float32) or None (the whole tree at once), got {update_chunk!r}"
-    )
 
 
 def _lean(state: Any) -> bool:
@@ -44,7 +33,7 @@ def _lean(state: Any) -> bool:
     return state.master != "float32" or any(jnp.result_type(x) in narrow for x in jax.tree.leaves(state.opt_state))
 
 
-def chunk_plan_for(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -> ChunkPlan | None:
+def chunk_plan_for(state: Any, wide: Any, update_chunk: Any) -> ChunkPlan | None:
     """The plan :func:`leanstep.step.guarded_update` follows for ``state`` (masters widened: ``wide``),
     or None: the whole tree at once (``update_chunk`` None; ``"auto"`` for a float32 state, or
     where one chunk holds every parameter, the optimizer mixes parameters or the spike guard
@@ -61,6 +50,7 @@ def chunk_plan_for(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -
     limit = int(update_chunk) if given else DEFAULT_UPDATE_CHUNK
     if not given and (not _lean(state) or sum(math.prod(jnp.shape(p)) for p in jax.tree.leaves(wide)) <= limit):
         return None
+    spike_guard = state.spike_guard
     if spike_guard is not None and "update_norm" in spike_guard.watch:
         if given:
             raise ValueError(
@@ -79,3 +69,27 @@ def chunk_plan_for(state: Any, wide: Any, update_chunk: Any, spike_guard: Any) -
             "max_grad_norm=)"
         )
     return plan
+
+
+def update_plan(state: Any, wide: Any, update_chunk: Any) -> ChunkPlan | None:
+    """:func:`chunk_plan_for`, for a state whose optimizer state
+    may live in host memory: planned on device stand-ins of it (the plan traces the optimizer,
+    and JAX refuses to mix memory spaces); with ``"auto"``, chunks of ``DEFAULT_UPDATE_CHUNK``
+    for an offloaded state whatever its format, or the whole tree (brought to the device at once)
+    where the optimizer mixes parameters or the spike guard watches the update's norm.
+
+    Raises:
+      ValueError: as ``chunk_plan_for``.
+    """
+    if update_chunk is None:
+        return None
+    if not is_offloaded(state.opt_state):
+        return chunk_plan_for(state, wide, update_chunk)
+    standins = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), state.opt_state)
+    state = state.replace(opt_state=standins)
+    if not (isinstance(update_chunk, str) and update_chunk == "auto"):
+        return chunk_plan_for(state, wide, update_chunk)
+    try:
+        return chunk_plan_for(state, wide, DEFAULT_UPDATE_CHUNK)
+    except ValueError:  # the optimizer or the guard needs the whole tree: it comes to the device at once
+        return None
