@@ -207,6 +207,23 @@ def test_the_update_in_the_backward_pass_equals_the_standard_step(framework, mic
     assert float(mb[2].loss) < float(mb[0].loss)  # the same batch, two steps later
 
 
+@pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+def test_lean_states_and_bfloat16_compute_compose(framework):
+    """bf16-sr masters and int8 moments: the standard step's masters bit for bit (float32 compute);
+    bfloat16 compute: the same losses to 1e-4 (the two programs' fusions round in other places)."""
+    stack, params, _ = FRAMEWORKS[framework]()
+    spec = StepSpec.from_keywords(
+        num_microbatches=2, max_grad_norm=1.0, loss_scale="dynamic", master="bfloat16-sr", moments="int8"
+    )
+    make = lambda: TrainState.create(params, optax.adamw(1e-2, weight_decay=0.1), spec)
+    a, _ = _run(stack, spec, make(), 3)
+    b, _ = _run(stack, spec.replace(update_in_backward=True), make(), 3)
+    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True))
+    spec = spec.replace(precision="compute=bfloat16")
+    (_, standard), (_, layerwise) = (_run(stack, s, make(), 3) for s in (spec, spec.replace(update_in_backward=True)))
+    np.testing.assert_allclose([float(m.loss) for m in layerwise], [float(m.loss) for m in standard], rtol=1e-4)
+
+
 def _refusal(call) -> str:
     """The one-line message ``call`` is refused with, checked to be raised before Flax or Equinox ran."""
     with pytest.raises((TypeError, ValueError)) as caught:
