@@ -12,5 +12,9 @@ loss function of them, and back again after training:
     Linen       variables["params"], the rest           apply(module, params, model_state, *args)
     Equinox     eqx.partition(model, is_inexact_array)  loss(static, fn), stateful_loss(static, fn)
 
+For the update inside the backward pass each also makes a :class:`leanstep.LayerStack` of a model
+whose layers are one stacked module: ``linen.layer_stack`` (an ``nn.scan``), ``nnx.layer_stack``
+(made with ``nnx.vmap``), ``equinox.layer_stack`` (made with ``eqx.filter_vmap``).
+
 The modules import their framework; leanstep itself does not depend on any of them.
 """

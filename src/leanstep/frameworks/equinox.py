@@ -17,6 +17,10 @@ the model stays in the compute dtype.
 FP8: a module field holding an :class:`leanstep.blocks.Fp8Meta` (as :class:`Fp8Linear` does) is a
 floating array tree, so :func:`split` puts it among the params, where the step finds it as FP8
 state (max-combined over microbatches, out of the optimizer, written once per step).
+
+The update inside the backward pass (``StepSpec(update_in_backward=True)``) takes a model whose
+layers are one module with stacked leaves (made with ``eqx.filter_vmap``, run with ``lax.scan``):
+:func:`layer_stack` makes its :class:`leanstep.LayerStack` from the model and three functions of it.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import jax.numpy as jnp
 
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
+from leanstep.blocks.layer_stack import CONTRACT, LayerStack, StackPath, node_at
 from leanstep.frameworks.loss_signature import with_fn_signature
 
-__all__ = ["Float32BatchNorm", "Fp8Linear", "combine", "loss", "split", "stateful_loss"]
+__all__ = ["Float32BatchNorm", "Fp8Linear", "combine", "layer_stack", "loss", "split", "stateful_loss"]
 
 
 def split(model: eqx.Module) -> tuple[eqx.Module, eqx.Module]:
@@ -97,6 +102,75 @@ def stateful_loss(static: eqx.Module, fn: Callable[..., Any]) -> Callable[..., A
     )
     arguments = ("model_state", "batch")
     return with_fn_signature(loss_fn, fn, ("model", *arguments), ("params", *arguments))
+
+
+def layer_stack(
+    model: eqx.Module,
+    stack: StackPath,
+    *,
+    embed: Callable[[Any, Any], Any],
+    layer: Callable[[Any, Any], Any],
+    head: Callable[[Any, Any, Any], Any],
+) -> LayerStack:
+    """An Equinox model whose layers are one module with stacked leaves as a :class:`leanstep.LayerStack`,
+    over the params :func:`split` gives.
+
+    .. code-block:: text
+
+        x    = embed(eqx.combine(top, static), batch)           # the stack's arrays None
+        x    = layer(eqx.combine(row_l, static_layer), x)        for l = 0 .. L-1
+        loss = head(eqx.combine(top, static), x, batch)
+
+    Args:
+      model: the model (its static part is kept, its arrays are not).
+      stack: the field holding the stacked layers (``"layers"``), or the path of fields and
+        indices to it: one module whose floating leaves are stacked along a leading axis of
+        layers, as ``eqx.filter_vmap`` over a layer's constructor makes it.
+      embed: ``embed(model, batch) -> x``; it must not touch the stack.
+      layer: ``layer(one_layer, x) -> x``, ``one_layer`` the stack's module holding one row.
+      head: ``head(model, x, batch)``, returning the loss (as the step's contract says).
+
+    Raises:
+      TypeError: ``model`` not an Equinox module, nothing at ``stack``, a list of layers there,
+        arrays in its static part, or its leaves not stacked (each naming the LayerStack contract).
+
+    Example:
+      >>> make = lambda key: eqx.nn.Linear(4, 4, key=key)
+      >>> class Model(eqx.Module):
+      ...     inp: eqx.nn.Linear
+      ...     layers: eqx.nn.Linear
+      ...     def __init__(self, key):
+      ...         self.inp, self.layers = eqx.nn.Linear(3, 4, key=key), eqx.filter_vmap(make)(jax.random.split(key, 2))
+      >>> stack = layer_stack(Model(jax.random.key(0)), "layers", embed=lambda m, b: jax.vmap(m.inp)(b["x"]),
+      ...                     layer=lambda block, x: jnp.tanh(jax.vmap(block)(x)), head=lambda m, x, b: jnp.mean(x))
+      >>> params, static = split(Model(jax.random.key(0)))
+      >>> stack(params, {"x": jnp.ones((2, 3))}).shape
+      ()
+    """
+    if not isinstance(model, eqx.Module):
+        raise TypeError(f"layer_stack: model must be an eqx.Module, got {type(model).__name__}; {CONTRACT}")
+    params, static = split(model)
+    layers = node_at(static, stack)
+    if layers is None:
+        raise TypeError(f"layer_stack: {type(model).__name__} has no module at {stack!r}; {CONTRACT}")
+    if not isinstance(layers, eqx.Module):
+        raise TypeError(
+            f"layer_stack: {type(model).__name__} at {stack!r} is a {type(layers).__name__}, not one module whose "
+            f"leaves are stacked (eqx.filter_vmap over the layer's constructor); {CONTRACT}"
+        )
+    if jax.tree.leaves(eqx.filter(layers, eqx.is_array)):
+        raise TypeError(
+            f"layer_stack: {type(model).__name__} at {stack!r} holds arrays that are not floating (static, "
+            f"not split into rows); {CONTRACT}"
+        )
+    result = LayerStack(
+        lambda top, batch: embed(eqx.combine(top, static), batch),
+        lambda row, x: layer(eqx.combine(row, layers), x),
+        lambda top, x, batch: head(eqx.combine(top, static), x, batch),
+        stack,
+    )
+    result.split(params)  # its refusals, now rather than when the step is traced
+    return result
 
 
 class Float32BatchNorm(eqx.nn.StatefulLayer):

@@ -23,12 +23,16 @@ Fp8Collection(...)}``), so the step differentiates it, combines its new values b
 microbatches and devices, leaves it out of the loss scale, the norm, clipping and the
 optimizer, and writes it once per step; :func:`apply` and :func:`merge` unwrap it. The model
 code is unchanged.
+
+The update inside the backward pass (``StepSpec(update_in_backward=True)``) takes a model whose
+layers are an ``nn.scan``: :func:`layer_stack` makes its :class:`leanstep.LayerStack` from the
+model's embedding and head methods and the scanned module.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -38,9 +42,10 @@ import jax.numpy as jnp
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_dot_general
 from leanstep.blocks.fp8_state import Fp8Collection
+from leanstep.blocks.layer_stack import CONTRACT, LayerStack, StackPath
 from leanstep.blocks.loss_contract import unbound_axis_message
 
-__all__ = ["OVERWRITE_WITH_GRADIENT", "Fp8DotGeneral", "apply", "merge", "split"]
+__all__ = ["OVERWRITE_WITH_GRADIENT", "Fp8DotGeneral", "apply", "layer_stack", "merge", "split"]
 
 #: Flax's name of the collection whose gradient is its new value (``flax.linen.fp8_ops``).
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
@@ -137,6 +142,103 @@ def _apply(
         return module.apply(variables, *args, **kwargs), dict(model_state)
     out, updates = module.apply(variables, *args, mutable=list(model_state), **kwargs)
     return out, {**model_state, **updates}
+
+
+def layer_stack(
+    module: nn.Module,
+    stack: StackPath,
+    *,
+    layer: nn.Module,
+    embed: str | Callable[..., Any],
+    head: str | Callable[..., Any],
+) -> LayerStack:
+    """A Linen model whose layers are an ``nn.scan`` as a :class:`leanstep.LayerStack`, over the
+    params :func:`split` gives (``variables["params"]``; no other collection).
+
+    .. code-block:: text
+
+        x    = module.apply({"params": top}, batch, method=embed)
+        x, _ = layer.apply({"params": params[stack][l]}, x, None)     for l = 0 .. L-1
+        loss = module.apply({"params": top}, x, batch, method=head)
+
+    Args:
+      module: the model, its layers an ``nn.scan(Layer, variable_axes={"params": 0}, ...)``
+        submodule (its parameters stacked along a leading axis of layers).
+      stack: the scanned submodule's name (``"blocks"``), or the path of names to it through the
+        submodules that hold it (``("decoder", "blocks")``).
+      layer: one layer, an instance of the class ``nn.scan`` scans with the same attributes, called
+        as ``nn.scan`` calls it with the carry ``x`` and no per-layer input: ``x, _ = layer(x, None)``.
+      embed: the model's method ``embed(module, batch) -> x``, by name or as a function, as
+        ``module.apply(method=)`` takes it (a setup-style model's method; Linen allows one
+        ``@nn.compact`` method).
+      head: its method ``head(module, x, batch)``, returning the loss (as the step's contract says).
+
+    Raises:
+      TypeError: ``module`` or ``layer`` not a Linen module, or ``embed``/``head`` neither a method's
+        name nor callable; at trace time, params with no stacked layers at ``stack`` or a row of
+        another shape than ``layer``'s own parameters (each naming the LayerStack contract).
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> class Block(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, x, _):
+      ...         return x + jnp.tanh(nn.Dense(4)(x)), None
+      >>> class Model(nn.Module):
+      ...     def setup(self):
+      ...         self.inp, self.out = nn.Dense(4), nn.Dense(1)
+      ...         self.blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)()
+      ...     def embed(self, batch):
+      ...         return self.inp(batch["x"])
+      ...     def head(self, x, batch):
+      ...         return jnp.mean((self.out(x) - batch["y"]) ** 2)
+      ...     def __call__(self, batch):
+      ...         return self.head(self.blocks(self.embed(batch), None)[0], batch)
+      >>> batch = {"x": jnp.ones((2, 3)), "y": jnp.zeros((2, 1))}
+      >>> params, _ = split(Model().init(jax.random.key(0), batch))
+      >>> stack = layer_stack(Model(), "blocks", layer=Block(), embed="embed", head="head")
+      >>> bool(jnp.allclose(stack(params, batch), Model().apply({"params": params}, batch)))
+      True
+    """
+    for name, value in (("module", module), ("layer", layer)):
+        if not isinstance(value, nn.Module):
+            raise TypeError(f"layer_stack: {name} must be a Linen module, got {type(value).__name__}; {CONTRACT}")
+    for name, method in (("embed", embed), ("head", head)):
+        if not (callable(method) or (isinstance(method, str) and callable(getattr(type(module), method, None)))):
+            raise TypeError(
+                f"layer_stack: {name} must be a method of {type(module).__name__} (its name, or a function of "
+                f"the module), got {method!r}; {CONTRACT}"
+            )
+
+    def embed_fn(top: Any, batch: Any) -> Any:
+        return module.apply({"params": top}, batch, method=embed)
+
+    def layer_fn(row: Any, x: Any) -> Any:
+        _check_row(layer, stack, row, x)
+        out = layer.apply({"params": row}, x, None)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"layer_stack: {type(layer).__name__}(x, None) must return nn.scan's (carry, output), "
+                f"got {type(out).__name__}; {CONTRACT}"
+            )
+        return out[0]
+
+    def head_fn(top: Any, x: Any, batch: Any) -> Any:
+        return module.apply({"params": top}, x, batch, method=head)
+
+    return LayerStack(embed_fn, layer_fn, head_fn, stack)
+
+
+def _check_row(layer: nn.Module, stack: StackPath, row: Any, x: Any) -> None:
+    """One row of the stack has the shapes of ``layer``'s own parameters for the input ``x``."""
+    shapes = lambda tree: [(jax.tree_util.keystr(path), jnp.shape(leaf)) for path, leaf in
+                           jax.tree_util.tree_flatten_with_path(tree)[0]]  # fmt: skip
+    own = jax.eval_shape(lambda x: layer.init(jax.random.key(0), x, None)["params"], x)
+    if shapes(own) != shapes(row):
+        raise ValueError(
+            f"layer_stack: a row of params at {stack!r} is {dict(shapes(row))}, but {type(layer).__name__}'s own "
+            f"parameters are {dict(shapes(own))}; {CONTRACT}"
+        )
 
 
 class Fp8DotGeneral(nn.Module):

@@ -19,6 +19,10 @@ keeps its state in the variables of Flax's ``_overwrite_with_gradient`` collecti
 puts both beside the ``nnx.Param`` s, where the step finds them as FP8 state (max-combined over
 microbatches, out of the optimizer, written once per step), and :func:`loss` leaves them out
 of the model state.
+
+The update inside the backward pass (``StepSpec(update_in_backward=True)``) takes a model whose
+layers are one module with stacked parameters (made with ``nnx.vmap``, run with ``nnx.scan``):
+:func:`layer_stack` makes its :class:`leanstep.LayerStack` from the model and three functions of it.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from flax import nnx
 from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.fp8_dot import Fp8Meta, fp8_matmul
 from leanstep.blocks.fp8_state import register_fp8_state_type
+from leanstep.blocks.layer_stack import CONTRACT, LayerStack, StackPath, node_at
 from leanstep.blocks.loss_contract import OPTIONAL_MODEL_STATE
 from leanstep.frameworks.loss_signature import with_fn_signature
 
-__all__ = ["Fp8", "Fp8Linear", "OverwriteWithGradient", "loss", "merge", "split"]
+__all__ = ["Fp8", "Fp8Linear", "OverwriteWithGradient", "layer_stack", "loss", "merge", "split"]
 
 
 class Fp8(nnx.Variable):
@@ -117,6 +122,82 @@ def loss(graphdef: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     setattr(stateless_loss_fn, OPTIONAL_MODEL_STATE, True)
     return with_fn_signature(stateless_loss_fn, fn, ("model", "batch"), ("params", "batch"))
+
+
+def layer_stack(
+    model: nnx.Module,
+    stack: StackPath,
+    *,
+    embed: Callable[[Any, Any], Any],
+    layer: Callable[[Any, Any], Any],
+    head: Callable[[Any, Any, Any], Any],
+) -> LayerStack:
+    """An NNX model whose layers are one module with stacked parameters as a :class:`leanstep.LayerStack`,
+    over the params :func:`split` gives.
+
+    .. code-block:: text
+
+        x    = embed(nnx.merge(graphdef, top), batch)           # the stack's variables None
+        x    = layer(nnx.merge(layer_graphdef, row_l), x)        for l = 0 .. L-1
+        loss = head(nnx.merge(graphdef, top), x, batch)
+
+    Args:
+      model: the model (its graph is read, its arrays are not kept); every variable an
+        ``nnx.Param`` (no BatchNorm statistics, no ``nnx.Rngs`` of its own).
+      stack: the attribute holding the stacked layers (``"blocks"``), or the path of attributes
+        to it (``("decoder", "blocks")``): one module whose parameters are stacked along a leading
+        axis of layers, as ``nnx.vmap`` over a layer's constructor makes it.
+      embed: ``embed(model, batch) -> x``; it must not touch the stack.
+      layer: ``layer(one_layer, x) -> x``, ``one_layer`` the stack's module holding one row.
+      head: ``head(model, x, batch)``, returning the loss (as the step's contract says).
+
+    Raises:
+      TypeError: ``model`` not an NNX module, a variable that is not an ``nnx.Param``, nothing at
+        ``stack``, a list of layers there, or its parameters not stacked (each naming the
+        LayerStack contract).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> class Model(nnx.Module):
+      ...     def __init__(self, rngs):
+      ...         self.inp, self.out = nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 1, rngs=rngs)
+      ...         self.blocks = nnx.vmap(lambda rngs: nnx.Linear(4, 4, rngs=rngs))(rngs.split(2))
+      >>> model = Model(nnx.Rngs(0))
+      >>> stack = layer_stack(model, "blocks", embed=lambda m, b: m.inp(b["x"]),
+      ...                     layer=lambda block, x: jnp.tanh(block(x)), head=lambda m, x, b: jnp.mean(m.out(x)))
+      >>> graphdef, params, _ = split(model)
+      >>> stack(params, {"x": jnp.ones((2, 3))}).shape
+      ()
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"layer_stack: model must be an nnx.Module, got {type(model).__name__}; {CONTRACT}")
+    graphdef, params, model_state = split(model)
+    if jax.tree.leaves(model_state):
+        kinds = sorted({type(v).__name__ for v in jax.tree.leaves(model_state, is_leaf=_is_variable)})
+        raise TypeError(
+            f"layer_stack: the model holds variables that are not nnx.Param ({', '.join(kinds)}); {CONTRACT}"
+        )
+    layers = node_at(model, stack)
+    if layers is None:
+        raise TypeError(f"layer_stack: {type(model).__name__} has no module at {stack!r}; {CONTRACT}")
+    if not isinstance(layers, nnx.Module) or isinstance(layers, (nnx.List, nnx.Sequential)):
+        raise TypeError(
+            f"layer_stack: {type(model).__name__} at {stack!r} is a {type(layers).__name__}, not one module whose "
+            f"parameters are stacked (nnx.vmap over the layer's constructor); {CONTRACT}"
+        )
+    layer_graphdef = nnx.graphdef(layers)
+    result = LayerStack(
+        lambda top, batch: embed(nnx.merge(graphdef, top, copy=True), batch),
+        lambda row, x: layer(nnx.merge(layer_graphdef, row, copy=True), x),
+        lambda top, x, batch: head(nnx.merge(graphdef, top, copy=True), x, batch),
+        stack,
+    )
+    result.split(params)  # its refusals, now rather than when the step is traced
+    return result
+
+
+def _is_variable(node: Any) -> bool:
+    return isinstance(node, nnx.Variable)
 
 
 def _holds_state(graphdef: Any) -> bool:

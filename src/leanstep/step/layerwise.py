@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.clipping import NormParts, norm_parts
 from leanstep.blocks.fp8_state import has_fp8
-from leanstep.blocks.layer_stack import LayerStack
+from leanstep.blocks.layer_stack import LayerStack, require_layer_stack
 from leanstep.blocks.precision import check_train_precision
 from leanstep.common.checks import INT32_MAX
 from leanstep.step.layer_passes import layer_gradient, stack_forward, top_gradient
@@ -82,15 +82,6 @@ def _no_parts() -> NormParts:
     return NormParts(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32), jnp.ones((), bool))
 
 
-def _layer_stack(stack: Any) -> LayerStack:
-    if not isinstance(stack, LayerStack):
-        raise TypeError(
-            f"update_in_backward=True needs the loss as a leanstep.LayerStack (embed, layer, head), got "
-            f"{type(stack).__name__}: the update inside the backward pass must see the model's layers"
-        )
-    return stack
-
-
 def _check_state(state: Any, stack: LayerStack) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be a TrainState (see TrainState.create), got {type(state).__name__}")
@@ -108,7 +99,7 @@ def _check_state(state: Any, stack: LayerStack) -> None:
     check_opt_state(state.opt_state, state.optimizer, abstract)
     key = None if state.master == "float32" else jax.random.wrap_key_data(state.rng)
     splittable, why = splittable_rows(state.optimizer, state.opt_state, abstract, key)
-    stacked = _stacked_leaves(state.params, stack)
+    stacked = stack.stacked_leaves(state.params)
     rows_apart = splittable is not None and all(
         splittable[i] or jnp.shape(leaf)[0] == 1 for i, leaf in enumerate(jax.tree.leaves(state.params)) if stacked[i]
     )
@@ -119,10 +110,6 @@ def _check_state(state: Any, stack: LayerStack) -> None:
             "; it must update each entry from its own gradient and state (AdamW, Lion, SGD, their chains, "
             "masks and schedules do); the step clips the global norm itself (max_grad_norm=)"
         )
-
-
-def _stacked_leaves(params: Any, stack: LayerStack) -> list[bool]:
-    return [path[0].key == stack.stack for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
 def make_layerwise_step(
@@ -137,7 +124,7 @@ def make_layerwise_step(
         take yet (named); at trace time, a state it does not take, or an optimizer that mixes
         parameters or layers (named).
     """
-    stack = _layer_stack(stack)
+    stack = require_layer_stack(stack)
     policy = check_train_precision(spec.precision)
     contract, accumulation = spec.loss, spec.accumulation if accumulation is None else accumulation
     stack = LayerStack(policy.wrap(stack.embed), policy.wrap(stack.layer), policy.wrap(stack.head), stack.stack)
@@ -243,7 +230,7 @@ def _apply(
     params, opt_state, master_error = kept
     leaves, params_def = jax.tree.flatten(params)
     opt_parts, state_def, nodes = state_parts(opt_state, params_def, leaves)
-    stacked = _stacked_leaves(params, stack)
+    stacked = stack.stacked_leaves(params)
     errors = None if master_error is None else params_def.flatten_up_to(master_error)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef
     key = rounding_key(state)  # the standard step's
     real = ChunkInputs(
@@ -275,7 +262,7 @@ def _apply(
     )  # fmt: skip
     _, shared = run_chunk(inputs, {}, {})  # counts and schedules
     indices = [i for i, s in enumerate(stacked) if s]
-    stack_def = jax.tree.structure(params[stack.stack])
+    stack_def = jax.tree.structure(stack.split(params)[1])
 
     def layer_update(carry: Any, layer_inputs: Any) -> tuple[Any, None]:
         cotangent, buffers = carry

@@ -147,7 +147,7 @@ def _worst(standard: list[Any], layerwise: list[Any]) -> tuple[float, str]:
 def _diagnosis(stack: str, standard: TrainState, layerwise: TrainState) -> str:
     """What a difference in the first step's recorded gradients is the signature of (the module doc)."""
     want, got = (to_float64(seen_gradient(s.opt_state)) for s in (standard, layerwise))
-    stacked = [name for name in want if name.split("/")[0] == stack and _relative(want[name], got[name]) > 0]
+    stacked = [name for name in want if name.startswith(f"{stack}/") and _relative(want[name], got[name]) > 0]
     for name in stacked:
         a, b = want[name], got[name]
         if np.vdot(a, a) > 0 and abs(np.vdot(a, b) / np.vdot(a, a) - 2.0) < 1e-3:  # the clip factor is 1/2
@@ -197,7 +197,7 @@ def check_in_backward(runs: Runs, num_microbatches: int) -> CheckResult:
         return CheckResult(
             "in_backward", "pass", compared, largest, SUM_TOLERANCE, tolerance, detail=detail, seconds=elapsed
         )
-    diagnosis = _diagnosis(stack.stack, standard[0][0], layerwise[0][0])
+    diagnosis = _diagnosis("/".join(map(str, stack.path)), standard[0][0], layerwise[0][0])
     return CheckResult(
         "in_backward", "fail", compared, largest, SUM_TOLERANCE, tolerance, where, diagnosis, detail, seconds=elapsed
     )
