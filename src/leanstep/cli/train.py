@@ -13,11 +13,12 @@ from leanstep.cli.flags import (
     add_compile_cache_flag,
     add_run_flags,
     check_train_flags,
+    mesh_devices,
     name_mesh,
     remat_help,
 )
 from leanstep.cli.jsontree import InputError
-from leanstep.cli.machine_defaults import given_fields, size_flags_by_default, sized_for_the_machine
+from leanstep.cli.machine_defaults import given_fields, size_flags_by_default
 from leanstep.cli.resume_defaults import changed_flags_by_default, with_run_defaults
 
 
@@ -213,7 +214,7 @@ def run_train(args: argparse.Namespace) -> int:
         check_same_out(args.out, args.process_id, args.num_processes)
     config = _config_from(args)
     console = Console(stderr=True)
-    config = sized_for_the_machine(with_run_defaults(config, args, console), args, console)
+    config = with_run_defaults(config, args, console)
     try:
         config.validate()
     except ValueError as error:
@@ -234,9 +235,7 @@ def _configure_devices(args: argparse.Namespace) -> None:
     try:
         devices = args.devices
         if args.mesh is not None and devices is None:  # every device the mesh needs, split over the processes
-            from leanstep.sharding.distributed import parse_mesh
-
-            devices = max(1, math.prod(parse_mesh(args.mesh).values()) // (args.num_processes or 1))
+            devices = max(1, mesh_devices(args.mesh) // (args.num_processes or 1))
         if args.coordinator is None:
             configure_devices(devices, args.coordinator, args.num_processes, args.process_id)
         else:

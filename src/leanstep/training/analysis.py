@@ -19,9 +19,9 @@ from leanstep.inspection.memory_spaces import MemorySpaceReport, memory_space_re
 from leanstep.planning.one_device import BudgetError, Plan, plan
 from leanstep.planning.search_options import SearchOptions, SearchSpace, split_options
 from leanstep.step.update_offload import offload_opt_state
-from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
+from leanstep.training.machine_size import choose_for_machine
 
 __all__ = ["audit_run", "offload_audit_run", "plan_run"]
 
@@ -59,17 +59,15 @@ def plan_run(
       ValueError: an invalid config or budget; ``fsdp`` (plan with a mesh instead).
     """
     cluster = not (num_devices is None and config.mesh is None and config.devices is None)
-    config = dataclasses.replace(config, precision=resolve_precision(config.precision, priced_accelerator=cluster)[0])
+    config = choose_for_machine(config, priced_accelerator=cluster).config  # --size and --precision auto
     if "candidates" in options:  # a candidate's precision "auto" is the config's, resolved
         options["candidates"] = [_resolved(c, config.precision) for c in options["candidates"]]
     if config.fsdp:
         raise ValueError("--budget plans --mesh, not --fsdp: use --mesh auto, or name a mesh such as --mesh fsdp=8")
     if not cluster:
         return _plan_one_device(config, budget_bytes, options)
-    from leanstep.sharding.distributed import parse_mesh
-
-    if config.mesh is not None:
-        shape = parse_mesh(config.mesh)
+    shape = config.mesh_shape  # --mesh, parsed once (RunConfig.step)
+    if shape is not None:
         options.setdefault("meshes", [shape])
         num_devices = math.prod(shape.values()) if num_devices is None else num_devices
     elif num_devices is None:  # --devices without --mesh: data parallel, as the run would be

@@ -26,8 +26,8 @@ from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import JittedTrainStep, make_train_step
-from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.config import RunConfig, in_backward_refusal, model_overrides
+from leanstep.training.machine_size import choose_for_machine
 from leanstep.training.optimizers import run_optimizer
 from leanstep.training.schedule import Schedule, make_schedule
 
@@ -68,6 +68,7 @@ class Run:
       precision: the mixed-precision policy.
       loss_scale: the initial loss scale.
       precision_reason: why ``--precision auto`` chose the policy (None: the config named it).
+      size_reason: why ``--size auto`` sized the run so (None: not sized for the machine).
     """
 
     config: RunConfig
@@ -77,6 +78,7 @@ class Run:
     precision: Precision
     loss_scale: LossScale
     precision_reason: str | None = None
+    size_reason: str | None = None
 
     def loss_fn(self, remat: str | None = None) -> Callable[[Any, Any], Any]:
         """``loss_fn(params, batch)`` of the model under remat policy ``remat`` (default: the config's);
@@ -159,9 +161,9 @@ class Run:
 def build_run(config: RunConfig) -> Run:
     """Validates ``config`` and builds its model, optimizer, schedule, precision and loss scale.
 
-    ``precision="auto"`` is resolved here, for the device JAX runs on
-    (:func:`leanstep.training.auto_precision.device_precision`): the run's ``config`` names the
-    policy chosen and ``precision_reason`` says why.
+    ``size="auto"`` and ``precision="auto"`` are resolved here, for the device JAX runs on
+    (:func:`leanstep.training.machine_size.choose_for_machine`): the run's ``config`` names the
+    size and policy chosen, ``size_reason`` and ``precision_reason`` say why.
 
     Raises:
       ValueError: an invalid config, naming the flag.
@@ -173,14 +175,23 @@ def build_run(config: RunConfig) -> Run:
       >>> run.abstract_state().params["embed"].shape  # shapes only: nothing is computed
       (256, 16)
     """
-    chosen, reason = resolve_precision(config.validate().precision)
-    config = config.resolved(chosen)  # the step's flags parsed once, by validate()
+    choice = choose_for_machine(config)
+    config = choice.config  # the step's flags parsed once, by validate()
     spec = config.step
     # the model's FP8 or int8 matmuls: the step's recipe
     recipe = {name: value for name, value in (("fp8", spec.fp8), ("int8", spec.int8)) if value is not None}
     model = build_model(config.model, config.size, **recipe, **model_overrides(config))
     optimizer, schedule = build_optimizer(config)
-    run = Run(config, model, optimizer, schedule, spec.precision, spec.loss_scale.make(), reason)
+    run = Run(
+        config,
+        model,
+        optimizer,
+        schedule,
+        spec.precision,
+        spec.loss_scale.make(),
+        choice.precision_reason,
+        choice.size_reason,
+    )
     if "save:" in config.remat and not spec.update_in_backward:  # every name saved is one the model tags
         microbatch = run.batch_spec(config.batch_size // config.microbatches)
         try:

@@ -50,6 +50,11 @@ __all__ = [
 #: The wall-clock budget of a run that does not fix ``--steps``: three minutes.
 DEFAULT_TIME_BUDGET_S = 180.0
 
+#: ``--size auto``: the run sized for the machine (:func:`leanstep.training.machine_size.choose_for_machine`).
+AUTO_SIZE = "auto"
+#: The size preset of a run the machine does not size (a CPU's, or one whose size flags are given).
+UNSIZED = "mini"
+
 #: ``--precision``'s accepted forms, for its messages.
 PRECISION_FORMS = "auto, or params=DTYPE,compute=DTYPE,output=DTYPE[,strict] (e.g. compute=bf16)"
 
@@ -70,6 +75,9 @@ class RunConfig:
     (:mod:`leanstep.training.budget`); the steps chosen are recorded in ``config.json`` and a
     resumed run keeps them. ``precision="auto"`` computes in bfloat16 only on a device with
     bfloat16 matrix units (:mod:`leanstep.training.auto_precision`), else in float32.
+    ``size="auto"`` sizes the model, batch and data for an accelerator and the budget
+    (:mod:`leanstep.training.machine_size`), else takes ``"mini"``. Both are resolved once, by
+    :func:`leanstep.training.build_run` (and so by :func:`leanstep.training.train`).
 
     Example:
       >>> RunConfig(size="tiny", steps=20).validate().microbatches
@@ -81,7 +89,7 @@ class RunConfig:
     """
 
     model: str = "transformer"
-    size: str = "mini"
+    size: str = AUTO_SIZE
     d_model: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
@@ -166,7 +174,7 @@ class RunConfig:
         # Each step flag parsed into its field once, a refusal naming the flag (float32 stands in for
         # --precision auto until resolved() sets the device's).
         sharded = self.devices is not None or self.mesh is not None
-        layout = self._layout() if sharded else None
+        layout = self._layout if sharded else None
         spec = StepSpec(accumulation=Accumulation(self.microbatches, "strided" if sharded else "contiguous"))
         initial = None if self.loss_scale == "none" else self.initial_loss_scale
         for flag, name, value in (
@@ -186,8 +194,20 @@ class RunConfig:
             except (TypeError, ValueError) as error:
                 message = str(error).removeprefix(f"{name}: ")
                 forms = f"; --precision takes {PRECISION_FORMS}" if name == "precision" else ""
-                raise ValueError(f"{flag}: {message}{forms}") from None
+                raise ValueError(f"{message if message.startswith(flag) else f'{flag}: {message}'}{forms}") from None
         return spec
+
+    @property
+    def mesh_shape(self) -> dict[str, int] | None:
+        """``--mesh`` as ``{axis: size}`` (None: no mesh), parsed once, into :attr:`step`'s layout:
+        ``RunConfig(mesh="data=2,fsdp=2").mesh_shape`` is ``{"data": 2, "fsdp": 2}``."""
+        axes = None if self.mesh is None else self._layout.axes  # the step's layout (not the rest of the step)
+        return None if axes is None else dict(axes)
+
+    @functools.cached_property
+    def rollback(self) -> SpikeRollback | None:
+        """``--spike-rollback`` parsed once (by :meth:`validate`): its :class:`SpikeRollback`, or None."""
+        return SpikeRollback.from_string(self.spike_rollback)
 
     def step_spec(self, *, sharded: bool) -> StepSpec:
         """:attr:`step` on one device, or over a mesh (``sharded``: strided microbatches, and
@@ -195,10 +215,11 @@ class RunConfig:
         spec = self.step
         if sharded == (spec.sharding is not None):
             return spec
-        layout = self._layout() if sharded else None
+        layout = self._layout if sharded else None
         split = "strided" if sharded else "contiguous"
         return spec.replace(sharding=layout, accumulation=Accumulation(self.microbatches, split))
 
+    @functools.cached_property
     def _layout(self) -> MeshLayout:
         # --mesh as "data=2,fsdp=2" (MeshLayout parses it), --fsdp and --reduce.
         return MeshLayout(self.mesh, fsdp=self.fsdp, reduce=self.reduce)  # type: ignore[arg-type]
@@ -244,17 +265,17 @@ def _check_parts(config: RunConfig) -> None:
     for flag, value in (("--out", config.out), ("--data", config.data)):
         if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
             raise ValueError(f"{flag} must be a non-empty path, got {value!r}")
-    for flag, parse, value in (
-        ("--precision", _check_precision, config.precision),
-        ("--remat", get_remat_policy, config.remat),
-        ("--spike-rollback", SpikeRollback.from_string, config.spike_rollback),
+    for flag, parse in (
+        ("--precision", lambda: _check_precision(config.precision)),
+        ("--remat", lambda: get_remat_policy(config.remat)),
+        ("--spike-rollback", lambda: config.rollback),  # parsed here once
     ):
         try:
-            parse(value)
+            parse()
         except (TypeError, ValueError) as error:
             raise ValueError(f"{flag}: {error}") from None
     spec = config._parsed_step  # the step's flags, parsed here once
-    if SpikeRollback.from_string(config.spike_rollback) is not None and spec.spike_guard is None:
+    if config.rollback is not None and spec.spike_guard is None:
         raise ValueError(
             f"--spike-rollback {config.spike_rollback} rolls back past the spikes the guard skips: "
             "pass --spike-guard on (or its settings) too"
@@ -267,7 +288,7 @@ def _check_parts(config: RunConfig) -> None:
     if spec.update_in_backward and refusal is not None:
         raise ValueError(f"--update-in-backward on: {refusal}")
     try:  # cheap: builds the config dataclass only, no arrays
-        build_model(config.model, config.size, **model_overrides(config))
+        build_model(config.model, UNSIZED if config.size == AUTO_SIZE else config.size, **model_overrides(config))
     except (TypeError, ValueError) as error:
         flags = "".join(
             f" {flag} {getattr(config, name)}" for flag, name in MODEL_FLAGS if getattr(config, name) is not None

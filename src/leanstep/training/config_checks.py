@@ -87,12 +87,8 @@ def check_layout(config: Any) -> None:
     """The batch split into microbatches and over devices, ``--mesh``, ``--fsdp`` and ``--reduce``."""
     if config.batch_size % config.microbatches:
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches {config.microbatches}")
-    if config.mesh is not None:
-        from leanstep.sharding.distributed import parse_mesh
-
-        parse_mesh(config.mesh)
-        if config.fsdp:
-            raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
+    if config.mesh is not None and config.fsdp:  # --mesh is parsed with the step's flags (RunConfig.step)
+        raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
     from leanstep.step.sharding_layer import REDUCTIONS
 
     if config.reduce not in REDUCTIONS:

@@ -55,7 +55,7 @@ from leanstep.checkpoints.checkpointer import Checkpointer, CheckpointError
 from leanstep.checkpoints.layout import remove_unfinished_saves
 from leanstep.compilation.cache import cache_directory
 from leanstep.models.transformer import QKV_LAYOUT
-from leanstep.sharding.distributed import device_mesh, parse_mesh
+from leanstep.sharding.distributed import device_mesh
 from leanstep.sharding.meshes import mesh_axes
 from leanstep.step.state import TrainState
 from leanstep.step.state_sharding import state_shardings
@@ -127,10 +127,12 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
     origin = time.perf_counter()  # a --time-budget counts from here
     emit = _ignore if on_record is None else on_record
     run = build_run(with_saved_plan(config) if resume else config)
-    config = run.config  # --precision auto resolved
+    config = run.config  # --size and --precision auto resolved
+    if run.size_reason is not None:
+        emit(Note(run.size_reason))
     out = Path(config.out)
     check_out(out)
-    if config.spike_rollback.strip().lower() != "none" and jax.process_count() > 1:
+    if config.rollback is not None and jax.process_count() > 1:
         raise ValueError(
             f"--spike-rollback {config.spike_rollback}: a rollback restores and deletes checkpoints in the loop, "
             f"which runs on one process for now, not {jax.process_count()}; use --spike-guard alone"
@@ -155,11 +157,7 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
         overlap = not (resume or early or jax.process_count() > 1 or loading.done_within(QUICK_S))
         # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
         sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
-        mesh = (
-            device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh))
-            if sharded
-            else None
-        )
+        mesh = device_mesh(config.devices, shape=config.mesh_shape) if sharded else None
         axes = None if mesh is None else mesh_axes(mesh, fsdp=config.fsdp)
         rows = 1 if axes is None else axes.size(axes.batch)
         if mesh is not None and config.batch_size % (config.microbatches * rows):
@@ -332,6 +330,7 @@ def _run_info(
         "processes": jax.process_count(),
         "qkv_layout": QKV_LAYOUT,
         "precision_reason": run.precision_reason,
+        "size_reason": run.size_reason,
         "time_budget_plan": None if plan is None else plan.to_json(),
         "compile_cache": {"directory": cache_directory(), "step": step_compile},
     }
