@@ -204,8 +204,6 @@ def check_train_flags(args: argparse.Namespace) -> None:
         )
     if args.reduce != d.reduce and not sharded:
         _refuse(f"--reduce {args.reduce} reduces gradients over a mesh; add --mesh AXES or --devices N, or drop it")
-    if args.accelerator != "h100" and args.mesh != "auto":
-        _refuse(f"--accelerator {args.accelerator} prices only the plan of --mesh auto; add --mesh auto or drop it")
     if args.loss_scale == "none" and args.initial_loss_scale != d.initial_loss_scale:
         _refuse("--initial-loss-scale with --loss-scale none: there is no scale; drop it or choose --loss-scale")
     if args.schedule in ("constant", "cosine") and args.warmup_steps != d.warmup_steps:
@@ -220,6 +218,12 @@ def check_train_flags(args: argparse.Namespace) -> None:
             f"--devices must be an integer in [1, {MAX_DEVICES_PER_PROCESS}] (devices per process), got {args.devices}"
         )
     check_mesh_size(args.mesh, args.devices, args.num_processes)
+    from leanstep.training.config_checks import check_memory_budget
+
+    try:  # RunConfig's own check, before JAX starts: the flags' values are its fields'
+        check_memory_budget(args)
+    except ValueError as error:
+        _refuse(str(error))
 
 
 def name_mesh(message: str, mesh: str | None) -> str:

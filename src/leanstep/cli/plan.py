@@ -171,7 +171,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.devices is not None:
         _configure_devices(args.devices)
     budget = _budget(args, cluster)
-    config = run_config(args, microbatches=1, remat="none", **({"mesh": args.mesh} if args.mesh else {}))
+    # --budget and --accelerator are the plan's here, not a budget the run plans for itself
+    mesh = {"mesh": args.mesh} if args.mesh else {}
+    config = run_config(args, microbatches=1, remat="none", budget=None, accelerator="h100", **mesh)
     console = Console()
     try:
         result = _cluster_plan(args, config, budget) if cluster else _one_device_plan(args, config, budget)

@@ -23,7 +23,7 @@ from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
 from leanstep.training.machine_size import choose_for_machine
 
-__all__ = ["audit_run", "offload_audit_run", "plan_run"]
+__all__ = ["audit_run", "fit_memory_budget", "offload_audit_run", "plan_run"]
 
 
 def plan_run(
@@ -97,6 +97,43 @@ def plan_run(
         moments=config.moments,
         **rest,
     )
+
+
+def fit_memory_budget(config: RunConfig) -> tuple[RunConfig, tuple[str, ...]]:
+    """``config`` with what :func:`plan_run` chose for ``config.budget``: ``microbatches`` and
+    ``remat`` (with ``mesh="auto"``, also the mesh and ``reduce``, over this process's devices,
+    priced on ``config.accelerator``; where only the update inside the backward pass fits,
+    ``update_in_backward="on"``), and one line a choice to say; as it is, and nothing to say, without
+    a budget. :func:`leanstep.training.train` calls it before it builds the run.
+
+    Raises:
+      ValueError: nothing fits (the planner's BudgetError), or an invalid config; naming ``--budget``.
+    """
+    if config.budget is None:
+        return config, ()
+    auto = config.mesh == "auto"
+    devices = {"num_devices": jax.device_count()} if auto else {}
+    try:
+        plan = plan_run(
+            dataclasses.replace(config, mesh=None) if auto else config,
+            config.budget,
+            accelerator=config.accelerator,
+            **devices,
+        )
+    except ValueError as error:  # BudgetError included: nothing fits
+        raise ValueError(f"--budget: {error}") from None
+    chosen, setting = plan.chosen, plan.chosen.setting
+    layout: dict[str, Any] = {"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}
+    notes = [f"--budget {config.budget}: {plan.notes[0]}"] if setting.update_in_backward else []  # the first says why
+    if setting.update_in_backward:
+        layout["update_in_backward"] = "on"
+    predicted = "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
+    notes.append(
+        f"--budget {config.budget}: chose {setting.describe()} (predicted peak "
+        f"{chosen.peak_bytes:,} bytes{' per device' if setting.mesh else ''}{predicted})"
+    )
+    fitted = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat, **layout)
+    return fitted.validate(), tuple(notes)
 
 
 def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options: dict[str, Any]) -> Plan:

@@ -2,6 +2,9 @@
 
 Field names follow the command-line flags of ``leanstep train`` (``batch_size`` is
 ``--batch-size``), and every check names the flag, so the CLI can print the message as is.
+
+Size: one dataclass of every flag, with the values it parses once (the step, the layout, the
+rollback policy); its numbers' checks are :mod:`leanstep.training.config_checks`'.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ DEFAULT_TIME_BUDGET_S = 180.0
 
 #: ``--size auto``: the run sized for the machine (:func:`leanstep.training.machine_size.choose_for_machine`).
 AUTO_SIZE = "auto"
+#: ``--mesh auto``: the mesh ``budget``'s plan chooses over ``devices``.
+AUTO_MESH = "auto"
 #: The size preset of a run the machine does not size (a CPU's, or one whose size flags are given).
 UNSIZED = "mini"
 
@@ -77,7 +82,10 @@ class RunConfig:
     bfloat16 matrix units (:mod:`leanstep.training.auto_precision`), else in float32.
     ``size="auto"`` sizes the model, batch and data for an accelerator and the budget
     (:mod:`leanstep.training.machine_size`), else takes ``"mini"``. Both are resolved once, by
-    :func:`leanstep.training.build_run` (and so by :func:`leanstep.training.train`).
+    :func:`leanstep.training.build_run` (and so by :func:`leanstep.training.train`). ``budget``
+    (memory per device, e.g. ``"2GiB"``): :func:`~leanstep.training.train` has the planner choose
+    ``microbatches`` and ``remat`` for it (with ``mesh="auto"`` and ``devices``, also the mesh and
+    ``reduce``, priced on ``accelerator``) before it trains (:func:`leanstep.training.analysis.fit_memory_budget`).
 
     Example:
       >>> RunConfig(size="tiny", steps=20).validate().microbatches
@@ -124,6 +132,8 @@ class RunConfig:
     fsdp: bool = False
     mesh: str | None = None
     reduce: str = "auto"
+    budget: str | None = None
+    accelerator: str = "h100"
     fp8: str = "none"
     int8: str = "none"
     master: str = "float32"
@@ -221,8 +231,9 @@ class RunConfig:
 
     @functools.cached_property
     def _layout(self) -> MeshLayout:
-        # --mesh as "data=2,fsdp=2" (MeshLayout parses it), --fsdp and --reduce.
-        return MeshLayout(self.mesh, fsdp=self.fsdp, reduce=self.reduce)  # type: ignore[arg-type]
+        # --mesh as "data=2,fsdp=2" (MeshLayout parses it; "auto": any mesh, until --budget's plan), --fsdp, --reduce.
+        axes = None if self.mesh == AUTO_MESH else self.mesh
+        return MeshLayout(axes, fsdp=self.fsdp, reduce=self.reduce)  # type: ignore[arg-type]
 
     def resolved(self, precision: str) -> RunConfig:
         """This config with ``--precision auto`` resolved to ``precision`` (as it is otherwise); its

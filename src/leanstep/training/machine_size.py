@@ -183,6 +183,7 @@ def _sizable(config: RunConfig) -> bool:
         config.model == "transformer"
         and config.mesh is None
         and config.devices is None
+        and config.budget is None
         and jax.process_count() == 1
         and all(getattr(config, name) == getattr(defaults, name) for _, name in SIZED_FIELDS if name != "size")
     )

@@ -59,6 +59,7 @@ from leanstep.sharding.distributed import device_mesh
 from leanstep.sharding.meshes import mesh_axes
 from leanstep.step.state import TrainState
 from leanstep.step.state_sharding import state_shardings
+from leanstep.training.analysis import fit_memory_budget
 from leanstep.training.budget import BudgetPlan, plan_budget
 from leanstep.training.build import Run, build_run
 from leanstep.training.config import RunConfig
@@ -126,10 +127,10 @@ def train(config: RunConfig, *, resume: bool = False, on_record: Callable[..., N
 def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | None) -> dict[str, Any]:
     origin = time.perf_counter()  # a --time-budget counts from here
     emit = _ignore if on_record is None else on_record
-    run = build_run(with_saved_plan(config) if resume else config)
+    fitted, said = fit_memory_budget(with_saved_plan(config) if resume else config)  # --budget's choice
+    run = build_run(fitted)
     config = run.config  # --size and --precision auto resolved
-    if run.size_reason is not None:
-        emit(Note(run.size_reason))
+    emit(*(Note(line) for line in (*said, run.size_reason) if line is not None))
     out = Path(config.out)
     check_out(out)
     if config.rollback is not None and jax.process_count() > 1:
