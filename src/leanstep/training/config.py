@@ -235,14 +235,15 @@ class RunConfig:
         axes = None if self.mesh == AUTO_MESH else self.mesh
         return MeshLayout(axes, fsdp=self.fsdp, reduce=self.reduce)  # type: ignore[arg-type]
 
-    def resolved(self, precision: str) -> RunConfig:
-        """This config with ``--precision auto`` resolved to ``precision`` (as it is otherwise); its
-        step flags are not parsed again."""
-        if self.precision != "auto":
-            return self
-        config = dataclasses.replace(self, precision=precision)
-        config.__dict__["_parsed_step"] = self._parsed_step.replace(precision=precision)
-        return config
+    def resolved(self, precision: str, **chosen: Any) -> RunConfig:
+        """This config, validated, with ``--precision auto`` resolved to ``precision`` (as it is
+        otherwise) and the fields ``chosen`` for it (``--size auto``'s); its step flags parsed once."""
+        config = (dataclasses.replace(self, **chosen) if chosen else self).validate()
+        if config.precision != "auto":
+            return config
+        resolved = dataclasses.replace(config, precision=precision)
+        resolved.__dict__["_parsed_step"] = config._parsed_step.replace(precision=precision)
+        return resolved
 
     def to_json(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""

@@ -164,15 +164,14 @@ def choose_for_machine(config: RunConfig, *, priced_accelerator: bool = False) -
       >>> choice.config.size, choice.size_reason, choice.config.precision
       ('mini', None, 'float32')
     """
-    config = config.validate()
+    chosen: dict[str, Any] = {}
     size_reason = None
-    if config.size == AUTO_SIZE:
+    if config.size == AUTO_SIZE:  # decided before the config is validated (with what is chosen): once
         sized = None if priced_accelerator or not _sizable(config) else _size_for_this_device(config)
-        fields = {} if sized is None else sized.fields
+        chosen = {"size": UNSIZED, **({} if sized is None else sized.fields)}
         size_reason = None if sized is None else sized.reason
-        config = dataclasses.replace(config, size=UNSIZED, **fields).validate()
     precision, precision_reason = resolve_precision(config.precision, priced_accelerator=priced_accelerator)
-    return MachineChoice(config.resolved(precision), size_reason, precision_reason)
+    return MachineChoice(config.resolved(precision, **chosen), size_reason, precision_reason)
 
 
 def _sizable(config: RunConfig) -> bool:

@@ -232,15 +232,15 @@ def _train_locked(setup: _Setup) -> dict[str, Any]:
     """:func:`train` from the moment it holds the run directory: compile, plan, open, resume, step, finish."""
     precompiled = setup.precompiled
     template = _initial_state(setup.run, setup.mesh, setup.config.fsdp) if precompiled is None else precompiled.template
+    loop = _make_loop(setup)
     # The evaluation compiles beside the step (and matplotlib loads, for a run that draws its chart).
-    loop = warming_up(_make_loop(setup), template.params, chart=setup.config.chart)
+    loop = warming_up(loop, template.params, chart=setup.config.chart)
     step_compile = compile_step(loop, template) if precompiled is None else precompiled.compiled
     plan = None
     if setup.config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
         plan = _plan(loop, template, step_compile["seconds"])
         loop = dataclasses.replace(loop, config=dataclasses.replace(loop.config, steps=plan.steps))
     config = loop.config
-    template = template.replace(opt_state=set_total_steps(template.opt_state, planned_steps(config)))
     run_info = _run_info(setup, config, template, plan, step_compile)
     checkpointer, notes = _open_run_dir(setup, config, run_info, plan)
     loop = dataclasses.replace(loop, checkpointer=checkpointer)
@@ -371,15 +371,16 @@ def _resume_and_run(
     assert checkpointer is not None  # the run directory is open
     out = Path(config.out)
     config_path = out / "config.json"
-    resumed = resume_run(checkpointer, template, config, notes, resume=setup.resume, primary=primary)
-    state = resumed.state
+    steps = planned_steps(config)  # the schedule spans them: the saved length, or a longer one (an extension)
+    resumed = resume_run(checkpointer, template, config, notes, steps=steps, resume=setup.resume, primary=primary)
+    state = resumed.state.replace(opt_state=set_total_steps(resumed.state.opt_state, steps))
     if setup.resume and primary:
         try:
             write_json_atomic(config_path, run_info)  # a resumable field may have changed
         except OSError as error:
             raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
     setup.emit(*(Note(note) for note in notes))
-    loop.emit(RunStart(planned_steps(config), int(state.step)))
+    loop.emit(RunStart(steps, int(state.step)))
 
     def replanned(new: BudgetPlan) -> None:  # config.json names the steps before a checkpoint holds them
         run_info.update(run={**run_info["run"], "steps": new.steps}, time_budget_plan=new.to_json())
