@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.blocks.layer_stack import LayerStack
 from leanstep.blocks.loss_scale import LossScale
@@ -25,6 +25,7 @@ from leanstep.models import Model, build_model
 from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
+from leanstep.step.state_sharding import state_shardings
 from leanstep.step.train_step import JittedTrainStep, make_train_step
 from leanstep.training.config import RunConfig, in_backward_refusal, model_overrides
 from leanstep.training.machine_size import choose_for_machine
@@ -148,6 +149,23 @@ class Run:
     def abstract_state(self) -> TrainState:
         """Shapes and dtypes of :meth:`init_state`, without computing it."""
         return jax.eval_shape(self.init_state, self.abstract_params())
+
+    def initial_state(self, mesh: Mesh | None = None) -> TrainState:
+        """The step-0 state, placed as a restored one is (so that a new run and a resumed one share
+        programs): over ``mesh`` made in its shards (:meth:`TrainState.create_from`: no device holds
+        the whole state), the shardings a checkpoint restores into; else committed to JAX's first device."""
+        if mesh is None:
+            return jax.device_put(self.init_state(), jax.devices()[0])
+        shardings = state_shardings(self.abstract_state(), mesh, fsdp=self.config.fsdp, rules=self.model.rules)
+        return self.init_state(shardings=shardings)
+
+    def eval_fn(self, mesh: Mesh | None = None) -> jax.stages.Wrapped:
+        """The held-out loss of params on a batch, jitted; over ``mesh``, replicated: one scalar every
+        process can read."""
+        return jax.jit(
+            lambda params, batch: self.model.loss(self.precision.cast_to_compute(params), batch),
+            out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()),
+        )
 
     def make_step(self, *, mesh: Mesh | None = None) -> JittedTrainStep:
         """The run's jitted train step, of :attr:`step` (laid out over ``mesh``, if given)."""

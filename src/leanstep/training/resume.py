@@ -104,6 +104,9 @@ def restore_checkpoint(
     checkpointer: Checkpointer, template: TrainState, config: RunConfig, notes: list[str], steps: int
 ) -> tuple[TrainState, float, dict[str, Any]]:
     """The newest intact checkpoint that belongs to this config, its time and ``extra``; notes say what was passed over."""
+    # A checkpoint of 0.11 or before holds the hash of the setting strings as they were written
+    # then: config.json has them (still the saved run's: it is rewritten once the run resumed).
+    mine = config_hashes(config, saved_fields(Path(config.out) / "config.json"))
     try:
         restored = restore_state(checkpointer, template)  # 0.5's checkpoints too
     except CheckpointError as error:
@@ -115,9 +118,6 @@ def restore_checkpoint(
     notes.extend(f"warning: skipped damaged checkpoint {reason}" for reason in restored.skipped)
     if restored.skipped:
         notes.append(f"warning: resuming from step {restored.step}, the newest intact checkpoint")
-    # A checkpoint of 0.11 or before holds the hash of the setting strings as they were written
-    # then: config.json has them (still the saved run's: it is rewritten once the run resumed).
-    mine = config_hashes(config, saved_fields(Path(config.out) / "config.json"))
     if restored.extra.get("config_sha256", mine[0]) not in mine:
         raise ValueError(
             f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
