@@ -56,6 +56,7 @@ def train_one(config: RunConfig, master: Any, moments: str) -> dict[str, Any]:
       ['heldout_bits_per_byte', 'seconds', 'train_loss']
     """
     run = build_run(config)
+    config = run.config  # --size and --precision auto resolved
     state = TrainState.create(
         run.init_params(), run.optimizer, loss_scale=run.loss_scale, seed=config.seed, master=master, moments=moments
     )

@@ -33,7 +33,7 @@ def _decode(form: str):
     if form == "take":
         return lambda codes: table[codes.astype(jnp.int32)]
     if form == "arithmetic":
-        return lambda codes: moments._decode_with(jnp, codes.astype(jnp.int32), True)
+        return lambda codes: dynamic_map.decode_with(jnp, codes.astype(jnp.int32), True)
     # one compare-and-select per code, summed: no gather
     return lambda codes: jnp.sum(
         jnp.where(codes[:, None].astype(jnp.int32) == jnp.arange(256)[None, :], table[None, :], 0.0), axis=-1

@@ -27,6 +27,7 @@ def _run_inputs(config: RunConfig) -> tuple[JittedTrainStep, Any, Any]:
     """The jitted step, a materialized state and a device batch for ``config`` (as a run builds them;
     with ``config.mesh``, sharded over it, as ``leanstep train --mesh`` shards them)."""
     run = build_run(config)
+    config = run.config  # --size and --precision auto resolved
     tokens = np.random.default_rng(config.seed).integers(0, 256, (config.batch_size, config.seq_len + 1))
     batch = {"tokens": tokens.astype(np.int32)}
     if config.mesh is None:

@@ -38,6 +38,7 @@ def measure(config: RunConfig, *, repeats: int = 40, rounds: int = 3) -> dict[st
       >>> sorted(result)
       ['ratio', 'spikes', 'step_ms']
     """
+    config = build_run(config).config  # --size and --precision auto resolved, as the run resolves them
     corpus = load_corpus(config.data, seq_len=config.seq_len)
     sampler = BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed)
     calls: dict[str, Any] = {}

@@ -84,6 +84,7 @@ def step_pace(config: RunConfig | None = None, *, rounds: int = 12, steps: int =
     if config.model != "transformer":
         raise ValueError(f"--model {config.model}: the PyTorch peer is leanstep's transformer only")
     run = build_run(config)
+    config = run.config  # --size auto resolved (on an accelerator: the machine's model, batch and data)
     sampler = BatchSampler(
         load_corpus(config.data, seq_len=config.seq_len).train, config.batch_size, config.seq_len, config.seed
     )

@@ -191,6 +191,7 @@ def profile_step(
       True
     """
     run = build_run(config)
+    config = run.config  # --size and --precision auto resolved
     rows, time_steps = config.batch_size, config.seq_len
     vocab = getattr(run.model.config, "vocab_size", 256)
     batch = {"tokens": jnp.asarray(np.random.default_rng(0).integers(0, vocab, (rows, time_steps + 1), np.int32))}

@@ -73,29 +73,65 @@ def _fake_tpu(monkeypatch):
 
 
 def test_the_cli_sizes_only_when_no_flag_does(monkeypatch):
-    from leanstep.cli.machine_defaults import sized_for_the_machine
     from leanstep.cli.main import build_parser
     from leanstep.cli.train import _config_from
+    from leanstep.training.machine_size import choose_for_machine
 
     parser = build_parser()
-    printed = []
-    console = SimpleNamespace(print=lambda text, **_: printed.append(str(text)))
 
     def config(*argv):
-        args = parser.parse_args(["train", *argv])
-        return sized_for_the_machine(_config_from(args), args, console)
+        return choose_for_machine(_config_from(parser.parse_args(["train", *argv]))).config
 
-    assert config() == RunConfig()  # the CPU: today's defaults, nothing said
-    assert printed == []
+    assert config() == choose_for_machine(RunConfig()).config  # the CPU: today's defaults
+    assert config().size == "mini" and config().d_model is None
     _fake_tpu(monkeypatch)
     sized = config("--lr", "1e-3")  # a flag the rule does not set
     assert (sized.d_model, sized.batch_size, sized.seq_len, sized.data, sized.lr) == (384, 128, 512, "@python", 1e-3)
-    assert printed and "sized for TPU v5 lite" in printed[0]
     for flags in (["--batch-size", "64"], ["--size", "mini"], ["--data", "x"], ["--seq-len", "32"], ["--devices", "1"]):
         kept = config(*flags)
         assert kept.d_model is None and kept.data != "@python", flags
-    assert config("--batch-size", "64").batch_size == 64  # given, even at its CPU default: kept
+    assert config("--batch-size", "64").batch_size == 64  # given: kept
+    assert config("--batch-size", "32").d_model is None  # given, even at its default: the flags size the run
     assert config("--model", "mlp").d_model is None  # the rule sizes the transformer only
+
+
+def test_the_library_and_the_cli_train_the_same_run_on_an_accelerator(monkeypatch, tmp_path):
+    """``train(RunConfig())`` and ``leanstep train`` with no sizing flag: one run (model, batch,
+    data, precision), resolved by the library (``build_run``, which ``train`` calls first)."""
+    from leanstep.cli.main import build_parser
+    from leanstep.cli.train import _config_from
+    from leanstep.training import build_run
+
+    out = str(tmp_path / "run")
+    cli = _config_from(build_parser().parse_args(["train", "--out", out]))
+    _fake_tpu(monkeypatch)
+    library, from_flags = build_run(RunConfig(out=out)), build_run(cli)
+    assert library.config == from_flags.config and library.size_reason == from_flags.size_reason
+    resolved = library.config
+    assert (resolved.size, resolved.d_model, resolved.n_layers, resolved.batch_size, resolved.microbatches) == (
+        "mini",
+        384,
+        6,
+        128,
+        2,
+    )
+    assert resolved.data == "@python" and "compute=bfloat16" in resolved.precision
+    assert "sized for TPU v5 lite" in library.size_reason and library.model.config.d_model == 384
+    assert build_run(resolved).config == resolved and build_run(resolved).size_reason is None  # resolved once
+
+
+def test_size_auto_is_mini_where_the_machine_does_not_size(monkeypatch):
+    from leanstep.training.machine_size import choose_for_machine
+
+    assert RunConfig().size == "auto"
+    choice = choose_for_machine(RunConfig())
+    assert choice.config.size == "mini" and choice.size_reason is None  # a CPU
+    _fake_tpu(monkeypatch)
+    for config in (RunConfig(model="mlp"), RunConfig(devices=1), RunConfig(seq_len=64), RunConfig(size="tiny")):
+        chosen = choose_for_machine(config)
+        assert chosen.config.d_model is None and chosen.size_reason is None, config
+    priced = choose_for_machine(RunConfig(), priced_accelerator=True)  # a cluster priced: never sized
+    assert priced.config.d_model is None and "compute=bfloat16" in priced.config.precision
 
 
 def _tree(root: Path, files: dict[str, bytes]) -> None:

@@ -94,7 +94,10 @@ def test_a_flag_given_that_conflicts_is_refused_and_one_that_matches_is_kept(run
 
 
 def test_only_a_flag_not_given_whose_saved_value_is_the_old_default_is_taken(tmp_path):
-    run = RunConfig(out=str(tmp_path), batch_size=16, seq_len=32, optimizer="adamw").to_json()
+    from leanstep.training.machine_size import choose_for_machine
+
+    made = RunConfig(out=str(tmp_path), batch_size=16, seq_len=32, optimizer="adamw")
+    run = choose_for_machine(made).config.to_json()  # as saved: its size and precision resolved
     del run["optimizer"]  # as 0.11 wrote it: AdamW
     (tmp_path / "config.json").write_text(json.dumps({"run": run}))
     now = RunConfig(out=str(tmp_path), batch_size=16)  # --batch-size 16 given: 16 is not 0.11's default
@@ -106,7 +109,7 @@ def test_only_a_flag_not_given_whose_saved_value_is_the_old_default_is_taken(tmp
     )
     # --seq-len given at today's default: it conflicts, and nothing is said (the refusal names it).
     resumed, note = with_saved_defaults(now, given={"batch_size", "seq_len"})
-    assert note is None and resumed.mismatches(run) == ["seq_len"]
+    assert note is None and choose_for_machine(resumed).config.mismatches(run) == ["seq_len"]
     # Not a run of this directory's: nothing is taken.
     assert with_saved_defaults(RunConfig(out=str(tmp_path / "none")), given=set()) == (
         RunConfig(out=str(tmp_path / "none")),
@@ -119,12 +122,21 @@ def test_on_an_accelerator_a_run_made_before_its_sizing_resumes_as_made(tmp_path
     batch and window and is not sized (which would change its model, batch and data)."""
     from types import SimpleNamespace
 
-    from leanstep.cli.machine_defaults import sized_for_the_machine
     from leanstep.cli.main import build_parser
     from leanstep.cli.resume_defaults import with_run_defaults
     from leanstep.cli.train import _config_from
+    from leanstep.training.auto_precision import BFLOAT16
+    from leanstep.training.machine_size import choose_for_machine
 
-    made = RunConfig(out=str(tmp_path), batch_size=64, seq_len=32, eval_batches=16, optimizer="adamw")
+    made = RunConfig(
+        out=str(tmp_path),
+        size="mini",
+        precision=BFLOAT16,
+        batch_size=64,
+        seq_len=32,
+        eval_batches=16,
+        optimizer="adamw",
+    )  # as saved: its size and precision resolved
     run = made.to_json()
     del run["optimizer"], run["chart"]
     (tmp_path / "config.json").write_text(json.dumps({"run": run}))
@@ -135,7 +147,7 @@ def test_on_an_accelerator_a_run_made_before_its_sizing_resumes_as_made(tmp_path
 
     def resumed(*flags: str) -> RunConfig:
         args = build_parser().parse_args(["train", "--out", str(tmp_path), *flags])
-        return sized_for_the_machine(with_run_defaults(_config_from(args), args, console), args, console)
+        return choose_for_machine(with_run_defaults(_config_from(args), args, console)).config
 
     assert resumed("--resume") == made and printed == [NOTE]
-    assert resumed().d_model == 384 and "sized for TPU v5 lite" in printed[-1]  # a new run is sized
+    assert resumed().d_model == 384  # a new run is sized

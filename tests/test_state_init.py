@@ -139,13 +139,12 @@ _RUN_SHARDED = textwrap.dedent(
     import json, jax, numpy as np, leanstep
     from leanstep.training import RunConfig
     from leanstep.training.build import build_run
-    from leanstep.training.trainer import _initial_state
     from leanstep.step.state_sharding import shard_train_state
     run = build_run(RunConfig(model="transformer", size="tiny", devices=2, fsdp=True, master="bfloat16-sr", moments="int8"))
     mesh = leanstep.sharding.data_mesh(jax.devices())
     calls, create_from = [], leanstep.TrainState.create_from  # which shardings the run's state is made with
     leanstep.TrainState.create_from = classmethod(lambda cls, *a, **k: calls.append(k.get("shardings")) or create_from(*a, **k))
-    made = _initial_state(run, mesh, True)
+    made = run.initial_state(mesh)  # the config's --fsdp
     leanstep.TrainState.create_from = create_from
     placed = shard_train_state(run.init_state(), mesh, fsdp=True, rules=run.model.rules)
     print(json.dumps({

@@ -37,6 +37,7 @@ from leanstep.bench.torch_step import torch_available
 from leanstep.blocks.precision import get_precision
 from leanstep.training.config import RunConfig
 from leanstep.training.data import heldout_batches, load_corpus
+from leanstep.training.machine_size import choose_for_machine
 
 __all__ = ["compression_references", "run_speedrun"]
 
@@ -244,14 +245,15 @@ def run_speedrun(
 
     log = _ignore if log is None else log
     base = RunConfig() if config is None else config
-    config = dataclasses.replace(
+    requested = dataclasses.replace(
         base,
         steps=None,
         time_budget=budget_s,
         out=str(Path(out) / "leanstep"),
         progress=False,
         data=base.data if data is None else str(data),
-    ).validate()
+    )
+    config = choose_for_machine(requested).config  # the run train() makes of it: --size and --precision auto resolved
     if torch_peer and config.model != "transformer":
         raise ValueError(f"--model {config.model}: the PyTorch peer is leanstep's transformer only")
     if any((Path(config.out) / name).exists() for name in ("config.json", "metrics.jsonl", "checkpoints")):
@@ -267,7 +269,7 @@ def run_speedrun(
     every_window = heldout_batches(corpus.heldout, config.batch_size, config.seq_len)
     log(f"leanstep: training for {budget_s:g} s into {config.out}")
     began = time.perf_counter()
-    summary = train(config, on_record=on_record)
+    summary = train(requested, on_record=on_record)  # its config.json says why auto chose so
     contenders = {"leanstep": _leanstep_row(summary, Path(config.out), time.perf_counter() - began, notes)}
     log(f"leanstep: scoring its final weights on all {len(every_window) * config.batch_size:,} held-out windows")
     contenders["leanstep"]["heldout_bits_per_byte_all"] = _leanstep_every_window(config, every_window)

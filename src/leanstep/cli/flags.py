@@ -52,10 +52,11 @@ def add_run_flags(p: argparse.ArgumentParser, d: Any, *, scope: dict[str, str] |
     scope = scope or {}
     from leanstep.blocks.loss_scale_registry import LOSS_SCALES
     from leanstep.models import MODELS, SIZES
+    from leanstep.training.config import AUTO_SIZE
 
     model = p.add_argument_group("model and batch")
     model.add_argument("--model", choices=tuple(MODELS), default=d.model)
-    model.add_argument("--size", choices=SIZES, default=d.size, help="size preset")
+    model.add_argument("--size", choices=(AUTO_SIZE, *SIZES), default=d.size, help=f"size preset ({SIZE_HELP})")
     model.add_argument("--d-model", type=int, help="override the preset's width")
     model.add_argument("--layers", dest="n_layers", type=int, help="override the preset's depth")
     model.add_argument("--heads", dest="n_heads", type=int, help="override the preset's attention heads")
@@ -139,6 +140,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+#: ``--size auto``, in a flag's help.
+SIZE_HELP = "auto: sized for an accelerator and the budget, model, batch and data; else mini"
+
 #: The most devices one process may simulate (``jax_num_cpu_devices``): XLA:CPU takes seconds to
 #: start 4096 and does not start 65536 in minutes; a real host has at most a few dozen accelerators.
 MAX_DEVICES_PER_PROCESS = 1024
@@ -150,15 +154,21 @@ def _refuse(message: str) -> None:
     raise InputError(message)
 
 
+def mesh_devices(mesh: str) -> int:
+    """The devices ``--mesh`` needs, parsed where :class:`~leanstep.training.RunConfig` parses it
+    (:attr:`~leanstep.training.RunConfig.mesh_shape`)."""
+    from leanstep.training import RunConfig
+
+    return math.prod((RunConfig(mesh=mesh).mesh_shape or {}).values())
+
+
 def check_mesh_size(mesh: str | None, devices: int | None, num_processes: int | None, *, exact: bool = True) -> None:
     """Refuses a ``--mesh`` whose size is not (``exact``; else more than) the devices the run has
     (or could simulate), naming it."""
-    from leanstep.sharding.distributed import parse_mesh
-
     if mesh is None or mesh == "auto":
         return
     try:
-        size = math.prod(parse_mesh(mesh).values())
+        size = mesh_devices(mesh)
     except ValueError as error:
         _refuse(str(error))
     processes = num_processes if isinstance(num_processes, int) and num_processes >= 1 else 1
@@ -194,8 +204,6 @@ def check_train_flags(args: argparse.Namespace) -> None:
         )
     if args.reduce != d.reduce and not sharded:
         _refuse(f"--reduce {args.reduce} reduces gradients over a mesh; add --mesh AXES or --devices N, or drop it")
-    if args.accelerator != "h100" and args.mesh != "auto":
-        _refuse(f"--accelerator {args.accelerator} prices only the plan of --mesh auto; add --mesh auto or drop it")
     if args.loss_scale == "none" and args.initial_loss_scale != d.initial_loss_scale:
         _refuse("--initial-loss-scale with --loss-scale none: there is no scale; drop it or choose --loss-scale")
     if args.schedule in ("constant", "cosine") and args.warmup_steps != d.warmup_steps:
@@ -210,6 +218,12 @@ def check_train_flags(args: argparse.Namespace) -> None:
             f"--devices must be an integer in [1, {MAX_DEVICES_PER_PROCESS}] (devices per process), got {args.devices}"
         )
     check_mesh_size(args.mesh, args.devices, args.num_processes)
+    from leanstep.training.config_checks import check_memory_budget
+
+    try:  # RunConfig's own check, before JAX starts: the flags' values are its fields'
+        check_memory_budget(args)
+    except ValueError as error:
+        _refuse(str(error))
 
 
 def name_mesh(message: str, mesh: str | None) -> str:

@@ -7,7 +7,6 @@ leanstep.training.analysis.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -108,7 +107,7 @@ def _add_audit_parser(subparsers: Any, d: Any) -> None:
     a.set_defaults(run=run_audit)
 
 
-def _table(result: Any, budget: int | None, chosen: Any, precision: str) -> Any:
+def _table(result: Any, budget: int | None, chosen: Any) -> Any:
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -116,6 +115,8 @@ def _table(result: Any, budget: int | None, chosen: Any, precision: str) -> Any:
     from leanstep.common.memory_sizes import format_bytes
 
     arguments = next((c.argument_bytes for c in result if c.argument_bytes is not None), None)
+    # --precision auto as plan_run resolved it (leanstep.training.machine_size): the candidates'
+    precision = ", ".join(dict.fromkeys(c.setting.precision for c in result)) or "none"
     table = Table(
         title=f"budget {format_bytes(budget)} ({budget or 0:,} bytes), precision {precision}",
         box=box.SIMPLE,
@@ -160,7 +161,6 @@ def run_plan(args: argparse.Namespace) -> int:
 
     from leanstep.common.outputs import check_output_path
     from leanstep.planning.one_device import BudgetError
-    from leanstep.training.auto_precision import resolve_precision
 
     check_plan_flags(args)  # a flag that would be ignored, an empty list, a mesh the devices cannot hold
     try:
@@ -171,8 +171,9 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.devices is not None:
         _configure_devices(args.devices)
     budget = _budget(args, cluster)
-    config = run_config(args, microbatches=1, remat="none", **({"mesh": args.mesh} if args.mesh else {}))
-    config = dataclasses.replace(config, precision=resolve_precision(config.precision, priced_accelerator=cluster)[0])
+    # --budget and --accelerator are the plan's here, not a budget the run plans for itself
+    mesh = {"mesh": args.mesh} if args.mesh else {}
+    config = run_config(args, microbatches=1, remat="none", budget=None, accelerator="h100", **mesh)
     console = Console()
     try:
         result = _cluster_plan(args, config, budget) if cluster else _one_device_plan(args, config, budget)
@@ -180,7 +181,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if cluster:
             console.print(_cluster_table(error.candidates, error.budget_bytes, None, None))
         else:
-            console.print(_table(error.candidates, budget, None, config.precision))
+            console.print(_table(error.candidates, budget, None))
         console.print(Text.assemble(("leanstep plan:", "bold red"), f" {error}"))
         failed = {"budget_bytes": error.budget_bytes, "chosen": None, "error": str(error)}
         _write_json(json_path, {**failed, "candidates": [c.to_json() for c in error.candidates]})
@@ -190,7 +191,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if cluster:
         console.print(_cluster_table(result.candidates, result.budget_bytes, result.chosen, result.accelerator))
     else:
-        console.print(_table(result.candidates, budget, result.chosen, config.precision))
+        console.print(_table(result.candidates, budget, result.chosen))
     console.print(
         Text(
             f"chosen: {result.chosen.setting.describe()}  (planned in {result.seconds:.1f} s, "

@@ -26,8 +26,8 @@ def changed_flags_by_default(p: argparse.ArgumentParser) -> None:
 
 def with_run_defaults(config: Any, args: argparse.Namespace, console: Any) -> Any:
     """``config`` (of ``args``) with the run's own values of the changed defaults not given, on
-    ``--resume``; each value taken is set in ``args`` too, so that the machine's sizing
-    (:mod:`leanstep.cli.machine_defaults`), which a run made before it never had, sees it as given."""
+    ``--resume`` (a run made before the machine's sizing keeps its batch and window, so the library
+    does not size it: :func:`leanstep.training.machine_size.choose_for_machine`)."""
     if not args.resume:
         return config
     from rich.text import Text
@@ -37,8 +37,5 @@ def with_run_defaults(config: Any, args: argparse.Namespace, console: Any) -> An
     given = {name for name in CHANGED_DEFAULTS if getattr(args, name, None) is not None}
     resumed, note = with_saved_defaults(config, given)
     if note is not None:
-        for name in CHANGED_DEFAULTS:
-            if getattr(resumed, name) != getattr(config, name):
-                setattr(args, name, getattr(resumed, name))
         console.print(Text(f"leanstep train: {note}"), soft_wrap=True)
     return resumed

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import re
 from typing import Any
@@ -13,11 +12,12 @@ from leanstep.cli.flags import (
     add_compile_cache_flag,
     add_run_flags,
     check_train_flags,
+    mesh_devices,
     name_mesh,
     remat_help,
 )
 from leanstep.cli.jsontree import InputError
-from leanstep.cli.machine_defaults import given_fields, size_flags_by_default, sized_for_the_machine
+from leanstep.cli.machine_defaults import given_fields, size_flags_by_default
 from leanstep.cli.resume_defaults import changed_flags_by_default, with_run_defaults
 
 
@@ -201,11 +201,6 @@ def run_train(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     check_train_flags(args)  # a flag that would be ignored, or a mesh the devices cannot hold
-    auto = args.mesh == "auto"
-    if auto:
-        if args.devices is None:
-            raise InputError("--mesh auto plans a mesh over --devices N devices per process; give --devices")
-        args.mesh = None
     _configure_devices(args)  # first: the device count and the processes are fixed once JAX makes its first array
     if args.coordinator is not None:
         from leanstep.cli.joining import check_same_out
@@ -213,15 +208,11 @@ def run_train(args: argparse.Namespace) -> int:
         check_same_out(args.out, args.process_id, args.num_processes)
     config = _config_from(args)
     console = Console(stderr=True)
-    config = sized_for_the_machine(with_run_defaults(config, args, console), args, console)
+    config = with_run_defaults(config, args, console)
     try:
         config.validate()
     except ValueError as error:
         raise InputError(str(error)) from None
-    if auto and args.budget is None:
-        raise InputError("--mesh auto needs --budget (memory per device, e.g. 80GiB)")
-    if args.budget is not None:
-        config = _fit_memory_budget(config, args, auto, console)
     return _train_and_report(config, args.resume, console)
 
 
@@ -233,10 +224,8 @@ def _configure_devices(args: argparse.Namespace) -> None:
         raise InputError("--join-timeout applies to a multi-process run: give --coordinator too")
     try:
         devices = args.devices
-        if args.mesh is not None and devices is None:  # every device the mesh needs, split over the processes
-            from leanstep.sharding.distributed import parse_mesh
-
-            devices = max(1, math.prod(parse_mesh(args.mesh).values()) // (args.num_processes or 1))
+        if args.mesh not in (None, "auto") and devices is None:  # every device the mesh needs, over the processes
+            devices = max(1, mesh_devices(args.mesh) // (args.num_processes or 1))
         if args.coordinator is None:
             configure_devices(devices, args.coordinator, args.num_processes, args.process_id)
         else:
@@ -288,35 +277,6 @@ def _config_from(args: argparse.Namespace) -> Any:
     else:
         given.pop("time_budget")  # RunConfig's default: three minutes unless --steps is given
     return RunConfig(**given)
-
-
-def _fit_memory_budget(config: Any, args: argparse.Namespace, auto: bool, console: Any) -> Any:
-    """``config`` with the microbatches and remat (and, with ``--mesh auto``, the mesh) ``leanstep plan`` chose."""
-    import jax
-    from rich.text import Text
-
-    from leanstep.training.analysis import plan_run
-
-    devices = {"num_devices": jax.device_count()} if auto else {}
-    try:
-        plan = plan_run(config, args.budget, accelerator=args.accelerator, **devices)
-    except ValueError as error:  # BudgetError included: nothing fits
-        raise InputError(f"--budget: {error}") from None
-    chosen, setting = plan.chosen, plan.chosen.setting
-    layout: dict[str, Any] = {"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}
-    if setting.update_in_backward:  # the plan's first note says why
-        layout["update_in_backward"] = "on"
-        console.print(Text(f"--budget {args.budget}: {plan.notes[0]}"), soft_wrap=True)
-    config = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat, **layout)
-    predicted = "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
-    console.print(
-        Text(
-            f"--budget {args.budget}: chose {setting.describe()} (predicted peak "
-            f"{chosen.peak_bytes:,} bytes{' per device' if setting.mesh else ''}{predicted})"
-        ),
-        soft_wrap=True,
-    )
-    return config
 
 
 def _train_and_report(config: Any, resume: bool, console: Any) -> int:

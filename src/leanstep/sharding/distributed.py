@@ -203,19 +203,19 @@ def device_mesh(
         return Mesh(np.asarray(mesh.devices).reshape(tuple(shape.values())), tuple(shape))
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    if num_devices is None:
-        return shaped(data_mesh(devices, data_axis))
-    num_devices = _check_count("num_devices", num_devices, 1)
-    available = jax.local_device_count()
-    if num_devices > available:
-        raise ValueError(
-            f"num_devices={num_devices} but this process has {available} {jax.default_backend()} device(s); "
-            "on CPU call configure_devices(num_devices) before JAX starts"
-        )
-    chosen = []
-    taken: dict[int, int] = {}  # devices chosen so far, by process
-    for device in devices:
-        if taken.get(device.process_index, 0) < num_devices:
-            chosen.append(device)
-            taken[device.process_index] = taken.get(device.process_index, 0) + 1
-    return shaped(data_mesh(chosen, data_axis))
+    if num_devices is not None:  # the first num_devices of each process
+        num_devices = _check_count("num_devices", num_devices, 1)
+        available = jax.local_device_count()
+        if num_devices > available:
+            raise ValueError(
+                f"num_devices={num_devices} but this process has {available} {jax.default_backend()} device(s); "
+                "on CPU call configure_devices(num_devices) before JAX starts"
+            )
+        taken: dict[int, int] = {}  # devices chosen so far, by process
+        chosen = []
+        for device in devices:
+            if taken.get(device.process_index, 0) < num_devices:
+                chosen.append(device)
+                taken[device.process_index] = taken.get(device.process_index, 0) + 1
+        devices = chosen
+    return shaped(data_mesh(devices, data_axis))

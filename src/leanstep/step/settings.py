@@ -6,7 +6,8 @@
     ShardingLayer   the spec's layout on the mesh given         (leanstep.step.sharding_layer)
 
 :func:`step_settings` adds what only the mesh can tell: a model state whose reduction would let it
-differ between devices (``reduce="auto"`` over replica axes). Every other refusal is the spec's.
+differ between devices (``reduce="auto"`` over replica axes), written once with the spec's own mesh
+refusals (:func:`leanstep.step.spec.refuse_on_mesh`). Every other refusal is the spec's.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax.sharding import Mesh
 
 from leanstep.blocks.accumulation import Accumulation
 from leanstep.step.sharding_layer import ShardingLayer
-from leanstep.step.spec import MeshLayout, StepSpec
+from leanstep.step.spec import MeshLayout, StepSpec, refuse_on_mesh
 from leanstep.step.spec_parts import axes_text
 
 __all__ = ["StepSettings", "step_settings"]
@@ -69,17 +70,7 @@ def step_settings(spec: StepSpec, mesh: Mesh | ShardingLayer | None) -> StepSett
         layer = mesh if isinstance(mesh, ShardingLayer) else _layer(MeshLayout.of(mesh, has_state=has_state), mesh)
     else:
         layer = _layer(layout, mesh)
-    if has_state and (layer.reduce == "step" or (layer.reduce == "auto" and layer.axes.replica)):
-        raise ValueError(
-            f"has_state=True with reduce={layer.reduce!r}: a model state (batch statistics) computed per "
-            "device would differ between devices that reduce their gradient once per step; use "
-            "reduce='microbatch' (the default with has_state)"
-        )
-    if spec.accumulation.split == "presplit":
-        raise ValueError(
-            "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
-            f"{layer.data_axis!r}, and the sharding layer splits it into strided microbatches"
-        )
+    refuse_on_mesh(spec, layer.reduce, layer.data_axis, replica=bool(layer.axes.replica))
     return StepSettings(spec, layer)
 
 

@@ -50,7 +50,7 @@ from leanstep.blocks.spike_guard import SpikeGuard
 from leanstep.common.checks import check_bool, check_positive
 from leanstep.step.spec_parts import JSON_PARTS, LossScaleSpec, MeshLayout, check_update_chunk, read_json_part
 
-__all__ = ["LossScaleSpec", "MeshLayout", "StepSpec"]
+__all__ = ["LossScaleSpec", "MeshLayout", "StepSpec", "refuse_on_mesh"]
 
 # The defaults (values: frozen, shared).
 _FLOAT32 = Precision.from_string("float32")
@@ -332,18 +332,31 @@ def _checked(spec: StepSpec) -> dict[str, Any]:
         return fields
     if not isinstance(layout, MeshLayout):
         raise TypeError(f"sharding must be a leanstep.step.MeshLayout or None, got {type(layout).__name__}")
-    if spec.loss.has_state and layout.reduce == "step":
+    refuse_on_mesh(spec, layout.reduce, layout.data_axis, replica=False)  # the mesh's replica axes: unknown yet
+    return fields
+
+
+def refuse_on_mesh(spec: StepSpec, reduce: str, data_axis: str, *, replica: bool) -> None:
+    """The settings a mesh refuses, in their one place: a model state whose gradient is reduced once
+    per step (or, ``replica``: the mesh has replica axes, by ``reduce="auto"``), so that devices'
+    batch statistics would differ; and presplit microbatches (the layer splits the batch itself).
+    The spec checks its own layout (the mesh not known yet), :func:`leanstep.step.settings.step_settings`
+    the layer on the mesh given.
+
+    Raises:
+      ValueError: either, naming the setting and what would be right.
+    """
+    if spec.loss.has_state and (reduce == "step" or (reduce == "auto" and replica)):
         raise ValueError(
-            f"has_state=True with reduce={layout.reduce!r}: a model state (batch statistics) computed per "
+            f"has_state=True with reduce={reduce!r}: a model state (batch statistics) computed per "
             "device would differ between devices that reduce their gradient once per step; use "
             "reduce='microbatch' (the default with has_state)"
         )
     if spec.accumulation.split == "presplit":
         raise ValueError(
             "split='presplit' is not supported with a mesh: pass the whole batch, rows split over "
-            f"{layout.data_axis!r}, and the sharding layer splits it into strided microbatches"
+            f"{data_axis!r}, and the sharding layer splits it into strided microbatches"
         )
-    return fields
 
 
 def _refuse_in_backward(spec: StepSpec, guard: SpikeGuard | None) -> None:

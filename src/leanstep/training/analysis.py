@@ -19,11 +19,11 @@ from leanstep.inspection.memory_spaces import MemorySpaceReport, memory_space_re
 from leanstep.planning.one_device import BudgetError, Plan, plan
 from leanstep.planning.search_options import SearchOptions, SearchSpace, split_options
 from leanstep.step import offload_opt_state
-from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig
+from leanstep.training.machine_size import choose_for_machine
 
-__all__ = ["audit_run", "offload_audit_run", "plan_run"]
+__all__ = ["audit_run", "fit_memory_budget", "offload_audit_run", "plan_run"]
 
 
 def plan_run(
@@ -59,17 +59,15 @@ def plan_run(
       ValueError: an invalid config or budget; ``fsdp`` (plan with a mesh instead).
     """
     cluster = not (num_devices is None and config.mesh is None and config.devices is None)
-    config = dataclasses.replace(config, precision=resolve_precision(config.precision, priced_accelerator=cluster)[0])
+    config = choose_for_machine(config, priced_accelerator=cluster).config  # --size and --precision auto
     if "candidates" in options:  # a candidate's precision "auto" is the config's, resolved
         options["candidates"] = [_resolved(c, config.precision) for c in options["candidates"]]
     if config.fsdp:
         raise ValueError("--budget plans --mesh, not --fsdp: use --mesh auto, or name a mesh such as --mesh fsdp=8")
     if not cluster:
         return _plan_one_device(config, budget_bytes, options)
-    from leanstep.sharding.distributed import parse_mesh
-
-    if config.mesh is not None:
-        shape = parse_mesh(config.mesh)
+    shape = config.mesh_shape  # --mesh, parsed once (RunConfig.step)
+    if shape is not None:
         options.setdefault("meshes", [shape])
         num_devices = math.prod(shape.values()) if num_devices is None else num_devices
     elif num_devices is None:  # --devices without --mesh: data parallel, as the run would be
@@ -99,6 +97,43 @@ def plan_run(
         moments=config.moments,
         **rest,
     )
+
+
+def fit_memory_budget(config: RunConfig) -> tuple[RunConfig, tuple[str, ...]]:
+    """``config`` with what :func:`plan_run` chose for ``config.budget``: ``microbatches`` and
+    ``remat`` (with ``mesh="auto"``, also the mesh and ``reduce``, over this process's devices,
+    priced on ``config.accelerator``; where only the update inside the backward pass fits,
+    ``update_in_backward="on"``), and one line a choice to say; as it is, and nothing to say, without
+    a budget. :func:`leanstep.training.train` calls it before it builds the run.
+
+    Raises:
+      ValueError: nothing fits (the planner's BudgetError), or an invalid config; naming ``--budget``.
+    """
+    if config.budget is None:
+        return config, ()
+    auto = config.mesh == "auto"
+    devices = {"num_devices": jax.device_count()} if auto else {}
+    try:
+        plan = plan_run(
+            dataclasses.replace(config, mesh=None) if auto else config,
+            config.budget,
+            accelerator=config.accelerator,
+            **devices,
+        )
+    except ValueError as error:  # BudgetError included: nothing fits
+        raise ValueError(f"--budget: {error}") from None
+    chosen, setting = plan.chosen, plan.chosen.setting
+    layout: dict[str, Any] = {"mesh": setting.mesh, "reduce": setting.reduce} if setting.mesh else {}
+    notes = [f"--budget {config.budget}: {plan.notes[0]}"] if setting.update_in_backward else []  # the first says why
+    if setting.update_in_backward:
+        layout["update_in_backward"] = "on"
+    predicted = "" if chosen.predicted_seconds is None else f", predicted step {chosen.predicted_seconds * 1e3:.1f} ms"
+    notes.append(
+        f"--budget {config.budget}: chose {setting.describe()} (predicted peak "
+        f"{chosen.peak_bytes:,} bytes{' per device' if setting.mesh else ''}{predicted})"
+    )
+    fitted = dataclasses.replace(config, microbatches=setting.num_microbatches, remat=setting.remat, **layout)
+    return fitted.validate(), tuple(notes)
 
 
 def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options: dict[str, Any]) -> Plan:

@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from leanstep.blocks.layer_stack import LayerStack
 from leanstep.blocks.loss_scale import LossScale
@@ -25,9 +25,10 @@ from leanstep.models import Model, build_model
 from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
+from leanstep.step.state_sharding import state_shardings
 from leanstep.step.train_step import JittedTrainStep, make_train_step
-from leanstep.training.auto_precision import resolve_precision
 from leanstep.training.config import RunConfig, in_backward_refusal, model_overrides
+from leanstep.training.machine_size import choose_for_machine
 from leanstep.training.optimizers import run_optimizer
 from leanstep.training.schedule import Schedule, make_schedule
 
@@ -68,6 +69,7 @@ class Run:
       precision: the mixed-precision policy.
       loss_scale: the initial loss scale.
       precision_reason: why ``--precision auto`` chose the policy (None: the config named it).
+      size_reason: why ``--size auto`` sized the run so (None: not sized for the machine).
     """
 
     config: RunConfig
@@ -77,6 +79,7 @@ class Run:
     precision: Precision
     loss_scale: LossScale
     precision_reason: str | None = None
+    size_reason: str | None = None
 
     def loss_fn(self, remat: str | None = None) -> Callable[[Any, Any], Any]:
         """``loss_fn(params, batch)`` of the model under remat policy ``remat`` (default: the config's);
@@ -147,6 +150,23 @@ class Run:
         """Shapes and dtypes of :meth:`init_state`, without computing it."""
         return jax.eval_shape(self.init_state, self.abstract_params())
 
+    def initial_state(self, mesh: Mesh | None = None) -> TrainState:
+        """The step-0 state, placed as a restored one is (so that a new run and a resumed one share
+        programs): over ``mesh`` made in its shards (:meth:`TrainState.create_from`: no device holds
+        the whole state), the shardings a checkpoint restores into; else committed to JAX's first device."""
+        if mesh is None:
+            return jax.device_put(self.init_state(), jax.devices()[0])
+        shardings = state_shardings(self.abstract_state(), mesh, fsdp=self.config.fsdp, rules=self.model.rules)
+        return self.init_state(shardings=shardings)
+
+    def eval_fn(self, mesh: Mesh | None = None) -> jax.stages.Wrapped:
+        """The held-out loss of params on a batch, jitted; over ``mesh``, replicated: one scalar every
+        process can read."""
+        return jax.jit(
+            lambda params, batch: self.model.loss(self.precision.cast_to_compute(params), batch),
+            out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()),
+        )
+
     def make_step(self, *, mesh: Mesh | None = None) -> JittedTrainStep:
         """The run's jitted train step, of :attr:`step` (laid out over ``mesh``, if given)."""
         spec = self.config.step_spec(sharded=mesh is not None)
@@ -159,9 +179,9 @@ class Run:
 def build_run(config: RunConfig) -> Run:
     """Validates ``config`` and builds its model, optimizer, schedule, precision and loss scale.
 
-    ``precision="auto"`` is resolved here, for the device JAX runs on
-    (:func:`leanstep.training.auto_precision.device_precision`): the run's ``config`` names the
-    policy chosen and ``precision_reason`` says why.
+    ``size="auto"`` and ``precision="auto"`` are resolved here, for the device JAX runs on
+    (:func:`leanstep.training.machine_size.choose_for_machine`): the run's ``config`` names the
+    size and policy chosen, ``size_reason`` and ``precision_reason`` say why.
 
     Raises:
       ValueError: an invalid config, naming the flag.
@@ -173,14 +193,23 @@ def build_run(config: RunConfig) -> Run:
       >>> run.abstract_state().params["embed"].shape  # shapes only: nothing is computed
       (256, 16)
     """
-    chosen, reason = resolve_precision(config.validate().precision)
-    config = config.resolved(chosen)  # the step's flags parsed once, by validate()
+    choice = choose_for_machine(config)
+    config = choice.config  # the step's flags parsed once, by validate()
     spec = config.step
     # the model's FP8 or int8 matmuls: the step's recipe
     recipe = {name: value for name, value in (("fp8", spec.fp8), ("int8", spec.int8)) if value is not None}
     model = build_model(config.model, config.size, **recipe, **model_overrides(config))
     optimizer, schedule = build_optimizer(config)
-    run = Run(config, model, optimizer, schedule, spec.precision, spec.loss_scale.make(), reason)
+    run = Run(
+        config,
+        model,
+        optimizer,
+        schedule,
+        spec.precision,
+        spec.loss_scale.make(),
+        choice.precision_reason,
+        choice.size_reason,
+    )
     if "save:" in config.remat and not spec.update_in_backward:  # every name saved is one the model tags
         microbatch = run.batch_spec(config.batch_size // config.microbatches)
         try:

@@ -2,6 +2,9 @@
 
 Field names follow the command-line flags of ``leanstep train`` (``batch_size`` is
 ``--batch-size``), and every check names the flag, so the CLI can print the message as is.
+
+Size: one dataclass of every flag, with the values it parses once (the step, the layout, the
+rollback policy); its numbers' checks are :mod:`leanstep.training.config_checks`'.
 """
 
 from __future__ import annotations
@@ -50,6 +53,13 @@ __all__ = [
 #: The wall-clock budget of a run that does not fix ``--steps``: three minutes.
 DEFAULT_TIME_BUDGET_S = 180.0
 
+#: ``--size auto``: the run sized for the machine (:func:`leanstep.training.machine_size.choose_for_machine`).
+AUTO_SIZE = "auto"
+#: ``--mesh auto``: the mesh ``budget``'s plan chooses over ``devices``.
+AUTO_MESH = "auto"
+#: The size preset of a run the machine does not size (a CPU's, or one whose size flags are given).
+UNSIZED = "mini"
+
 #: ``--precision``'s accepted forms, for its messages.
 PRECISION_FORMS = "auto, or params=DTYPE,compute=DTYPE,output=DTYPE[,strict] (e.g. compute=bf16)"
 
@@ -70,6 +80,12 @@ class RunConfig:
     (:mod:`leanstep.training.budget`); the steps chosen are recorded in ``config.json`` and a
     resumed run keeps them. ``precision="auto"`` computes in bfloat16 only on a device with
     bfloat16 matrix units (:mod:`leanstep.training.auto_precision`), else in float32.
+    ``size="auto"`` sizes the model, batch and data for an accelerator and the budget
+    (:mod:`leanstep.training.machine_size`), else takes ``"mini"``. Both are resolved once, by
+    :func:`leanstep.training.build_run` (and so by :func:`leanstep.training.train`). ``budget``
+    (memory per device, e.g. ``"2GiB"``): :func:`~leanstep.training.train` has the planner choose
+    ``microbatches`` and ``remat`` for it (with ``mesh="auto"`` and ``devices``, also the mesh and
+    ``reduce``, priced on ``accelerator``) before it trains (:func:`leanstep.training.analysis.fit_memory_budget`).
 
     Example:
       >>> RunConfig(size="tiny", steps=20).validate().microbatches
@@ -81,7 +97,7 @@ class RunConfig:
     """
 
     model: str = "transformer"
-    size: str = "mini"
+    size: str = AUTO_SIZE
     d_model: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
@@ -116,6 +132,8 @@ class RunConfig:
     fsdp: bool = False
     mesh: str | None = None
     reduce: str = "auto"
+    budget: str | None = None
+    accelerator: str = "h100"
     fp8: str = "none"
     int8: str = "none"
     master: str = "float32"
@@ -166,7 +184,7 @@ class RunConfig:
         # Each step flag parsed into its field once, a refusal naming the flag (float32 stands in for
         # --precision auto until resolved() sets the device's).
         sharded = self.devices is not None or self.mesh is not None
-        layout = self._layout() if sharded else None
+        layout = self._layout if sharded else None
         spec = StepSpec(accumulation=Accumulation(self.microbatches, "strided" if sharded else "contiguous"))
         initial = None if self.loss_scale == "none" else self.initial_loss_scale
         for flag, name, value in (
@@ -186,8 +204,20 @@ class RunConfig:
             except (TypeError, ValueError) as error:
                 message = str(error).removeprefix(f"{name}: ")
                 forms = f"; --precision takes {PRECISION_FORMS}" if name == "precision" else ""
-                raise ValueError(f"{flag}: {message}{forms}") from None
+                raise ValueError(f"{message if message.startswith(flag) else f'{flag}: {message}'}{forms}") from None
         return spec
+
+    @property
+    def mesh_shape(self) -> dict[str, int] | None:
+        """``--mesh`` as ``{axis: size}`` (None: no mesh), parsed once, into :attr:`step`'s layout:
+        ``RunConfig(mesh="data=2,fsdp=2").mesh_shape`` is ``{"data": 2, "fsdp": 2}``."""
+        axes = None if self.mesh is None else self._layout.axes  # the step's layout (not the rest of the step)
+        return None if axes is None else dict(axes)
+
+    @functools.cached_property
+    def rollback(self) -> SpikeRollback | None:
+        """``--spike-rollback`` parsed once (by :meth:`validate`): its :class:`SpikeRollback`, or None."""
+        return SpikeRollback.from_string(self.spike_rollback)
 
     def step_spec(self, *, sharded: bool) -> StepSpec:
         """:attr:`step` on one device, or over a mesh (``sharded``: strided microbatches, and
@@ -195,22 +225,25 @@ class RunConfig:
         spec = self.step
         if sharded == (spec.sharding is not None):
             return spec
-        layout = self._layout() if sharded else None
+        layout = self._layout if sharded else None
         split = "strided" if sharded else "contiguous"
         return spec.replace(sharding=layout, accumulation=Accumulation(self.microbatches, split))
 
+    @functools.cached_property
     def _layout(self) -> MeshLayout:
-        # --mesh as "data=2,fsdp=2" (MeshLayout parses it), --fsdp and --reduce.
-        return MeshLayout(self.mesh, fsdp=self.fsdp, reduce=self.reduce)  # type: ignore[arg-type]
+        # --mesh as "data=2,fsdp=2" (MeshLayout parses it; "auto": any mesh, until --budget's plan), --fsdp, --reduce.
+        axes = None if self.mesh == AUTO_MESH else self.mesh
+        return MeshLayout(axes, fsdp=self.fsdp, reduce=self.reduce)  # type: ignore[arg-type]
 
-    def resolved(self, precision: str) -> RunConfig:
-        """This config with ``--precision auto`` resolved to ``precision`` (as it is otherwise); its
-        step flags are not parsed again."""
-        if self.precision != "auto":
-            return self
-        config = dataclasses.replace(self, precision=precision)
-        config.__dict__["_parsed_step"] = self._parsed_step.replace(precision=precision)
-        return config
+    def resolved(self, precision: str, **chosen: Any) -> RunConfig:
+        """This config, validated, with ``--precision auto`` resolved to ``precision`` (as it is
+        otherwise) and the fields ``chosen`` for it (``--size auto``'s); its step flags parsed once."""
+        config = (dataclasses.replace(self, **chosen) if chosen else self).validate()
+        if config.precision != "auto":
+            return config
+        resolved = dataclasses.replace(config, precision=precision)
+        resolved.__dict__["_parsed_step"] = config._parsed_step.replace(precision=precision)
+        return resolved
 
     def to_json(self) -> dict[str, Any]:
         """The fields as a JSON-ready dict."""
@@ -244,17 +277,17 @@ def _check_parts(config: RunConfig) -> None:
     for flag, value in (("--out", config.out), ("--data", config.data)):
         if not (isinstance(value, str) and value.strip()) and not (flag == "--data" and value is None):
             raise ValueError(f"{flag} must be a non-empty path, got {value!r}")
-    for flag, parse, value in (
-        ("--precision", _check_precision, config.precision),
-        ("--remat", get_remat_policy, config.remat),
-        ("--spike-rollback", SpikeRollback.from_string, config.spike_rollback),
+    for flag, parse in (
+        ("--precision", lambda: _check_precision(config.precision)),
+        ("--remat", lambda: get_remat_policy(config.remat)),
+        ("--spike-rollback", lambda: config.rollback),  # parsed here once
     ):
         try:
-            parse(value)
+            parse()
         except (TypeError, ValueError) as error:
             raise ValueError(f"{flag}: {error}") from None
     spec = config._parsed_step  # the step's flags, parsed here once
-    if SpikeRollback.from_string(config.spike_rollback) is not None and spec.spike_guard is None:
+    if config.rollback is not None and spec.spike_guard is None:
         raise ValueError(
             f"--spike-rollback {config.spike_rollback} rolls back past the spikes the guard skips: "
             "pass --spike-guard on (or its settings) too"
@@ -267,7 +300,7 @@ def _check_parts(config: RunConfig) -> None:
     if spec.update_in_backward and refusal is not None:
         raise ValueError(f"--update-in-backward on: {refusal}")
     try:  # cheap: builds the config dataclass only, no arrays
-        build_model(config.model, config.size, **model_overrides(config))
+        build_model(config.model, UNSIZED if config.size == AUTO_SIZE else config.size, **model_overrides(config))
     except (TypeError, ValueError) as error:
         flags = "".join(
             f" {flag} {getattr(config, name)}" for flag, name in MODEL_FLAGS if getattr(config, name) is not None

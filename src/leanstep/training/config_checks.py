@@ -87,12 +87,9 @@ def check_layout(config: Any) -> None:
     """The batch split into microbatches and over devices, ``--mesh``, ``--fsdp`` and ``--reduce``."""
     if config.batch_size % config.microbatches:
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by --microbatches {config.microbatches}")
-    if config.mesh is not None:
-        from leanstep.sharding.distributed import parse_mesh
-
-        parse_mesh(config.mesh)
-        if config.fsdp:
-            raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
+    if config.mesh is not None and config.fsdp:  # --mesh is parsed with the step's flags (RunConfig.step)
+        raise ValueError("--fsdp and --mesh: name an fsdp axis in --mesh instead (e.g. data=2,fsdp=4)")
+    check_memory_budget(config)
     from leanstep.step.sharding_layer import REDUCTIONS
 
     if config.reduce not in REDUCTIONS:
@@ -105,6 +102,25 @@ def check_layout(config: Any) -> None:
         raise ValueError(
             f"--batch-size {config.batch_size} is not divisible by --microbatches "
             f"{config.microbatches} times --devices {config.devices}"
+        )
+
+
+def check_memory_budget(config: Any) -> None:
+    """``--budget`` a size, ``--mesh auto`` with ``--devices`` and ``--budget``, ``--accelerator`` with ``--mesh auto``."""
+    from leanstep.common.memory_sizes import parse_bytes
+
+    if config.budget is not None:
+        try:
+            parse_bytes(config.budget)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"--budget: {error}") from None
+    if config.mesh == "auto" and config.devices is None:
+        raise ValueError("--mesh auto plans a mesh over --devices N devices per process; give --devices")
+    if config.mesh == "auto" and config.budget is None:
+        raise ValueError("--mesh auto needs --budget (memory per device, e.g. 80GiB)")
+    if config.accelerator != "h100" and config.mesh != "auto":
+        raise ValueError(
+            f"--accelerator {config.accelerator} prices only the plan of --mesh auto; add --mesh auto or drop it"
         )
 
 

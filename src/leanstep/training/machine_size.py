@@ -1,4 +1,5 @@
-r"""What ``leanstep train`` trains on an accelerator when no flag sizes the run: :func:`size_for_machine`.
+r"""What a run (``RunConfig(size="auto")``, ``leanstep train``) trains on an accelerator: :func:`size_for_machine`,
+applied with ``--precision auto`` by :func:`choose_for_machine`.
 
 On a CPU the default run stays the CPU-sized one (``--size mini``, 32 windows of 128 bytes: the
 best of what the recipe tables of docs/speedrun-and-benchmarks.md tried on two cores). On an
@@ -20,9 +21,11 @@ sized for the device and the budget, by a stated rule:
 5. Data: ``--data @python`` (:mod:`leanstep.training.installed_corpus`): every installed
    package's source for training, the standard library's default held-out files for scoring.
 
-The rule runs only when none of the flags it sets is given (:data:`SIZED_FIELDS`), the model is
-the transformer and no mesh, memory budget or second process is asked for. The fields it chose are
-written to ``config.json`` as the run's. ``--resume`` sizes again: the rule is a function of the
+The rule runs for ``size="auto"`` (the default) when the other fields it sets
+(:data:`SIZED_FIELDS`) are at their defaults, the model is the transformer and no mesh, memory
+budget or second process is asked for; otherwise ``auto`` is ``"mini"`` with the fields given.
+The fields it chose are written to ``config.json`` as the run's, and one line says why
+(``Run.size_reason``). ``--resume`` sizes again: the rule is a function of the
 device kind, its memory and the budget, so the same machine gives the same fields, and a run
 resumed on another is refused, naming the flags that differ (``run_dir.saved_run``).
 """
@@ -33,11 +36,15 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+
 from leanstep.common.checks import is_int
 from leanstep.planning.cost_model import ACCELERATORS
+from leanstep.training.auto_precision import resolve_precision
+from leanstep.training.config import AUTO_SIZE, DEFAULT_TIME_BUDGET_S, UNSIZED, RunConfig
 from leanstep.training.installed_corpus import INSTALLED_PYTHON
 
-__all__ = ["SIZED_FIELDS", "MachineSize", "activation_bytes", "size_for_machine"]
+__all__ = ["SIZED_FIELDS", "MachineChoice", "MachineSize", "activation_bytes", "choose_for_machine", "size_for_machine"]
 
 #: The fields the rule sets, with their flags: given any of them, the run is not sized.
 SIZED_FIELDS = (
@@ -126,3 +133,67 @@ def size_for_machine(platform: str, device_kind: str, memory_bytes: int | None, 
         "--seq-len, --microbatches or --data to choose yourself)"
     )
     return MachineSize(fields, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineChoice:
+    """A config with what the machine decides resolved: ``size="auto"`` and ``precision="auto"``.
+
+    Attributes:
+      config: the config, validated, its size a preset and its precision a policy.
+      size_reason: why the run was sized so (None: not sized for the machine).
+      precision_reason: why ``--precision auto`` chose the policy (None: the config named it).
+    """
+
+    config: RunConfig
+    size_reason: str | None
+    precision_reason: str | None
+
+
+def choose_for_machine(config: RunConfig, *, priced_accelerator: bool = False) -> MachineChoice:
+    """``config`` with ``size="auto"`` and ``precision="auto"`` resolved for the device JAX runs on
+    (or, ``priced_accelerator``, for a cluster of accelerators being priced: never sized, bfloat16),
+    the one place both are decided: :func:`leanstep.training.build_run` (and so ``train``) and
+    :func:`leanstep.training.analysis.plan_run` call it. A config resolved already comes back as it is.
+
+    Raises:
+      ValueError: an invalid config, naming the flag.
+
+    Example:
+      >>> choice = choose_for_machine(RunConfig(precision="float32"))  # on a CPU: mini, as given
+      >>> choice.config.size, choice.size_reason, choice.config.precision
+      ('mini', None, 'float32')
+    """
+    chosen: dict[str, Any] = {}
+    size_reason = None
+    if config.size == AUTO_SIZE:  # decided before the config is validated (with what is chosen): once
+        sized = None if priced_accelerator or not _sizable(config) else _size_for_this_device(config)
+        chosen = {"size": UNSIZED, **({} if sized is None else sized.fields)}
+        size_reason = None if sized is None else sized.reason
+    precision, precision_reason = resolve_precision(config.precision, priced_accelerator=priced_accelerator)
+    return MachineChoice(config.resolved(precision, **chosen), size_reason, precision_reason)
+
+
+def _sizable(config: RunConfig) -> bool:
+    """Whether the rule sizes ``config``: the transformer, on one device of one process, no memory
+    budget, and every other field the rule sets at its default."""
+    defaults = RunConfig()
+    return (
+        config.model == "transformer"
+        and config.mesh is None
+        and config.devices is None
+        and config.budget is None
+        and jax.process_count() == 1
+        and all(getattr(config, name) == getattr(defaults, name) for _, name in SIZED_FIELDS if name != "size")
+    )
+
+
+def _size_for_this_device(config: RunConfig) -> MachineSize | None:
+    """:func:`size_for_machine` for JAX's first device and ``config``'s budget."""
+    device = jax.devices()[0]
+    try:  # a backend without memory statistics: the device kind's preset, or 16 GiB
+        memory = (device.memory_stats() or {}).get("bytes_limit") if device.platform != "cpu" else None
+    except (AttributeError, RuntimeError, NotImplementedError):
+        memory = None
+    budget = DEFAULT_TIME_BUDGET_S if config.time_budget is None else config.time_budget
+    return size_for_machine(device.platform, device.device_kind, memory, budget)

@@ -31,8 +31,6 @@ from leanstep.training.rollback import (
     read_rollbacks,
     record_rollback_lines,
 )
-from leanstep.training.run_steps import planned_steps
-from leanstep.training.schedule import set_total_steps
 
 __all__ = ["Resumed", "restore_checkpoint", "resume_run"]
 
@@ -53,10 +51,13 @@ def resume_run(
     config: RunConfig,
     notes: list[str],
     *,
+    steps: int,
     resume: bool,
     primary: bool,
 ) -> Resumed:
-    """The state a run starts from: ``template``, or with ``resume`` its newest checkpoint (see the module doc).
+    """The state a run starts from: ``template``, or with ``resume`` its newest checkpoint (see the module doc);
+    ``steps``: the run's planned steps (``--steps``, or ``--time-budget``'s), which a checkpoint may not pass.
+    The caller sets the schedule's length (:func:`~leanstep.training.schedule.set_total_steps`) on the state.
 
     Raises:
       RunStopped: no checkpoint can be restored, or ``metrics.jsonl`` cannot be rewritten.
@@ -73,17 +74,14 @@ def resume_run(
     except ValueError as error:
         raise ValueError(f"--resume: {error}") from None
     if checkpointer.latest_step() is not None:
-        state, elapsed_before, extra = restore_checkpoint(checkpointer, template, config, notes)
+        state, elapsed_before, extra = restore_checkpoint(checkpointer, template, config, notes, steps)
     saved = int(extra.get("rollbacks", 0))
     # Before anything is changed: a decision lost from rollbacks.json is refused, never trained past.
     logged = logged_rollbacks(out / "metrics.jsonl")
     check_decisions_kept(out / ROLLBACKS_FILE, rollbacks, saved=saved, step=int(state.step), logged=logged)
-    if checkpointer.latest_step() is not None:
-        # The schedule spans --steps: the saved length, or a longer one (an extension).
-        state = state.replace(opt_state=set_total_steps(state.opt_state, planned_steps(config)))
     pending = pending_rollback(rollbacks, saved)
     if pending is not None:  # stopped inside a rollback: finish it
-        state = roll_back_to(checkpointer, state, pending, planned_steps(config))
+        state = roll_back_to(checkpointer, state, pending, steps)
         notes.append(f"finishing the rollback to step {pending.to_step} that was under way at step {pending.at_step}")
     if primary:
         try:
@@ -103,9 +101,12 @@ def resume_run(
 
 
 def restore_checkpoint(
-    checkpointer: Checkpointer, template: TrainState, config: RunConfig, notes: list[str]
+    checkpointer: Checkpointer, template: TrainState, config: RunConfig, notes: list[str], steps: int
 ) -> tuple[TrainState, float, dict[str, Any]]:
     """The newest intact checkpoint that belongs to this config, its time and ``extra``; notes say what was passed over."""
+    # A checkpoint of 0.11 or before holds the hash of the setting strings as they were written
+    # then: config.json has them (still the saved run's: it is rewritten once the run resumed).
+    mine = config_hashes(config, saved_fields(Path(config.out) / "config.json"))
     try:
         restored = restore_state(checkpointer, template)  # 0.5's checkpoints too
     except CheckpointError as error:
@@ -117,17 +118,14 @@ def restore_checkpoint(
     notes.extend(f"warning: skipped damaged checkpoint {reason}" for reason in restored.skipped)
     if restored.skipped:
         notes.append(f"warning: resuming from step {restored.step}, the newest intact checkpoint")
-    # A checkpoint of 0.11 or before holds the hash of the setting strings as they were written
-    # then: config.json has them (still the saved run's: it is rewritten once the run resumed).
-    mine = config_hashes(config, saved_fields(Path(config.out) / "config.json"))
     if restored.extra.get("config_sha256", mine[0]) not in mine:
         raise ValueError(
             f"--resume: checkpoint step {restored.step} in {checkpointer.directory} was written by "
             "a different config than this one"
         )
-    if restored.step > planned_steps(config):
+    if restored.step > steps:
         raise ValueError(
-            f"--steps {config.steps} is below step {restored.step}, which the run has reached; "
+            f"--steps {steps} is below step {restored.step}, which the run has reached; "
             f"pass --steps {restored.step} or more"
         )
     checkpointer.delete_newer_than(restored.step)

@@ -154,12 +154,23 @@ def with_saved_defaults(config: RunConfig, given: Collection[str]) -> tuple[RunC
         if name not in given and run.get(name, ADDED_FIELDS.get(name)) == old and getattr(config, name) != old
     }
     resumed = dataclasses.replace(config, **taken)
-    if not taken or with_saved_plan(resumed).mismatches(run):  # refused by check_run, naming what differs
+    if not taken or _resolved(with_saved_plan(resumed)).mismatches(run):  # refused by check_run, naming it
         return resumed, None
     flags = ", ".join(f"{flag_of(name)} {value}" for name, value in taken.items())
     now = ", ".join(str(getattr(config, name)) for name in taken)
     note = f"--resume: took the run's own {flags}, whose defaults have changed since it started (now {now})"
     return resumed, note
+
+
+def _resolved(config: RunConfig) -> RunConfig:
+    """``config`` as the run will be built (``--size auto`` resolved); as it is where it is invalid
+    (refused later, naming the flag)."""
+    from leanstep.training.machine_size import choose_for_machine
+
+    try:
+        return choose_for_machine(config).config
+    except ValueError:
+        return config
 
 
 def with_saved_plan(config: RunConfig) -> RunConfig:

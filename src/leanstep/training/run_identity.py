@@ -50,6 +50,8 @@ RESUMABLE_FIELDS = frozenset(
         "fsdp",
         "mesh",
         "reduce",
+        "budget",  # what it chose (microbatches, remat, the mesh) is the run's
+        "accelerator",
     }
 )
 

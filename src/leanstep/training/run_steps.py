@@ -40,7 +40,7 @@ from leanstep.training.config import RunConfig, config_hash
 from leanstep.training.loop_state import Action, RunClock, RunStopped, Tick, minimum_loss_scale
 from leanstep.training.metrics_log import MetricsWriter
 from leanstep.training.records import TrainRecord
-from leanstep.training.rollback import Rollback, SpikeRollback, data_position
+from leanstep.training.rollback import Rollback, data_position
 from leanstep.training.step_loop import StepLoop, applied_updates, evaluate, step_batch
 from leanstep.training.stop_signals import StopSignals
 from leanstep.training.stops import EndRun, StopAtBudget, StopAtMinimumLossScale, StopAtStep, StopOnSignal
@@ -163,7 +163,7 @@ def loop_actions(
     save = SaveCheckpoint(
         config.checkpoint_every, checkpointer, config_hash(config), signals, out, many=many, background=not many
     )
-    policy = SpikeRollback.from_string(config.spike_rollback)
+    policy = config.rollback
     rollback = [] if policy is None else [RollBackOnSpikes(policy, checkpointer, log, out, loop.emit, save.settle)]
     return [
         TimeSteps(step_times),

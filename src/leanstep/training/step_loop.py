@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -21,6 +22,7 @@ from leanstep.compilation.count import CompileCount
 from leanstep.sharding.meshes import shard_batch
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import JittedTrainStep
+from leanstep.training.budget import BudgetPlan, plan_budget
 from leanstep.training.config import RunConfig
 from leanstep.training.data import BatchSampler
 from leanstep.training.schedule import Schedule
@@ -144,3 +146,21 @@ def compile_program(step_fn: JittedTrainStep, state: TrainState, batch: Any) -> 
     with CompileCount() as count:
         step_fn.lower(state, batch).compile()
     return {**count.to_json(), "seconds": round(time.perf_counter() - start, 4)}
+
+
+def plan_steps(loop: StepLoop, template: TrainState, compile_s: float) -> BudgetPlan:
+    """``--time-budget``'s plan (:func:`leanstep.training.budget.plan_budget`): ``loop``'s compiled
+    step timed on a scratch copy of ``template``."""
+
+    def scratch() -> TrainState:  # buffers of its own: the calibration's steps donate their input
+        return jax.jit(lambda state: jax.tree.map(jnp.copy, state))(template)
+
+    return plan_budget(
+        loop.config,
+        loop.step_fn,
+        scratch,
+        lambda i: step_batch(loop, i),
+        lambda p: evaluate(loop, p),
+        loop.origin,
+        compile_s=compile_s,
+    )

@@ -46,20 +46,19 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from leanstep.checkpoints.checkpointer import Checkpointer, CheckpointError
 from leanstep.checkpoints.layout import remove_unfinished_saves
 from leanstep.compilation.cache import cache_directory
 from leanstep.models.transformer import QKV_LAYOUT
-from leanstep.sharding.distributed import device_mesh, parse_mesh
+from leanstep.sharding.distributed import device_mesh
 from leanstep.sharding.meshes import mesh_axes
 from leanstep.step.state import TrainState
-from leanstep.step.state_sharding import state_shardings
-from leanstep.training.budget import BudgetPlan, plan_budget
+from leanstep.training.analysis import fit_memory_budget
+from leanstep.training.budget import BudgetPlan
 from leanstep.training.build import Run, build_run
 from leanstep.training.config import RunConfig
 from leanstep.training.corpus_load import QUICK_S, CorpusLoad, EarlyStep, compile_early
@@ -76,9 +75,8 @@ from leanstep.training.schedule import set_total_steps
 from leanstep.training.step_loop import (
     StepLoop,
     compile_step,
-    evaluate,
     place_eval_batch,
-    step_batch,
+    plan_steps,
     warming_up,
 )
 
@@ -126,11 +124,13 @@ def train(config: RunConfig, *, resume: bool = False, on_record: Callable[..., N
 def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | None) -> dict[str, Any]:
     origin = time.perf_counter()  # a --time-budget counts from here
     emit = _ignore if on_record is None else on_record
-    run = build_run(with_saved_plan(config) if resume else config)
-    config = run.config  # --precision auto resolved
+    fitted, said = fit_memory_budget(with_saved_plan(config) if resume else config)  # --budget's choice
+    run = build_run(fitted)
+    config = run.config  # --size and --precision auto resolved
+    emit(*(Note(line) for line in (*said, run.size_reason) if line is not None))
     out = Path(config.out)
     check_out(out)
-    if config.spike_rollback.strip().lower() != "none" and jax.process_count() > 1:
+    if config.rollback is not None and jax.process_count() > 1:
         raise ValueError(
             f"--spike-rollback {config.spike_rollback}: a rollback restores and deletes checkpoints in the loop, "
             f"which runs on one process for now, not {jax.process_count()}; use --spike-guard alone"
@@ -155,11 +155,7 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
         overlap = not (resume or early or jax.process_count() > 1 or loading.done_within(QUICK_S))
         # --devices (or a multi-process run) shards the step over a mesh; without it, one device.
         sharded = config.devices is not None or config.mesh is not None or jax.process_count() > 1
-        mesh = (
-            device_mesh(config.devices, shape=None if config.mesh is None else parse_mesh(config.mesh))
-            if sharded
-            else None
-        )
+        mesh = device_mesh(config.devices, shape=config.mesh_shape) if sharded else None
         axes = None if mesh is None else mesh_axes(mesh, fsdp=config.fsdp)
         rows = 1 if axes is None else axes.size(axes.batch)
         if mesh is not None and config.batch_size % (config.microbatches * rows):
@@ -171,8 +167,8 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
         if config.fsdp and mesh is None:
             raise ValueError("--fsdp shards the state over devices; add --devices N")
         if overlap:  # nothing is written yet: a corpus that fails still leaves no run directory
-            template = _initial_state(run, mesh, config.fsdp)
-            compiled = compile_early(template, run.make_step(mesh=mesh), _eval_fn(run, mesh), config, mesh)
+            eval_fn, template = run.eval_fn(mesh), run.initial_state(mesh)
+            compiled = compile_early(template, run.make_step(mesh=mesh), eval_fn, config, mesh)
         corpus, described = loading.result()
         if refused is None:
             check_run(config, resume, described)
@@ -232,16 +228,16 @@ class _Setup:
 def _train_locked(setup: _Setup) -> dict[str, Any]:
     """:func:`train` from the moment it holds the run directory: compile, plan, open, resume, step, finish."""
     precompiled = setup.precompiled
-    template = _initial_state(setup.run, setup.mesh, setup.config.fsdp) if precompiled is None else precompiled.template
+    loop = _make_loop(setup)
+    template = setup.run.initial_state(setup.mesh) if precompiled is None else precompiled.template
     # The evaluation compiles beside the step (and matplotlib loads, for a run that draws its chart).
-    loop = warming_up(_make_loop(setup), template.params, chart=setup.config.chart)
+    loop = warming_up(loop, template.params, chart=setup.config.chart)
     step_compile = compile_step(loop, template) if precompiled is None else precompiled.compiled
     plan = None
     if setup.config.steps is None:  # sized to --time-budget: compile, time, plan (leanstep.training.budget)
-        plan = _plan(loop, template, step_compile["seconds"])
+        plan = plan_steps(loop, template, step_compile["seconds"])
         loop = dataclasses.replace(loop, config=dataclasses.replace(loop.config, steps=plan.steps))
     config = loop.config
-    template = template.replace(opt_state=set_total_steps(template.opt_state, planned_steps(config)))
     run_info = _run_info(setup, config, template, plan, step_compile)
     checkpointer, notes = _open_run_dir(setup, config, run_info, plan)
     loop = dataclasses.replace(loop, checkpointer=checkpointer)
@@ -261,14 +257,6 @@ def _train_locked(setup: _Setup) -> dict[str, Any]:
     )
 
 
-def _initial_state(run: Run, mesh: Mesh | None, fsdp: bool) -> TrainState:
-    """The run's initial state, placed as a restored one is, so that a new run and a resumed one share programs."""
-    if mesh is not None:  # the checkpoint restores into these shardings, whatever it was saved from
-        # made in its shards (TrainState.create_from): no device holds the whole state
-        return run.init_state(shardings=state_shardings(run.abstract_state(), mesh, fsdp=fsdp, rules=run.model.rules))
-    return jax.device_put(run.init_state(), jax.devices()[0])  # committed to its device, as a restored state is
-
-
 def _make_loop(setup: _Setup) -> StepLoop:
     """The parts of the step loop, before the run directory is open (no checkpointer yet)."""
     config, run, mesh = setup.config, setup.run, setup.mesh
@@ -278,38 +266,13 @@ def _make_loop(setup: _Setup) -> StepLoop:
         checkpointer=None,
         metrics_path=Path(config.out) / "metrics.jsonl" if setup.primary else None,
         step_fn=run.make_step(mesh=mesh) if setup.precompiled is None else setup.precompiled.step_fn,
-        eval_fn=_eval_fn(run, mesh) if setup.precompiled is None else setup.precompiled.eval_fn,
+        eval_fn=run.eval_fn(mesh) if setup.precompiled is None else setup.precompiled.eval_fn,
         sampler=BatchSampler(setup.corpus.train, config.batch_size, config.seq_len, config.seed),
         eval_data=eval_data if mesh is None else [place_eval_batch(b, mesh) for b in eval_data],
         schedule=run.schedule,
         emit=setup.emit if setup.primary else _ignore,
         mesh=mesh,
         origin=setup.origin,
-    )
-
-
-def _eval_fn(run: Run, mesh: Mesh | None) -> Any:
-    """The held-out loss of params on a batch, jitted; a replicated result: one scalar every process can read."""
-    return jax.jit(
-        lambda params, batch: run.model.loss(run.precision.cast_to_compute(params), batch),
-        out_shardings=None if mesh is None else NamedSharding(mesh, PartitionSpec()),
-    )
-
-
-def _plan(loop: StepLoop, template: TrainState, compile_s: float) -> BudgetPlan:
-    """``--time-budget``'s plan: the compiled step timed on a scratch copy of ``template``."""
-
-    def scratch() -> TrainState:  # buffers of its own: the calibration's steps donate their input
-        return jax.jit(lambda state: jax.tree.map(jnp.copy, state))(template)
-
-    return plan_budget(
-        loop.config,
-        loop.step_fn,
-        scratch,
-        lambda i: step_batch(loop, i),
-        lambda p: evaluate(loop, p),
-        loop.origin,
-        compile_s=compile_s,
     )
 
 
@@ -332,6 +295,7 @@ def _run_info(
         "processes": jax.process_count(),
         "qkv_layout": QKV_LAYOUT,
         "precision_reason": run.precision_reason,
+        "size_reason": run.size_reason,
         "time_budget_plan": None if plan is None else plan.to_json(),
         "compile_cache": {"directory": cache_directory(), "step": step_compile},
     }
@@ -371,15 +335,16 @@ def _resume_and_run(
     assert checkpointer is not None  # the run directory is open
     out = Path(config.out)
     config_path = out / "config.json"
-    resumed = resume_run(checkpointer, template, config, notes, resume=setup.resume, primary=primary)
-    state = resumed.state
+    steps = planned_steps(config)  # the schedule spans them: the saved length, or a longer one (an extension)
+    resumed = resume_run(checkpointer, template, config, notes, steps=steps, resume=setup.resume, primary=primary)
+    state = resumed.state.replace(opt_state=set_total_steps(resumed.state.opt_state, steps))
     if setup.resume and primary:
         try:
             write_json_atomic(config_path, run_info)  # a resumable field may have changed
         except OSError as error:
             raise RunStopped(f"cannot write the run directory --out {str(out)!r}: {error}", 1) from None
     setup.emit(*(Note(note) for note in notes))
-    loop.emit(RunStart(planned_steps(config), int(state.step)))
+    loop.emit(RunStart(steps, int(state.step)))
 
     def replanned(new: BudgetPlan) -> None:  # config.json names the steps before a checkpoint holds them
         run_info.update(run={**run_info["run"], "steps": new.steps}, time_budget_plan=new.to_json())

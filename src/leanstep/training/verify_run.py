@@ -26,6 +26,7 @@ from leanstep.models.transformer import transformer_stack
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig, model_overrides
 from leanstep.training.data import BatchSampler, load_corpus
+from leanstep.training.machine_size import choose_for_machine
 from leanstep.verification import CHECKS, CheckResult, LeanstepStep, VerifyReport, verify_step
 from leanstep.verification.mesh_check import layouts_for
 
@@ -46,6 +47,7 @@ def verify_setup(config: RunConfig) -> LeanstepStep:
       ((4, 9), (4, 8), 'mask')
     """
     run = build_run(config)
+    config = run.config  # --size and --precision auto resolved
     corpus = load_corpus(config.data, seq_len=config.seq_len)
     batch: dict[str, Any] = dict(BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed).batch_at(0))
     batch["mask"] = np.ones((config.batch_size, config.seq_len), np.float32)
@@ -84,13 +86,14 @@ def _layer_stack(model: Any) -> LayerStack | None:
 
 
 def checked_config(config: RunConfig) -> RunConfig:
-    """``config`` validated, with 2 or more microbatches (the checks compare microbatches): its own
-    count, else the smallest count that divides the batch.
+    """``config`` validated, as the machine resolves it (``--size`` and ``--precision auto``:
+    :func:`~leanstep.training.machine_size.choose_for_machine`), with 2 or more microbatches (the
+    checks compare microbatches): its own count, else the smallest count that divides the batch.
 
     Raises:
       ValueError: an invalid config, naming the flag; a batch of one row.
     """
-    config.validate()
+    config = choose_for_machine(config).config
     if config.microbatches > 1:
         return config
     if config.batch_size < 2:
