@@ -282,19 +282,20 @@ def test_a_plan_that_fits_only_without_the_eager_params_says_to_make_the_state_i
 
 
 @pytest.mark.parametrize("form", FORMATS)
-def test_a_state_past_stream_bytes_is_made_a_group_of_leaves_a_program_bit_for_bit(form, monkeypatch):
+def test_a_state_whose_one_program_does_not_fit_is_made_a_group_of_leaves_a_program_bit_for_bit(form, monkeypatch):
     # At 2.5B parameters one program held the float32 parameters at once (18.84 GB of temporaries on
-    # a 16 GiB TPU v5e); past STREAM_BYTES each program keeps a group of the state's leaves.
+    # a 16 GiB TPU v5e, refused as it compiled); then each program keeps a group of the state's leaves.
     init = functools.partial(init_transformer, jax.random.key(3), TINY)
     optimizer = optax.adamw(1e-3)
     whole = TrainState.create_from(init, optimizer, seed=7, **FORMATS[form])
+    monkeypatch.setattr(state_init, "fits_on_device", lambda compiled: False)
     monkeypatch.setattr(state_init, "STREAM_BYTES", 4 * 64 * 32)  # a d_ff x d_model leaf a program
     sizes = [leaf.size for leaf in jax.tree.leaves(whole)]
     assert len(state_init.leaf_groups(sizes, state_init.STREAM_BYTES)) > len(sizes) // 3
     programs, jit = [], jax.jit
     monkeypatch.setattr(state_init.jax, "jit", lambda f, **k: programs.append(k) or jit(f, **k))
     assert_same_state(TrainState.create_from(init, optimizer, seed=7, **FORMATS[form]), whole)
-    assert len(programs) == len(state_init.leaf_groups(sizes, state_init.STREAM_BYTES))
+    assert len(programs) == 1 + len(state_init.leaf_groups(sizes, state_init.STREAM_BYTES))  # the one, then groups
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     made = TrainState.create_from(init, optimizer, seed=7, shardings=one, **FORMATS[form])
     assert all(leaf.sharding == one for leaf in jax.tree.leaves(made))
@@ -304,3 +305,55 @@ def test_a_state_past_stream_bytes_is_made_a_group_of_leaves_a_program_bit_for_b
     made = TrainState.create_from(init, optimizer, seed=7, shardings=shardings, **FORMATS[form])
     assert [leaf.sharding for leaf in jax.tree.leaves(made)] == jax.tree.leaves(shardings)
     assert_same_state(made, whole)
+
+
+def test_a_one_program_refused_as_it_compiles_is_made_in_groups(monkeypatch):
+    init = functools.partial(init_transformer, jax.random.key(3), TINY)
+    optimizer = optax.adamw(1e-3)
+    whole = TrainState.create_from(init, optimizer, moments="int8")
+    jit, calls = jax.jit, []
+
+    class Refused:  # XLA:TPU's refusal of a program past the chip's memory, at compile time
+        def lower(self, *args):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required ...")
+
+    monkeypatch.setattr(
+        state_init.jax, "jit", lambda f, **k: Refused() if not calls.append(f) and len(calls) == 1 else jit(f, **k)
+    )
+    assert_same_state(TrainState.create_from(init, optimizer, moments="int8"), whole)
+    assert len(calls) > 1
+
+
+def test_fits_on_device_reads_the_devices_free_memory(monkeypatch):
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    class Compiled:
+        def memory_analysis(self):
+            return type("Memory", (), {"output_size_in_bytes": 40, "temp_size_in_bytes": 20})()
+
+    for stats, fits in [
+        (None, True),
+        ({"bytes_limit": 100, "bytes_in_use": 40}, True),
+        ({"bytes_limit": 100, "bytes_in_use": 41}, False),
+    ]:
+        monkeypatch.setattr(state_init.jax, "devices", lambda stats=stats: [Device(stats)])
+        assert state_init.fits_on_device(Compiled()) is fits
+
+
+def test_past_one_draw_the_built_in_models_arrays_are_drawn_apart_so_a_group_computes_its_own(monkeypatch):
+    # normal_arrays draws every array from one normal draw (one sampler to compile) up to 2**28 values;
+    # past it each array alone, so a program of a state made in groups draws only its arrays.
+    from leanstep.models import layers
+
+    specs = {"a": ((64, 64), 1.0), "b": ((128, 96), 1.0)}
+    compiled = lambda: jax.jit(lambda key: layers.normal_arrays(key, specs)["a"]).lower(jax.random.key(0)).compile()
+    one_draw = compiled().as_text()
+    monkeypatch.setattr(layers, "_MAX_DRAW", 64 * 64)
+    apart = compiled().as_text()
+    assert "f32[16384]" in one_draw  # the whole draw: 4096 + 12288 values
+    assert "16384]" not in apart and "12288]" not in apart and "128,96]" not in apart and "f32[64,64]" in apart

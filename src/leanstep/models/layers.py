@@ -49,8 +49,10 @@ def cast_floating(params: Any, dtype: DTypeLike | None) -> Any:
     return jax.tree_util.tree_map(cast, params, is_leaf=is_fp8_state)
 
 
-#: The most values one ``jax.random.normal`` draw of :func:`normal_arrays` holds (int32 indices).
-_MAX_DRAW = 2**31 - 1
+#: The most values one ``jax.random.normal`` draw of :func:`normal_arrays` holds: 1 GiB of float32.
+#: Past it, each array is drawn alone, so a program that keeps only some arrays computes only
+#: theirs (``TrainState.create_from`` making a large state in groups; int32 offsets past 2**31).
+_MAX_DRAW = 2**28
 
 
 def normal_arrays(key: jax.Array, specs: Mapping[str, tuple[tuple[int, ...], float]]) -> dict[str, jax.Array]:
@@ -66,7 +68,7 @@ def normal_arrays(key: jax.Array, specs: Mapping[str, tuple[tuple[int, ...], flo
       {'w': (2, 3), 'b': (4,)}
     """
     sizes = [math.prod(shape) for shape, _ in specs.values()]
-    if sum(sizes) > _MAX_DRAW:  # a model past 2**31 parameters: one draw per array (int32 offsets)
+    if sum(sizes) > _MAX_DRAW:  # one draw per array
         keys = jax.random.split(key, len(specs))
         return {
             name: std * jax.random.normal(k, shape, jnp.float32) for k, (name, (shape, std)) in zip(keys, specs.items())

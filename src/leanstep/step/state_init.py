@@ -9,13 +9,15 @@ made in it (1.31B parameters on a 16 GiB TPU v5e: out of memory at the first ste
 that program, if XLA keeps them at all. The checks here are of ``init`` and what it returns; the
 state's own checks are ``create``'s.
 
-One program holds every float32 parameter at once if XLA schedules ``init``'s random draws
-before their casts, and at 2.5B parameters on a 16 GiB TPU v5e it did (18.84 GB of temporaries
-for a state of 10.2 GB). A state past :data:`STREAM_BYTES` of float32 parameters is therefore
-made in several programs, each computing ``init`` and keeping only a group of the state's leaves
-(XLA drops the rest of the work: the other parameters' draws), so at most a group's float32
-parameters live beside the state made so far. Each leaf is computed by the same operations
-either way: the same bits.
+One program may hold every float32 parameter at once (XLA schedules ``init``'s random draws
+before their casts), and at 2.5B parameters on a 16 GiB TPU v5e it did: 18.84 GB of temporaries
+for a state of 10.2 GB, refused as it compiled. Where the one program does not fit the device
+(refused by XLA, or larger than the device's free memory), the state is made in several
+programs, each computing ``init`` and keeping only a group of the state's leaves of at most
+:data:`STREAM_BYTES` of float32 parameters: XLA drops the rest of the work (the other
+parameters' draws, where ``init`` draws them apart), so at most a group's float32 parameters
+live beside the state made so far. Each leaf is computed by the same operations either way:
+the same bits.
 """
 
 from __future__ import annotations
@@ -27,13 +29,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from leanstep.step.param_checks import check_params
 
-__all__ = ["STREAM_BYTES", "check_init", "check_shardings", "initial_params", "leaf_groups", "make_in_one_program"]
+__all__ = [
+    "STREAM_BYTES",
+    "check_init",
+    "check_shardings",
+    "fits_on_device",
+    "initial_params",
+    "leaf_groups",
+    "make_in_one_program",
+]
 
-#: Above this many bytes of float32 parameters (4 a state leaf's entry), the state is made a group
-#: of leaves a program, each group at most this many bytes or one leaf (the module doc).
+#: A state made in groups (the module doc): each group at most this many bytes of float32
+#: parameters (4 a state leaf's entry), or one leaf.
 STREAM_BYTES = 1 << 30
 _ZERO_ARGUMENTS = "a zero-argument callable, e.g. functools.partial(init_fn, key)"
 
@@ -105,24 +116,46 @@ def leaf_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
     return groups
 
 
+def fits_on_device(compiled: Any) -> bool:
+    """Whether a compiled program's outputs and temporaries fit the first device's free memory
+    (True where the device does not say: a CPU)."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return True
+    memory = compiled.memory_analysis()
+    need = memory.output_size_in_bytes + memory.temp_size_in_bytes
+    return bool(need <= stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
 def make_in_one_program(make: Callable[[Any], Any], model_state: Any, shardings: Any) -> Any:
-    """``make(model_state)`` as one ``jax.jit`` program, its outputs laid out by ``shardings`` (None: jit's default);
-    past :data:`STREAM_BYTES` of float32 parameters, a program for each group of leaves (the module doc).
+    """``make(model_state)`` as one ``jax.jit`` program, its outputs laid out by ``shardings`` (None:
+    jit's default); where that program does not fit the device, a program for each group of the
+    state's leaves (the module doc). Inside a trace, the one program, traced.
 
     ``model_state`` is the program's argument, not a constant folded into it.
     """
+    jitted = jax.jit(make) if shardings is None else jax.jit(make, out_shardings=shardings)
+    if isinstance(jnp.zeros(()), jax.core.Tracer):  # under jit or eval_shape: nothing is run here
+        return jitted(model_state)
+    try:
+        compiled = jitted.lower(model_state).compile()
+    except Exception as error:  # XLA:TPU refuses a program past the chip's memory as it compiles
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        return _made_in_groups(make, model_state, shardings)
+    if not fits_on_device(compiled):
+        return _made_in_groups(make, model_state, shardings)
+    return compiled(model_state)
+
+
+def _made_in_groups(make: Callable[[Any], Any], model_state: Any, shardings: Any) -> Any:
     shapes, treedef = jax.tree.flatten(jax.eval_shape(make, model_state))
-    groups = leaf_groups([int(math.prod(leaf.shape)) for leaf in shapes], STREAM_BYTES)
-    if len(groups) == 1:
-        if shardings is None:
-            return jax.jit(make)(model_state)
-        return jax.jit(make, out_shardings=shardings)(model_state)
     if shardings is None or isinstance(shardings, jax.sharding.Sharding):
         layouts = [shardings] * len(shapes)
     else:
         layouts = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     leaves: list[Any] = []
-    for group in groups:
+    for group in leaf_groups([int(math.prod(leaf.shape)) for leaf in shapes], STREAM_BYTES):
         part = functools.partial(_kept, make, group)
         outs = [layouts[i] for i in group]
         made = jax.jit(part)(model_state) if shardings is None else jax.jit(part, out_shardings=outs)(model_state)
@@ -131,6 +164,6 @@ def make_in_one_program(make: Callable[[Any], Any], model_state: Any, shardings:
 
 
 def _kept(make: Callable[[Any], Any], group: list[int], model_state: Any) -> list[Any]:
-    """The leaves ``group`` of ``make(model_state)``: what one program of a streamed state returns."""
+    """The leaves ``group`` of ``make(model_state)``: what one program of a state made in groups returns."""
     leaves = jax.tree.leaves(make(model_state))
     return [leaves[i] for i in group]
