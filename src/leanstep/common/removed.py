@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 __all__ = [
+    "MOVED_KEYWORDS",
     "MOVED_NAMES",
     "REMOVED_KEYWORDS",
     "moved_name_message",
@@ -58,9 +59,35 @@ REMOVED_KEYWORDS: dict[str, dict[str, str]] = {
     "plan_cluster": {**{name: f"space=leanstep.planning.SearchSpace({name}=...)" for name in _SPACE}, **_SEARCH},
 }
 
+#: The step settings a planner took as keywords until 0.11; since 0.12 they travel in its spec
+#: (``leanstep.StepSpec``), whose ``from_keywords`` takes them by the same names (the list is
+#: :data:`leanstep.step.spec.SHORT_KEYWORDS`, which common, below step, cannot import).
+_STEP_KEYWORDS = (
+    "precision", "num_microbatches", "max_grad_norm", "has_aux", "token_weighted", "uses_rng", "has_state", "split",
+    "unroll", "cast_batch", "donate", "loss", "accumulation", "spike_guard", "update_chunk", "loss_scale", "fp8",
+    "master", "moments", "sharding", "int8", "update_in_backward",
+)  # fmt: skip
+
+#: function -> {keyword: its new spelling}, each moved in 0.12 (the release that made the spec the library's
+#: one currency), with no deprecation before; a step setting's new spelling is the spec's.
+MOVED_KEYWORDS: dict[str, dict[str, str]] = {
+    "plan": {
+        **dict.fromkeys(_STEP_KEYWORDS, "spec"),
+        "rules": "leanstep.planning.plan_cluster(..., rules=...), which lays a model's partition rules out",
+    },
+    "plan_cluster": dict.fromkeys(_STEP_KEYWORDS, "spec"),
+    "LeanstepStep": {
+        **dict.fromkeys(("precision", "accumulation", "loss", "loss_scale", "master", "int8"), "spec"),
+        **dict.fromkeys(
+            ("rules", "layer_stack"), "extras=leanstep.verification.ModelExtras(rules=..., layer_stack=...)"
+        ),
+    },
+}
+
 
 def removed_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
-    """The TypeError for the removed keywords of ``where`` among ``given``, or None if there are none.
+    """The TypeError for the removed keywords of ``where`` among ``given`` (else for its moved ones:
+    :data:`MOVED_KEYWORDS`), or None if there are none.
 
     Example:
       >>> removed_keyword_error("gradient_stage", ["num_microbatches", "precision"])
@@ -68,24 +95,43 @@ def removed_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
       >>> removed_keyword_error("gradient_stage", ["precision"]) is None
       True
     """
-    removed = REMOVED_KEYWORDS[where]
+    removed, given = REMOVED_KEYWORDS.get(where, {}), list(given)
     old = sorted(name for name in given if name in removed)
     if not old:
-        return None
+        return _moved_keyword_error(where, given)
     new = " and ".join(dict.fromkeys(removed[name] for name in old))
     return TypeError(
         f"{where}({', '.join(f'{name}=' for name in old)}) was removed in leanstep 0.12 (deprecated in 0.8): pass {new}"
     )
 
 
+def _moved_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
+    """The TypeError for the keywords of ``where`` that moved in 0.12 (:data:`MOVED_KEYWORDS`), or None.
+
+    Example:
+      >>> _moved_keyword_error("plan", ["precision", "max_grad_norm", "budget_bytes"])
+      TypeError('plan(max_grad_norm=, precision=) takes its step settings in its spec since leanstep 0.12: pass spec=leanstep.StepSpec.from_keywords(max_grad_norm=..., precision=...)')
+    """
+    moved = MOVED_KEYWORDS.get(where, {})
+    old = sorted(name for name in given if name in moved)
+    if not old:
+        return None
+    settings = [name for name in old if moved[name] == "spec"]
+    new = [f"spec=leanstep.StepSpec.from_keywords({', '.join(f'{name}=...' for name in settings)})"] if settings else []
+    new += dict.fromkeys(moved[name] for name in old if moved[name] != "spec")
+    what = "takes its step settings in its spec since" if settings else "moved in"
+    return TypeError(f"{where}({', '.join(f'{name}=' for name in old)}) {what} leanstep 0.12: pass {' and '.join(new)}")
+
+
 def refuses_removed_keywords(where: str) -> Callable[[_F], _F]:
-    """Wraps a function so that a removed keyword of ``where`` (:data:`REMOVED_KEYWORDS`) gets its TypeError."""
-    removed = REMOVED_KEYWORDS[where]
+    """Wraps a function so that a removed or moved keyword of ``where`` (:data:`REMOVED_KEYWORDS`,
+    :data:`MOVED_KEYWORDS`) gets its TypeError."""
+    removed = REMOVED_KEYWORDS.get(where, {}).keys() | MOVED_KEYWORDS.get(where, {}).keys()
 
     def wrap(function: _F) -> _F:
         @functools.wraps(function)
         def refusing(*args: Any, **kwargs: Any) -> Any:
-            error = None if removed.keys().isdisjoint(kwargs) else removed_keyword_error(where, kwargs)
+            error = None if removed.isdisjoint(kwargs) else removed_keyword_error(where, kwargs)
             if error is not None:
                 raise error
             return function(*args, **kwargs)
