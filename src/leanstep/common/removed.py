@@ -9,7 +9,13 @@ generic "unexpected keyword argument":
     make_train_step(fsdp=) was removed in leanstep 0.12 (deprecated in 0.8): pass mesh=leanstep.step.ShardingLayer(mesh, fsdp=...)
 
 :func:`refuses_removed_keywords` wraps a function so that its removed keywords get that line; the
-function itself no longer takes them (its signature, and a type checker, say so).
+function itself no longer takes them (its signature, and a type checker, say so). The step settings
+the planners and ``LeanstepStep`` took as keywords until 0.11 travel in their ``StepSpec`` since
+0.12 (:data:`MOVED_KEYWORDS`), with the same one line:
+
+.. code-block:: text
+
+    plan(max_grad_norm=) takes its step settings in its spec since leanstep 0.12: pass spec=leanstep.StepSpec.from_keywords(max_grad_norm=...)
 
 0.12 moved every top-level name but the step and its value into its sub-package
 (:data:`MOVED_NAMES`): ``leanstep.plan`` is ``leanstep.planning.plan``. The old spelling still

@@ -118,6 +118,8 @@ def plan(
 
     See the module doc for the peak formula and the choice. Steps are built with
     :func:`leanstep.make_train_step` from ``spec`` (jitted, state donated) exactly as a run builds them.
+    0.8.0's flat search keywords (``flops_rtol=``, ``exhaustive=``, ``remat_policies=``, ...) were
+    removed in 0.12: a TypeError names their place in ``search=`` or ``candidates=``.
 
     Args:
       make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn(params, batch)``.
@@ -153,8 +155,6 @@ def plan(
       stack: the loss as a :class:`leanstep.LayerStack` (the same model, under the loss contract
         of ``spec``), or None: where no candidate fits, the same candidates with the update inside
         the backward pass (one per microbatch count: remat does not apply), its reason the first note.
-        0.8.0's flat search keywords (``flops_rtol=``, ``exhaustive=``, ``remat_policies=``, ...)
-        were removed in 0.12: a TypeError names their place in ``search=`` or ``candidates=``.
 
     Returns:
       A :class:`Plan`.

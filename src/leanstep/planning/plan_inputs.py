@@ -93,8 +93,8 @@ def candidate_spec(spec: StepSpec, setting: Any) -> StepSpec:
     Example:
       >>> from leanstep.planning.records import Setting
       >>> spec = candidate_spec(StepSpec(max_grad_norm=1.0), Setting(4, "full", "compute=bfloat16"))
-      >>> spec.accumulation.num_microbatches, str(spec.precision), spec.max_grad_norm
-      (4, 'compute=bfloat16', 1.0)
+      >>> spec.accumulation.num_microbatches, spec.precision.compute_dtype.name, spec.max_grad_norm
+      (4, 'bfloat16', 1.0)
     """
     accumulation = dataclasses.replace(spec.accumulation, num_microbatches=setting.num_microbatches)
     in_backward = spec.update_in_backward or bool(getattr(setting, "update_in_backward", False))
