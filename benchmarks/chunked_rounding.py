@@ -55,8 +55,9 @@ def _loss(params, batch):
 
 
 def _step(tx, params, update_chunk):
-    state = leanstep.TrainState.create(params, tx)
-    step = leanstep.make_train_step(_loss, update_chunk=update_chunk, max_grad_norm=1.0)
+    spec = leanstep.StepSpec(max_grad_norm=1.0, update_chunk=update_chunk)
+    state = leanstep.TrainState.create(params, tx, spec)
+    step = leanstep.make_train_step(_loss, spec)
     return step(state, {"s": jnp.asarray([1.0])})[0]
 
 

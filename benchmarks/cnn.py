@@ -24,7 +24,10 @@ import optax
 from flax import nnx
 
 from leanstep.bench.timing import summarize_times, time_interleaved
+from leanstep.blocks.accumulation import Accumulation
+from leanstep.blocks.loss_contract import LossContract
 from leanstep.frameworks import nnx as leanstep_nnx
+from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 
@@ -70,13 +73,12 @@ def _own_loop(batch: dict[str, jax.Array], tx: optax.GradientTransformation) -> 
 
 
 def _leanstep(
-    batch: dict[str, jax.Array], tx: optax.GradientTransformation, **step_kwargs: Any
+    batch: dict[str, jax.Array], tx: optax.GradientTransformation, accumulation: Accumulation | None = None
 ) -> tuple[Callable[[], Any], int | None]:
     graphdef, params, model_state = leanstep_nnx.split(CNN(rngs=nnx.Rngs(0)))
-    state = TrainState.create(params, tx, model_state=model_state)
-    compiled = (
-        make_train_step(leanstep_nnx.loss(graphdef, _loss), has_state=True, **step_kwargs).lower(state, batch).compile()
-    )
+    spec = StepSpec(loss=LossContract(has_state=True), accumulation=accumulation or Accumulation())
+    state = TrainState.create(params, tx, spec, model_state=model_state)
+    compiled = make_train_step(leanstep_nnx.loss(graphdef, _loss), spec).lower(state, batch).compile()
     holder = [state]
 
     def step() -> None:
@@ -106,9 +108,9 @@ def run_cnn_benchmark(*, batch_size: int = 32, repeats: int = 15, microbatches: 
     contenders = {
         "own loop (nnx.Optimizer)": _own_loop(batch, tx),
         "leanstep, 1 microbatch": _leanstep(batch, tx),
-        f"leanstep, {microbatches} microbatches (scan)": _leanstep(batch, tx, num_microbatches=microbatches),
+        f"leanstep, {microbatches} microbatches (scan)": _leanstep(batch, tx, Accumulation(microbatches)),
         f"leanstep, {microbatches} microbatches (unroll=True)": _leanstep(
-            batch, tx, num_microbatches=microbatches, unroll=True
+            batch, tx, Accumulation(microbatches, unroll=True)
         ),
     }
     times = time_interleaved({name: run for name, (run, _) in contenders.items()}, repeats=repeats)

@@ -46,14 +46,14 @@ def measure(config: TransformerConfig, rows: int, *, jitted: bool) -> dict:
     _codec(jitted)
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        make = lambda key: leanstep.TrainState.create(
-            init_transformer(key, config), optax.adamw(1e-3), loss_scale="dynamic", master="bfloat16-sr", moments="int8"
-        )
+        spec = leanstep.StepSpec.from_keywords(
+            precision="compute=bfloat16", num_microbatches=2, max_grad_norm=1.0, loss_scale="dynamic",
+            master="bfloat16-sr", moments="int8", update_chunk="auto",
+        )  # fmt: skip
+        make = lambda key: leanstep.TrainState.create(init_transformer(key, config), optax.adamw(1e-3), spec)
         state = jax.eval_shape(make, jax.random.key(0))
         loss = functools.partial(transformer_loss, config=config, remat_policy="dots")
-        step = leanstep.make_train_step(
-            loss, precision="compute=bfloat16", num_microbatches=2, max_grad_norm=1.0, update_chunk="auto"
-        )
+        step = leanstep.make_train_step(loss, spec)
         batch = {"tokens": jax.ShapeDtypeStruct((rows, config.seq_len + 1), jnp.int32)}
         traced.clear()
         started = time.perf_counter()

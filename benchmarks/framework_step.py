@@ -167,7 +167,10 @@ def _pairs(model: TransformerLM, batch: Any, microbatches: int) -> dict[str, dic
     plain = leanstep.make_train_step(loss_fn)
     precision = "params=float32,compute=bfloat16,output=float32"
     hand = make_handwritten_step(loss_fn, tx, num_microbatches=microbatches, max_grad_norm=1.0)
-    full = leanstep.make_train_step(loss_fn, precision=precision, num_microbatches=microbatches, max_grad_norm=1.0)
+    spec = leanstep.StepSpec.from_keywords(
+        precision=precision, num_microbatches=microbatches, max_grad_norm=1.0, loss_scale="dynamic"
+    )
+    full = leanstep.make_train_step(loss_fn, spec)
 
     def own_call(state: Any) -> tuple[Any, jax.Array]:
         params, opt_state, loss = own(state[0], state[1], batch)
@@ -190,7 +193,7 @@ def _pairs(model: TransformerLM, batch: Any, microbatches: int) -> dict[str, dic
         "own": lambda: (_fresh(params), tx.init(_fresh(params))),
         "leanstep": lambda: leanstep.TrainState.create(_fresh(params), tx),
         "hand-written": lambda: init_handwritten_state(_fresh(params), tx),
-        "leanstep-full": lambda: leanstep.TrainState.create(_fresh(params), tx, loss_scale="dynamic"),
+        "leanstep-full": lambda: leanstep.TrainState.create(_fresh(params), tx, spec),
     }
     compiled = {
         "own": own.lower(*states["own"](), batch).compile(),

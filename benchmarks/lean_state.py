@@ -57,9 +57,8 @@ def train_one(config: RunConfig, master: Any, moments: str) -> dict[str, Any]:
     """
     run = build_run(config)
     config = run.config  # --size and --precision auto resolved
-    state = TrainState.create(
-        run.init_params(), run.optimizer, loss_scale=run.loss_scale, seed=config.seed, master=master, moments=moments
-    )
+    state = TrainState.create(run.init_params(), run.optimizer, run.step.replace(master=master, moments=moments),
+                              seed=config.seed)  # fmt: skip
     corpus = load_corpus(config.data, seq_len=config.seq_len)
     sampler = BatchSampler(corpus.train, config.batch_size, config.seq_len, config.seed)
     step = run.make_step()

@@ -54,10 +54,11 @@ def _leanstep(params: dict, batches: list, moments: str) -> tuple[list[float], i
     def loss(p: Any, b: Any) -> jax.Array:
         return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
 
-    state = leanstep.TrainState.create(params, optax.adamw(1e-3, weight_decay=0.01), moments=moments)
+    spec = leanstep.StepSpec(moments=moments)
+    state = leanstep.TrainState.create(params, optax.adamw(1e-3, weight_decay=0.01), spec)
     analysis = jax.jit(lambda s: s).lower(state.opt_state).compile().memory_analysis()
     state_bytes = 0 if analysis is None else analysis.argument_size_in_bytes
-    step = leanstep.make_train_step(loss)
+    step = leanstep.make_train_step(loss, spec)
     losses = []
     for batch in batches:
         state, metrics = step(state, batch)

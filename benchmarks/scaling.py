@@ -102,18 +102,20 @@ def compile_leanstep(
     import jax
     import optax
 
-    from leanstep.blocks.loss_scale_registry import get_loss_scale
     from leanstep.sharding.meshes import batch_sharding
     from leanstep.step.sharding_layer import ShardingLayer
+    from leanstep.step.spec import StepSpec
     from leanstep.step.state import TrainState
     from leanstep.step.train_step import make_train_step
 
     layer = ShardingLayer(mesh, rules=work.rules, reduce=reduce)
-    step = make_train_step(
-        work.loss, precision=precision, num_microbatches=num_microbatches, max_grad_norm=1.0, mesh=layer
-    )
-    scale = get_loss_scale("dynamic")
-    state = jax.eval_shape(lambda p: TrainState.create(p, optax.adam(1e-3), loss_scale=scale), work.params)
+    # strided microbatches, as on every mesh: no row moves between devices
+    spec = StepSpec.from_keywords(
+        precision=precision, num_microbatches=num_microbatches, split="strided", max_grad_norm=1.0,
+        loss_scale="dynamic",
+    )  # fmt: skip
+    step = make_train_step(work.loss, spec, mesh=layer)
+    state = jax.eval_shape(lambda p: TrainState.create(p, optax.adam(1e-3), spec), work.params)
     shardings = layer.state_shardings(state)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
     rows = batch_sharding(mesh)

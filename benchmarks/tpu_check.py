@@ -161,13 +161,13 @@ def part_plan(args: argparse.Namespace, limit: int) -> dict:
     )
     params = init_transformer(jax.random.key(0), config)
     batch, optimizer = tpu_step._batch(0, rows, seq + 1), optax.adamw(3e-4)
+    spec = leanstep.StepSpec.from_keywords(precision="compute=bfloat16", max_grad_norm=1.0, loss_scale="dynamic")
     chosen = leanstep.planning.plan(
         lambda policy: functools.partial(transformer_loss, config=config, remat_policy=policy),
-        _shapes(params), _shapes(batch), optimizer,
-        budget_bytes=int(limit * _USABLE), loss_scale="dynamic", precision="compute=bfloat16", max_grad_norm=1.0,
+        _shapes(params), _shapes(batch), optimizer, spec, budget_bytes=int(limit * _USABLE),
         candidates=leanstep.planning.SearchSpace(remat_policies=("dots", "full"), microbatches=(1, 2, 4)),
     ).chosen  # fmt: skip
-    state = leanstep.TrainState.create(params, optimizer, loss_scale="dynamic")
+    state = leanstep.TrainState.create(params, optimizer, spec)
     del params
     before = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     for i in range(3):

@@ -42,17 +42,19 @@ FORMATS = {
 
 def _setup(config: TransformerConfig, form: tuple, batch: int, microbatches: int):
     master, moments, update_chunk = form
-    make = functools.partial(_state, config=config, master=master, moments=moments)
     in_backward = update_chunk == IN_BACKWARD  # the same loss, as a LayerStack (a mean, as transformer_loss)
+    spec = leanstep.StepSpec.from_keywords(
+        precision="compute=bfloat16", num_microbatches=microbatches, max_grad_norm=1.0, loss_scale="dynamic",
+        master=master, moments=moments, update_chunk="auto" if in_backward else update_chunk,
+        update_in_backward=in_backward,
+    )  # fmt: skip
+    make = functools.partial(_state, config=config, spec=spec)
     loss = (
         transformer_stack(config, token_weighted=False)
         if in_backward
         else functools.partial(transformer_loss, config=config, remat_policy="full")
     )
-    step = leanstep.make_train_step(
-        loss, precision="compute=bfloat16", num_microbatches=microbatches, max_grad_norm=1.0,
-        update_chunk="auto" if in_backward else update_chunk, update_in_backward=in_backward,
-    )  # fmt: skip
+    step = leanstep.make_train_step(loss, spec)
     tokens = jax.ShapeDtypeStruct((batch, config.seq_len + 1), jnp.int32)
     return make, step, tokens
 
@@ -60,10 +62,10 @@ def _setup(config: TransformerConfig, form: tuple, batch: int, microbatches: int
 _OPTIMIZER = optax.adamw(3e-4)  # one instance: it is the state's static metadata, which compiled programs check
 
 
-def _state(key: jax.Array, *, config: TransformerConfig, master: str, moments: str) -> leanstep.TrainState:
+def _state(key: jax.Array, *, config: TransformerConfig, spec: leanstep.StepSpec) -> leanstep.TrainState:
     """The step-0 state in one program: made eagerly, the float32 parameters beside it do not fit (1.31B, 16 GiB)."""
     init = functools.partial(init_transformer, key, config)
-    return leanstep.TrainState.create_from(init, _OPTIMIZER, loss_scale="dynamic", master=master, moments=moments)
+    return leanstep.TrainState.create_from(init, _OPTIMIZER, spec)
 
 
 def _batch(step: int, batch: int, length: int, vocab: int) -> dict:

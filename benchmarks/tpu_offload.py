@@ -60,16 +60,14 @@ def _run(step, state, batches) -> tuple[list[np.ndarray], float]:
 
 def measure(config: TransformerConfig, form: tuple, args: argparse.Namespace) -> dict:
     master, moments = form
-    state = leanstep.TrainState.create(
-        init_transformer(jax.random.key(0), config), optax.adamw(3e-4), loss_scale="dynamic", master=master,
-        moments=moments,
-    )  # fmt: skip
-    loss = functools.partial(transformer_loss, config=config, remat_policy="full")
     update_chunk = "auto" if args.update_chunk == "auto" else int(args.update_chunk)
-    step = leanstep.make_train_step(
-        loss, precision="compute=bfloat16", num_microbatches=args.microbatches, max_grad_norm=1.0,
-        update_chunk=update_chunk, donate=False,
+    spec = leanstep.StepSpec.from_keywords(
+        precision="compute=bfloat16", num_microbatches=args.microbatches, max_grad_norm=1.0, loss_scale="dynamic",
+        master=master, moments=moments, update_chunk=update_chunk, donate=False,
     )  # fmt: skip
+    state = leanstep.TrainState.create(init_transformer(jax.random.key(0), config), optax.adamw(3e-4), spec)
+    loss = functools.partial(transformer_loss, config=config, remat_policy="full")
+    step = leanstep.make_train_step(loss, spec)
     batches = [_batch(i, args.batch, config.seq_len + 1, config.vocab_size) for i in range(args.steps)]
     offloaded = leanstep.step.offload_opt_state(state)
     plain_report = leanstep.inspection.memory_space_report(step, state, batches[0])

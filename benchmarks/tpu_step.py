@@ -133,10 +133,11 @@ def measure(
     model_flops = transformer_flops_per_token(config) * tokens
     out: dict = {"params": int(n), "tokens": tokens, "model_flops": float(model_flops), "spec": list(spec)}
     out["int8"] = None if int8 is None else int8.to_string()
-    step = leanstep.make_train_step(
-        loss, precision="compute=bfloat16", num_microbatches=microbatches, max_grad_norm=1.0
-    )  # fmt: skip
-    state = leanstep.TrainState.create(params, optax.adamw(3e-4), loss_scale="dynamic")
+    step_spec = leanstep.StepSpec.from_keywords(
+        precision="compute=bfloat16", num_microbatches=microbatches, max_grad_norm=1.0, loss_scale="dynamic"
+    )
+    step = leanstep.make_train_step(loss, step_spec)
+    state = leanstep.TrainState.create(params, optax.adamw(3e-4), step_spec)
     del params
     out["leanstep"], compiled = _compiled_figures(step, state, _batch(0, rows, seq + 1))
     times, state, metrics = _time(step, state, rows, seq + 1, steps)

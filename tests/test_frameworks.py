@@ -404,8 +404,9 @@ def test_plan_takes_a_framework_model_whose_remat_policy_is_its_own_parameter():
 
     _, params, model_state = lnnx.split(CNN(rngs=nnx.Rngs(0)))
     result = leanstep.planning.plan(
-        make_loss_fn, params, image_batches(1)[0], TX, budget_bytes="1GiB", model_state=model_state, has_state=True
-    )
+        make_loss_fn, params, image_batches(1)[0], TX, leanstep.StepSpec(loss=leanstep.LossContract(has_state=True)),
+        budget_bytes="1GiB", model_state=model_state,
+    )  # fmt: skip
     assert result.chosen.setting[:2] == (1, "none") and result.compiles == 1
     assert "1 compile" in str(result)
 

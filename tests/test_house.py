@@ -26,13 +26,11 @@ LONG_MODULES: dict[str, str] = {}
 MAX_FUNCTION_LINES = 80
 #: Parameters of a function (``self``/``cls`` left out; ``*args`` and ``**kwargs`` one each).
 MAX_PARAMETERS = 12
-#: Functions allowed more parameters, with the reason.
-MANY_PARAMETERS = {
-    "leanstep.step.spec.StepSpec.from_keywords": "the short keyword form for the common case (the issue's exception)",
-    "leanstep.planning.one_device.plan": "spec= beside loss_scale= and **step_kwargs, the keyword form it replaces",
-    "leanstep.verification.leanstep_step.LeanstepStep.__init__": "plan's three inputs, then each of the run's "
-    "settings as a value, by the names verify(**settings) gives them (the int8 recipe the last)",
-}
+#: Functions allowed more parameters, with the reason. Empty: every function fits (a step setting
+#: travels in the StepSpec, so no builder re-spells them).
+MANY_PARAMETERS: dict[str, str] = {}
+#: What library code may pass make_train_step beside the loss and the spec: where and how it runs.
+STEP_BUILDER_KEYWORDS = ("mesh", "jit")
 #: The sub-packages, each with the sub-packages it may import: the architecture, bottom up.
 #: ``leanstep`` is the package itself (its ``__init__``: the public API) and ``tasks`` the seeds.
 LAYERS: dict[str, set[str]] = {
@@ -220,6 +218,41 @@ def test_no_function_takes_too_many_parameters():
         if count > MAX_PARAMETERS and f"{name}.{function}" not in MANY_PARAMETERS
     ]
     assert many == [], f"group these into values (at most {MAX_PARAMETERS} parameters)"
+
+
+def settings_given_as_keywords(source: str) -> list[str]:
+    """``line: keywords`` of each ``make_train_step(...)`` call in ``source`` that passes step settings
+    as keywords (``**kwargs`` among them) instead of a StepSpec."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        keywords = [k.arg or "**" for k in node.keywords if k.arg not in STEP_BUILDER_KEYWORDS]
+        if called == "make_train_step" and keywords:
+            found.append(f"{node.lineno}: {', '.join(keywords)}")
+    return found
+
+
+def test_the_settings_check_finds_planted_keywords():
+    planted = (
+        "step = make_train_step(loss, precision='bfloat16', mesh=m)\nother = leanstep.make_train_step(loss, **kw)\n"
+    )
+    assert settings_given_as_keywords(planted) == ["1: precision", "2: **"]
+    assert settings_given_as_keywords("step = make_train_step(loss, spec, mesh=layer, jit=False)\n") == []
+
+
+def test_library_code_builds_its_steps_from_a_spec():
+    """``make_train_step(loss, **short)`` is the user's one-line form; the library passes a StepSpec."""
+    benchmarks = SRC.parent.parent / "benchmarks"  # the contenders too, where the checkout has them
+    paths = [*MODULES.values(), *(sorted(benchmarks.glob("*.py")) if benchmarks.is_dir() else [])]
+    offenders = [f"{path.name}:{call}" for path in paths for call in settings_given_as_keywords(path.read_text())]
+    assert offenders == []
+
+
+def test_no_step_kwargs_in_the_library():
+    """The step's settings travel as one value: no ``**step_kwargs`` handed from layer to layer."""
+    assert [name for name, path in MODULES.items() if "step_kwargs" in path.read_text()] == []
 
 
 def subpackage(module: str) -> str:

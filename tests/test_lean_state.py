@@ -351,7 +351,9 @@ def test_the_plan_sizes_the_state_in_its_format_and_says_what_it_saves():
 
     params = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, shape in SHAPES.items()}
     count = sum(int(np.prod(shape)) for shape in SHAPES.values())
-    (note,) = state_format_notes(params, optax.adamw(1e-3), "none", None, {"master": "bfloat16-sr", "moments": "int8"})
+    (note,) = state_format_notes(
+        params, optax.adamw(1e-3), leanstep.StepSpec(master="bfloat16-sr", moments="int8"), None
+    )
     # float32: 4 (master) + 8 (moments); compressed: 2 + 2 bytes and a float32 scale per block of
     # 256 along the last axis of each moment (b: 4 blocks; w: 1024 x 4; v: 512 x 2, its tail short).
     blocks = 4 + 1024 * 4 + 512 * 2
@@ -359,7 +361,7 @@ def test_the_plan_sizes_the_state_in_its_format_and_says_what_it_saves():
     assert f"{lean:.2f} bytes a parameter" in note and "against 12.00 in float32" in note
     plan = leanstep.planning.plan(
         lambda policy: _loss, _problem()[0], {"x": jnp.zeros((32, 16)), "y": jnp.zeros((32, 4))}, TX,
-        budget_bytes="64MiB", candidates=[(1, "none", "float32")], moments="int8",
+        leanstep.StepSpec(moments="int8"), budget_bytes="64MiB", candidates=[(1, "none", "float32")],
     )  # fmt: skip
     assert any("moments='int8'" in n for n in plan.notes)
 
@@ -444,16 +446,16 @@ if __name__ == "__main__":
 
 def test_a_cluster_plan_of_a_run_gets_its_state_format(monkeypatch):
     """plan_run passes --master and --moments to the cluster planner too (0.9.0 dropped them there,
-    and planned float32 state)."""
+    and planned float32 state): in the run's spec, the planner's one currency since 0.12."""
     import leanstep.planning.cluster
     from leanstep.training import RunConfig
     from leanstep.training.analysis import plan_run
 
     seen: dict = {}
-    monkeypatch.setattr(leanstep.planning.cluster, "plan_cluster", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(leanstep.planning.cluster, "plan_cluster", lambda *args, **kwargs: seen.update(spec=args[4]))
     config = RunConfig(size="tiny", batch_size=4, seq_len=8, master="bfloat16-sr", moments="int8")
     plan_run(config, "1GiB", num_devices=1)
-    assert seen["master"] == "bfloat16-sr" and seen["moments"] == "int8"
+    assert seen["spec"].master == "bfloat16-sr" and seen["spec"].moments == "int8"
 
 
 def test_a_large_moment_is_made_a_slice_of_rows_at_a_time_to_the_same_codes(monkeypatch):

@@ -30,6 +30,7 @@ from leanstep.planning.one_device import (
     settings_grid,
 )
 from leanstep.planning.search_options import SearchOptions
+from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 from leanstep.training import RunConfig, analysis, build_run
@@ -74,7 +75,7 @@ def _batch():
 
 def _plan(budget, **kw):
     kw.setdefault("candidates", settings_grid(BATCH, remat_policies=POLICIES))
-    return plan(make_loss_fn, _params(), _batch(), OPT, budget_bytes=budget, max_grad_norm=1.0, **kw)
+    return plan(make_loss_fn, _params(), _batch(), OPT, StepSpec(max_grad_norm=1.0), budget_bytes=budget, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -389,3 +390,21 @@ def test_cli_plan_rejects_bad_flags(argv, match):
 def test_plan_run_refuses_fsdp_and_asks_for_a_mesh():
     with pytest.raises(ValueError, match="--budget plans --mesh, not --fsdp: use --mesh auto"):
         analysis.plan_run(RunConfig(devices=2, fsdp=True), "1GiB")
+
+
+def test_plan_run_plans_the_run_s_spec_and_takes_no_step_setting_beside_it():
+    with pytest.raises(
+        TypeError, match=r"plan_run got the options max_grad_norm=: .* the step's settings are the config's"
+    ):
+        analysis.plan_run(RunConfig(size="tiny"), "1GiB", max_grad_norm=1.0)
+
+
+def test_a_cluster_plan_of_a_run_builds_its_state_from_the_run_s_spec():
+    # Before, plan_run's cluster branch re-spelled four of the run's settings; the spike guard's window
+    # (in the state) was not among them. One device, so the plan runs here, with one candidate.
+    def arguments(guard):
+        config = RunConfig(size="tiny", batch_size=4, seq_len=8, spike_guard=guard)
+        found = analysis.plan_run(config, "1GiB", num_devices=1, remat_policies=["none"], microbatches=[1])
+        return found.chosen.argument_bytes
+
+    assert arguments("on") > arguments("none")

@@ -41,7 +41,14 @@ BATCH_TREE = {"x": jnp.ones((BATCH, D))}
 
 def _plan(budget="1GiB", **kwargs):
     return plan(
-        make_stateful_loss, PARAMS, BATCH_TREE, OPT, budget_bytes=budget, model_state=STATE, has_state=True, **kwargs
+        make_stateful_loss,
+        PARAMS,
+        BATCH_TREE,
+        OPT,
+        leanstep.StepSpec(loss=leanstep.LossContract(has_state=True)),
+        budget_bytes=budget,
+        model_state=STATE,
+        **kwargs,
     )
 
 
@@ -229,7 +236,7 @@ def test_an_empty_model_state_is_planned_as_no_model_state(empty):
     make_loss = make_stateless_nnx_loss if empty == "nnx" else lambda policy: lambda p, s, b: (jnp.mean(b["x"]), s)
     space = SearchSpace(remat_policies=["none"])
     found = plan(
-        make_loss, params, BATCH_TREE, OPT, budget_bytes="1GiB", model_state=model_state, has_state=True,
+        make_loss, params, BATCH_TREE, OPT, leanstep.StepSpec(loss=leanstep.LossContract(has_state=True)), budget_bytes="1GiB", model_state=model_state,
         candidates=space, search=SearchOptions(exhaustive=True),
     )  # fmt: skip
     assert found.notes == ()
@@ -251,12 +258,14 @@ def test_an_empty_model_state_takes_the_microbatches_that_fit():
     _, params, model_state = lnnx.split(_nnx_mlp(nnx))
     batch = {"x": jnp.ones((8, 256, D))}  # 8 rows of 256 positions: activations outweigh the params
     space = SearchSpace(remat_policies=["none"], microbatches=[1, 2])
-    kwargs = dict(model_state=model_state, has_state=True, candidates=space, search=SearchOptions(exhaustive=True))
+    kwargs = dict(model_state=model_state, candidates=space, search=SearchOptions(exhaustive=True))
+    stateful = leanstep.StepSpec(loss=leanstep.LossContract(has_state=True))
     one, two = (
-        plan(make_stateless_nnx_loss, params, batch, OPT, budget_bytes="1GiB", **kwargs).candidates[i] for i in (0, 1)
+        plan(make_stateless_nnx_loss, params, batch, OPT, stateful, budget_bytes="1GiB", **kwargs).candidates[i]
+        for i in (0, 1)
     )
     assert one.peak_bytes > two.peak_bytes
-    found = plan(make_stateless_nnx_loss, params, batch, OPT, budget_bytes=two.peak_bytes, **kwargs)
+    found = plan(make_stateless_nnx_loss, params, batch, OPT, stateful, budget_bytes=two.peak_bytes, **kwargs)
     assert found.chosen.setting.num_microbatches == 2
     # No batch-statistics note; the budget is the peak itself, so the one note is that the params
     # held beside an eagerly made state would not fit (leanstep.planning.eager_state).

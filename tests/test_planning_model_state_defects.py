@@ -74,7 +74,15 @@ state_for = lambda policy: variables(policy)[1]
 
 
 def _plan(params, model_state, **kwargs):
-    return plan(make_loss, params, BATCH, OPT, model_state=model_state, has_state=True, **kwargs)
+    return plan(
+        make_loss,
+        params,
+        BATCH,
+        OPT,
+        leanstep.StepSpec(loss=leanstep.LossContract(has_state=True)),
+        model_state=model_state,
+        **kwargs,
+    )
 
 
 # --- a model state renamed under remat ----------------------------------------------------------------

@@ -23,6 +23,7 @@ from leanstep.common.removed import (
 )
 from leanstep.planning.cluster import plan_cluster
 from leanstep.planning.search_options import SearchOptions, SearchSpace
+from leanstep.step.spec import SHORT_KEYWORDS
 
 INIT = Path(leanstep.__file__)
 FUNCTIONS = {
@@ -57,9 +58,10 @@ def test_the_new_spelling_names_a_real_value_and_field(where, old):
 
 
 MOVED = [(where, old) for where, moved in MOVED_KEYWORDS.items() for old in sorted(moved)]
+PLACED = [(where, old) for where, old in MOVED if where in ("gradient_stage", "guarded_update")]
 
 
-@pytest.mark.parametrize(("where", "old"), MOVED, ids=[f"{w}-{o}" for w, o in MOVED])
+@pytest.mark.parametrize(("where", "old"), PLACED, ids=[f"{w}-{o}" for w, o in PLACED])
 def test_a_keyword_moved_in_0_12_gets_one_typeerror_saying_what_to_write(where, old):
     """0.11's ``gradient_stage(params_layout=)`` and ``guarded_update(spike_guard=)``: the layout is
     given to each call now, the guard is the state's; the function no longer takes the keyword."""
@@ -69,12 +71,47 @@ def test_a_keyword_moved_in_0_12_gets_one_typeerror_saying_what_to_write(where, 
     assert str(caught.value) == f"{where}({old}=) was removed in leanstep 0.12: {MOVED_KEYWORDS[where][old]}"
     assert str(moved_keyword_error(where, [old, "loss"])) == str(caught.value)
     assert old not in inspect.signature(function).parameters
-    assert moved_keyword_error(where, ["loss"]) is None and removed_keyword_error(where, [old]) is None
+    assert moved_keyword_error(where, ["loss"]) is None and str(removed_keyword_error(where, [old])) == str(
+        caught.value
+    )
 
 
 def test_the_planners_refuse_every_flat_search_keyword():
     fields = {f.name for cls in (SearchSpace, SearchOptions) for f in dataclasses.fields(cls)} | {"flops_rtol"}
     assert set(REMOVED_KEYWORDS["plan"]) == fields == set(REMOVED_KEYWORDS["plan_cluster"])
+
+
+BUILDERS = {**FUNCTIONS, "LeanstepStep": leanstep.verification.LeanstepStep}
+BUILT = [(where, old) for where, old in MOVED if where in BUILDERS and (where, old) not in PLACED]
+assert len(PLACED) + len(BUILT) == len(MOVED)
+
+
+@pytest.mark.parametrize(("where", "old"), BUILT, ids=[f"{w}-{o}" for w, o in BUILT])
+def test_a_step_setting_0_11_gave_a_builder_as_a_keyword_names_the_spec(where, old):
+    new = MOVED_KEYWORDS[where][old]
+    spelling = f"pass spec=leanstep.StepSpec.from_keywords({old}=...)" if new == "spec" else new
+    with pytest.raises(TypeError) as caught:
+        BUILDERS[where](*([None] * 3), **{old: 1})
+    assert str(caught.value).endswith(f"leanstep 0.12: {spelling}") and str(caught.value).startswith(f"{where}({old}=)")
+    assert old not in inspect.signature(BUILDERS[where]).parameters
+    if new == "spec":  # the spelling named works: from_keywords takes it
+        assert old in SHORT_KEYWORDS and "spec" in inspect.signature(BUILDERS[where]).parameters
+
+
+def test_the_planners_name_every_short_keyword_of_the_spec():
+    # common (below step) keeps its own list: it is make_train_step's, keyword for keyword
+    for where in ("plan", "plan_cluster"):
+        assert {k for k, new in MOVED_KEYWORDS[where].items() if new == "spec"} == set(SHORT_KEYWORDS)
+
+
+def test_a_removed_keyword_is_named_before_a_moved_one():
+    assert str(removed_keyword_error("plan", ["exhaustive", "precision"])).startswith("plan(exhaustive=) was removed")
+    error = removed_keyword_error("LeanstepStep", ["rules", "layer_stack", "precision"])
+    assert str(error) == (
+        "LeanstepStep(layer_stack=, precision=, rules=) takes its step settings in its spec since leanstep 0.12: "
+        "pass spec=leanstep.StepSpec.from_keywords(precision=...); "
+        "pass extras=leanstep.verification.ModelExtras(rules=..., layer_stack=...)"
+    )
 
 
 def test_several_removed_keywords_are_named_together_each_new_value_once():
@@ -89,8 +126,8 @@ def test_several_removed_keywords_are_named_together_each_new_value_once():
 def test_the_wrapped_functions_keep_their_signature_without_a_catch_all():
     for where, function in FUNCTIONS.items():
         kinds = [p.kind for p in inspect.signature(function).parameters.values()]
-        # plan's step kwargs; make_train_step's short keywords, which StepSpec.from_keywords takes by name
-        assert (inspect.Parameter.VAR_KEYWORD in kinds) == (where in ("plan", "plan_cluster", "make_train_step")), where
+        # make_train_step's short keywords, which StepSpec.from_keywords takes by name (the planners take a spec)
+        assert (inspect.Parameter.VAR_KEYWORD in kinds) == (where == "make_train_step"), where
     # Any other unknown keyword is refused too, in Python's words plus the nearest keyword (tests/test_near_misses.py).
     with pytest.raises(TypeError, match="unexpected keyword argument 'num_micro'"):
         leanstep.make_train_step(lambda p, b: 0.0, num_micro=2)

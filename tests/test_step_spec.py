@@ -211,6 +211,7 @@ def test_a_bad_field_is_one_line_naming_it(fields, error, pattern):
         (lambda: StepSpec.from_json({"loss": {"aux": True}}), ValueError, r"^step spec field 'loss': unknown key"),
         (lambda: StepSpec.from_keywords(num_microbatches=2, accumulation=Accumulation(2)), ValueError, "inside"),
         (lambda: StepSpec.from_keywords(has_aux=True, loss=LossContract()), ValueError, "inside loss="),
+        (lambda: StepSpec.from_keywords(num_microbatch=2), TypeError, "did you mean num_microbatches=[?]$"),
     ],
 )
 def test_a_bad_part_is_one_line_naming_it(make, error, pattern):
@@ -370,23 +371,25 @@ def _plan(spec=None, **keywords):
     )  # fmt: skip
 
 
-def test_a_plan_of_a_spec_is_the_plan_of_its_keywords():
+def test_a_plan_plans_its_spec():
     spec = StepSpec(
         "compute=bfloat16", max_grad_norm=1.0, loss_scale="dynamic", master="bfloat16-sr", moments="int8",
         accumulation=Accumulation(4, "strided"),
     )  # fmt: skip
-    by_spec = _plan(spec)
-    by_keywords = _plan(
+    # the user's keyword form is the same value, planned the same way
+    assert spec == StepSpec.from_keywords(
         precision="compute=bfloat16", max_grad_norm=1.0, loss_scale="dynamic", master="bfloat16-sr", moments="int8",
-        split="strided",
+        num_microbatches=4, split="strided",
     )  # fmt: skip
-    settings = lambda p: [(c.setting[:2], StepSpec(c.setting.precision), c.peak_bytes, c.flops) for c in p.candidates]
-    assert settings(by_spec) == settings(by_keywords) and len(by_spec.candidates) == 4
-    assert by_spec.chosen.setting[:2] == by_keywords.chosen.setting[:2]
-    assert {StepSpec(c.setting.precision).precision for c in by_spec.candidates} == {spec.precision}
-    # and the spec's formats reached the state: the plan's note on the state's bytes a parameter
-    assert by_spec.notes == by_keywords.notes and any("4.30 bytes a parameter" in n for n in by_spec.notes)
+    planned = _plan(spec)
+    assert len(planned.candidates) == 4  # its microbatch count searched: 1 and 2, under two policies
+    assert {StepSpec(c.setting.precision).precision for c in planned.candidates} == {spec.precision}
+    # the spec's formats reached the state: the plan's note on the state's bytes a parameter
+    assert any("4.30 bytes a parameter" in n for n in planned.notes)
     assert not any("bytes a parameter" in n for n in _plan(StepSpec("compute=bfloat16")).notes)
+    # and its clip the step: the chosen executable's program is the one make_train_step builds from the spec
+    clipped, plain = _plan(spec), _plan(spec.replace(max_grad_norm=None))
+    assert clipped.chosen.flops != plain.chosen.flops
 
 
 def test_a_plan_of_a_guarded_spec_gives_the_state_its_window():
@@ -401,8 +404,12 @@ def test_leanstep_plan_of_a_guarded_run_plans_from_its_spec(cli):
     assert result.code == 0 and "chosen: --microbatches 1" in result.out, result.err
 
 
-def test_a_plan_given_a_spec_and_keywords_is_refused_naming_them():
-    with pytest.raises(TypeError, match="plan got a spec and the keywords loss_scale, max_grad_norm: give each"):
+def test_a_plan_given_0_11_s_step_keywords_is_refused_naming_the_spec():
+    with pytest.raises(TypeError) as refused:
         _plan(StepSpec(), max_grad_norm=1.0, loss_scale="dynamic")
+    assert str(refused.value) == (
+        "plan(loss_scale=, max_grad_norm=) takes its step settings in its spec since leanstep 0.12: pass "
+        "spec=leanstep.StepSpec.from_keywords(loss_scale=..., max_grad_norm=...)"
+    )
     with pytest.raises(TypeError, match="spec must be a leanstep.StepSpec or None, got dict"):
         _plan({"precision": "float32"})

@@ -243,8 +243,8 @@ def _plan_refusal(trees_policy, policy):
     params, model_state = _norm_trees(trees_policy)
     with pytest.raises(ValueError) as planned:
         leanstep.planning.plan(
-            _make_norm_loss, params, NORM_BATCH, optax.sgd(0.1), budget_bytes="1GiB", model_state=model_state,
-            has_state=True, candidates=SearchSpace(remat_policies=[policy], microbatches=[1]),
+            _make_norm_loss, params, NORM_BATCH, optax.sgd(0.1), leanstep.StepSpec(loss=leanstep.LossContract(has_state=True)),
+            budget_bytes="1GiB", model_state=model_state, candidates=SearchSpace(remat_policies=[policy], microbatches=[1]),
         )  # fmt: skip
     return str(planned.value)
 

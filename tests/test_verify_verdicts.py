@@ -59,9 +59,8 @@ def test_the_accumulation_line_states_the_weighting_it_used(make_loss, settings,
     assert report["accumulation"].compared.endswith(f", w_j = {said}, in float64"), report["accumulation"].compared
     # The weights taken, against the mask's tokens counted here (the loss counts the same tokens).
     contract = LossContract(token_weighted=bool(settings))
-    setup = LeanstepStep(
-        make_loss, PARAMS, batch, loss=contract, mask=settings.get("mask"), accumulation=Accumulation(4)
-    )
+    spec = leanstep.StepSpec(loss=contract, accumulation=Accumulation(4))
+    setup = LeanstepStep(make_loss, PARAMS, batch, spec, mask=settings.get("mask"))
     runs = Runs(setup, num_microbatches=4)
     runs.register("batch", batch)
     counts = batch["mask"].reshape(4, 2, -1).sum(axis=(1, 2), dtype=np.float64)  # contiguous microbatches of 2 rows

@@ -12,8 +12,10 @@ import numpy as np
 
 from leanstep.bench.handwritten import HandwrittenState, init_handwritten_state, make_handwritten_step
 from leanstep.bench.timing import compiled_stats, hlo_op_counts
-from leanstep.blocks.loss_scale_registry import get_loss_scale
-from leanstep.step.train_step import TrainState, make_train_step
+from leanstep.blocks.accumulation import Accumulation
+from leanstep.step.spec import LossScaleSpec, StepSpec
+from leanstep.step.state import TrainState
+from leanstep.step.train_step import make_train_step
 
 __all__ = ["Contender", "Spec", "build_jax_contender", "build_torch_contender"]
 
@@ -77,14 +79,14 @@ def build_jax_contender(
     step: jax.stages.Wrapped  # leanstep's or the hand-written one, each with its own state type
     state: TrainState | HandwrittenState
     if spec.impl == "leanstep":
-        step = make_train_step(
-            loss_fn,
-            precision=PRECISIONS[spec.precision],
-            num_microbatches=spec.num_microbatches,
+        step_spec = StepSpec(
+            PRECISIONS[spec.precision],  # type: ignore[arg-type]  # a string, parsed by StepSpec
+            accumulation=Accumulation(spec.num_microbatches),
             max_grad_norm=max_grad_norm,
+            loss_scale=LossScaleSpec("dynamic", initial_loss_scale) if bf16 else LossScaleSpec(),
         )
-        scale = get_loss_scale("dynamic", initial_loss_scale) if bf16 else "none"
-        state = TrainState.create(params, optimizer, loss_scale=scale)
+        step = make_train_step(loss_fn, step_spec)
+        state = TrainState.create(params, optimizer, step_spec)
     elif spec.impl == "handwritten_jax":
         step = make_handwritten_step(
             loss_fn,

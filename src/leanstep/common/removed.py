@@ -10,8 +10,13 @@ generic "unexpected keyword argument":
 
 :func:`refuses_removed_keywords` wraps a function so that its removed keywords get that line; the
 function itself no longer takes them (its signature, and a type checker, say so). A keyword 0.12 moved
-where it belongs, with no deprecation (:data:`MOVED_KEYWORDS`: the spike guard into the state, the
-gradient stage's layout into each call), gets one line saying what to write instead.
+where it belongs, with no deprecation (:data:`MOVED_KEYWORDS`), gets one line saying what to write
+instead: the step settings the planners and ``LeanstepStep`` took as keywords until 0.11 travel in
+their ``StepSpec``; the spike guard in the state; the gradient stage's layout in each call.
+
+.. code-block:: text
+
+    plan(max_grad_norm=) takes its step settings in its spec since leanstep 0.12: pass spec=leanstep.StepSpec.from_keywords(max_grad_norm=...)
 
 0.12 moved every top-level name but the step and its value into its sub-package
 (:data:`MOVED_NAMES`): ``leanstep.plan`` is ``leanstep.planning.plan``. The old spelling still
@@ -62,10 +67,30 @@ REMOVED_KEYWORDS: dict[str, dict[str, str]] = {
     "plan_cluster": {**{name: f"space=leanstep.planning.SearchSpace({name}=...)" for name in _SPACE}, **_SEARCH},
 }
 
+#: The step settings a planner took as keywords until 0.11; since 0.12 they travel in its spec
+#: (``leanstep.StepSpec``), whose ``from_keywords`` takes them by the same names (the list is
+#: :data:`leanstep.step.spec.SHORT_KEYWORDS`, which common, below step, cannot import).
+_STEP_KEYWORDS = (
+    "precision", "num_microbatches", "max_grad_norm", "has_aux", "token_weighted", "uses_rng", "has_state", "split",
+    "unroll", "cast_batch", "donate", "loss", "accumulation", "spike_guard", "update_chunk", "loss_scale", "fp8",
+    "master", "moments", "sharding", "int8", "update_in_backward",
+)  # fmt: skip
 
-#: function -> {keyword 0.12 moved where it belongs, with no deprecation: what to write instead}. A caller
-#: of the 0.11 spelling gets one TypeError saying so (:func:`moved_keyword_error`).
+#: function -> {keyword: what to write instead}, each moved in 0.12 with no deprecation before (the
+#: release that made the spec the library's one currency and the state carry its guard); "spec": a
+#: step setting, whose new spelling is the spec's (:func:`moved_keyword_error`).
 MOVED_KEYWORDS: dict[str, dict[str, str]] = {
+    "plan": {
+        **dict.fromkeys(_STEP_KEYWORDS, "spec"),
+        "rules": "pass leanstep.planning.plan_cluster(..., rules=...), which lays a model's partition rules out",
+    },
+    "plan_cluster": dict.fromkeys(_STEP_KEYWORDS, "spec"),
+    "LeanstepStep": {
+        **dict.fromkeys(("precision", "accumulation", "loss", "loss_scale", "master", "int8"), "spec"),
+        **dict.fromkeys(
+            ("rules", "layer_stack"), "pass extras=leanstep.verification.ModelExtras(rules=..., layer_stack=...)"
+        ),
+    },
     "gradient_stage": {
         "params_layout": "give it to each call of the gradient function instead: gradients(params, batch, ..., "
         "params_layout=...), as leanstep.step.ShardingLayer.gradients does",
@@ -77,22 +102,9 @@ MOVED_KEYWORDS: dict[str, dict[str, str]] = {
 }
 
 
-def moved_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
-    """The TypeError for the keywords of ``where`` that 0.12 moved (:data:`MOVED_KEYWORDS`) among ``given``, or None.
-
-    Example:
-      >>> str(moved_keyword_error("guarded_update", ["loss", "spike_guard"])).split(":")[0]
-      'guarded_update(spike_guard=) was removed in leanstep 0.12'
-    """
-    moved = MOVED_KEYWORDS.get(where, {})
-    old = sorted(name for name in given if name in moved)
-    if not old:
-        return None
-    return TypeError(f"{where}({old[0]}=) was removed in leanstep 0.12: {moved[old[0]]}")
-
-
 def removed_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
-    """The TypeError for the removed keywords of ``where`` among ``given``, or None if there are none.
+    """The TypeError for the removed keywords of ``where`` among ``given`` (else for its moved ones:
+    :data:`MOVED_KEYWORDS`), or None if there are none.
 
     Example:
       >>> removed_keyword_error("gradient_stage", ["num_microbatches", "precision"])
@@ -100,14 +112,37 @@ def removed_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
       >>> removed_keyword_error("gradient_stage", ["precision"]) is None
       True
     """
-    removed = REMOVED_KEYWORDS.get(where, {})
+    removed, given = REMOVED_KEYWORDS.get(where, {}), list(given)
     old = sorted(name for name in given if name in removed)
     if not old:
-        return None
+        return moved_keyword_error(where, given)
     new = " and ".join(dict.fromkeys(removed[name] for name in old))
     return TypeError(
         f"{where}({', '.join(f'{name}=' for name in old)}) was removed in leanstep 0.12 (deprecated in 0.8): pass {new}"
     )
+
+
+def moved_keyword_error(where: str, given: Iterable[str]) -> TypeError | None:
+    """The TypeError for the keywords of ``where`` that moved in 0.12 (:data:`MOVED_KEYWORDS`), or None.
+
+    Example:
+      >>> moved_keyword_error("plan", ["precision", "max_grad_norm", "budget_bytes"])
+      TypeError('plan(max_grad_norm=, precision=) takes its step settings in its spec since leanstep 0.12: pass spec=leanstep.StepSpec.from_keywords(max_grad_norm=..., precision=...)')
+      >>> str(moved_keyword_error("guarded_update", ["loss", "spike_guard"])).split(":")[0]
+      'guarded_update(spike_guard=) was removed in leanstep 0.12'
+    """
+    moved = MOVED_KEYWORDS.get(where, {})
+    old = sorted(name for name in given if name in moved)
+    if not old:
+        return None
+    names = ", ".join(f"{name}=" for name in old)
+    settings = [name for name in old if moved[name] == "spec"]
+    others = list(dict.fromkeys(moved[name] for name in old if moved[name] != "spec"))
+    if not settings:
+        return TypeError(f"{where}({names}) was removed in leanstep 0.12: {'; '.join(others)}")
+    spec = f"spec=leanstep.StepSpec.from_keywords({', '.join(f'{name}=...' for name in settings)})"
+    rest = "".join(f"; {text}" for text in others)
+    return TypeError(f"{where}({names}) takes its step settings in its spec since leanstep 0.12: pass {spec}{rest}")
 
 
 def refuses_removed_keywords(where: str) -> Callable[[_F], _F]:
@@ -120,9 +155,7 @@ def refuses_removed_keywords(where: str) -> Callable[[_F], _F]:
     def wrap(function: _F) -> _F:
         @functools.wraps(function)
         def refusing(*args: Any, **kwargs: Any) -> Any:
-            error = None
-            if not old.isdisjoint(kwargs):
-                error = removed_keyword_error(where, kwargs) or moved_keyword_error(where, kwargs)
+            error = None if old.isdisjoint(kwargs) else removed_keyword_error(where, kwargs)
             if error is not None:
                 raise error
             return function(*args, **kwargs)

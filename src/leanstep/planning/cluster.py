@@ -51,6 +51,7 @@ nodes are priced as one ring at the slower link, though NCCL and XLA build hiera
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -60,9 +61,6 @@ import jax
 import numpy as np
 import optax
 
-from leanstep.blocks.loss_scale import LossScale
-from leanstep.blocks.loss_scale_registry import get_loss_scale
-from leanstep.blocks.precision import get_precision
 from leanstep.common.memory_sizes import parse_bytes
 from leanstep.common.removed import refuses_removed_keywords
 from leanstep.planning.candidates import abstract_tree, compiler_options_for
@@ -71,10 +69,16 @@ from leanstep.planning.cluster_grid import Family, families_of, mesh_shapes
 from leanstep.planning.cluster_search import Limits, SearchState, final_row, rank, run_search, start, strip
 from leanstep.planning.cost_model import Accelerator, get_accelerator
 from leanstep.planning.fp8_sizes import fp8_notes
-from leanstep.planning.plan_inputs import is_params_builder, state_format, state_format_notes, state_guard
+from leanstep.planning.plan_inputs import (
+    abstract_state,
+    candidate_spec,
+    is_params_builder,
+    plan_spec,
+    state_format_notes,
+)
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
 from leanstep.planning.search_options import SearchOptions, SearchSpace
-from leanstep.step.state import TrainState
+from leanstep.step.spec import StepSpec
 from leanstep.step.train_step import make_train_step
 
 __all__ = ["plan_cluster"]
@@ -115,6 +119,7 @@ def plan_cluster(
     params: Any,
     batch: Any,
     optimizer: optax.GradientTransformation,
+    spec: StepSpec | None = None,
     *,
     num_devices: int,
     budget_bytes: int | str | None = None,
@@ -122,8 +127,6 @@ def plan_cluster(
     rules: Any = None,
     space: SearchSpace | None = None,
     search: SearchOptions | None = None,
-    loss_scale: str | LossScale = "none",
-    **step_kwargs: Any,
 ) -> Plan:
     """Plans mesh, microbatches, remat and reduction for ``num_devices`` devices (see the module doc).
 
@@ -133,6 +136,11 @@ def plan_cluster(
       params: arrays or ``jax.ShapeDtypeStruct`` (shapes only).
       batch: arrays or ``jax.ShapeDtypeStruct`` (shapes only): the global batch.
       optimizer: the run's optimizer.
+      spec: the run's :class:`leanstep.StepSpec` (None: ``StepSpec()``): its precision is every
+        candidate's; its microbatch count is searched and its layout is each candidate mesh's; the
+        state is built from it (loss scale, masters, moments, spike guard). ``StepSpec.from_keywords``
+        makes one of :func:`leanstep.make_train_step`'s keywords (0.11's ``plan_cluster(...,
+        max_grad_norm=...)``: a TypeError names that spelling).
       num_devices: the cluster's device count; this process must have that many (CPU) devices.
       budget_bytes: memory per device (a size string such as ``"80GiB"``); default the accelerator's.
       accelerator: a preset name (:data:`leanstep.planning.cost_model.ACCELERATORS`) or an :class:`Accelerator`.
@@ -144,18 +152,16 @@ def plan_cluster(
         pruning margin (predicted times within it count as equal), ``exhaustive`` compiles every
         candidate, ``keep_executables`` keeps every executable (default: only the chosen one's),
         ``progress`` is called with a line after each compile.
-      loss_scale: as the run's :class:`leanstep.TrainState`.
-      **step_kwargs: the run's :func:`leanstep.make_train_step` arguments (``precision``, the
-        precision of every candidate; ``max_grad_norm``, ``has_aux``, ...). 0.8.0's flat search
-        keywords (``meshes=``, ``rtol=``, ``exhaustive=``, ...) were removed in 0.12: a TypeError
-        names their place in ``space=`` or ``search=``.
+        0.8.0's flat search keywords (``meshes=``, ``rtol=``, ``exhaustive=``, ...) were removed
+        in 0.12: a TypeError names their place in ``space=`` or ``search=``.
 
     Returns:
       A :class:`leanstep.planning.Plan` with ``num_devices`` and ``accelerator`` set.
 
     Raises:
       BudgetError: nothing fits (names the smallest per-device peak found and its setting).
-      ValueError: too few devices, a bad budget, grid or accelerator.
+      ValueError: too few devices, a bad budget, grid or accelerator; a model state (``has_state``).
+      TypeError: ``spec`` not a StepSpec.
     """
     start_time = time.perf_counter()
     space = SearchSpace() if space is None else space
@@ -166,24 +172,21 @@ def plan_cluster(
         raise ValueError(
             "a params builder (params=policy -> params) plans one device; plan_cluster takes one params tree"
         )
-    if step_kwargs.get("has_state"):
+    spec = plan_spec(spec)
+    if spec.loss.has_state:
         raise ValueError("plan_cluster plans stateless losses; a model state (has_state=True) is not supported yet")
-    precision = step_kwargs.pop("precision", "float32")
-    formats = state_format(step_kwargs)
-    precision = precision if isinstance(precision, str) else str(precision)
+    spec, precision = _unplaced(spec), str(spec.precision)
     accelerator = get_accelerator(accelerator)
     budget = parse_bytes(accelerator.memory_bytes if budget_bytes is None else budget_bytes)
     devices = _devices(num_devices)
     batch_size = _batch_size(batch)
     shapes = _mesh_shapes(space, num_devices, batch_size, accelerator.node_size)
-    compute_dtype = get_precision(precision).compute_dtype
-    scale = get_loss_scale(loss_scale)
+    compute_dtype = spec.precision.compute_dtype
     params, batch = abstract_tree(params), abstract_tree(batch)
-    guard = state_guard(step_kwargs)
-    state = jax.eval_shape(lambda p: TrainState.create(p, optimizer, loss_scale=scale, **formats, **guard), params)
+    state = abstract_state(params, optimizer, spec, None)
     loss_fns = {policy: make_loss_fn(policy) for policy in space.remat_policies}
     # The whole step's dot FLOPs, once per policy, on one device: the compute part of every bound.
-    flops = step_flops(loss_fns, state, batch, precision, step_kwargs)
+    flops = step_flops(loss_fns, state, batch, spec)
     rate = accelerator.peak_flops(compute_dtype) * accelerator.efficiency
     compute = {policy: f / num_devices / rate for policy, f in flops.items()}
     placed, errors = place_meshes(shapes, devices, params, state, batch, rules, compute_dtype)
@@ -217,18 +220,28 @@ def plan_cluster(
         accelerator=accelerator,
         compute_dtype=compute_dtype,
         compiler_options=compiler_options_for(search.compiler_options, devices[0].platform),
-        step_kwargs=step_kwargs,
+        spec=spec,
         progress=search.progress,
     )
     limits = Limits(budget, search.rtol, search.exhaustive)
     searched = run_search(start(candidates, families, flops), limits, compile_one)
     chosen, rows = _finish(searched, families, invalid, limits, search, compile_one, space.max_microbatches)
     s = chosen.setting  # its step traced on one device (nothing compiled), for the FP8 figures
-    step = make_train_step(loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches, **step_kwargs)
-    notes = fp8_notes(state, step.trace(state, batch).jaxpr) + state_format_notes(
-        params, optimizer, scale, None, formats
-    )
+    step = make_train_step(loss_fns[s.remat], candidate_spec(spec, s))
+    notes = fp8_notes(state, step.trace(state, batch).jaxpr) + state_format_notes(params, optimizer, spec, None)
     return Plan(budget, rows, chosen, time.perf_counter() - start_time, num_devices, accelerator, notes)
+
+
+def _unplaced(spec: StepSpec) -> StepSpec:
+    """``spec`` without a layout (each candidate's is its mesh's) and with one microbatch (the count
+    is searched), its microbatches strided where a spec made for one device has them contiguous: as
+    a run on a mesh takes them (no row moves between devices; :meth:`leanstep.StepSpec.from_keywords`
+    on a mesh)."""
+    split = spec.accumulation.split
+    split = "strided" if spec.sharding is None and split == "contiguous" else split
+    return spec.replace(
+        sharding=None, accumulation=dataclasses.replace(spec.accumulation, num_microbatches=1, split=split)
+    )
 
 
 def _finish(

@@ -27,9 +27,11 @@ from leanstep.planning.cluster_grid import Layout, argument_bytes, format_second
 from leanstep.planning.cluster_search import Compiled
 from leanstep.planning.cost_model import Accelerator, StepCost, step_cost
 from leanstep.planning.fp8_sizes import fp8_flops
+from leanstep.planning.plan_inputs import candidate_spec
 from leanstep.planning.records import Candidate, known
 from leanstep.sharding.meshes import batch_sharding
 from leanstep.step.sharding_layer import ShardingLayer
+from leanstep.step.spec import StepSpec
 from leanstep.step.train_step import make_train_step
 
 __all__ = ["ClusterCompiler", "Placed", "place_meshes", "priced", "step_flops"]
@@ -83,13 +85,11 @@ def place_meshes(
     return placed, errors
 
 
-def step_flops(
-    loss_fns: Mapping[str, Callable[..., Any]], state: Any, batch: Any, precision: str, step_kwargs: Mapping[str, Any]
-) -> dict[str, float]:
-    """By policy, the dot FLOPs of the whole step on one device (traced, not compiled)."""
+def step_flops(loss_fns: Mapping[str, Callable[..., Any]], state: Any, batch: Any, spec: StepSpec) -> dict[str, float]:
+    """By policy, the dot FLOPs of the whole step of ``spec`` on one device (traced, not compiled)."""
     flops = {}
     for policy, loss_fn in loss_fns.items():
-        step = make_train_step(loss_fn, precision=precision, **step_kwargs)
+        step = make_train_step(loss_fn, spec)
         flops[policy] = count_flops(step.trace(state, batch).jaxpr, dots_only=True)
     return flops
 
@@ -120,7 +120,7 @@ class ClusterCompiler:
       budget: per-device bytes (sets ``fits``).
       accelerator, compute_dtype: what the cost model prices with.
       compiler_options: passed to ``compile()``.
-      step_kwargs: further :func:`leanstep.make_train_step` arguments.
+      spec: the run's :class:`leanstep.StepSpec`, laid out by no mesh (each candidate's is its own).
       progress: called with a line after each compile, or None.
     """
 
@@ -132,19 +132,14 @@ class ClusterCompiler:
     accelerator: Accelerator
     compute_dtype: Any
     compiler_options: dict[str, Any] | None
-    step_kwargs: Mapping[str, Any]
+    spec: StepSpec
     progress: Callable[[str], None] | None = None
 
     def __call__(self, candidate: Candidate) -> Compiled:
         s, t0 = candidate.setting, time.perf_counter()
         placed = self.placed[s.mesh]
-        step = make_train_step(
-            self.loss_fns[s.remat],
-            precision=s.precision,
-            num_microbatches=s.num_microbatches,
-            mesh=ShardingLayer(placed.mesh, rules=self.rules, reduce=s.reduce),
-            **self.step_kwargs,
-        )
+        layer = ShardingLayer(placed.mesh, rules=self.rules, reduce=s.reduce)
+        step = make_train_step(self.loss_fns[s.remat], candidate_spec(self.spec, s), mesh=layer)
         traced = step.trace(placed.state, placed.batch)
         fp8 = fp8_flops(traced.jaxpr)
         fp8_fraction = fp8 / (count_flops(traced.jaxpr, dots_only=True) or 1.0) if fp8 else 0.0

@@ -54,8 +54,6 @@ from typing import Any
 import jax
 import optax
 
-from leanstep.blocks.loss_scale import LossScale
-from leanstep.blocks.loss_scale_registry import get_loss_scale
 from leanstep.common.memory_sizes import parse_bytes
 from leanstep.common.removed import refuses_removed_keywords
 from leanstep.inspection.flops import count_flops
@@ -69,12 +67,11 @@ from leanstep.planning.plan_inputs import (
     abstract_state,
     batch_size_of,
     batch_statistics_notes,
+    candidate_spec,
     holds_model_state,
     params_for,
-    spec_keywords,
-    state_format,
+    plan_spec,
     state_format_notes,
-    state_guard,
     trace_refusing_structure_errors,
 )
 from leanstep.planning.records import BudgetError, Candidate, Plan, Setting, known
@@ -107,22 +104,22 @@ def plan(
     budget_bytes: int | str,
     candidates: Sequence[tuple[Any, ...]] | SearchSpace | None = None,
     search: SearchOptions | None = None,
-    loss_scale: str | LossScale = "none",
     model_state: Any = None,
     num_devices: int | None = None,
     accelerator: Any = "h100",
     stack: Any = None,
-    **step_kwargs: Any,
 ) -> Plan:
     """Compiles (never runs) the train step for each candidate and picks the fastest that fits.
 
     With ``num_devices`` it plans a cluster instead: mesh, microbatches, remat and reduction
     per device, priced on ``accelerator`` (:func:`leanstep.planning.cluster.plan_cluster`, to
-    which ``candidates``, a :class:`SearchSpace`, goes as its ``space``, and ``rules`` among the
-    ``step_kwargs``).
+    which ``candidates``, a :class:`SearchSpace`, goes as its ``space``; a model with partition
+    rules calls ``plan_cluster(..., rules=...)`` itself).
 
     See the module doc for the peak formula and the choice. Steps are built with
-    :func:`leanstep.make_train_step` (jitted, state donated) exactly as a run builds them.
+    :func:`leanstep.make_train_step` from ``spec`` (jitted, state donated) exactly as a run builds them.
+    0.8.0's flat search keywords (``flops_rtol=``, ``exhaustive=``, ``remat_policies=``, ...) were
+    removed in 0.12: a TypeError names their place in ``search=`` or ``candidates=``.
 
     Args:
       make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn(params, batch)``.
@@ -132,9 +129,11 @@ def plan(
         fails on its structure is refused with a ``ValueError`` naming it.
       batch: one full batch, arrays or ``ShapeDtypeStruct``; leaves share the leading batch axis.
       optimizer: the ``optax.GradientTransformation`` of the run.
-      spec: the run's :class:`leanstep.StepSpec`, in place of ``loss_scale`` and ``step_kwargs``
-        (:func:`leanstep.planning.plan_inputs.spec_keywords`): the plan searches its microbatch
-        count, remat and (for the default candidates, at its precision) keeps the rest.
+      spec: the run's :class:`leanstep.StepSpec` (None: ``StepSpec()``): the plan searches its
+        microbatch count and remat, and (for the default candidates, at its precision) keeps the
+        rest; the state is built from it too (its loss scale, masters, moments, spike guard).
+        ``StepSpec.from_keywords(...)`` makes one of :func:`leanstep.make_train_step`'s keywords
+        (0.11's ``plan(..., max_grad_norm=...)``: a TypeError names that spelling).
       budget_bytes: bytes, or a size string such as ``"512MiB"`` (see :func:`leanstep.common.memory_sizes.parse_bytes`).
       candidates: what to try: ``(num_microbatches, remat, precision)`` settings, or a
         :class:`SearchSpace` (its policies times its microbatch counts, every divisor of the
@@ -144,9 +143,8 @@ def plan(
         the fewest count as equal; ``exhaustive``, compile every candidate, not only those that
         could be chosen; ``compiler_options`` for ``compile()`` (``"auto"``: LLVM -O0 on CPU,
         which leaves every memory number unchanged).
-      loss_scale: as in the run (it changes the state a little).
-      model_state: the model's state for a stateful loss (arrays or ``ShapeDtypeStruct``;
-        pass ``has_state=True`` too), or a builder ``policy -> model state`` (as ``params``: a remat
+      model_state: the model's state for a stateful loss (arrays or ``ShapeDtypeStruct``; the
+        spec's loss contract says ``has_state``), or a builder ``policy -> model state`` (as ``params``: a remat
         that renames the blocks renames their batch statistics too), or None. Each microbatch
         computes its own batch statistics (BatchNorm), so the plan says so in :attr:`Plan.notes`;
         bound the count with ``SearchSpace(max_microbatches=...)``. A :class:`SearchSpace` leaves
@@ -157,11 +155,6 @@ def plan(
       stack: the loss as a :class:`leanstep.LayerStack` (the same model, under the loss contract
         of ``spec``), or None: where no candidate fits, the same candidates with the update inside
         the backward pass (one per microbatch count: remat does not apply), its reason the first note.
-      **step_kwargs: the run's :func:`make_train_step` arguments (and ``master=``, ``moments=``:
-        the state's format, :meth:`leanstep.TrainState.create`'s): ``precision`` (of the default
-        candidates), ``max_grad_norm``, ``has_aux``, ``token_weighted``, ``has_state``, ...
-        0.8.0's flat search keywords (``flops_rtol=``, ``exhaustive=``, ``remat_policies=``, ...)
-        were removed in 0.12: a TypeError names their place in ``search=`` or ``candidates=``.
 
     Returns:
       A :class:`Plan`.
@@ -169,7 +162,7 @@ def plan(
     Raises:
       BudgetError: no candidate fits (the message names the smallest peak and its setting, and
         ``SearchSpace.max_microbatches`` where it was bounded).
-      ValueError, TypeError: a bad budget, candidate or option; no microbatch count within
+      ValueError, TypeError: a bad budget, spec, candidate or option; no microbatch count within
         ``SearchSpace.max_microbatches`` and ``min_microbatch_rows``; a remat policy that changes
         the structure of the params or the model state given as one tree.
 
@@ -180,13 +173,13 @@ def plan(
       ...         return jnp.mean(jnp.tanh(b["x"] @ p["w"]) ** 2)
       ...     return loss_fn
       >>> params, batch = {"w": jnp.ones((8, 8))}, {"x": jnp.ones((4, 8))}
-      >>> p = plan(make_loss_fn, params, batch, optax.sgd(0.1), budget_bytes="1MiB",
+      >>> p = plan(make_loss_fn, params, batch, optax.sgd(0.1), StepSpec(max_grad_norm=1.0), budget_bytes="1MiB",
       ...          candidates=[(1, "none", "float32"), (2, "none", "float32")])
       >>> p.chosen.setting[:3], p.chosen.fits
       ((1, 'none', 'float32'), True)
     """
     search = SearchOptions() if search is None else search
-    step_kwargs, loss_scale = spec_keywords(spec, step_kwargs, loss_scale)
+    spec = plan_spec(spec)
     if num_devices is not None:
         from leanstep.planning.cluster import plan_cluster
 
@@ -196,38 +189,23 @@ def plan(
                 "candidates=SearchSpace(meshes=..., remat_policies=..., reductions=..., microbatches=...)"
             )
         return plan_cluster(
-            make_loss_fn,
-            params,
-            batch,
-            optimizer,
-            num_devices=num_devices,
-            budget_bytes=budget_bytes,
-            accelerator=accelerator,
-            space=candidates,
-            search=search,
-            loss_scale=loss_scale,
-            **step_kwargs,
-        )
-    if step_kwargs.get("rules") is not None:
-        raise ValueError("rules= lay parameters out over a cluster; give num_devices= too")
+            make_loss_fn, params, batch, optimizer, spec, num_devices=num_devices, budget_bytes=budget_bytes,
+            accelerator=accelerator, space=candidates, search=search,
+        )  # fmt: skip
     start = time.perf_counter()
     budget = parse_bytes(budget_bytes)
     if not callable(make_loss_fn):
         raise TypeError(f"make_loss_fn must be callable, got {type(make_loss_fn).__name__}")
-    precision, formats = step_kwargs.pop("precision", "float32"), state_format(step_kwargs)
-    batch_size, scale = batch_size_of(batch), get_loss_scale(loss_scale)
+    batch_size = batch_size_of(batch)
     space = SearchSpace() if candidates is None else candidates
     # A model state without leaves (an NNX model's without BatchNorm) holds no batch statistics.
     stateful = isinstance(space, SearchSpace) and holds_model_state(model_state, space.remat_policies[0])
     rows = space.min_rows(stateful) if isinstance(space, SearchSpace) else None
-    settings = checked_settings(space, batch_size, precision if isinstance(precision, str) else str(precision), rows)
-    if step_kwargs.get("update_in_backward"):
+    settings = checked_settings(space, batch_size, str(spec.precision), rows)
+    if spec.update_in_backward:
         settings = list(in_backward_settings(settings))
-    guard = state_guard(step_kwargs)
-    state_for = lambda p: abstract_state(
-        params_for(params, p), optimizer, scale, params_for(model_state, p), **formats, **guard
-    )
-    steps = _Steps(make_loss_fn, state_for, abstract_tree(batch), step_kwargs, TreesGiven.of(params, model_state))
+    state_for = lambda p: abstract_state(params_for(params, p), optimizer, spec, params_for(model_state, p))
+    steps = _Steps(make_loss_fn, state_for, abstract_tree(batch), spec, TreesGiven.of(params, model_state))
     options = compiler_options_for(search.compiler_options, jax.default_backend())
     compile_at = lambda i, c: compile_candidate(steps.trace(c), steps.traced[c.setting], budget, options)
     final = search_candidates(_traced_families(settings, steps), compile_at, search.rtol, search.exhaustive, budget)
@@ -236,17 +214,16 @@ def plan(
     if chosen is None:
         smallest = min((c for c in final if c.compiled), key=lambda c: known(c.peak_bytes))
         error = BudgetError(budget, smallest, final, bound, rows if rows != 1 else None)
-        if stack is None or step_kwargs.get("update_in_backward"):
+        if stack is None or spec.update_in_backward:
             raise error
-        again = dict(loss_scale=scale, model_state=model_state, precision=precision, **formats, **step_kwargs)
-        replan = lambda: plan(lambda _: stack, params, batch, optimizer, budget_bytes=budget, candidates=settings,
-                              search=search, update_in_backward=True, **again)  # fmt: skip
+        replan = lambda: plan(lambda _: stack, params, batch, optimizer, spec.replace(update_in_backward=True),
+                              budget_bytes=budget, candidates=settings, search=search, model_state=model_state)  # fmt: skip
         return plan_in_backward(error, replan, time.perf_counter() - start)
     remat = chosen.setting.remat
     notes = batch_statistics_notes(
         params_for(model_state, remat), chosen.setting.num_microbatches, batch_size, rows
     ) + fp8_notes(steps.states[remat], steps.traced[chosen.setting].jaxpr)
-    notes += state_format_notes(params_for(params, remat), optimizer, scale, params_for(model_state, remat), formats)
+    notes += state_format_notes(params_for(params, remat), optimizer, spec, params_for(model_state, remat))
     notes += eager_state_notes(params_for(params, remat), chosen.peak_bytes, budget)
     return Plan(budget, final, chosen, time.perf_counter() - start, notes=notes)
 
@@ -263,10 +240,10 @@ class _Steps:
         make_loss_fn: Callable[[str], Any],
         state_for: Callable[[str], Any],
         batch: Any,
-        step_kwargs: dict[str, Any],
+        spec: StepSpec,
         given: TreesGiven,
     ):
-        self.make_loss_fn, self.state_for, self.batch, self.step_kwargs = make_loss_fn, state_for, batch, step_kwargs
+        self.make_loss_fn, self.state_for, self.batch, self.spec = make_loss_fn, state_for, batch, spec
         self.given = given
         self.loss_fns: dict[str, Callable[..., Any]] = {}
         self.states: dict[str, Any] = {}
@@ -280,9 +257,7 @@ class _Steps:
         if s.remat not in self.loss_fns:
             self.loss_fns[s.remat] = self.make_loss_fn(s.remat)
             self.states[s.remat] = self.state_for(s.remat)
-        step = make_train_step(
-            self.loss_fns[s.remat], precision=s.precision, num_microbatches=s.num_microbatches, **self.step_kwargs
-        )
+        step = make_train_step(self.loss_fns[s.remat], candidate_spec(self.spec, s))
         state = self.states[s.remat]
         self.traced[s] = trace_refusing_structure_errors(lambda: step.trace(state, self.batch), s.remat, self.given)
         flops = count_flops(self.traced[s].jaxpr)

@@ -1,6 +1,9 @@
-"""What :func:`leanstep.planning.plan` is given beside the loss: params and model state per policy, and what a model state implies.
+"""What :func:`leanstep.planning.plan` is given beside the loss: the spec, params and model state per policy, and what a model state implies.
 
 .. code-block:: text
+
+    spec               the run's StepSpec: each candidate's step is it with the candidate's precision
+                       and microbatch count (candidate_spec); the state is built from it too
 
     params             a tree (the same for every remat policy), or a params builder:
                        policy -> params, for a remat policy that changes the params' structure
@@ -33,15 +36,15 @@ from leanstep.step.state import TrainState
 
 T = TypeVar("T")
 __all__ = [
-    "STATE_FORMAT_KEYWORDS",
     "TreesGiven",
     "abstract_state",
     "batch_size_of",
     "batch_statistics_notes",
+    "candidate_spec",
     "holds_model_state",
     "is_params_builder",
     "params_for",
-    "state_format",
+    "plan_spec",
     "state_format_notes",
     "structure_error",
     "trace_refusing_structure_errors",
@@ -61,86 +64,48 @@ _STRUCTURE_WORDS = (
 )
 
 
-#: The state-format keywords a plan takes among its step keywords (``TrainState.create``'s).
-STATE_FORMAT_KEYWORDS = ("master", "moments")
-
-
-#: The fields of a spec that do not become a step keyword by name: the precision (as a string),
-#: the loss contract and the accumulation (as their short keywords; the microbatch count is
-#: searched) and the loss scale (the state's, returned beside the keywords).
-_SEARCHED = ("precision", "accumulation", "loss", "loss_scale")
-
-
-def spec_keywords(spec: Any, step_kwargs: dict[str, Any], loss_scale: Any) -> tuple[dict[str, Any], Any]:
-    """A plan's step keywords and loss scale: those given, or ``spec``'s (a :class:`leanstep.StepSpec`).
-
-    The spec's fields that differ from ``StepSpec()``'s become :func:`leanstep.make_train_step`
-    keywords: its precision (that of the default candidates), its loss contract's flags, its
-    accumulation's split and unroll (the microbatch count is searched), and the rest by name.
+def plan_spec(spec: Any) -> StepSpec:
+    """The step spec a plan searches around: ``spec`` (None: ``StepSpec()``), checked.
 
     Raises:
-      TypeError: ``spec`` is not a StepSpec, or comes with step keywords or a loss scale.
-      ValueError: its accumulation does not divide the loss by the microbatch count (no keyword says so).
-
-    Example:
-      >>> spec = StepSpec("compute=bfloat16", max_grad_norm=1.0, loss_scale="dynamic", moments="int8")
-      >>> keywords, scale = spec_keywords(spec, {}, "none")
-      >>> sorted(keywords), type(scale).__name__
-      (['max_grad_norm', 'moments', 'precision'], 'DynamicLossScale')
+      TypeError: ``spec`` is not a StepSpec.
+      ValueError: its accumulation does not divide the loss by the microbatch count (the plan
+        searches the count of a loss divided by it).
     """
-    if spec is None:
-        return step_kwargs, loss_scale
+    spec = StepSpec() if spec is None else spec
     if not isinstance(spec, StepSpec):
-        raise TypeError(f"spec must be a leanstep.StepSpec or None, got {type(spec).__name__}")
-    given = sorted([*step_kwargs, *([] if isinstance(loss_scale, str) and loss_scale == "none" else ["loss_scale"])])
-    if given:
         raise TypeError(
-            f"plan got a spec and the keywords {', '.join(given)}: give each setting once, in the spec "
-            "(spec.replace(...)) or as keywords"
+            f"spec must be a leanstep.StepSpec or None, got {type(spec).__name__}; a plan takes the step's settings "
+            "in its spec (leanstep.StepSpec(...), or StepSpec.from_keywords(...) of make_train_step's keywords)"
         )
     if not spec.accumulation.divide:
         raise ValueError(
             "plan searches the microbatch count of a loss divided by it: spec.accumulation.divide must be True"
         )
-    default = StepSpec()
-    keywords = {
-        f.name: getattr(spec, f.name)
-        for f in dataclasses.fields(StepSpec)
-        if f.name not in _SEARCHED and getattr(spec, f.name) != getattr(default, f.name)
-    }
-    if spec.precision != default.precision:
-        keywords["precision"] = str(spec.precision)
-    keywords |= {f.name: True for f in dataclasses.fields(spec.loss) if getattr(spec.loss, f.name)}
-    for name in ("split", "unroll"):
-        if getattr(spec.accumulation, name) != getattr(default.accumulation, name):
-            keywords[name] = getattr(spec.accumulation, name)
-    return keywords, spec.loss_scale.make()
+    return spec
 
 
-def state_format(step_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Pops ``master=`` and ``moments=`` (how the masters and the optimizer's moments are kept:
-    :meth:`leanstep.TrainState.create`) from a plan's step keywords.
+def candidate_spec(spec: StepSpec, setting: Any) -> StepSpec:
+    """``spec`` with what a candidate ``setting`` (:class:`leanstep.planning.Setting`) searches:
+    its precision, microbatch count and (``update_in_backward``, where it says so) the update
+    inside the backward pass; the layout is the mesh's, given to the step with it.
 
     Example:
-      >>> kwargs = {"moments": "int8", "max_grad_norm": 1.0}
-      >>> state_format(kwargs), kwargs
-      ({'moments': 'int8'}, {'max_grad_norm': 1.0})
+      >>> from leanstep.planning.records import Setting
+      >>> spec = candidate_spec(StepSpec(max_grad_norm=1.0), Setting(4, "full", "compute=bfloat16"))
+      >>> spec.accumulation.num_microbatches, spec.precision.compute_dtype.name, spec.max_grad_norm
+      (4, 'bfloat16', 1.0)
     """
-    return {name: step_kwargs.pop(name) for name in STATE_FORMAT_KEYWORDS if name in step_kwargs}
+    accumulation = dataclasses.replace(spec.accumulation, num_microbatches=setting.num_microbatches)
+    in_backward = spec.update_in_backward or bool(getattr(setting, "update_in_backward", False))
+    return spec.replace(precision=setting.precision, accumulation=accumulation, update_in_backward=in_backward)
 
 
-def state_guard(step_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``spike_guard=`` of a plan's step keywords, left there, for the state too: a guarded step
-    needs the guard's window in the state (:meth:`leanstep.TrainState.create`)."""
-    guard = step_kwargs.get("spike_guard")
-    return {} if guard is None else {"spike_guard": guard}
-
-
-def abstract_state(params: Any, optimizer: Any, loss_scale: Any, model_state: Any, **formats: Any) -> Any:
-    """The abstract :class:`leanstep.TrainState` of ``params`` (a tree) and ``model_state``, its
-    masters and moments kept as ``formats`` say (:func:`state_format`)."""
+def abstract_state(params: Any, optimizer: Any, spec: StepSpec, model_state: Any) -> Any:
+    """The abstract :class:`leanstep.TrainState` of ``params`` (a tree) and ``model_state``, built
+    as ``spec`` says (its loss scale, masters, moments and spike guard: ``TrainState.create``)."""
     return jax.eval_shape(
-        lambda p, m: TrainState.create(p, optimizer, loss_scale=loss_scale, model_state=m, **formats),
+        lambda p, m: TrainState.create(p, optimizer, spec, model_state=m),
         abstract_tree(params),
         abstract_tree(model_state),
     )
@@ -150,22 +115,21 @@ def _bytes(tree: Any) -> int:
     return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def state_format_notes(
-    params: Any, optimizer: Any, loss_scale: Any, model_state: Any, formats: dict
-) -> tuple[str, ...]:
-    """The plan's note on a compressed state (``master=``, ``moments=``): its bytes a parameter
-    and what it saves against float32 masters and moments; none for the float32 state.
+def state_format_notes(params: Any, optimizer: Any, spec: StepSpec, model_state: Any) -> tuple[str, ...]:
+    """The plan's note on a compressed state (``spec.master``, ``spec.moments``): its bytes a
+    parameter and what it saves against float32 masters and moments; none for the float32 state.
 
     Example:
       >>> import jax.numpy as jnp, optax
       >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.float32)}
-      >>> print(state_format_notes(params, optax.adamw(1e-3), "none", None, {"moments": "int8"})[0])
+      >>> print(state_format_notes(params, optax.adamw(1e-3), StepSpec(moments="int8"), None)[0])
       state kept with moments='int8': 6.03 bytes a parameter (params, optimizer state), against 12.00 in float32: 5.97 saved, 6.3 MB for 1,048,576 parameters
     """
-    if all(value == "float32" for value in formats.values()):
+    formats = {name: getattr(spec, name) for name in ("master", "moments") if getattr(spec, name) != "float32"}
+    if not formats:
         return ()
-    lean = abstract_state(params, optimizer, loss_scale, model_state, **formats)
-    full = abstract_state(params, optimizer, loss_scale, model_state)
+    lean = abstract_state(params, optimizer, spec, model_state)
+    full = abstract_state(params, optimizer, spec.replace(master="float32", moments="float32"), model_state)
     count = sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(split_fp8(full.params)[0]))
     parts = lambda s: _bytes(split_fp8(s.params)[0]) + _bytes(s.opt_state) + _bytes(s.master_error)
     lean_bytes, full_bytes = parts(lean), parts(full)

@@ -43,20 +43,22 @@ from leanstep.blocks.fp8 import Fp8Recipe
 from leanstep.blocks.int8 import Int8Recipe
 from leanstep.blocks.loss_contract import LossContract, loss_contract_of
 from leanstep.blocks.masters import check_master
-from leanstep.blocks.microbatches import Splitter
 from leanstep.blocks.moments import MOMENT_DTYPES
 from leanstep.blocks.precision import Precision, check_train_precision
 from leanstep.blocks.spike_guard import SpikeGuard
-from leanstep.common.checks import check_bool, check_positive
+from leanstep.common.checks import check_bool, check_keywords, check_positive
 from leanstep.step.spec_parts import JSON_PARTS, LossScaleSpec, MeshLayout, check_update_chunk, read_json_part
 
-__all__ = ["LossScaleSpec", "MeshLayout", "StepSpec", "refuse_on_mesh"]
+__all__ = ["SHORT_KEYWORDS", "LossScaleSpec", "MeshLayout", "StepSpec", "refuse_on_mesh"]
 
 # The defaults (values: frozen, shared).
 _FLOAT32 = Precision.from_string("float32")
 _PLAIN_LOSS = LossContract()
 _ONE_MICROBATCH = Accumulation()
 _NO_LOSS_SCALE = LossScaleSpec()
+
+#: The loss contract's flags among the short keywords (:meth:`StepSpec.from_keywords`).
+_CONTRACT_FLAGS = ("has_aux", "token_weighted", "uses_rng", "has_state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,82 +149,47 @@ class StepSpec:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_keywords(
-        cls,
-        *,
-        precision: str | Precision = "float32",
-        num_microbatches: int = 1,
-        max_grad_norm: float | None = None,
-        has_aux: bool = False,
-        token_weighted: bool = False,
-        uses_rng: bool = False,
-        has_state: bool = False,
-        split: str | Splitter | None = None,
-        unroll: int | bool = 1,
-        cast_batch: bool = True,
-        donate: bool = True,
-        loss: LossContract | None = None,
-        accumulation: Accumulation | None = None,
-        spike_guard: SpikeGuard | str | None = None,
-        update_chunk: int | str | None = "auto",
-        loss_scale: Any = "none",
-        fp8: Fp8Recipe | str | None = None,
-        master: Any = "float32",
-        moments: str = "float32",
-        sharding: MeshLayout | None = None,
-        mesh: Any = None,
-        int8: Int8Recipe | str | None = None,
-        update_in_backward: bool = False,
-    ) -> StepSpec:
+    def from_keywords(cls, *, mesh: Any = None, **short: Any) -> StepSpec:
         """The spec of :func:`leanstep.make_train_step`'s short keywords (and
         :meth:`leanstep.TrainState.create`'s): each setting once, as a value or its short form.
 
-        ``precision`` ... ``donate`` are the fields of the same names; ``num_microbatches``,
-        ``split`` and ``unroll`` make the accumulation (``split`` None: ``"contiguous"``, or
-        ``"strided"`` on a mesh, so that no row moves between devices), ``has_aux``,
-        ``token_weighted``, ``uses_rng`` and ``has_state`` the loss contract; ``loss`` and
-        ``accumulation`` are those values, in place of their short keywords.
+        The keywords (:data:`SHORT_KEYWORDS`) are the fields (``precision`` ... ``update_in_backward``,
+        each in any form the constructor takes) and the short forms of two of them:
+        ``num_microbatches``, ``split`` and ``unroll`` make the accumulation (``split`` None:
+        ``"contiguous"``, or ``"strided"`` on a mesh, so that no row moves between devices);
+        ``has_aux``, ``token_weighted``, ``uses_rng`` and ``has_state`` the loss contract. The
+        library itself builds a :class:`StepSpec`; this is the user's one-line form.
 
         Args:
           mesh: the ``Mesh`` or :class:`leanstep.step.ShardingLayer` the step will run on: the spec
             takes its layout (in place of ``sharding``).
+          **short: the keywords above.
 
         Raises:
           ValueError: a value beside its short keywords; any refusal of :class:`StepSpec`.
-          TypeError: ``loss`` or ``accumulation`` not their value types; ``sharding`` and ``mesh`` both given.
+          TypeError: an unknown keyword (the nearest named); ``loss`` or ``accumulation`` not their
+            value types; ``sharding`` and ``mesh`` both given.
         """
-        flags = dict(has_aux=has_aux, token_weighted=token_weighted, uses_rng=uses_rng, has_state=has_state)
-        contract = loss_contract_of(loss, {k: v for k, v in flags.items() if v})
+        check_keywords("StepSpec.from_keywords", short, SHORT_KEYWORDS)
+        flags = {name: short.pop(name) for name in _CONTRACT_FLAGS if name in short}
+        contract = loss_contract_of(short.pop("loss", None), {name: on for name, on in flags.items() if on})
+        sharding = short.pop("sharding", None)
         if mesh is not None:
             if sharding is not None:
                 raise TypeError("give the layout once: sharding=MeshLayout(...) or mesh=, not both")
             sharding = MeshLayout.of(mesh, has_state=contract.has_state)
+        walk = (short.pop("num_microbatches", 1), short.pop("split", None), short.pop("unroll", 1))
+        accumulation = short.pop("accumulation", None)
         if accumulation is None:
             default = "contiguous" if sharding is None else "strided"
-            accumulation = Accumulation(num_microbatches, default if split is None else split, unroll)
+            accumulation = Accumulation(walk[0], default if walk[1] is None else walk[1], walk[2])
         elif not isinstance(accumulation, Accumulation):
             raise TypeError(f"accumulation must be a leanstep.Accumulation, got {type(accumulation).__name__}")
-        elif (num_microbatches, split, unroll) != (1, None, 1):
+        elif walk != (1, None, 1):
             raise ValueError(
                 "give num_microbatches, split and unroll inside accumulation=Accumulation(...), not beside it"
             )
-        return cls(
-            precision,  # type: ignore[arg-type]  # a string is parsed by __post_init__
-            contract,
-            accumulation,
-            max_grad_norm,
-            loss_scale,
-            fp8,  # type: ignore[arg-type]
-            master,
-            moments,
-            update_chunk,
-            spike_guard,  # type: ignore[arg-type]
-            cast_batch,
-            donate,
-            sharding,
-            int8,  # type: ignore[arg-type]
-            update_in_backward,
-        )
+        return cls(loss=contract, accumulation=accumulation, sharding=sharding, **short)
 
     def to_json(self) -> dict[str, Any]:
         """The spec as a JSON-ready dict, read back by :meth:`from_json` to an equal spec.
@@ -290,6 +257,15 @@ class StepSpec:
             if name in fields:
                 fields[name] = read_json_part(name, fields[name])
         return cls(**fields)
+
+
+#: The short keywords of :meth:`StepSpec.from_keywords` (``mesh`` aside): the fields, and the short
+#: forms of the accumulation and the loss contract.
+SHORT_KEYWORDS = (
+    "precision", "num_microbatches", "max_grad_norm", *_CONTRACT_FLAGS, "split", "unroll", "cast_batch", "donate",
+    "loss", "accumulation", "spike_guard", "update_chunk", "loss_scale", "fp8", "master", "moments", "sharding",
+    "int8", "update_in_backward",
+)  # fmt: skip
 
 
 def _checked(spec: StepSpec) -> dict[str, Any]:

@@ -7,7 +7,6 @@ together; ``spec.update_in_backward`` hands the loss to :mod:`leanstep.step.laye
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any, Literal, Protocol, overload
 
@@ -23,7 +22,7 @@ from leanstep.step.gradients import gradient_stage
 from leanstep.step.layerwise import make_layerwise_step
 from leanstep.step.settings import StepSettings, step_settings
 from leanstep.step.sharding_layer import ShardingLayer, manual_constraint_error
-from leanstep.step.spec import StepSpec
+from leanstep.step.spec import SHORT_KEYWORDS, StepSpec
 from leanstep.step.state import StepMetrics, TrainState
 from leanstep.step.update import guarded_update
 
@@ -221,8 +220,6 @@ def make_train_step(
     return _CheckedStep(jax.jit(step, donate_argnums=(0,) if spec.donate else ()), spec.donate, layer)
 
 
-#: The short keywords (:meth:`StepSpec.from_keywords`'; ``mesh`` is make_train_step's own).
-_SHORT_KEYWORDS = tuple(name for name in inspect.signature(StepSpec.from_keywords).parameters if name != "mesh")
 _NO_OPTIMIZER = (
     "make_train_step takes no optimizer since leanstep 0.8: give it once, to TrainState.create(params, "
     "optimizer); the step applies the state's"
@@ -249,7 +246,7 @@ def _in_backward(
 def _spec_of(spec: Any, short: dict[str, Any], mesh: Mesh | ShardingLayer | None) -> StepSpec:
     """The step's spec: ``spec``, or the one the short keywords build (a mesh gives it its layout)."""
     if spec is None:
-        check_keywords("make_train_step", short, _SHORT_KEYWORDS, {"optimizer": _NO_OPTIMIZER})
+        check_keywords("make_train_step", short, SHORT_KEYWORDS, {"optimizer": _NO_OPTIMIZER})
         return StepSpec.from_keywords(**short, mesh=mesh)
     if not isinstance(spec, StepSpec):
         raise TypeError(

@@ -45,8 +45,9 @@ def plan_run(
     (its plan then carries no executables). ``options`` go to the planner, flat: the fields of
     :class:`leanstep.planning.search_options.SearchSpace` (``remat_policies``, ``microbatches``,
     ``meshes``, ``reductions``) and of :class:`~leanstep.planning.search_options.SearchOptions`
-    (``exhaustive``, ``rtol``, ``compiler_options``, ``progress``, ...), ``candidates`` (one
-    device), and :func:`leanstep.make_train_step` arguments. Apply the choice with
+    (``exhaustive``, ``rtol``, ``compiler_options``, ``progress``, ...) and ``candidates`` (one
+    device); the step's settings are the run's (:attr:`leanstep.training.build.Run.step`, its
+    flags parsed once), the planners' spec. Apply the choice with
     ``dataclasses.replace(config, microbatches=s.num_microbatches, remat=s.remat)`` (and
     ``mesh=s.mesh, reduce=s.reduce`` on a cluster, ``update_in_backward="on"`` where
     ``s.update_in_backward``), ``s = plan_run(config, budget).chosen.setting``. On one device,
@@ -57,6 +58,7 @@ def plan_run(
     Raises:
       BudgetError: nothing fits.
       ValueError: an invalid config or budget; ``fsdp`` (plan with a mesh instead).
+      TypeError: an option that is neither the planner's nor ``candidates`` (a step setting is the config's).
     """
     cluster = not (num_devices is None and config.mesh is None and config.devices is None)
     config = choose_for_machine(config, priced_accelerator=cluster).config  # --size and --precision auto
@@ -78,24 +80,19 @@ def plan_run(
     from leanstep.planning.cluster import plan_cluster
 
     run = build_run(dataclasses.replace(config, microbatches=1, remat="none", mesh=None, devices=None))
-    space, search, rest = split_options(options)
+    space, search, _ = _planner_options(options, cluster=True)
     return plan_cluster(
         run.loss_fn,
         run.abstract_params(),
         run.batch_spec(),
         run.optimizer,
+        run.step,  # the run's spec: each candidate's mesh lays it out, its microbatches strided
         num_devices=num_devices,
         budget_bytes=budget_bytes,
         accelerator=accelerator,
         rules=run.model.rules,
         space=SearchSpace(**space),
         search=SearchOptions(**search),
-        loss_scale=run.loss_scale,
-        precision=config.precision,
-        max_grad_norm=config.max_grad_norm,
-        master=config.master,
-        moments=config.moments,
-        **rest,
     )
 
 
@@ -141,11 +138,7 @@ def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options:
     run = build_run(dataclasses.replace(config, microbatches=1, remat="none"))  # both are planned here
     if budget_bytes is None:
         raise ValueError("a one-device plan needs a budget (bytes or a size such as 2GiB)")
-    space, search, rest = split_options(options)
-    spec = config.step_spec(sharded=False)  # the flags' one parse (RunConfig.step)
-    if "precision" in rest:
-        spec = spec.replace(precision=rest.pop("precision"))
-    candidates = rest.pop("candidates", None)
+    space, search, candidates = _planner_options(options, cluster=False)
     if space and candidates is not None:
         raise ValueError(f"give candidates= or {', '.join(f'{name}=' for name in space)}, not both")
     return plan(
@@ -153,13 +146,29 @@ def _plan_one_device(config: RunConfig, budget_bytes: int | str | None, options:
         run.abstract_params(),
         run.batch_spec(),
         run.optimizer,
-        spec,
+        run.step,  # the run's spec (the flags' one parse); its microbatches and remat are searched
         budget_bytes=budget_bytes,
         candidates=SearchSpace(**space) if space else candidates,
         search=SearchOptions(**search),
         stack=run.layer_stack(),  # where the standard step does not fit (None: the run cannot)
-        **rest,
     )
+
+
+def _planner_options(options: dict[str, Any], *, cluster: bool) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """``options`` sorted into the SearchSpace's fields, the SearchOptions' and ``candidates`` (one device).
+
+    Raises:
+      TypeError: any other option; a step setting is the config's, planned as the run trains it.
+    """
+    space, search, rest = split_options(options)
+    candidates = None if cluster else rest.pop("candidates", None)
+    if rest:
+        raise TypeError(
+            f"plan_run got the options {', '.join(f'{name}=' for name in sorted(rest))}: it takes the planner's "
+            "search options (and candidates= on one device); the step's settings are the config's "
+            "(dataclasses.replace(config, ...)), planned as the run trains with them"
+        )
+    return space, search, candidates
 
 
 def _resolved(candidate: Any, precision: str) -> Any:

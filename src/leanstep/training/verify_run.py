@@ -1,8 +1,8 @@
 """verify applied to a :class:`RunConfig` (``leanstep verify``): the run's step, on the run's data.
 
-The setup is the run's own parts (:func:`leanstep.training.build.build_run`): its model,
-precision, loss scale, masters, remat policy and microbatch count, on the first batch of its
-data. Its loss is the model's token-weighted form (``loss_sum``, with a token-weight ``mask`` of
+The setup is the run's own parts (:func:`leanstep.training.build.build_run`): its model, its
+step's spec (:attr:`leanstep.training.build.Run.step`: precision, loss scale, masters,
+microbatch count, int8 recipe, ...) and its remat policy, on the first batch of its data. Its loss is the model's token-weighted form (``loss_sum``, with a token-weight ``mask`` of
 ones added to the batch), which on such a batch equals the mean ``leanstep train`` minimises and
 lets the token-weighting and non-finite checks reweight and poison rows. The built-in
 transformer's loss is also given as a LayerStack (:func:`leanstep.models.transformer_stack`),
@@ -20,14 +20,13 @@ import numpy as np
 
 from leanstep.blocks.int8 import Int8Recipe
 from leanstep.blocks.layer_stack import LayerStack
-from leanstep.blocks.loss_contract import LossContract
 from leanstep.models.registry import build_model
 from leanstep.models.transformer import transformer_stack
 from leanstep.training.build import build_run
 from leanstep.training.config import RunConfig, model_overrides
 from leanstep.training.data import BatchSampler, load_corpus
 from leanstep.training.machine_size import choose_for_machine
-from leanstep.verification import CHECKS, CheckResult, LeanstepStep, VerifyReport, verify_step
+from leanstep.verification import CHECKS, CheckResult, LeanstepStep, ModelExtras, VerifyReport, verify_step
 from leanstep.verification.mesh_check import layouts_for
 
 __all__ = [
@@ -61,21 +60,10 @@ def verify_setup(config: RunConfig) -> LeanstepStep:
         model = models[int8]
         return lambda params, rows: model.loss_sum(params, rows, remat_policy=policy)
 
-    return LeanstepStep(
-        make_loss_fn,
-        run.init_params(),
-        batch,
-        precision=run.precision,
-        accumulation=config.microbatches,
-        remat=config.remat,
-        loss=LossContract(token_weighted=True),
-        loss_scale=run.loss_scale,
-        master=config.master,
-        mask="mask",
-        rules=run.model.rules,
-        int8=recipe,
-        layer_stack=_layer_stack(run.model),
-    )
+    # The run's spec (its flags parsed once), its loss the token-weighted form of the mean it trains.
+    spec = run.step.replace(loss=dataclasses.replace(run.step.loss, token_weighted=True))
+    extras = ModelExtras(rules=run.model.rules, layer_stack=_layer_stack(run.model))
+    return LeanstepStep(make_loss_fn, run.init_params(), batch, spec, remat=config.remat, mask="mask", extras=extras)
 
 
 def _layer_stack(model: Any) -> LayerStack | None:

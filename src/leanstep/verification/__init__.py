@@ -3,7 +3,8 @@
 .. code-block:: text
 
     protocol.py        VerifiableStep: what a step must offer (init, step, parts, poison); the probe
-    leanstep_step.py   LeanstepStep: leanstep's own step, from the inputs leanstep.planning.plan takes
+    leanstep_step.py   LeanstepStep: leanstep's own step, from the inputs leanstep.planning.plan takes and a
+                       StepSpec; ModelExtras: the model's partition rules and LayerStack
     bounds.py          the tolerances, derived (unit roundoff, gamma_n, probabilistic norm bound)
     trees.py           named leaves, bitwise comparison, the worst element against a bound
     batches.py         the batches the checks build: microbatch rows, uneven token counts, poison
@@ -19,7 +20,7 @@
     runner.py          verify (leanstep inputs) and verify_step (any VerifiableStep)
 """
 
-from leanstep.verification.leanstep_step import LeanstepStep
+from leanstep.verification.leanstep_step import LeanstepStep, ModelExtras
 from leanstep.verification.protocol import PARTS, ProbeState, VerifiableStep, probe_optimizer, seen_gradient
 from leanstep.verification.report import CheckResult, VerifyReport
 from leanstep.verification.runner import CHECKS, verify, verify_step
@@ -29,6 +30,7 @@ __all__ = [
     "PARTS",
     "CheckResult",
     "LeanstepStep",
+    "ModelExtras",
     "ProbeState",
     "VerifiableStep",
     "VerifyReport",

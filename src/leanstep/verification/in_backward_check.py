@@ -48,9 +48,11 @@ import jax
 import numpy as np
 import optax
 
+from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.fp8_state import has_fp8
 from leanstep.blocks.layer_stack import LayerStack
-from leanstep.step.spec import StepSpec
+from leanstep.blocks.loss_contract import LossContract
+from leanstep.step.spec import LossScaleSpec, StepSpec
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 from leanstep.verification.gradient_checks import SUM_TOLERANCE
@@ -174,10 +176,12 @@ def check_in_backward(runs: Runs, num_microbatches: int) -> CheckResult:
         return CheckResult("in_backward", "n/a", compared, 0.0, 0.0, "-", detail=why)
     setup = runs.setup
     stack: LayerStack = setup.layer_stack  # type: ignore[attr-defined]  # checked by _not_applicable
-    spec = StepSpec.from_keywords(
-        num_microbatches=num_microbatches, loss=getattr(setup, "loss", None), split=setup.split,
-        loss_scale=getattr(setup, "loss_scale", "none"), donate=False,
-    )  # fmt: skip
+    spec = StepSpec(
+        loss=getattr(setup, "loss", None) or LossContract(),
+        accumulation=Accumulation(num_microbatches, setup.split),
+        loss_scale=getattr(setup, "loss_scale", LossScaleSpec()),
+        donate=False,
+    )
     state, norm = _settled(stack, spec, setup)
     if not (math.isfinite(norm) and norm > 0):
         detail = f"the first step's gradient norm is {norm}: no clip to act"

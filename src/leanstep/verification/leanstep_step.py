@@ -17,7 +17,7 @@ Example:
   >>> def make_loss(policy):
   ...     return lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
   >>> batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 1), np.float32)}
-  >>> setup = LeanstepStep(make_loss, {"w": jnp.ones((2, 1))}, batch, accumulation=2)
+  >>> setup = LeanstepStep(make_loss, {"w": jnp.ones((2, 1))}, batch, StepSpec(accumulation=Accumulation(2)))
   >>> state = setup.init(probe_optimizer(), max_grad_norm=None, seed=0, randomness=True, mesh=None)
   >>> state, metrics = setup.step(state, batch, 2)
   >>> float(metrics["loss"]), seen_gradient(setup.parts(state)["opt_state"])["w"].tolist()
@@ -37,21 +37,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from leanstep.blocks.accumulation import Accumulation
+from leanstep.blocks.accumulation import Accumulation  # noqa: F401 - the doctest's name
 from leanstep.blocks.fp8_state import merge_fp8, split_fp8
-from leanstep.blocks.int8 import Int8Recipe
 from leanstep.blocks.layer_stack import LayerStack
-from leanstep.blocks.loss_contract import LossContract
-from leanstep.blocks.precision import Precision, get_precision
+from leanstep.blocks.precision import Precision
+from leanstep.common.removed import refuses_removed_keywords
 from leanstep.inspection.auditing import audit
 from leanstep.planning.plan_inputs import TreesGiven, is_params_builder, params_for, trace_refusing_structure_errors
 from leanstep.step.sharding_layer import ShardingLayer
+from leanstep.step.spec import StepSpec
 from leanstep.step.state import TrainState
 from leanstep.step.train_step import make_train_step
 from leanstep.verification.batches import batch_rows, poison_row, rows_of, with_leaf
 from leanstep.verification.protocol import probe_optimizer, seen_gradient  # noqa: F401 - the doctest's names
 
-__all__ = ["LeanstepStep"]
+__all__ = ["LeanstepStep", "ModelExtras"]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["train_state"], meta_fields=["settings"])
@@ -72,8 +72,30 @@ def _fixed_key(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     return loss
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelExtras:
+    """What a model offers beyond its loss, for the checks that need it (each None: those checks
+    lay the step out without it, or do not apply).
+
+    Attributes:
+      rules: the model's partition rules, for a mesh with a ``"tensor"`` axis
+        (:class:`leanstep.step.ShardingLayer`; a ``"fsdp"`` axis splits every parameter, other axes
+        carry rows): the ``meshes`` checks.
+      layer_stack: the loss as a :class:`leanstep.LayerStack` (its ``(sum, count)`` form where the
+        loss is token-weighted): the ``in_backward`` check.
+    """
+
+    rules: Any = None
+    layer_stack: LayerStack | None = None
+
+
 class LeanstepStep:
     """leanstep's step for the inputs :func:`leanstep.planning.plan` takes (see the module doc).
+
+    The step is ``spec``'s, with what the checks set themselves: the clip (``init``'s
+    ``max_grad_norm``), the microbatch count, the mesh and no donation; its moments kept float32
+    and no spike guard (the probe optimizer records the gradient exactly, and every step a check
+    compares is applied); the standard step (the ``in_backward`` check runs the other).
 
     Args:
       make_loss_fn: ``make_loss_fn(remat_policy) -> loss_fn``, the loss under a remat policy;
@@ -84,75 +106,68 @@ class LeanstepStep:
         renames its modules), a params builder ``params(remat_policy) -> params``, as
         :func:`leanstep.planning.plan` takes.
       batch: one global batch (arrays; leaves share the leading row dimension).
-      precision: the step's precision (a :class:`leanstep.Precision` or its string form).
-      accumulation: the run's microbatch count, or an :class:`leanstep.Accumulation` (its split
-        ``"contiguous"`` or ``"strided"``).
+      spec: the run's :class:`leanstep.StepSpec` (None: ``StepSpec()``): its precision, loss
+        contract, accumulation (the run's microbatch count; split ``"contiguous"`` or
+        ``"strided"``), loss scale and masters; its ``int8``, the recipe of the model's int8
+        matmuls: ``make_loss_fn`` then takes ``int8`` (``make_loss_fn(policy, int8=recipe)``) and
+        builds the model with that recipe, or without int8 matmuls for None (:meth:`variant`).
       remat: the remat policy ``make_loss_fn`` is given.
-      loss: what the loss takes and returns (:class:`leanstep.LossContract`).
-      loss_scale: ``"none"``, ``"dynamic"`` or a loss-scale instance.
-      model_state: the model's state (with ``loss.has_state``), or None.
-      master: how the masters are kept (:meth:`leanstep.TrainState.create`).
+      model_state: the model's state (with ``spec.loss.has_state``), or None.
       mask: the name of the batch's token-weight leaf (floating, rows first), or None; the
         non-finite check makes a row's weights NaN.
-      rules: the model's partition rules, for a mesh with a ``"tensor"`` axis
-        (:class:`leanstep.step.ShardingLayer`; a ``"fsdp"`` axis splits every parameter, other axes
-        carry rows).
-      int8: the recipe of the model's int8 matmuls (:class:`leanstep.blocks.int8.Int8Recipe` or its
-        string), or None; ``make_loss_fn`` then takes ``int8`` (``make_loss_fn(policy, int8=recipe)``)
-        and builds the model with that recipe, or without int8 matmuls for None (:meth:`variant`).
-      layer_stack: the loss as a :class:`leanstep.LayerStack` (its ``(sum, count)`` form where
-        ``loss.token_weighted``), for the ``in_backward`` check; None: that check does not apply.
+      extras: the model's partition rules and LayerStack (:class:`ModelExtras`).
+
+    Raises:
+      TypeError: ``spec`` not a StepSpec; a setting 0.11 took as a keyword (``precision=``, ...: the
+        message names ``spec=``).
+      ValueError: a split other than contiguous or strided; ``spec.int8`` with a ``make_loss_fn`` that
+        does not take ``int8``; a batch with no floating leaf that is not a dict.
     """
 
+    @refuses_removed_keywords("LeanstepStep")
     def __init__(
         self,
         make_loss_fn: Callable[[str], Callable[..., Any]],
         params: Any,
         batch: Any,
+        spec: StepSpec | None = None,
         *,
-        precision: Any = "float32",
-        accumulation: Accumulation | int = 1,
         remat: str = "none",
-        loss: LossContract | None = None,
-        loss_scale: Any = "none",
         model_state: Any = None,
-        master: str = "float32",
         mask: str | None = None,
-        rules: Any = None,
-        int8: Int8Recipe | str | None = None,
-        layer_stack: LayerStack | None = None,
+        extras: ModelExtras = ModelExtras(),
     ) -> None:
-        self._given = dict(
-            params=params, batch=batch, precision=precision, accumulation=accumulation, remat=remat, loss=loss,
-            loss_scale=loss_scale, model_state=model_state, master=master, mask=mask, rules=rules, int8=int8,
-            layer_stack=layer_stack,
-        )  # fmt: skip
-        if isinstance(accumulation, int):
-            accumulation = Accumulation(accumulation)
-        if not isinstance(accumulation, Accumulation) or accumulation.split not in ("contiguous", "strided"):
+        spec = StepSpec() if spec is None else spec
+        if not isinstance(spec, StepSpec):
+            raise TypeError(f"spec must be a leanstep.StepSpec or None, got {type(spec).__name__}")
+        if spec.accumulation.split not in ("contiguous", "strided"):
             raise ValueError(
-                f"accumulation: expected a microbatch count or an Accumulation split 'contiguous' or 'strided', "
-                f"got {accumulation!r}"
+                f"spec.accumulation: expected the split 'contiguous' or 'strided', got {spec.accumulation.split!r}"
             )
+        self._given = dict(params=params, batch=batch, remat=remat, model_state=model_state, mask=mask, extras=extras)
+        # The checks' own: clip, microbatches, mesh, donation; the probe's record exact, every step applied.
+        self.spec = spec.replace(
+            donate=False, sharding=None, spike_guard=None, moments="float32", update_in_backward=False
+        )
         self.make_loss_fn = make_loss_fn
         self.params_builder = params if is_params_builder(params) else None
         self.params = params_for(params, remat)
         self.given = TreesGiven.of(params, model_state)  # one tree for every policy, or builders
         self.batch = batch
-        self.precision = get_precision(precision)
-        self.num_microbatches = accumulation.num_microbatches
+        self.precision = spec.precision
+        self.num_microbatches = spec.accumulation.num_microbatches
         self.remat = remat
-        self.loss = loss or LossContract()
-        self.loss_scale = loss_scale
+        self.loss = spec.loss
+        self.loss_scale = spec.loss_scale
         self.model_state = model_state
-        self.master = master
+        self.master = spec.master
         self.weights_leaf = mask
         self.mask = mask if self.loss.token_weighted else None  # the protocol's: a token-weighted loss's weights
-        self.split = str(accumulation.split)
-        self.rules = rules
+        self.split = str(spec.accumulation.split)
+        self.rules = extras.rules
         self.compute_dtype = self.precision.compute_dtype
-        self.int8 = Int8Recipe.from_string(int8) if isinstance(int8, str) else int8
-        self.layer_stack = layer_stack
+        self.int8 = spec.int8
+        self.layer_stack = extras.layer_stack
         if self.int8 is not None and "int8" not in inspect.signature(make_loss_fn).parameters:
             raise ValueError(
                 f"int8={self.int8.to_string()!r}: make_loss_fn must take int8 (make_loss_fn(policy, int8=recipe)), "
@@ -179,14 +194,7 @@ class LeanstepStep:
         mesh: Any,
     ) -> BoundState:
         """The step-0 :class:`leanstep.TrainState`, bound to the settings of its step."""
-        state = TrainState.create(
-            self.params,
-            optimizer,
-            loss_scale=self.loss_scale,
-            seed=seed,
-            model_state=self.model_state,
-            master=self.master,
-        )
+        state = TrainState.create(self.params, optimizer, self.spec, seed=seed, model_state=self.model_state)
         if mesh is not None:
             self._meshes[id(mesh)] = mesh
         randomness = randomness or not (self.loss.uses_rng or self._takes_random)  # one program if nothing is random
@@ -291,15 +299,15 @@ class LeanstepStep:
         unknown = sorted(set(changes) - {"int8", "compute_dtype"})
         if unknown:
             raise TypeError(f"variant: unknown settings {unknown}; expected among ['compute_dtype', 'int8']")
-        given = {**self._given, "int8": changes.get("int8", self.int8)}
+        given, spec = dict(self._given), self.spec.replace(int8=changes.get("int8", self.int8))
         if "int8" in changes:  # the stack was built with the model's recipe
-            given["layer_stack"] = None
+            given["extras"] = dataclasses.replace(given["extras"], layer_stack=None)
         if "compute_dtype" in changes:
             p, dtype = self.precision, jnp.dtype(changes["compute_dtype"])
-            given["precision"] = Precision(
-                p.param_dtype, dtype, jnp.promote_types(p.output_dtype, dtype), strict=p.strict
+            spec = spec.replace(
+                precision=Precision(p.param_dtype, dtype, jnp.promote_types(p.output_dtype, dtype), strict=p.strict)
             )
-        return LeanstepStep(self.make_loss_fn, **given)
+        return LeanstepStep(self.make_loss_fn, given.pop("params"), given.pop("batch"), spec, **given)
 
     def make_step(self, settings: tuple[Any, ...], num_microbatches: int) -> Callable[..., Any]:
         """The compiled step of these settings (built once, kept)."""
@@ -310,16 +318,9 @@ class LeanstepStep:
             mesh = None
             if mesh_id is not None:
                 mesh = ShardingLayer(self._meshes[mesh_id], rules=self.rules)
-            self._steps[key] = make_train_step(
-                loss_fn,
-                precision=self.precision,
-                num_microbatches=num_microbatches,
-                max_grad_norm=max_grad_norm,
-                loss=self.loss,
-                split=self.split,
-                donate=False,
-                mesh=mesh,
-            )
+            accumulation = dataclasses.replace(self.spec.accumulation, num_microbatches=num_microbatches)
+            spec = self.spec.replace(accumulation=accumulation, max_grad_norm=max_grad_norm)
+            self._steps[key] = make_train_step(loss_fn, spec, mesh=mesh)
         return self._steps[key]
 
     def step(self, state: BoundState, batch: Any, num_microbatches: int) -> tuple[BoundState, Mapping[str, Any]]:

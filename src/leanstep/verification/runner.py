@@ -24,15 +24,15 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.compute_dtype_check import PrecisionWarning
-from leanstep.blocks.loss_contract import LossContract
+from leanstep.common.checks import check_keywords
+from leanstep.step.spec import SHORT_KEYWORDS, StepSpec
 from leanstep.verification.batches import batch_rows
 from leanstep.verification.clip_check import check_clip
 from leanstep.verification.gradient_checks import check_accumulation, check_full_batch, check_token_weighting
 from leanstep.verification.in_backward_check import check_in_backward
 from leanstep.verification.int8_checks import check_int8_agreement, check_int8_meshes, check_int8_microbatches
-from leanstep.verification.leanstep_step import LeanstepStep
+from leanstep.verification.leanstep_step import LeanstepStep, ModelExtras
 from leanstep.verification.mesh_check import check_meshes
 from leanstep.verification.program_checks import check_compute_dtype, check_remat
 from leanstep.verification.protocol import VerifiableStep
@@ -125,19 +125,16 @@ def _timed(result: CheckResult, seconds: float) -> CheckResult:
     return dataclasses.replace(result, seconds=seconds)
 
 
-#: What :func:`verify` takes as the run's settings: :class:`LeanstepStep`'s keywords, and the short
-#: form of its ``loss`` (a :class:`leanstep.LossContract`) and ``accumulation``.
-_CONTRACT = ("has_aux", "token_weighted", "uses_rng", "has_state")
-_SETTINGS = (
-    "precision", "remat", "loss", "loss_scale", "model_state", "master", "mask", "rules", "accumulation", "int8",
-    "layer_stack",
-)  # fmt: skip
+#: What :func:`verify` takes beside the step's settings: :class:`LeanstepStep`'s keywords and :class:`ModelExtras`' fields.
+_SETUP = ("remat", "model_state", "mask")
+_EXTRAS = ("rules", "layer_stack")
 
 
 def verify(
     make_loss_fn: Callable[[str], Callable[..., Any]],
     params: Any,
     batch: Any,
+    spec: StepSpec | None = None,
     *,
     checks: Sequence[str] | None = None,
     meshes: Sequence[Any] = (),
@@ -153,35 +150,35 @@ def verify(
       params: the parameters (arrays), or a params builder ``params(remat_policy) -> params`` for
         a model whose remat policy renames its parameters (as :func:`leanstep.planning.plan` takes).
       batch: one global batch (arrays).
+      spec: the run's :class:`leanstep.StepSpec` (None: built from the step keywords among ``settings``).
       checks: the checks to run (default: all).
       meshes: the mesh layouts to compare with one device (see :func:`verify_step`).
       name: what the report calls the setup.
-      **settings: the run's settings, as :class:`LeanstepStep` takes them (``precision``,
-        ``remat``, ``loss``, ``loss_scale``, ``model_state``, ``master``, ``mask``, ``rules``,
-        ``accumulation``, ``int8``, ``layer_stack``), with the short forms of ``make_train_step``: ``num_microbatches`` and
-        ``split`` for ``accumulation`` (the checks use 2 microbatches if it is 1), ``has_aux``,
-        ``token_weighted``, ``uses_rng`` and ``has_state`` for ``loss``.
+      **settings: :class:`LeanstepStep`'s ``remat``, ``model_state`` and ``mask``, and the model's
+        ``rules`` and ``layer_stack`` (:class:`ModelExtras`); without ``spec``, the step's settings
+        as :func:`leanstep.make_train_step`'s keywords (:meth:`leanstep.StepSpec.from_keywords`:
+        ``precision``, ``num_microbatches``, ``token_weighted``, ``loss_scale``, ``master``,
+        ``int8``, ...). The checks use 2 microbatches where the spec has 1.
 
     Returns:
       A :class:`VerifyReport`.
 
     Raises:
-      TypeError: a setting :class:`LeanstepStep` does not take.
+      TypeError: a setting neither takes (the nearest named); a spec and step keywords both.
       ValueError: ``params`` do not fit the loss under the remat policy (pass a params builder).
     """
-    unknown = sorted(set(settings) - {*_SETTINGS, *_CONTRACT, "num_microbatches", "split"})
-    if unknown:
-        raise TypeError(f"verify: unknown settings {unknown}; expected among {sorted({*_SETTINGS, *_CONTRACT})}")
-    flags = {key: settings.pop(key) for key in _CONTRACT if key in settings}
-    if flags:
-        settings["loss"] = LossContract(**flags)
-    if "num_microbatches" in settings or "split" in settings:
-        count = settings.pop("num_microbatches", 1)
-        settings["accumulation"] = Accumulation(count, split=settings.pop("split", "contiguous"))
-    setup = LeanstepStep(make_loss_fn, params, batch, **settings)
-    setup.check_structure()
-    int8 = "" if setup.int8 is None else f", int8 {setup.int8.to_string()}"
-    label = (
-        name or f"leanstep step (precision {setup.precision}, M={setup.num_microbatches}, remat {setup.remat}{int8})"
-    )
-    return verify_step(setup, num_microbatches=max(2, setup.num_microbatches), checks=checks, meshes=meshes, name=label)
+    check_keywords("verify", settings, (*_SETUP, *_EXTRAS, *SHORT_KEYWORDS))
+    setup = {name: settings.pop(name) for name in _SETUP if name in settings}
+    extras = ModelExtras(**{name: settings.pop(name) for name in _EXTRAS if name in settings})
+    if spec is None:
+        spec = StepSpec.from_keywords(**settings)  # the user's short form, as make_train_step takes it
+    elif settings:
+        raise TypeError(
+            f"verify got a spec and the keywords {', '.join(sorted(settings))}: give the step's settings once, in "
+            "the spec (spec.replace(...)) or as keywords"
+        )
+    step = LeanstepStep(make_loss_fn, params, batch, spec, extras=extras, **setup)
+    step.check_structure()
+    int8 = "" if step.int8 is None else f", int8 {step.int8.to_string()}"
+    label = name or f"leanstep step (precision {step.precision}, M={step.num_microbatches}, remat {step.remat}{int8})"
+    return verify_step(step, num_microbatches=max(2, step.num_microbatches), checks=checks, meshes=meshes, name=label)

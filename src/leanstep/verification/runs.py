@@ -9,10 +9,11 @@ from the same settled state as the steps they are compared with.
 
 Example:
   >>> import jax.numpy as jnp, numpy as np
+  >>> from leanstep import Accumulation, StepSpec
   >>> from leanstep.verification.leanstep_step import LeanstepStep
   >>> batch = {"x": np.arange(8.0, dtype=np.float32).reshape(4, 2), "y": np.zeros((4, 1), np.float32)}
   >>> setup = LeanstepStep(lambda _: lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2),
-  ...                      {"w": jnp.ones((2, 1))}, batch, accumulation=2)
+  ...                      {"w": jnp.ones((2, 1))}, batch, StepSpec(accumulation=Accumulation(2)))
   >>> runs = Runs(setup)
   >>> runs.register("batch", batch)
   >>> outcome = runs.step("batch", 2)
