@@ -22,10 +22,10 @@ import optax
 import pytest
 
 import leanstep
-from fp8_models import RECIPE, FlaxNet, batch, flax_loss, flax_variables, fp8_of, jax_loss, jax_params
+from helpers.fp8_models import RECIPE, FlaxNet, batch, flax_loss, flax_variables, fp8_of, jax_loss, jax_params
+from helpers.workers import run_worker
 from leanstep.blocks.fp8_state import fp8_leaves
 from leanstep.frameworks import linen as llinen
-from workers import run_worker
 
 TX = optax.adamw(1e-2)
 PRECISION = "params=float32,compute=bfloat16,output=float32"

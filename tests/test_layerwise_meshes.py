@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from workers import run_worker
+from helpers.workers import run_worker
 
 MESHES = {"one": None, "data4": {"data": 4}, "fsdp4": {"fsdp": 4}}
 

@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import leanstep
-from workers import run_worker
+from helpers.workers import run_worker
 
 ROWS = 16
 #: name -> (axis names, mesh shape).

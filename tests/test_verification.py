@@ -18,7 +18,8 @@ import optax
 import pytest
 
 import leanstep
-from handwritten_steps import BUGS, DROPPED, HandwrittenStep
+from helpers.handwritten_steps import BUGS, DROPPED, HandwrittenStep
+from helpers.workers import run_worker
 from leanstep.cli.main import main
 from leanstep.training import RunConfig
 from leanstep.training.verify_run import verify_run
@@ -26,7 +27,6 @@ from leanstep.verification.batches import microbatch_rows, poison_row, uneven_ma
 from leanstep.verification.bounds import gamma, norm_bound, unit_roundoff
 from leanstep.verification.report import CheckResult, VerifyReport
 from leanstep.verification.trees import first_difference, worst_excess
-from workers import run_worker
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 

@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 import leanstep
-from int8_controls import LOSS_SCALE, planted
+from helpers.int8_controls import LOSS_SCALE, planted
+from helpers.workers import run_worker
 from leanstep.blocks.int8 import int8_matmul
 from leanstep.training import RunConfig
-from workers import run_worker
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 #: The run the rows are checked on: its default dynamic loss scale starts at the controls' LOSS_SCALE.
