@@ -25,16 +25,15 @@ import jax
 import numpy as np
 import pytest
 
+from helpers.tiny_runs import QUIET, TINY_MLP
 from leanstep.checkpoints import Checkpointer
 from leanstep.compilation.cache import ENV, machine_fingerprint
 from leanstep.training import RunConfig
 from leanstep.training.build import build_run
 
 STEPS = 4
-FLAGS = [
-    "--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--steps", str(STEPS),
-    "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every", "2", "--no-progress", "--no-chart",
-]  # fmt: skip
+FLAGS = [*TINY_MLP, "--steps", str(STEPS), "--eval-every", "2", "--eval-batches", "1"]
+FLAGS += ["--checkpoint-every", "2", *QUIET]
 CONFIG = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, steps=STEPS)
 TIMING = ("tokens_per_sec", "elapsed_s")
 #: JAX's own cache settings, which the suite sets for its processes: these runs set their own.

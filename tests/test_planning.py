@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.tiny_runs import TINY_MLP
 from leanstep.blocks.rematerialization import remat
 from leanstep.common.memory_sizes import format_bytes
 from leanstep.planning.candidates import first_fit
@@ -294,8 +295,6 @@ def test_plan_rejects_batch_leaves_of_different_lengths():
 
 
 # --- a run's config and the CLI ------------------------------------------------------------------
-
-TINY_MLP = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8"]
 
 
 def test_cli_plan_for_a_cluster_plans_in_a_subprocess_and_names_the_flags(tmp_path, cli):
