@@ -24,6 +24,8 @@ import numpy as np
 import pytest
 
 from helpers.workers import run_worker
+
+pytestmark = pytest.mark.slow  # 4 simulated devices in child processes: the meshes are the point
 from leanstep.training import RunConfig
 
 BF16 = "params=float32,compute=bfloat16,output=float32"

@@ -33,6 +33,8 @@ import pytest
 from helpers.int8_models import BF16, TX, batch, bit_equal, gradient, largest_difference, model, params
 from helpers.workers import run_worker
 
+pytestmark = pytest.mark.slow  # 4 simulated devices in a child process, 8 runs compiled: the meshes are the point
+
 STEPS = 2
 #: run -> (weight_grad, microbatches, mesh shape or None, remat policy)
 RUNS = {

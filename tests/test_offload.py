@@ -179,6 +179,7 @@ def test_check_offload_refuses_a_policy_that_moves_nothing_or_keeps_the_peak(tra
         leanstep.inspection.check_offload(higher, plain)
 
 
+@pytest.mark.slow  # a whole benchmark script's dry run: the run is the point
 def test_tpu_offload_dry_run(tmp_path):
     from benchmarks.tpu_offload import main
 
