@@ -107,6 +107,7 @@ def runs(tmp_path_factory, corpus) -> dict[str, Path]:
     return {**outs, "cache": cache}
 
 
+@pytest.mark.slow  # three CLI runs in fresh processes (cache off, cold, warm): the processes are the point
 def test_a_second_run_loads_its_step_from_the_cache_and_a_first_one_compiles_it(runs):
     cold, warm = _compile(runs["cold"]), _compile(runs["warm"])
     assert cold["directory"] == warm["directory"] == str(runs["cache"])
@@ -115,6 +116,7 @@ def test_a_second_run_loads_its_step_from_the_cache_and_a_first_one_compiles_it(
     assert any(path.name.startswith("jit_step-") for path in runs["cache"].iterdir())
 
 
+@pytest.mark.slow  # three CLI runs in fresh processes (cache off, cold, warm): the processes are the point
 def test_the_flag_turns_it_off_even_where_jax_is_given_a_folder(runs):
     assert _compile(runs["flag_off"]) == {
         "directory": None,
@@ -131,6 +133,7 @@ def test_the_environment_turns_it_off(monkeypatch, value):
     assert not state.enabled and state.reason == f"{ENV}={value}"
 
 
+@pytest.mark.slow  # three CLI runs in fresh processes (cache off, cold, warm): the processes are the point
 def test_cached_uncached_cold_and_warm_runs_are_bit_identical(runs):
     reference = _bits(runs["flag_off"])
     assert len(reference[1]) > STEPS  # train and eval records

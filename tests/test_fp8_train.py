@@ -64,6 +64,7 @@ def _final_state(run: Path):
     return restored.step, restored.state
 
 
+@pytest.mark.slow  # a run SIGKILLed in a child process, resumed, against a straight run: the kill is the point
 @pytest.mark.parametrize(
     "flags",
     [["--fp8", FP8], ["--master", "bfloat16-sr-kahan", "--moments", "int8"]],

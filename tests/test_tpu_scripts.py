@@ -95,6 +95,7 @@ def test_moment_codes_dry_run_times_every_search_and_decode_and_finds_the_same_c
         assert result["ns_an_entry"] > 0 and result["same"] is True
 
 
+@pytest.mark.slow  # a whole benchmark script's dry run: the run is the point
 def test_codec_tracing_dry_run_lowers_both_codecs_to_the_same_temporaries(tmp_path):
     from benchmarks.codec_tracing import main
     from leanstep.blocks import moments
