@@ -134,6 +134,7 @@ def _float32_matmuls_where_marked(request):
 #: last, to one worker while the other stood idle. Longest first, the workers end together. A name
 #: that is not a test file fails tests/test_durations.py; a stale order costs time, never a result.
 LONGEST_FIRST = (
+    "tests/test_tpu_scripts.py",  # 29 then; tpu_check's fit ladder alone 120 s since fc2e7e0 (load 1, 2026-12-07)
     "tests/test_verification_configs.py",  # 59 s
     "tests/test_verification.py",  # 59
     "tests/test_compile_cache.py",  # 57
@@ -144,7 +145,6 @@ LONGEST_FIRST = (
     "tests/test_lean_state_defects.py",  # 35
     "tests/test_reliability_faults.py",  # 32
     "tests/test_chunked_update_meshes.py",  # 31
-    "tests/test_tpu_scripts.py",  # 29
     "tests/test_reliability_concurrency.py",  # 28
     "tests/test_int8_meshes.py",  # 28 (alone, as test_int8_composition.py)
     "tests/test_fp8_composition.py",  # 22
