@@ -143,7 +143,7 @@ def test_every_public_name_of_0_11_works_or_names_its_new_spelling(package):
 
 
 @pytest.mark.parametrize("command", sorted(SURFACE_0_11["flags"]))
-def test_every_flag_of_0_11_still_parses_with_each_value_it_took(command):
+def test_every_flag_of_0_11_is_still_a_flag_with_each_choice_it_had(command):
     """No table in common/removed.py renames a flag: each of 0.11 is still taken, with each of its choices."""
     flags = command_flags()[command]
     for flag, choices in SURFACE_0_11["flags"][command].items():
