@@ -117,23 +117,24 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.fixture(autouse=True)
 def _float32_matmuls_where_marked(request):
-    """A test marked ``float32_matmuls`` runs its products at float32 precision on a TPU too (tests/chip.py)."""
+    """A test marked ``float32_matmuls`` runs its products at float32 precision on a TPU too (tests/helpers/chip.py)."""
     if request.node.get_closest_marker("float32_matmuls") is None:
         yield
         return
-    from chip import float32_matmuls  # tests/chip.py: pytest puts tests/ on the path
+    from helpers.chip import float32_matmuls  # tests/helpers/chip.py: pytest puts tests/ on the path
 
     with float32_matmuls():
         yield
 
 
 #: The files that take longest, longest first (seconds of the suite's profile on the 2-core Xeon at
-#: 16a4542, 2026-12-07: ``LEANSTEP_TEST_DURATIONS=FILE`` then ``python tests/durations.py FILE``). pytest-xdist hands
+#: 16a4542, 2026-12-07: ``LEANSTEP_TEST_DURATIONS=FILE`` then ``python tests/helpers/durations.py FILE``). pytest-xdist hands
 #: each worker one file at a time in collection order (``--dist loadfile --no-loadscope-reorder``);
 #: by default it orders files by their number of tests, which gave a 133-s file of two tests out
 #: last, to one worker while the other stood idle. Longest first, the workers end together. A name
 #: that is not a test file fails tests/test_durations.py; a stale order costs time, never a result.
 LONGEST_FIRST = (
+    "tests/test_tpu_scripts.py",  # 29 then; tpu_check's fit ladder alone 120 s since fc2e7e0 (load 1, 2026-12-07)
     "tests/test_verification_configs.py",  # 59 s
     "tests/test_verification.py",  # 59
     "tests/test_compile_cache.py",  # 57
@@ -144,7 +145,6 @@ LONGEST_FIRST = (
     "tests/test_lean_state_defects.py",  # 35
     "tests/test_reliability_faults.py",  # 32
     "tests/test_chunked_update_meshes.py",  # 31
-    "tests/test_tpu_scripts.py",  # 29
     "tests/test_reliability_concurrency.py",  # 28
     "tests/test_int8_meshes.py",  # 28 (alone, as test_int8_composition.py)
     "tests/test_fp8_composition.py",  # 22
@@ -210,7 +210,7 @@ def pytest_runtest_logreport(report):
     compile seconds<TAB>trace seconds<TAB>node id`` (the middle two: this process's XLA compiles, and
     its tracing and lowering), appended where the report arrives (xdist's controller), so a profile
     survives a run that is stopped before pytest's own ``--durations`` table prints.
-    ``python tests/durations.py FILE`` sums it by file."""
+    ``python tests/helpers/durations.py FILE`` sums it by file."""
     path = os.environ.get(_DURATIONS)
     if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the hook runs in the worker and again in the controller
         compiled, traced = dict(getattr(report, "user_properties", ())).get("jax_seconds", (0.0, 0.0))

@@ -8,7 +8,8 @@ and says so where it starts it.
 
 ``tiny_run`` is a copy, in the test's ``tmp_path``, of one run of the tiny transformer trained once
 per pytest process (30 steps, evaluated and checkpointed every 10): a test that inspects, reports,
-damages or resumes a finished run takes it instead of training its own.
+damages or resumes a finished run takes it instead of training its own. Its flags, and the shapes
+of the suite's other tiny runs, are defined once in tests/helpers/tiny_runs.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import NamedTuple
 from unittest import mock
 
 import pytest
+
+from helpers.tiny_runs import TINY_CORPUS_FILES, TINY_RUN_FLAGS, TINY_RUN_STEPS
 
 
 class CliResult(NamedTuple):
@@ -62,32 +65,6 @@ def cli() -> Callable[..., CliResult]:
     return run_cli
 
 
-#: The tiny transformer run every ``tiny_run`` copies: 2 microbatches of 4 rows, eval and checkpoint every 10 steps.
-TINY_RUN_FLAGS = (
-    "--size",
-    "tiny",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "16",
-    "--microbatches",
-    "2",
-    "--eval-every",
-    "10",
-    "--eval-batches",
-    "2",
-    "--checkpoint-every",
-    "10",
-    "--no-progress",
-    "--no-chart",
-    "--lr",
-    "1e-2",
-    "--warmup-steps",
-    "5",
-)
-TINY_RUN_STEPS = 30
-
-
 @pytest.fixture(scope="session")
 def tiny_flags() -> tuple[str, ...]:
     """The flags of the ``tiny_run`` but ``--steps``, ``--data`` and ``--out``: to train it again, or beside it."""
@@ -99,7 +76,7 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small folder of real text: six standard-library modules (the ``tiny_run``'s data)."""
     root = tmp_path_factory.mktemp("tiny_corpus")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py"):
+    for name in TINY_CORPUS_FILES:
         (root / name).write_bytes((stdlib / name).read_bytes())
     return root
 

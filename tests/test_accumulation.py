@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chip import SIX_DECIMALS_ON_TPU, on_tpu
+from helpers.chip import SIX_DECIMALS_ON_TPU, on_tpu
 from leanstep.blocks.accumulation import init_grad_accumulator, microbatched_value_and_grad
 from leanstep.blocks.microbatches import split_microbatches
 from leanstep.common.jaxprs import scan_operands

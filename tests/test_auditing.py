@@ -5,7 +5,6 @@ The FLOP counts are tested in test_flops.py.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import jax
@@ -19,8 +18,6 @@ from leanstep import tasks
 from leanstep.blocks.accumulation import microbatched_value_and_grad
 from leanstep.blocks.moments import compress_moments
 from leanstep.blocks.rematerialization import REMAT_POLICIES, checkpoint_name, remat
-from leanstep.cli import plan as cli
-from leanstep.cli.jsontree import InputError
 from leanstep.inspection.auditing import audit, audit_jaxpr, policy_name
 from leanstep.inspection.flops import count_flops
 from leanstep.inspection.residuals import saved_residuals_report
@@ -258,14 +255,7 @@ def test_audit_run_reports_the_run_settings():
     assert any(e.shape == (16, 256) for e in report.residuals.entries)
 
 
-def _cli(argv):
-    parser = argparse.ArgumentParser()
-    cli.add_parsers(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.run(args)
-
-
-def test_cli_audit_prints_the_report_and_the_rules(capsys):
+def test_cli_audit_prints_the_report_and_the_rules(cli):
     argv = [
         "audit",
         "--model",
@@ -281,18 +271,19 @@ def test_cli_audit_prints_the_report_and_the_rules(capsys):
         "--remat",
         "full",
     ]
-    assert _cli(argv) == 0
-    out = capsys.readouterr().out
+    result = cli(*argv)
+    assert result.code == 0, result.err
+    out = result.out
     # Forward: 2 per layer and the head; backward: the head's 2, and per layer 4 plus x @ w1 recomputed.
     assert "length 2, 10 matmuls in the body" in out and "policy full, backward pass" in out
     assert out.rstrip().endswith("remat policy full): ok")
 
 
-def test_cli_audit_rejects_bad_flags():
-    with pytest.raises(InputError, match="--batch-size 5 is not divisible by --microbatches 2"):
-        _cli(["audit", "--model", "mlp", "--size", "tiny", "--batch-size", "5", "--microbatches", "2"])
-    with pytest.raises(InputError, match="--remat"):
-        _cli(["audit", "--model", "mlp", "--size", "tiny", "--remat", "sometimes"])
+def test_cli_audit_rejects_bad_flags(cli):
+    result = cli("audit", "--model", "mlp", "--size", "tiny", "--batch-size", "5", "--microbatches", "2")
+    assert result.code == 2 and "--batch-size 5 is not divisible by --microbatches 2" in result.err, result.err
+    result = cli("audit", "--model", "mlp", "--size", "tiny", "--remat", "sometimes")
+    assert result.code == 2 and "leanstep audit: error: --remat" in result.err, result.err
 
 
 # --- the optimizer's own scans (8-bit moments' searchsorted, chunked updates) are not the loop ----
@@ -307,22 +298,22 @@ def test_cli_audit_rejects_bad_flags():
         ["--model", "mlp", "--offload", "opt_state", "--master", "bfloat16-sr", "--size", "small"],
     ],
 )
-def test_cli_audit_with_int8_moments_passes_the_rules(extra, capsys):
+def test_cli_audit_with_int8_moments_passes_the_rules(extra, cli):
     argv = ["audit", "--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--moments", "int8", *extra]
-    assert _cli(argv) == 0
-    out = capsys.readouterr().out
+    result = cli(*argv)
+    assert result.code == 0, result.err
+    out = result.out
     # The 8-bit codec's searchsorted loops are in the program, in the optimizer's update.
     assert "length 8, 0 matmuls in the body" in out
     assert "remat policy dots): ok" in out
 
 
-def test_cli_audit_of_the_update_inside_the_backward_pass_keeps_its_own_rules(capsys):
+def test_cli_audit_of_the_update_inside_the_backward_pass_keeps_its_own_rules(cli):
     """Its two reversed scans over the layers are its passes, not a gradient taken through a scan."""
     argv = ["audit", "--model", "transformer", "--size", "tiny", "--batch-size", "8", "--seq-len", "16"]
-    assert _cli([*argv, "--update-in-backward", "on"]) == 0
-    assert (
-        "rules (two reversed scans over the layers, no matmul outside a scan; remat n/a): ok" in capsys.readouterr().out
-    )
+    result = cli(*argv, "--update-in-backward", "on")
+    assert result.code == 0, result.err
+    assert "rules (two reversed scans over the layers, no matmul outside a scan; remat n/a): ok" in result.out
     # the standard step, held to them, has no such passes
     report = audit_run(RunConfig(model="transformer", size="tiny", batch_size=8, seq_len=16, optimizer="adamw"))
     assert report.in_backward_violations()[0].startswith("expected two reversed top-level scans over the layers")

@@ -349,6 +349,7 @@ def test_clipping_adds_no_temporaries_to_the_chunked_update():
     assert temps[1.0] <= temps[None] + 0.25, temps
 
 
+@pytest.mark.slow  # a whole benchmark script's dry run: the run is the point
 def test_tpu_fit_dry_run(tmp_path):
     from benchmarks.tpu_fit import main
 
@@ -360,6 +361,7 @@ def test_tpu_fit_dry_run(tmp_path):
     assert report["formats"]["bf16-sr + int8 (chunked update)"]["peak_bytes"] > 0
 
 
+@pytest.mark.slow  # a whole benchmark script's dry run: the run is the point
 def test_tpu_fit_dry_run_trains_the_update_in_backward_beside_the_standard_step(tmp_path):
     from benchmarks.tpu_fit import main
 

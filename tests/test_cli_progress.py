@@ -7,9 +7,9 @@ import io
 import pytest
 from rich.console import Console
 
+from helpers.metrics_lines import train_line
 from leanstep.cli.progress import TrainProgress
 from leanstep.training.records import EvalRecord, Note, RunStart, TrainRecord
-from metrics_lines import train_line
 
 
 def record(step: int, *, skipped: bool = False, loss: float = 2.0) -> TrainRecord:

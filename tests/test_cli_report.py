@@ -8,11 +8,11 @@ import math
 
 from rich.console import Console
 
+from helpers.metrics_lines import hand_run, png_size, train_line, write
 from leanstep.cli.main import main
 from leanstep.cli.render import render_summary
 from leanstep.training.metrics_log import RunMetrics
 from leanstep.training.summary import summarize
-from metrics_lines import hand_run, png_size, train_line, write
 
 
 def test_render_summary_shows_every_value(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chip import on_tpu
+from helpers.chip import on_tpu
 from leanstep.blocks.clipping import (
     clip_by_global_norm,
     clip_by_global_norm_transform,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from helpers.workers import run_worker
 from leanstep.planning.cost_model import ACCELERATORS, collective_seconds, get_accelerator
 from leanstep.planning.records import Plan
-from workers import run_worker
 
 TINY = {
     "model": "transformer",

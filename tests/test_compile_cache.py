@@ -25,16 +25,15 @@ import jax
 import numpy as np
 import pytest
 
+from helpers.tiny_runs import QUIET, TINY_MLP
 from leanstep.checkpoints import Checkpointer
 from leanstep.compilation.cache import ENV, machine_fingerprint
 from leanstep.training import RunConfig
 from leanstep.training.build import build_run
 
 STEPS = 4
-FLAGS = [
-    "--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--steps", str(STEPS),
-    "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every", "2", "--no-progress", "--no-chart",
-]  # fmt: skip
+FLAGS = [*TINY_MLP, "--steps", str(STEPS), "--eval-every", "2", "--eval-batches", "1"]
+FLAGS += ["--checkpoint-every", "2", *QUIET]
 CONFIG = RunConfig(model="mlp", size="tiny", batch_size=4, seq_len=8, steps=STEPS)
 TIMING = ("tokens_per_sec", "elapsed_s")
 #: JAX's own cache settings, which the suite sets for its processes: these runs set their own.
@@ -108,6 +107,7 @@ def runs(tmp_path_factory, corpus) -> dict[str, Path]:
     return {**outs, "cache": cache}
 
 
+@pytest.mark.slow  # three CLI runs in fresh processes (cache off, cold, warm): the processes are the point
 def test_a_second_run_loads_its_step_from_the_cache_and_a_first_one_compiles_it(runs):
     cold, warm = _compile(runs["cold"]), _compile(runs["warm"])
     assert cold["directory"] == warm["directory"] == str(runs["cache"])
@@ -116,6 +116,7 @@ def test_a_second_run_loads_its_step_from_the_cache_and_a_first_one_compiles_it(
     assert any(path.name.startswith("jit_step-") for path in runs["cache"].iterdir())
 
 
+@pytest.mark.slow  # three CLI runs in fresh processes (cache off, cold, warm): the processes are the point
 def test_the_flag_turns_it_off_even_where_jax_is_given_a_folder(runs):
     assert _compile(runs["flag_off"]) == {
         "directory": None,
@@ -132,6 +133,7 @@ def test_the_environment_turns_it_off(monkeypatch, value):
     assert not state.enabled and state.reason == f"{ENV}={value}"
 
 
+@pytest.mark.slow  # three CLI runs in fresh processes (cache off, cold, warm): the processes are the point
 def test_cached_uncached_cold_and_warm_runs_are_bit_identical(runs):
     reference = _bits(runs["flag_off"])
     assert len(reference[1]) > STEPS  # train and eval records

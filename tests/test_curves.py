@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from helpers.metrics_lines import eval_line, png_size, realistic_lines, train_line, write
 from leanstep.training.curves import plot_curves, report
 from leanstep.training.metrics_log import RunMetrics, read_metrics
-from metrics_lines import eval_line, png_size, realistic_lines, train_line, write
 
 
 def test_plot_curves_writes_a_full_size_png(tmp_path):

@@ -1,5 +1,5 @@
 """The suite's profile: conftest.py appends each test phase's seconds (and its seconds compiling and tracing);
-tests/durations.py sums them by file."""
+tests/helpers/durations.py sums them by file."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import types
 from pathlib import Path
 
-from durations import by_file, failed
+from helpers.durations import by_file, failed
 
 
 def _root_conftest() -> types.ModuleType:

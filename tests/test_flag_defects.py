@@ -21,6 +21,7 @@ import pytest
 
 import leanstep.training.run_steps
 import leanstep.training.verify_run
+from helpers.tiny_runs import QUIET, TINY_MLP
 from leanstep.blocks.fp8 import MAX_HISTORY, Fp8Recipe
 from leanstep.blocks.spike_guard import MAX_WINDOW, SpikeGuard
 from leanstep.cli.main import main
@@ -151,7 +152,7 @@ def test_the_fp8_help_names_every_setting(capsys):
 
 # --- verify --moments / --spike-guard / --spike-rollback ------------------------------------------
 
-_VERIFY = ["verify", "--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--devices", "1"]
+_VERIFY = ["verify", *TINY_MLP, "--devices", "1"]
 
 
 def test_verify_refuses_resume_only_flags_without_its_resume_check(capsys):
@@ -220,8 +221,7 @@ def test_a_hash_as_written_is_0_11s(tmp_path):
     assert setting_meaning("fp8", "DELAYED") == "Fp8Recipe()"
 
 
-_RUN = ["train", "--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8"]
-_RUN += ["--no-progress", "--no-chart", "--precision", "float32", "--eval-every", "100"]
+_RUN = ["train", *TINY_MLP, *QUIET, "--precision", "float32", "--eval-every", "100"]
 _RUN += ["--eval-batches", "1", "--checkpoint-every", "1"]
 
 

@@ -22,10 +22,10 @@ import optax
 import pytest
 
 import leanstep
-from fp8_models import RECIPE, FlaxNet, batch, flax_loss, flax_variables, fp8_of, jax_loss, jax_params
+from helpers.fp8_models import RECIPE, FlaxNet, batch, flax_loss, flax_variables, fp8_of, jax_loss, jax_params
+from helpers.workers import run_worker
 from leanstep.blocks.fp8_state import fp8_leaves
 from leanstep.frameworks import linen as llinen
-from workers import run_worker
 
 TX = optax.adamw(1e-2)
 PRECISION = "params=float32,compute=bfloat16,output=float32"
@@ -114,12 +114,14 @@ def _equal(got: list, want: list) -> None:
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.slow  # 8 simulated devices in a child process: two models on data=8 and fsdp=8 meshes
 @pytest.mark.parametrize("model", ["jax", "flax"])
 @pytest.mark.parametrize("num_mb", [2, 4, 8])
 def test_microbatches_give_the_one_microbatch_fp8_state_bit_for_bit(results, model, num_mb):
     _equal(results[f"{model}/one/{num_mb}"], results[f"{model}/one/1"])
 
 
+@pytest.mark.slow  # 8 simulated devices in a child process: two models on data=8 and fsdp=8 meshes
 @pytest.mark.parametrize(("model", "layout", "reduce", "num_mb"), CASES)
 def test_meshes_give_the_one_device_fp8_state_bit_for_bit_and_replicate_it(results, model, layout, reduce, num_mb):
     row = results[f"{model}/{layout}-{reduce}/{num_mb}"]
@@ -127,12 +129,14 @@ def test_meshes_give_the_one_device_fp8_state_bit_for_bit_and_replicate_it(resul
     assert row["replicated"]
 
 
+@pytest.mark.slow  # 8 simulated devices in a child process: two models on data=8 and fsdp=8 meshes
 @pytest.mark.parametrize("model", ["jax", "flax"])
 def test_a_checkpoint_restores_onto_another_layout_with_the_fp8_state_replicated(results, model):
     row = results[f"{model}/restored-fsdp8"]
     assert row == {"same": True, "replicated": True, "split": True}
 
 
+@pytest.mark.slow  # 8 simulated devices in a child process: two models on data=8 and fsdp=8 meshes
 def test_the_fp8_state_moved_and_saw_every_row(results):
     """Not a test that passes because nothing moved: the histories hold amaxes, the scales left
     1 at the second step, and the input amax is the batch's largest |x| (its last row's)."""

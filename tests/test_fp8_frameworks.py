@@ -19,7 +19,7 @@ from flax import nnx
 from flax.linen import fp8_ops
 
 import leanstep
-from fp8_models import batch, fp8_of
+from helpers.fp8_models import batch, fp8_of
 from leanstep.frameworks import equinox as leqx
 from leanstep.frameworks import linen as llinen
 from leanstep.frameworks import nnx as lnnx

@@ -23,8 +23,10 @@ import jax
 import numpy as np
 import pytest
 
+from helpers.workers import run_worker
+
+pytestmark = pytest.mark.slow  # 4 simulated devices in child processes: the meshes are the point
 from leanstep.training import RunConfig
-from workers import run_worker
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 CONFIG = dict(size="tiny", batch_size=8, seq_len=16, microbatches=2, precision=BF16, fp8="delayed")

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import leanstep
-from fp8_models import batch, fp8_of
+from helpers.fp8_models import batch, fp8_of
 from leanstep.blocks.fp8 import fp8_max
 from leanstep.blocks.loss_scale import StaticLossScale
 
@@ -143,7 +143,7 @@ def test_the_fp8_matmul_of_a_non_finite_operand_is_not_finite():
 def test_flax_fp8_ops_recording_an_inf_amax_skips_the_step():
     """Flax's own ``fp8_ops`` (whose quantizer clips as leanstep's did) record inf in their amax
     history: the guarded update counts the FP8 state it would write in its finiteness decision."""
-    from fp8_models import flax_loss, flax_variables
+    from helpers.fp8_models import flax_loss, flax_variables
     from leanstep.frameworks import linen as llinen
 
     params, _ = llinen.split(flax_variables())

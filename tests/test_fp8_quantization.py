@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import leanstep
-from chip import TPU_DIVISION_ULPS, on_tpu
+from helpers.chip import TPU_DIVISION_ULPS, on_tpu
 from leanstep.blocks.fp8 import amax_of, fp8_max, new_scale, qdq, record_amax
 from leanstep.common.jaxprs import equations
 

@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 
 import leanstep
+from helpers.tiny_runs import QUIET, TINY_TRANSFORMER
 from leanstep.blocks.fp8_state import fp8_leaves
 from leanstep.training import RunConfig, build_run
 
-FLAGS = ["--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--eval-every", "100", "--eval-batches", "1"]
-FLAGS += ["--no-progress", "--no-chart", "--checkpoint-every", "3", "--keep-checkpoints", "10", "--steps", "12"]
+FLAGS = [*TINY_TRANSFORMER, "--eval-every", "100", "--eval-batches", "1"]
+FLAGS += [*QUIET, "--checkpoint-every", "3", "--keep-checkpoints", "10", "--steps", "12"]
 FP8 = "delayed,history=4"
 
 
@@ -63,6 +64,7 @@ def _final_state(run: Path):
     return restored.step, restored.state
 
 
+@pytest.mark.slow  # a run SIGKILLed in a child process, resumed, against a straight run: the kill is the point
 @pytest.mark.parametrize(
     "flags",
     [["--fp8", FP8], ["--master", "bfloat16-sr-kahan", "--moments", "int8"]],

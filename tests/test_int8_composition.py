@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import leanstep
-from bits import leaves_bit_equal
-from fp8_models import D_HIDDEN, D_IN, D_OUT
-from fp8_models import batch as mlp_batch
-from int8_models import BF16, TX, batch, bit_equal, gradient, largest_difference, model, params
+from helpers.bits import leaves_bit_equal
+from helpers.fp8_models import D_HIDDEN, D_IN, D_OUT
+from helpers.fp8_models import batch as mlp_batch
+from helpers.int8_models import BF16, TX, batch, bit_equal, gradient, largest_difference, model, params
 from leanstep.blocks.int8 import Int8Recipe, int8_matmul
 from leanstep.blocks.loss_scale import DynamicLossScale
 from leanstep.blocks.moments import QuantizedArray

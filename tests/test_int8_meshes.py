@@ -30,8 +30,10 @@ import jax
 import numpy as np
 import pytest
 
-from int8_models import BF16, TX, batch, bit_equal, gradient, largest_difference, model, params
-from workers import run_worker
+from helpers.int8_models import BF16, TX, batch, bit_equal, gradient, largest_difference, model, params
+from helpers.workers import run_worker
+
+pytestmark = pytest.mark.slow  # 4 simulated devices in a child process, 8 runs compiled: the meshes are the point
 
 STEPS = 2
 #: run -> (weight_grad, microbatches, mesh shape or None, remat policy)

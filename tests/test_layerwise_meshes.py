@@ -22,7 +22,9 @@ import jax
 import numpy as np
 import pytest
 
-from workers import run_worker
+from helpers.workers import run_worker
+
+pytestmark = pytest.mark.slow  # 4 simulated devices in a child process: the meshes are the point
 
 MESHES = {"one": None, "data4": {"data": 4}, "fsdp4": {"fsdp": 4}}
 

@@ -21,11 +21,11 @@ import optax
 import pytest
 
 import leanstep
+from helpers.workers import run_worker
 from leanstep.blocks import moments as moments_module
 from leanstep.blocks.dynamic_map import decode_with, map_tables
 from leanstep.blocks.masters import ROUND_TO_NEAREST_CONTROL, stochastic_round
 from leanstep.blocks.moments import QuantizedArray, dequantize, dynamic_map, quantize
-from workers import run_worker
 
 # --- the map and the blocks, against float64 NumPy ---------------------------------------------------
 

@@ -39,9 +39,9 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 import leanstep
+from helpers.workers import child_env, run_worker
 from leanstep.blocks.moments import MOMENT_FIELDS, QuantizedArray, dequantize, quantize
 from leanstep.step.state_sharding import scales_sharding
-from workers import child_env, run_worker
 
 # --- item 7: only moments are compressed ----------------------------------------------------------
 

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chip import TPU_DIVISION_ULPS, on_tpu
+from helpers.chip import TPU_DIVISION_ULPS, on_tpu
+from helpers.loss_scale_settings import CUSTOM, settings_of
 from leanstep.blocks.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -19,7 +20,6 @@ from leanstep.blocks.loss_scale import (
     StaticLossScale,
     all_finite,
 )
-from loss_scale_settings import CUSTOM, settings_of
 
 F32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = 2**31 - 1

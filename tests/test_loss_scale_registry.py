@@ -4,9 +4,9 @@ import re
 
 import pytest
 
+from helpers.loss_scale_settings import CUSTOM, settings_of
 from leanstep.blocks.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from leanstep.blocks.loss_scale_registry import get_loss_scale
-from loss_scale_settings import CUSTOM, settings_of
 
 
 def test_get_loss_scale_builds_each_kind():

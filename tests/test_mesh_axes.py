@@ -27,7 +27,7 @@ import optax
 import pytest
 
 import leanstep
-from workers import run_worker
+from helpers.workers import run_worker
 
 ROWS = 16
 #: name -> (axis names, mesh shape).
@@ -125,6 +125,7 @@ def _assert_same(got: dict, want: dict) -> None:
 @pytest.mark.parametrize("num_mb", [1, 2])
 @pytest.mark.parametrize("reduce", REDUCTIONS)
 @pytest.mark.parametrize("name", sorted(MESHES))
+@pytest.mark.slow  # 8 simulated devices in a child process: the meshes are the point
 def test_a_data_axis_of_any_name_trains_as_one_device(results, name, reduce, num_mb):
     _assert_same(results[f"{name}-{reduce}/{num_mb}"], results[f"one/{num_mb}"])
 
@@ -132,6 +133,7 @@ def test_a_data_axis_of_any_name_trains_as_one_device(results, name, reduce, num
 @pytest.mark.parametrize("num_mb", [1, 2])
 @pytest.mark.parametrize("reduce", REDUCTIONS)
 @pytest.mark.parametrize("name", sorted(MESHES))
+@pytest.mark.slow  # 8 simulated devices in a child process: the meshes are the point
 def test_a_model_s_own_sharding_constraint_trains_or_is_refused_naming_both_fixes(results, name, reduce, num_mb):
     got = results[f"{name}-{reduce}/{num_mb}/constrained"]
     if reduce == "microbatch":  # no manual axis: XLA's partitioner takes the user's constraint
@@ -144,12 +146,14 @@ def test_a_model_s_own_sharding_constraint_trains_or_is_refused_naming_both_fixe
 # Pure data-parallel meshes: over an fsdp axis XLA reduces tiny gradients by all-reduce where
 # the once-per-step layer scatters them, so all-reduce bytes are not comparable there.
 @pytest.mark.parametrize("name", sorted(n for n, (names, _) in MESHES.items() if "fsdp" not in names))
+@pytest.mark.slow  # 8 simulated devices in a child process: the meshes are the point
 def test_the_constrained_loss_moves_no_more_gradient_bytes_than_the_once_per_step_reduction(results, name):
     nbytes = results[f"{name}/bytes"]
     assert nbytes["auto"] > 0
     assert nbytes["constrained"] <= nbytes["auto"]
 
 
+@pytest.mark.slow  # 8 simulated devices in a child process: the meshes are the point
 def test_the_reference_moved(results):
     assert results["one/1"]["params"]["b"] != _params()["b"].tolist()
 

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.metrics_lines import eval_line, train_line, write
 from leanstep.training.metrics_log import MetricsWriter, read_metrics, truncate_metrics
 from leanstep.training.records import EvalRecord, Note, TrainRecord, parse_record
-from metrics_lines import eval_line, train_line, write
 
 
 def train_record(step: int, loss: float = 2.0, **overrides: object) -> TrainRecord:

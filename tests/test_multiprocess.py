@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workers import child_env
+from helpers.workers import child_env
 
 pytestmark = pytest.mark.slow  # two JAX processes with gloo collectives: the processes are the point
 

@@ -179,6 +179,7 @@ def test_check_offload_refuses_a_policy_that_moves_nothing_or_keeps_the_peak(tra
         leanstep.inspection.check_offload(higher, plain)
 
 
+@pytest.mark.slow  # a whole benchmark script's dry run: the run is the point
 def test_tpu_offload_dry_run(tmp_path):
     from benchmarks.tpu_offload import main
 
@@ -190,21 +191,11 @@ def test_tpu_offload_dry_run(tmp_path):
     assert entry["offloaded"]["host_argument_bytes"] > 0 and entry["plain"]["host_argument_bytes"] == 0
 
 
-def _cli(argv):
-    import argparse
-
-    from leanstep.cli import plan as cli
-
-    parser = argparse.ArgumentParser()
-    cli.add_parsers(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.run(args)
-
-
-def test_cli_audit_offload_reports_both_steps_and_refuses_an_offload_that_moves_nothing(capsys, monkeypatch):
+def test_cli_audit_offload_reports_both_steps_and_refuses_an_offload_that_moves_nothing(cli, monkeypatch):
     argv = ["audit", "--size", "tiny", "--batch-size", "4", "--microbatches", "2", "--offload", "opt_state"]
-    assert _cli(argv) == 0
-    out = capsys.readouterr().out
+    result = cli(*argv)
+    assert result.code == 0, result.err
+    out = result.out
     assert "state on the device: memory spaces" in out and "optimizer state offloaded: memory spaces" in out
     assert re.search(r"offloaded: memory spaces \(cpu\):\n.*\n  host    arguments [1-9][0-9.]* KiB", out)
     assert out.rstrip().endswith("offload (--offload opt_state): ok")
@@ -213,8 +204,9 @@ def test_cli_audit_offload_reports_both_steps_and_refuses_an_offload_that_moves_
 
     plain, _ = analysis.offload_audit_run(RunConfig(size="tiny", batch_size=4, microbatches=2))
     monkeypatch.setattr(analysis, "offload_audit_run", lambda config: (plain, plain))
-    assert _cli(argv) == 1
-    assert "offload (--offload opt_state): REFUSED: the offload policy moves nothing" in capsys.readouterr().out
+    result = cli(*argv)
+    assert result.code == 1
+    assert "offload (--offload opt_state): REFUSED: the offload policy moves nothing" in result.out
 
 
 def test_an_offloaded_state_compiles_the_step_once():

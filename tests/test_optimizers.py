@@ -20,6 +20,7 @@ import pytest
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 import leanstep
+from helpers.workers import run_worker
 from leanstep.blocks.fp8_state import split_fp8
 from leanstep.models import build_model
 from leanstep.training import RunConfig
@@ -27,7 +28,6 @@ from leanstep.training.build import build_optimizer
 from leanstep.training.optimizers import MUON_LEARNING_RATE, muon_dimension_numbers, muon_labels, run_optimizer
 from leanstep.training.run_identity import config_hash
 from leanstep.training.schedule import make_schedule, scale_by_run_schedule
-from workers import run_worker
 
 CONSTANT = make_schedule("constant", 3e-3, 0)
 

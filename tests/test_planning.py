@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -15,9 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.tiny_runs import TINY_MLP
 from leanstep.blocks.rematerialization import remat
-from leanstep.cli import plan as cli
-from leanstep.cli.jsontree import InputError
 from leanstep.common.memory_sizes import format_bytes
 from leanstep.planning.candidates import first_fit
 from leanstep.planning.one_device import (
@@ -299,17 +297,8 @@ def test_plan_rejects_batch_leaves_of_different_lengths():
 
 # --- a run's config and the CLI ------------------------------------------------------------------
 
-TINY_MLP = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8"]
 
-
-def _cli(argv):
-    parser = argparse.ArgumentParser()
-    cli.add_parsers(parser.add_subparsers())
-    args = parser.parse_args(argv)
-    return args.run(args)
-
-
-def test_cli_plan_for_a_cluster_plans_in_a_subprocess_and_names_the_flags(tmp_path, capsys):
+def test_cli_plan_for_a_cluster_plans_in_a_subprocess_and_names_the_flags(tmp_path, cli):
     out = tmp_path / "plan.json"
     argv = [
         "plan",
@@ -327,14 +316,15 @@ def test_cli_plan_for_a_cluster_plans_in_a_subprocess_and_names_the_flags(tmp_pa
         "--json",
         str(out),
     ]
-    assert _cli(argv) == 0  # this process runs one device: the planner runs in a child with 2
+    result = cli(*argv)
+    assert result.code == 0, result.err  # this process runs one device: the planner runs in a child with 2
     saved = json.loads(out.read_text())
     assert saved["num_devices"] == 2 and saved["accelerator"]["name"] == "a100" and saved["compiles"] == 1
     assert saved["chosen"]["mesh"] == "data=2" and saved["chosen"]["predicted_seconds"] > 0
-    assert "chosen: --microbatches 1 --remat none --mesh data=2 --reduce auto" in capsys.readouterr().out
+    assert "chosen: --microbatches 1 --remat none --mesh data=2 --reduce auto" in result.out
 
 
-def test_cli_plan_prints_the_table_and_writes_json(tmp_path, capsys):
+def test_cli_plan_prints_the_table_and_writes_json(tmp_path, cli):
     out = tmp_path / "plan.json"
     argv = [
         "plan",
@@ -348,7 +338,8 @@ def test_cli_plan_prints_the_table_and_writes_json(tmp_path, capsys):
         "--json",
         str(out),
     ]
-    assert _cli(argv) == 0
+    result = cli(*argv)
+    assert result.code == 0, result.err
     saved = json.loads(out.read_text())
     assert (saved["chosen"]["num_microbatches"], saved["chosen"]["remat"]) == (1, "none")
     assert saved["budget_bytes"] == 64 * 2**20 and len(saved["candidates"]) == 4
@@ -357,20 +348,21 @@ def test_cli_plan_prints_the_table_and_writes_json(tmp_path, capsys):
     state = build_run(config).init_state()
     assert saved["chosen"]["argument_bytes"] == _nbytes(state) + 4 * (8 + 1) * 4
     assert saved["chosen"]["precision"] == build_run(config).config.precision  # --precision auto, resolved
-    text = capsys.readouterr().out
+    text = result.out
     assert "->" in text and "chosen: --microbatches 1 --remat none" in text
 
 
-def test_cli_plan_reports_a_budget_too_small(tmp_path, capsys, monkeypatch, everything):
+def test_cli_plan_reports_a_budget_too_small(tmp_path, cli, monkeypatch, everything):
     def too_small(config, budget, **options):
         raise BudgetError(budget, everything.candidates[-1], everything.candidates)
 
     monkeypatch.setattr(analysis, "plan_run", too_small)
     out = tmp_path / "plan.json"
-    assert _cli(["plan", "--budget", "1KiB", *TINY_MLP, "--json", str(out)]) == 1
+    result = cli("plan", "--budget", "1KiB", *TINY_MLP, "--json", out)
+    assert result.code == 1
     saved = json.loads(out.read_text())
     assert saved["chosen"] is None and "no setting fits the budget of 1.0 KiB" in saved["error"]
-    assert "no setting fits" in capsys.readouterr().out
+    assert "no setting fits" in result.out
 
 
 @pytest.mark.parametrize(
@@ -382,9 +374,9 @@ def test_cli_plan_reports_a_budget_too_small(tmp_path, capsys, monkeypatch, ever
         (["plan", "--budget", "1MiB", "--batch-size", "0"], "--batch-size must be an integer >= 1"),
     ],
 )
-def test_cli_plan_rejects_bad_flags(argv, match):
-    with pytest.raises(InputError, match=match):
-        _cli(argv)
+def test_cli_plan_rejects_bad_flags(argv, match, cli):
+    result = cli(*argv)
+    assert result.code == 2 and result.err.startswith("leanstep plan: error: ") and match in result.err, result.err
 
 
 def test_plan_run_refuses_fsdp_and_asks_for_a_mesh():

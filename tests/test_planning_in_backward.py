@@ -25,6 +25,7 @@ _FIELDS = dict(size="tiny", d_model=128, n_layers=2, n_heads=2, d_ff=512, batch_
                precision="compute=bfloat16", master="bfloat16-sr", moments="int8")  # fmt: skip
 
 
+@pytest.mark.slow  # a budgeted plan compiling the standard candidates and the update in backward: the search is the point
 def test_plan_chooses_the_update_inside_the_backward_pass_when_the_standard_step_does_not_fit(
     cli, tmp_path, tiny_corpus
 ):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bits import count_differences, leaves_bit_equal
+from helpers.bits import count_differences, leaves_bit_equal
 from leanstep.blocks.precision import Precision, get_precision
 
 BF16 = jnp.bfloat16

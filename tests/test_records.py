@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.metrics_lines import eval_line, train_line
 from leanstep.training.records import EvalRecord, Note, TrainRecord, parse_record
-from metrics_lines import eval_line, train_line
 
 TRAIN_FIELDS = (
     "step",

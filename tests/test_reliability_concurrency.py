@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.workers import child_env
 from leanstep.checkpoints.layout import committed_steps, unfinished_saves
 from leanstep.training import RunConfig, train
 from leanstep.training.run_lock import LOCK_NAME, RunDirectoryInUse, RunLock
-from workers import child_env
 
-WORKER = Path(__file__).with_name("concurrency_worker.py")
+WORKER = Path(__file__).parent / "helpers" / "concurrency_worker.py"
 TRIALS = 10
 
 

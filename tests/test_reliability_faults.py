@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from hypothesis import strategies as st
 
 import leanstep.checkpoints.checkpointer
 import leanstep.training.curves
+from helpers.tiny_runs import QUIET, TINY_MLP
 from leanstep.blocks.loss_scale import DynamicLossScale, all_finite
 from leanstep.checkpoints.checkpointer import MANIFEST_NAME, Checkpointer
 from leanstep.checkpoints.layout import unfinished_saves
@@ -345,24 +345,14 @@ def test_10000_adversarial_steps_with_faults_in_the_loss_too(adversarial_run):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py"):
-        (root / name).write_bytes((stdlib / name).read_bytes())
-    return root
+def corpus(tiny_corpus) -> Path:
+    """The tiny run's data (tests/conftest.py): the runs here only read it."""
+    return tiny_corpus
 
 
 # In-process runs: the smallest model in float32, so each run compiles fast.
 FAST = [
-    "--model",
-    "mlp",
-    "--size",
-    "tiny",
-    "--batch-size",
-    "4",
-    "--seq-len",
-    "8",
+    *TINY_MLP,
     "--microbatches",
     "2",
     "--precision",
@@ -373,8 +363,7 @@ FAST = [
     "1000",
     "--eval-batches",
     "1",
-    "--no-progress",
-    "--no-chart",
+    *QUIET,
     "--schedule",
     "constant",
     "--lr",
@@ -794,14 +783,7 @@ KILL_STEPS = 20
 # The default precision (bf16 compute, dynamic loss scale, remat) on the smallest model; a
 # checkpoint every step, so that kills land in writes.
 KILL_FLAGS = [
-    "--model",
-    "mlp",
-    "--size",
-    "tiny",
-    "--batch-size",
-    "4",
-    "--seq-len",
-    "8",
+    *TINY_MLP,
     "--microbatches",
     "2",
     "--eval-every",
@@ -810,8 +792,7 @@ KILL_FLAGS = [
     "1",
     "--checkpoint-every",
     "1",
-    "--no-progress",
-    "--no-chart",
+    *QUIET,
     "--steps",
     str(KILL_STEPS),
 ]

@@ -22,6 +22,7 @@ import optax
 import pytest
 
 import leanstep
+from helpers.tiny_runs import QUIET, TINY_TRANSFORMER
 from leanstep import tasks
 from leanstep.cli.machine_defaults import given_fields
 from leanstep.cli.main import build_parser, main
@@ -540,20 +541,7 @@ API = [
 
 # --- CLI ---------------------------------------------------------------------------------------
 
-TINY = (
-    "--size",
-    "tiny",
-    "--batch-size",
-    "8",
-    "--seq-len",
-    "16",
-    "--microbatches",
-    "2",
-    "--no-progress",
-    "--no-chart",
-    "--steps",
-    "3",
-)
+TINY = (*TINY_TRANSFORMER, "--microbatches", "2", *QUIET, "--steps", "3")
 
 
 def _t(*flags: str, data: str = "{corpus}", out: str = "{tmp}/run") -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from unittest import mock
 
 import pytest
 
+from helpers.metrics_lines import PNG_SIGNATURE, train_line, write
 from leanstep.bench import runner
 from leanstep.cli.main import main
 from leanstep.common import files, outputs
@@ -35,7 +36,6 @@ from leanstep.training import analysis, curves, data
 from leanstep.training.curves import plot_curves, report
 from leanstep.training.data import load_corpus
 from leanstep.training.metrics_log import read_metrics
-from metrics_lines import PNG_SIGNATURE, train_line, write
 from test_reliability_input import Case
 
 DEADLINE_S = 20

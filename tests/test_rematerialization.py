@@ -11,13 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leanstep.blocks.rematerialization import (
-    REMAT_POLICIES,
-    checkpoint_name,
-    get_remat_policy,
-    remat,
-)
-from residual_blocks import (
+from helpers.residual_blocks import (
     ALL_POLICIES,
     LAYERS,
     PARAMS,
@@ -29,6 +23,12 @@ from residual_blocks import (
     block,
     loop_stack,
     scan_stack,
+)
+from leanstep.blocks.rematerialization import (
+    REMAT_POLICIES,
+    checkpoint_name,
+    get_remat_policy,
+    remat,
 )
 
 REMAT_PRIMITIVES = {"remat2", "remat", "checkpoint"}

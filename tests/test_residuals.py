@@ -5,14 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from leanstep.blocks.rematerialization import REMAT_POLICIES, remat
-from leanstep.inspection.residuals import (
-    RESIDUAL_KINDS,
-    ResidualReport,
-    saved_residuals_report,
-    short_dtype_name,
-)
-from residual_blocks import (
+from helpers.residual_blocks import (
     ALL_POLICIES,
     LAYERS,
     PARAMS,
@@ -25,6 +18,13 @@ from residual_blocks import (
     block,
     loop_stack,
     scan_stack,
+)
+from leanstep.blocks.rematerialization import REMAT_POLICIES, remat
+from leanstep.inspection.residuals import (
+    RESIDUAL_KINDS,
+    ResidualReport,
+    saved_residuals_report,
+    short_dtype_name,
 )
 
 

@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 from jax._src.ad_checkpoint import saved_residuals
 
-from bits import count_differences, leaves_bit_equal
+from helpers.bits import count_differences, leaves_bit_equal
 from leanstep.blocks.rounding import strict_precision
 
 BF16 = jnp.bfloat16

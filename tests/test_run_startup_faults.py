@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 
-TINY = ["--model", "mlp", "--size", "tiny", "--batch-size", "4", "--seq-len", "8", "--eval-batches", "1"]
-TINY += ["--eval-every", "100", "--no-progress", "--no-chart"]
+from helpers.tiny_runs import QUIET, TINY_MLP
+
+TINY = [*TINY_MLP, "--eval-batches", "1", "--eval-every", "100", *QUIET]
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from workers import run_worker
+from helpers.workers import run_worker
 
 pytestmark = pytest.mark.slow  # 8 simulated devices compiling a 101M-parameter model: the size is the point
 

@@ -26,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import PartitionSpec
 
+from helpers.workers import child_env
 from leanstep.sharding.meshes import (
     batch_sharding,
     data_mesh,
@@ -36,7 +37,6 @@ from leanstep.step.sharding_layer import ShardingLayer
 from leanstep.step.state import TrainState
 from leanstep.step.state_sharding import shard_train_state, state_shardings
 from leanstep.step.train_step import make_train_step
-from workers import child_env
 
 SIZES = (3, 24, 5)  # d_in, hidden, d_out: no parameter shape (or shard of one) looks like a batch slice
 BATCH = 64  # 8 devices x 4 microbatches x 2 rows

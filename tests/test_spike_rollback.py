@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import leanstep.training.actions
+from helpers.tiny_runs import QUIET, TINY_MLP
 from leanstep.checkpoints.checkpointer import Checkpointer
 from leanstep.cli.main import main
 from leanstep.training import RunConfig, build_run, train
@@ -104,14 +105,7 @@ ROLLBACK = "after=2,within=10,lr=0.5,for=6,ahead=0"
 FLAGS = [  # AdamW, as the bursts below were tuned with (0.12's default trains Muon)
     "--optimizer",
     "adamw",
-    "--model",
-    "mlp",
-    "--size",
-    "tiny",
-    "--batch-size",
-    "4",
-    "--seq-len",
-    "8",
+    *TINY_MLP,
     "--precision",
     "float32",
     "--remat",
@@ -124,8 +118,7 @@ FLAGS = [  # AdamW, as the bursts below were tuned with (0.12's default trains M
     "1000",
     "--eval-batches",
     "1",
-    "--no-progress",
-    "--no-chart",
+    *QUIET,
     "--checkpoint-every",
     "5",
     "--keep-checkpoints",

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 from jax.extend import core as jex_core
 
-from chip import TPU_TRANSCENDENTAL_TOLERANCE, float32_matmuls, on_tpu
+from helpers.chip import TPU_TRANSCENDENTAL_TOLERANCE, float32_matmuls, on_tpu
 from leanstep.blocks.clipping import clip_by_global_norm_transform
 from leanstep.blocks.loss_scale import DynamicLossScale, StaticLossScale
 from leanstep.common.jaxprs import scan_operands
@@ -682,7 +682,7 @@ def test_aux_is_stacked_over_microbatches():
     state, metrics = step(state, batch)
     assert isinstance(metrics, StepMetrics)
     assert metrics.aux["sum"].shape == (3,) and metrics.aux["x0"].shape == (3, 4)
-    tolerance = TPU_TRANSCENDENTAL_TOLERANCE if on_tpu() else 1e-5  # the chip's tanh (tests/chip.py)
+    tolerance = TPU_TRANSCENDENTAL_TOLERANCE if on_tpu() else 1e-5  # the chip's tanh (tests/helpers/chip.py)
     for j in range(3):
         mb = microbatch(batch, 3, j)
         hidden = np.tanh(mb["x"].astype(np.float64) @ params["w1"] + params["b1"])

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
+from helpers.metrics_lines import eval_line, hand_run, train_line, write
 from leanstep.training.metrics_log import RunMetrics, read_metrics
 from leanstep.training.records import TrainRecord
 from leanstep.training.summary import summarize
-from metrics_lines import eval_line, hand_run, train_line, write
 
 # --- summarize ---------------------------------------------------------------------------
 

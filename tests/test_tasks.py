@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chip import SIX_DECIMALS_ON_TPU, on_tpu
+from helpers.chip import SIX_DECIMALS_ON_TPU, on_tpu
 from leanstep import tasks
 from leanstep.cli.solve import load_examples
 from leanstep.common.jaxprs import scan_operands

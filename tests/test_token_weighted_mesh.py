@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workers import run_worker
+from helpers.workers import run_worker
 
 ROWS, D_IN = 16, 3
 #: name -> which rows hold tokens (8 devices x 2 rows each; microbatch j of a device takes its row j).

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers.workers import run_worker
 from leanstep.blocks.compute_dtype_check import unused_compute_dtype
 from leanstep.blocks.fp8_agreement import fp8_state_agreement
 from leanstep.inspection import audit
 from leanstep.training.budget import calibrate, plan_steps
-from workers import run_worker
 
 
 class _State(NamedTuple):

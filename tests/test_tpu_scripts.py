@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from leanstep.blocks.int8 import Int8Recipe
 from leanstep.models.transformer import TransformerConfig, transformer_flops_per_token
 
 
+@pytest.mark.slow  # a whole benchmark script's dry run: the run is the point
 def test_tpu_step_dry_run_times_both_steps_and_counts_the_models_flops(tmp_path):
     from benchmarks.tpu_step import main
 
@@ -34,8 +37,6 @@ def test_tpu_step_dry_run_times_both_steps_and_counts_the_models_flops(tmp_path)
 
 
 def test_tpu_step_names_its_int8_configurations_and_refuses_others():
-    import pytest
-
     from benchmarks.tpu_step import CONFIGS, configuration
 
     assert configuration("splash+int8all") == (CONFIGS["splash"], Int8Recipe("int8"))
@@ -45,6 +46,7 @@ def test_tpu_step_names_its_int8_configurations_and_refuses_others():
             configuration(bad)
 
 
+@pytest.mark.slow  # a ladder of depths compiled per format: the search is the point
 def test_tpu_check_dry_run_fits_a_ladder_per_format_and_compares_the_planner_with_the_compiled_peak(tmp_path):
     from benchmarks.tpu_check import LADDER, TRAINED, main
 
@@ -70,6 +72,7 @@ def test_tpu_check_dry_run_fits_a_ladder_per_format_and_compares_the_planner_wit
     assert "xla_peak_bytes" in plan
 
 
+@pytest.mark.slow  # the benchmark's plan part in a fresh Python: the script is the point
 def test_tpu_check_sh_runs_the_module(tmp_path):
     script = Path(__file__).parents[1] / "benchmarks" / "tpu_check.sh"
     done = subprocess.run(
@@ -92,6 +95,7 @@ def test_moment_codes_dry_run_times_every_search_and_decode_and_finds_the_same_c
         assert result["ns_an_entry"] > 0 and result["same"] is True
 
 
+@pytest.mark.slow  # a whole benchmark script's dry run: the run is the point
 def test_codec_tracing_dry_run_lowers_both_codecs_to_the_same_temporaries(tmp_path):
     from benchmarks.codec_tracing import main
     from leanstep.blocks import moments

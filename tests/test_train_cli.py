@@ -15,11 +15,11 @@ import jax
 import numpy as np
 import pytest
 
+from helpers.workers import child_env
 from leanstep import TrainState
 from leanstep.checkpoints import Checkpointer
 from leanstep.models import build_model
 from leanstep.training import RunConfig, build_optimizer
-from workers import child_env
 
 
 def _final_params(run: Path, steps: int):

@@ -270,7 +270,7 @@ def test_a_linen_batchnorm_without_its_axis_name_is_named_on_one_device():
 
 
 def test_a_linen_batchnorm_without_its_axis_name_is_named_under_a_data_mesh(tmp_path):
-    from workers import run_worker  # tests/workers.py: pytest puts tests/ on the path
+    from helpers.workers import run_worker  # tests/helpers/workers.py: pytest puts tests/ on the path
 
     found = run_worker(__file__, tmp_path, "axis_names.json")
     assert found.pop("devices") == 2

@@ -18,7 +18,8 @@ import optax
 import pytest
 
 import leanstep
-from handwritten_steps import BUGS, DROPPED, HandwrittenStep
+from helpers.handwritten_steps import BUGS, DROPPED, HandwrittenStep
+from helpers.workers import run_worker
 from leanstep.cli.main import main
 from leanstep.training import RunConfig
 from leanstep.training.verify_run import verify_run
@@ -26,7 +27,6 @@ from leanstep.verification.batches import microbatch_rows, poison_row, uneven_ma
 from leanstep.verification.bounds import gamma, norm_bound, unit_roundoff
 from leanstep.verification.report import CheckResult, VerifyReport
 from leanstep.verification.trees import first_difference, worst_excess
-from workers import run_worker
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 
@@ -176,6 +176,7 @@ def meshes(tmp_path_factory):
     return run_worker(__file__, tmp_path_factory.mktemp("verify"), "meshes.json")
 
 
+@pytest.mark.slow  # 4 simulated devices in a child process, seven layouts checked
 def test_meshes_pass_for_correct_steps_and_name_a_per_device_statistic(meshes):
     assert meshes["None"]["status"] == "pass" and meshes["transformer"]["status"] == "pass", meshes
     bug = meshes["batch_stat_per_device"]
@@ -213,6 +214,7 @@ def test_a_loss_that_ignores_the_remat_policy_fails_the_remat_check():
     assert report["remat"].status == "fail" and "no jax.checkpoint" in report["remat"].diagnosis
 
 
+@pytest.mark.slow  # a whole `leanstep verify`: every check, its 2-device child process and a resume
 def test_the_cli_writes_the_table_and_the_json(tmp_path, capsys):
     path = tmp_path / "report.json"
     flags = ["--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--microbatches", "2", "--devices", "2"]

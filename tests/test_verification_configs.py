@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from covering import Pair, covering, pairs
-from workers import run_worker
+from helpers.covering import Pair, covering, pairs
+from helpers.workers import run_worker
 
 COUNT = 10
 POOL = 2000
@@ -69,7 +69,7 @@ def case_pairs(case: dict) -> set[Pair]:
 
 
 def configurations(count: int = COUNT) -> list[dict]:
-    """``count`` draws of :func:`draws`, each adding the most pairs not yet covered (tests/covering.py)."""
+    """``count`` draws of :func:`draws`, each adding the most pairs not yet covered (tests/helpers/covering.py)."""
     return covering(draws(POOL, seed=1), case_pairs, count)
 
 

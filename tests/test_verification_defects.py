@@ -16,13 +16,13 @@ import optax
 import pytest
 
 import leanstep
-from covering import Pair, covering, pairs
-from handwritten_steps import HandwrittenStep, padded_batch
+from helpers.covering import Pair, covering, pairs
+from helpers.handwritten_steps import HandwrittenStep, padded_batch
+from helpers.token_losses import make_token_loss
 from leanstep.cli.main import main
 from leanstep.frameworks import equinox as leqx
 from leanstep.planning.search_options import SearchSpace
 from leanstep.verification import VerifiableStep
-from token_losses import make_token_loss
 
 GRADIENT_CHECKS = ("accumulation", "full_batch", "reference", "token_weighting", "clip")
 
@@ -380,7 +380,7 @@ PADDED_POOL = 2000  # the draws the padded setups are chosen from
 
 def padded_configurations(count: int = 10) -> list[dict]:
     """``count`` of 2,000 :func:`padded_draws`, each the first that adds the most pairs of settings not
-    yet covered (tests/covering.py): 10 cover 80 of the 81 pairs that occur, as the 20 first draws,
+    yet covered (tests/helpers/covering.py): 10 cover 80 of the 81 pairs that occur, as the 20 first draws,
     this test's setups until 0.12, did."""
     return covering(padded_draws(PADDED_POOL, seed=1), _padded_pairs, count)
 

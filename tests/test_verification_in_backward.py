@@ -26,13 +26,14 @@ import jax
 import pytest
 
 import leanstep
+from helpers.tiny_runs import TINY_TRANSFORMER
 from leanstep.step import layerwise
 from leanstep.step.update.chunks import prepare_grads, row_put, run_chunk
 from leanstep.training import RunConfig
 
 #: The run the row is checked on: the tiny transformer, its default dynamic loss scale, 4 microbatches.
 CONFIG = dict(size="tiny", batch_size=8, seq_len=16, microbatches=4)
-FLAGS = ("--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--microbatches", "4")
+FLAGS = (*TINY_TRANSFORMER, "--microbatches", "4")
 
 
 class _Prepare:

@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 
 import leanstep
-from int8_controls import LOSS_SCALE, planted
+from helpers.int8_controls import LOSS_SCALE, planted
+from helpers.tiny_runs import TINY_TRANSFORMER
+from helpers.workers import run_worker
 from leanstep.blocks.int8 import int8_matmul
 from leanstep.training import RunConfig
-from workers import run_worker
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 #: The run the rows are checked on: its default dynamic loss scale starts at the controls' LOSS_SCALE.
@@ -54,7 +55,7 @@ def int8_report(control: str | None = None, checks=HERE, meshes=(), **fields) ->
         )
 
 
-FLAGS = ("--size", "tiny", "--batch-size", "8", "--seq-len", "16", "--microbatches", "4", "--precision", BF16)
+FLAGS = (*TINY_TRANSFORMER, "--microbatches", "4", "--precision", BF16)
 
 
 def cli_rows(cli, folder: Path, checks: str, *flags: str) -> tuple[str, dict]:

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import leanstep
-from handwritten_steps import HandwrittenStep, padded_batch
+from helpers.handwritten_steps import HandwrittenStep, padded_batch
+from helpers.token_losses import make_token_loss
 from leanstep.blocks.accumulation import Accumulation
 from leanstep.blocks.loss_contract import LossContract
 from leanstep.cli.main import main
 from leanstep.verification.leanstep_step import LeanstepStep
 from leanstep.verification.runs import Runs
-from token_losses import make_token_loss
 
 PARAMS = {"w1": jnp.full((3, 5), 0.3), "w2": jnp.linspace(-0.5, 0.5, 10).reshape(5, 2)}
 GRADIENT_CHECKS = ("accumulation", "full_batch", "reference", "token_weighting", "clip")

@@ -133,7 +133,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 
 __all__ = [
     "Accumulation",

@@ -1,6 +1,6 @@
 """Sums a ``LEANSTEP_TEST_DURATIONS`` file (conftest.py) by test file, slowest first.
 
-LEANSTEP_TEST_DURATIONS=/tmp/d.tsv python -m pytest -q && python tests/durations.py /tmp/d.tsv
+LEANSTEP_TEST_DURATIONS=/tmp/d.tsv python -m pytest -q && python tests/helpers/durations.py /tmp/d.tsv
 """
 
 from __future__ import annotations

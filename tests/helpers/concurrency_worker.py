@@ -1,6 +1,6 @@
 """Trials of two writers on one run directory and of signals during saves, in one process.
 
-Run by tests/test_reliability_concurrency.py as ``python concurrency_worker.py MODE TRIALS SEED ROOT
+Run by tests/test_reliability_concurrency.py as ``python helpers/concurrency_worker.py MODE TRIALS SEED ROOT
 CORPUS``; prints one JSON line: the outcome of every trial. Every trial ends with ``--resume`` run to
 the last step, and its final checkpoint and ``metrics.jsonl`` are compared, bit for bit, with an
 uninterrupted run of the same config (the reference), here, in the worker.
