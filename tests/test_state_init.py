@@ -341,7 +341,7 @@ def test_fits_on_device_reads_the_devices_free_memory(monkeypatch):
         ({"bytes_limit": 100, "bytes_in_use": 40}, True),
         ({"bytes_limit": 100, "bytes_in_use": 41}, False),
     ]:
-        monkeypatch.setattr(state_init.jax, "devices", lambda stats=stats: [Device(stats)])
+        monkeypatch.setattr(state_init.jax, "local_devices", lambda stats=stats: [Device(stats)])
         assert state_init.fits_on_device(Compiled()) is fits
 
 

@@ -117,9 +117,9 @@ def leaf_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
 
 
 def fits_on_device(compiled: Any) -> bool:
-    """Whether a compiled program's outputs and temporaries fit the first device's free memory
+    """Whether a compiled program's outputs and temporaries fit this process's first device's free memory
     (True where the device does not say: a CPU)."""
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return True
     memory = compiled.memory_analysis()

@@ -127,7 +127,6 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
     fitted, said = fit_memory_budget(with_saved_plan(config) if resume else config)  # --budget's choice
     run = build_run(fitted)
     config = run.config  # --size and --precision auto resolved
-    emit(*(Note(line) for line in (*said, run.size_reason) if line is not None))
     out = Path(config.out)
     check_out(out)
     if config.rollback is not None and jax.process_count() > 1:
@@ -148,6 +147,7 @@ def _train(config: RunConfig, resume: bool, on_record: Callable[..., None] | Non
         emit(Note(note))
     if refused is not None and jax.process_count() == 1:
         raise refused
+    emit(*(Note(line) for line in (*said, run.size_reason) if line is not None))  # after a live run is named
     compiled: EarlyStep | None = None
     try:
         loading = CorpusLoad(config.data, config.seq_len)
